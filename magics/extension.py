@@ -1,0 +1,54 @@
+"""Loading and unloading the IPython extension."""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any
+
+from monarch_kernel import sinks
+from monarch_kernel.live import KernelPublisher, LiveOutput, TerminalOutput
+
+from .mesh_magic import MeshMagics
+from .registry import MeshRegistry
+
+_state: dict[str, Any] = {}
+
+
+def _sink_factory(shell):
+    def make(options: dict[str, Any]):
+        ranks, dedupe = tuple(options.get("ranks", ())), options.get("dedupe", True)
+        if getattr(shell, "kernel", None) is not None:
+            return LiveOutput(ranks, dedupe=dedupe, publisher=KernelPublisher(shell))
+        return TerminalOutput(ranks, dedupe=dedupe)
+
+    return make
+
+
+def load_ipython_extension(ipython) -> None:
+    """Register %mesh/%%mesh and route mesh output into the running cell."""
+    if "registry" in _state:
+        return
+    registry = MeshRegistry()
+    magics = MeshMagics(ipython, registry)
+    ipython.register_magics(magics)
+    sinks.set_default_sink_factory(_sink_factory(ipython))
+    atexit.register(registry.shutdown_all)
+    _state.update(registry=registry, magics=magics)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """Shut down meshes started by magics and restore plain output."""
+    registry = _state.pop("registry", None)
+    magics = _state.pop("magics", None)
+    if registry is None:
+        return
+    if magics is not None:
+        magics._set_auto(None)
+    registry.shutdown_all()
+    atexit.unregister(registry.shutdown_all)
+    sinks.set_default_sink_factory(None)
+
+
+def current_registry() -> MeshRegistry | None:
+    """The registry of the loaded extension (None when not loaded)."""
+    return _state.get("registry")

@@ -1,0 +1,256 @@
+"""`%mesh` and `%%mesh`: thin shells over the monarch_kernel Python API."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+from monarch_kernel.errors import MeshError, RemoteError
+from monarch_kernel.mesh import BACKENDS, Mesh, local_mesh
+from monarch_kernel.shape import format_ranks, parse_spec
+from monarch_kernel.values import ValueMesh
+
+from .registry import MeshRegistry
+from monarch_kernel.statusview import status_bundle
+
+USAGE = """\
+%mesh up local [--gpus N] [--name NAME] [--dist gloo|nccl|none] [--env K=V ...]
+%mesh status [NAME] | use NAME | down [NAME] | restart [NAME] | interrupt [NAME]
+%mesh push VAR [VAR ...] | pull EXPR | logs [--rank R] [--lines N] | on | off
+%%mesh [--name NAME] [--hosts SPEC] [--gpus SPEC] [--ranks SPEC] [--timeout S]
+       [--fail-fast] [--no-dedupe] [--bg]
+SPEC is an int (2), a list (0,2) or a slice (0:4, ::2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one line, no traceback) instead of exiting."""
+
+    def error(self, message: str):  # noqa: D102
+        raise UsageError(f"{message}\nusage:\n{USAGE}")
+
+    def exit(self, status: int = 0, message: str | None = None):  # noqa: D102
+        raise UsageError(message or USAGE)
+
+
+def _line_parser() -> _Parser:
+    p = _Parser(prog="%mesh", add_help=False)
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    up = sub.add_parser("up", add_help=False)
+    up.add_argument("kind", choices=["local"], help="where ranks run")
+    up.add_argument("--gpus", type=int, default=None)
+    up.add_argument("--name", default=None)
+    up.add_argument("--dist", choices=BACKENDS, default="gloo")
+    up.add_argument("--env", nargs="*", default=[], metavar="K=V")
+    up.add_argument("--timeout", type=float, default=120.0)
+    for name in ("status", "down", "restart", "interrupt"):
+        sub.add_parser(name, add_help=False).add_argument("name", nargs="?")
+    sub.add_parser("use", add_help=False).add_argument("name")
+    push = sub.add_parser("push", add_help=False)
+    push.add_argument("vars", nargs="+")
+    push.add_argument("--name", dest="mesh", default=None)
+    pull = sub.add_parser("pull", add_help=False)
+    pull.add_argument("expr", nargs=argparse.REMAINDER)
+    logs = sub.add_parser("logs", add_help=False)
+    logs.add_argument("--rank", type=int, default=None)
+    logs.add_argument("--lines", type=int, default=30)
+    logs.add_argument("--name", dest="mesh", default=None)
+    sub.add_parser("on", add_help=False).add_argument("--name", dest="mesh", default=None)
+    sub.add_parser("off", add_help=False)
+    return p
+
+
+def _cell_parser() -> _Parser:
+    p = _Parser(prog="%%mesh", add_help=False)
+    p.add_argument("--name", default=None)
+    p.add_argument("--hosts", default=None)
+    p.add_argument("--gpus", default=None)
+    p.add_argument("--ranks", default=None)
+    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--fail-fast", action="store_true")
+    p.add_argument("--no-dedupe", action="store_true")
+    p.add_argument("--bg", action="store_true")
+    return p
+
+
+def _parse_env(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--env {pair!r}: expected KEY=VALUE")
+        env[key] = value
+    return env
+
+
+@magics_class
+class MeshMagics(Magics):
+    """The %mesh line magic and %%mesh cell magic."""
+
+    def __init__(self, shell, registry: MeshRegistry):
+        super().__init__(shell)
+        self.registry = registry
+        self._line = _line_parser()
+        self._cell = _cell_parser()
+        self._auto: str | None = None  # "%mesh on": the mesh every cell goes to
+
+    @line_cell_magic
+    def mesh(self, line: str, cell: str | None = None) -> Any:
+        """Run cells on a mesh of ranks, and manage meshes.
+
+        %mesh up local --gpus 4 --dist gloo     start 4 local ranks
+        %%mesh                                  run this cell on every rank
+        %%mesh --gpus 0:2 --timeout 30          ... on a slice, with a timeout
+        %mesh status | use | down | restart | interrupt | push | pull | logs | on | off
+        """
+        try:
+            if cell is None:
+                return self._line_magic(line)
+            return self._cell_magic(line, cell)
+        except RemoteError:
+            raise  # IPython shows the remote tracebacks through _render_traceback_
+        except MeshError as exc:
+            raise UsageError(str(exc)) from None
+
+    # ------------------------------------------------------------ %%mesh
+    def _cell_magic(self, line: str, cell: str) -> Any:
+        args = self._cell.parse_args(shlex.split(line))
+        target = self._target(args)
+        count = getattr(self.shell, "execution_count", None)
+        name = f"In[{count}]" if count is not None else None
+        try:
+            future = target.run_async(cell, timeout=args.timeout, fail_fast=args.fail_fast,
+                                      dedupe=not args.no_dedupe, name=name)
+        except SyntaxError:
+            self.shell.showsyntaxerror()
+            return None
+        if args.bg:
+            future.pump_in_background()
+            return future
+        result = future.get()
+        return result if _has_values(result) else None
+
+    def _target(self, args: argparse.Namespace) -> Mesh:
+        mesh = self.registry.get(args.name)
+        if args.ranks is not None:
+            if args.hosts is not None or args.gpus is not None:
+                raise UsageError("--ranks cannot be combined with --hosts/--gpus")
+            spec = parse_spec(args.ranks)
+            ranks = [spec] if isinstance(spec, int) else (
+                list(mesh.ranks)[spec] if isinstance(spec, slice) else spec)
+            if not ranks:
+                raise UsageError(f"--ranks {args.ranks} selects no rank of {format_ranks(mesh.ranks)}")
+            return mesh.select_ranks(ranks)
+        selectors = {}
+        for dim in ("hosts", "gpus"):
+            value = getattr(args, dim)
+            if value is not None:
+                selectors[dim] = _keep_dim(parse_spec(value))
+        return mesh.slice(**selectors) if selectors else mesh
+
+    # ------------------------------------------------------------ %mesh
+    def _line_magic(self, line: str) -> Any:
+        words = shlex.split(line)
+        if not words:
+            raise UsageError(USAGE)
+        args = self._line.parse_args(words)
+        handler = getattr(self, f"_do_{args.command}")
+        return handler(args)
+
+    def _do_up(self, args) -> None:
+        mesh = local_mesh(args.gpus, dist=args.dist, name=args.name or self._fresh_name(),
+                          env=_parse_env(args.env), timeout=args.timeout)
+        self.registry.add(mesh)
+        self._show_status(mesh)
+
+    def _fresh_name(self) -> str:
+        i = 0
+        while f"mesh{i}" in self.registry.names():
+            i += 1
+        return f"mesh{i}"
+
+    def _do_status(self, args) -> None:
+        self._show_status(self.registry.get(args.name))
+
+    def _show_status(self, mesh: Mesh) -> None:
+        from IPython.display import display
+
+        display(status_bundle(mesh, default=mesh.name == self.registry.current), raw=True)
+
+    def _do_use(self, args) -> None:
+        self.registry.use(args.name)
+        print(f"default mesh is now {args.name!r}")
+
+    def _do_down(self, args) -> None:
+        mesh = self.registry.get(args.name)
+        mesh.shutdown()
+        self.registry.remove(mesh.name)
+        if self._auto == mesh.name:
+            self._set_auto(None)
+        print(f"mesh {mesh.name!r} is down")
+
+    def _do_restart(self, args) -> None:
+        mesh = self.registry.get(args.name)
+        mesh.restart()
+        self._show_status(mesh)
+
+    def _do_interrupt(self, args) -> None:
+        self.registry.get(args.name).interrupt()
+
+    def _do_push(self, args) -> None:
+        mesh = self.registry.get(args.mesh)
+        ns = self.shell.user_ns
+        missing = [v for v in args.vars if v not in ns]
+        if missing:
+            raise UsageError(f"not defined in the notebook: {', '.join(missing)}")
+        mesh.push(**{v: ns[v] for v in args.vars})
+
+    def _do_pull(self, args) -> ValueMesh:
+        expr = " ".join(args.expr).strip()
+        if not expr:
+            raise UsageError("%mesh pull EXPR: give an expression, e.g. %mesh pull loss")
+        return self.registry.get().pull(expr)
+
+    def _do_logs(self, args) -> None:
+        mesh = self.registry.get(args.mesh)
+        ranks = [args.rank] if args.rank is not None else list(mesh.ranks)
+        for rank in ranks:
+            print(f"--- rank {rank} (last {args.lines} lines)")
+            for stream, text in mesh.logs(rank, args.lines):
+                print(("! " if stream == "stderr" else "  ") + text)
+
+    def _do_on(self, args) -> None:
+        mesh = self.registry.get(args.mesh)
+        self._set_auto(mesh.name)
+        print(f"every cell now runs on mesh {mesh.name!r} until %mesh off")
+
+    def _do_off(self, args) -> None:
+        self._set_auto(None)
+        print("cells run locally again")
+
+    def _set_auto(self, name: str | None) -> None:
+        transformers = self.shell.input_transformers_post
+        if self._route_cell in transformers:
+            transformers.remove(self._route_cell)
+        self._auto = name
+        if name is not None:
+            transformers.append(self._route_cell)
+
+    def _route_cell(self, lines: list[str]) -> list[str]:
+        """Input transformer for `%mesh on`: prefix cells with %%mesh."""
+        first = next((ln for ln in lines if ln.strip()), "")
+        if not first or first.lstrip().startswith(("%mesh", "%%mesh", "%load_ext", "%unload_ext")):
+            return lines
+        return [f"%%mesh --name {self._auto}\n", *lines]
+
+
+def _keep_dim(spec):
+    """Magic selectors keep the dim even for an int, so coordinates stay readable."""
+    return [spec] if isinstance(spec, int) else spec
+
+
+def _has_values(result: Any) -> bool:
+    return isinstance(result, ValueMesh) and any(v is not None for v in result.values())

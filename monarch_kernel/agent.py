@@ -1,0 +1,321 @@
+"""The host agent: one per host, it forks, supervises and fans out to that host's ranks.
+
+The agent imports torch once and forks every rank from itself, so ranks start warm and
+a restart costs a fork, not an interpreter start. It routes each request to its local
+ranks with one encoding, gathers their replies into one message, watches each rank
+(exit via pidfd, heartbeats for frozen ones), keeps the tail of each rank's stderr for
+crash reports, and kills every rank's process group when the controller goes away.
+
+Run as `python -m monarch_kernel.agent --fd N --host NAME` with the controller's end of
+a socketpair inherited as fd N (or over SSH, on stdin/stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import messages as m
+from .transport import AsyncConnection, ConnectionClosed, encode
+
+HEARTBEAT_INTERVAL_S = 0.5
+UNRESPONSIVE_AFTER_S = 2.5
+STDERR_TAIL_LINES = 20
+
+
+@dataclass
+class RankProcess:
+    """The agent's view of one forked rank."""
+
+    spec: m.RankSpec
+    pid: int
+    pidfd: int
+    hb_sock: socket.socket
+    conn: AsyncConnection | None = None
+    ready: asyncio.Future | None = None
+    last_pong: float = field(default_factory=time.monotonic)
+    responsive: bool = True
+    stopping: bool = False
+    stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
+
+
+class HostAgent:
+    """Supervises this host's ranks on behalf of one controller connection."""
+
+    def __init__(self, host: str):
+        self.host = host
+        self.ranks: dict[int, RankProcess] = {}
+        self.pending: dict[int, tuple[set[int], list[m.Result]]] = {}
+        self.controller: AsyncConnection | None = None
+        self.done = asyncio.get_running_loop().create_future()
+        self._store_sock: socket.socket | None = None
+
+    # ------------------------------------------------------------ controller side
+    def on_controller_message(self, msg: Any) -> None:
+        """Dispatch one message from the controller."""
+        if isinstance(msg, m.ToRanks):
+            self._fan_out(msg)
+        elif isinstance(msg, m.SignalRanks):
+            for rank in msg.ranks:
+                proc = self.ranks.get(rank)
+                if proc is not None:
+                    _kill(proc.pid, msg.signum)
+        elif isinstance(msg, m.Ping):
+            self._to_controller(m.Pong(msg.seq))
+        elif isinstance(msg, m.StartRanks):
+            asyncio.get_running_loop().create_task(self._start(msg))
+        elif isinstance(msg, m.StopRanks):
+            asyncio.get_running_loop().create_task(self._stop_and_report(msg.grace_s))
+        elif isinstance(msg, m.Shutdown):
+            asyncio.get_running_loop().create_task(self.shutdown())
+
+    def on_controller_closed(self, exc: Exception | None) -> None:
+        """The controller is gone (kernel died, SSH dropped): take every rank down."""
+        asyncio.get_running_loop().create_task(self.shutdown())
+
+    def _to_controller(self, msg: Any) -> None:
+        if self.controller is not None and not self.controller.closed:
+            self.controller.send(msg)
+
+    def _fan_out(self, msg: m.ToRanks) -> None:
+        req_id = msg.body.req_id
+        chunks = encode(msg.body)
+        waiting: set[int] = set()
+        for rank in msg.ranks:
+            proc = self.ranks.get(rank)
+            if proc is None or proc.conn is None or proc.conn.closed:
+                continue  # the controller already knows it is dead
+            proc.conn.send_chunks(chunks)
+            waiting.add(rank)
+        self.pending[req_id] = (waiting, [])
+        self._maybe_gathered(req_id)
+
+    def _maybe_gathered(self, req_id: int) -> None:
+        waiting, results = self.pending[req_id]
+        if not waiting:
+            del self.pending[req_id]
+            self._to_controller(m.Gathered(req_id, tuple(results)))
+
+    # ------------------------------------------------------------ rank side
+    def on_rank_message(self, rank: int, msg: Any) -> None:
+        """Route one message from a rank."""
+        if isinstance(msg, m.Result):
+            proc = self.ranks.get(rank)
+            if msg.req_id == 0 and proc is not None and proc.ready is not None:
+                if not proc.ready.done():
+                    proc.ready.set_result(msg)
+                return
+            entry = self.pending.get(msg.req_id)
+            if entry is not None:
+                entry[0].discard(rank)
+                entry[1].append(msg)
+                self._maybe_gathered(msg.req_id)
+            return
+        if isinstance(msg, m.Output) and msg.stream == "stderr":
+            self._remember_stderr(rank, msg.text)
+        self._to_controller(msg)
+
+    def _remember_stderr(self, rank: int, text: str) -> None:
+        proc = self.ranks.get(rank)
+        if proc is not None:
+            proc.stderr_tail.extend(line for line in text.splitlines() if line.strip())
+
+    def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None:
+        """Text a rank wrote to its real fd 1/2 (C extensions, crashes)."""
+        text = data.decode("utf-8", "replace")
+        if stream == "stderr":
+            self._remember_stderr(rank, text)
+        self._to_controller(m.Output(rank, None, stream, text))
+
+    def on_rank_exit(self, rank: int) -> None:
+        """A rank's process ended: reap it, tell the controller, release its waits."""
+        proc = self.ranks.pop(rank, None)
+        if proc is None:
+            return
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(proc.pidfd)
+        os.close(proc.pidfd)
+        proc.hb_sock.close()
+        _, status = os.waitpid(proc.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        exit_code, sig = (code, None) if code >= 0 else (None, signal.Signals(-code).name)
+        _kill_group(proc.pid, signal.SIGKILL)  # anything the rank left behind
+        if proc.conn is not None:
+            proc.conn.close()
+        if proc.ready is not None and not proc.ready.done():
+            proc.ready.set_exception(RuntimeError(
+                f"rank {rank} exited during start-up ({_status_text(exit_code, sig)})"
+                + _tail_text(proc.stderr_tail)))
+        self._to_controller(m.RankExited(rank, proc.pid, exit_code, sig, tuple(proc.stderr_tail), proc.stopping))
+        for req_id in list(self.pending):
+            self.pending[req_id][0].discard(rank)
+            self._maybe_gathered(req_id)
+
+    # ------------------------------------------------------------ lifecycle
+    async def _start(self, msg: m.StartRanks) -> None:
+        try:
+            await self._stop_ranks(1.0)
+            infos = await self._spawn_all(msg)
+        except Exception as exc:  # noqa: BLE001 - reported to the controller
+            await self._stop_ranks(0.5)
+            self._to_controller(m.RanksFailed(f"{self.host}: {exc}"))
+            return
+        self._to_controller(m.RanksStarted(infos))
+
+    async def _spawn_all(self, msg: m.StartRanks) -> tuple[m.RankInfo, ...]:
+        from .launcher import fork_rank
+
+        store_fd, port = None, 0
+        if any(spec.rank == 0 for spec in msg.ranks) and msg.dist.backend != "none":
+            from .dist import bind_store_socket
+
+            if self._store_sock is not None:
+                self._store_sock.close()
+            self._store_sock = bind_store_socket(msg.dist.master_addr)
+            store_fd, port = self._store_sock.fileno(), self._store_sock.getsockname()[1]
+        for spec in msg.ranks:
+            proc = await fork_rank(self, spec, msg, store_fd if spec.rank == 0 else None, port)
+            self.ranks[spec.rank] = proc
+        await asyncio.wait_for(
+            asyncio.gather(*(p.ready for p in self.ranks.values())), timeout=msg.dist.timeout_s
+        )
+        failures = [(r, p.ready.result().failure) for r, p in self.ranks.items()
+                    if p.ready.result().failure is not None]
+        if failures:
+            rank, failure = failures[0]
+            raise RuntimeError(f"rank {rank} failed to start:\n{failure.traceback or failure.message}")
+        return tuple(m.RankInfo(r, p.pid, self.host) for r, p in sorted(self.ranks.items()))
+
+    async def _stop_and_report(self, grace_s: float) -> None:
+        await self._stop_ranks(grace_s)
+        self._to_controller(m.RanksStarted(()))
+
+    async def _stop_ranks(self, grace_s: float) -> None:
+        """SIGTERM every rank's process group, SIGKILL what is left after grace_s."""
+        procs = list(self.ranks.values())
+        for proc in procs:
+            proc.stopping = True
+            _kill_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.ranks and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for proc in list(self.ranks.values()):
+            _kill_group(proc.pid, signal.SIGKILL)
+        while self.ranks:
+            await asyncio.sleep(0.01)
+
+    async def shutdown(self) -> None:
+        """Stop all ranks and end the agent."""
+        if self.done.done():
+            return
+        try:
+            await asyncio.wait_for(self._stop_ranks(0.5), timeout=3)
+        finally:
+            for proc in list(self.ranks.values()):
+                _kill_group(proc.pid, signal.SIGKILL)
+            if self.controller is not None:
+                self.controller.close()
+            if not self.done.done():
+                self.done.set_result(None)
+
+    async def heartbeat(self) -> None:
+        """Ping every rank; report ranks that stop answering, and those that come back."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            now = time.monotonic()
+            for rank, proc in list(self.ranks.items()):
+                try:
+                    proc.hb_sock.send(b".")
+                except OSError:
+                    continue
+                late = now - proc.last_pong > UNRESPONSIVE_AFTER_S
+                if late and proc.responsive:
+                    proc.responsive = False
+                    self._to_controller(m.RankHealth(rank, False))
+
+    def on_pong(self, rank: int) -> None:
+        """A heartbeat answer arrived from a rank."""
+        proc = self.ranks.get(rank)
+        if proc is None:
+            return
+        try:
+            proc.hb_sock.recv(4096)
+        except OSError:
+            return
+        proc.last_pong = time.monotonic()
+        if not proc.responsive:
+            proc.responsive = True
+            self._to_controller(m.RankHealth(rank, True))
+
+
+def _status_text(exit_code: int | None, sig: str | None) -> str:
+    return f"killed by {sig}" if sig else f"exit code {exit_code}"
+
+
+def _tail_text(tail) -> str:
+    return ("\nlast stderr lines:\n  " + "\n  ".join(tail)) if tail else ""
+
+
+def _kill(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        _kill(pid, signum)
+
+
+def _warm_imports() -> None:
+    """Import what ranks need before forking them, so each starts ready."""
+    try:
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+    except ImportError:
+        pass
+    import cloudpickle  # noqa: F401
+
+    from . import capture, cell, dist, worker  # noqa: F401
+
+
+async def _amain(args: argparse.Namespace) -> None:
+    agent = HostAgent(args.host)
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(fileno=args.fd)
+    agent.controller = await AsyncConnection.from_socket(
+        sock, agent.on_controller_message, agent.on_controller_closed)
+    loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(agent.shutdown()))
+    beat = loop.create_task(agent.heartbeat())
+    await agent.done
+    beat.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Agent entry point."""
+    parser = argparse.ArgumentParser(description="monarch_kernel host agent")
+    parser.add_argument("--fd", type=int, required=True, help="inherited socket to the controller")
+    parser.add_argument("--host", default=socket.gethostname())
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts come as messages, not signals
+    from .worker import _die_with_parent
+
+    _die_with_parent()
+    _warm_imports()
+    asyncio.run(_amain(args))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Compiling and running notebook cells on a rank, and readable tracebacks.
+
+Cells are compiled under a name like `<mesh In[3]>` whose source is registered in
+linecache, so tracebacks show the cell's own lines. As in IPython, a trailing
+expression is evaluated separately and becomes the cell's value; top-level `await`
+is allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import linecache
+import os
+import traceback
+from types import CodeType, TracebackType
+from typing import Any
+
+from .messages import Failure
+
+_FLAGS = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def check_syntax(code: str, filename: str) -> None:
+    """Raise SyntaxError (with the cell's line) before anything is sent to ranks."""
+    compile(code, filename, "exec", flags=_FLAGS, dont_inherit=True)
+
+
+def register_source(code: str, filename: str) -> None:
+    """Make `filename`'s source visible to tracebacks."""
+    linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
+
+
+def compile_cell(code: str, filename: str) -> tuple[CodeType | None, CodeType | None]:
+    """Split a cell into its body and a trailing expression (whose value is returned)."""
+    tree = ast.parse(code, filename, "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    body = compile(tree, filename, "exec", flags=_FLAGS, dont_inherit=True) if tree.body else None
+    expr = compile(last, filename, "eval", flags=_FLAGS, dont_inherit=True) if last else None
+    return body, expr
+
+
+class CellRunner:
+    """Runs cells in one persistent namespace (the rank's `__main__`-like module)."""
+
+    def __init__(self, namespace: dict[str, Any]):
+        self.namespace = namespace
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self, code: str, filename: str) -> Any:
+        """Run a cell; return the value of its trailing expression (or None)."""
+        register_source(code, filename)
+        body, expr = compile_cell(code, filename)
+        if body is not None:
+            self._finish(eval(body, self.namespace))
+        if expr is None:
+            return None
+        return self._finish(eval(expr, self.namespace))
+
+    def evaluate(self, expr: str) -> Any:
+        """Evaluate one expression in the namespace."""
+        filename = "<mesh pull>"
+        register_source(expr, filename)
+        code = compile(expr, filename, "eval", flags=_FLAGS, dont_inherit=True)
+        return self._finish(eval(code, self.namespace))
+
+    def _finish(self, value: Any) -> Any:
+        if inspect.iscoroutine(value):
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            return self._loop.run_until_complete(value)
+        return value
+
+
+def describe_failure(exc: BaseException) -> Failure:
+    """Format an exception raised by user code, without our own frames."""
+    tb = _user_frames(exc.__traceback__)
+    if isinstance(exc, SystemExit):
+        return Failure(
+            "SystemExit",
+            f"the cell called sys.exit({exc.code!r}); the rank keeps running",
+            "",
+        )
+    lines = traceback.format_exception(type(exc), exc, tb)
+    message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return Failure(
+        type(exc).__name__,
+        message,
+        "".join(lines),
+        interrupted=isinstance(exc, KeyboardInterrupt),
+    )
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """Skip the leading frames that belong to monarch_kernel itself."""
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return tb

@@ -1,0 +1,444 @@
+"""The controller: one asyncio loop on a background thread of the kernel.
+
+It owns the connections to host agents, the table of ranks and their states, and the
+requests in flight. Everything here runs on the loop thread; callers in the notebook's
+thread hand work over with `ControllerLoop.call` and get results through
+concurrent futures and per-request event queues, so the notebook's own event loop is
+never blocked by mesh traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import messages as m
+from .errors import MeshNotRunningError, MeshStartError, RankFailure
+from .launcher import spawn_local_agent
+from .shape import format_ranks
+from .transport import AsyncConnection
+
+RANK_LOG_LINES = 500
+
+
+class ControllerLoop:
+    """The process-wide background event loop that all meshes share."""
+
+    _instance: ControllerLoop | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="monarch-controller", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def get(cls) -> ControllerLoop:
+        """The shared loop, started on first use."""
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = ControllerLoop()
+            return cls._instance
+
+    def run(self, coro) -> concurrent.futures.Future:
+        """Schedule a coroutine on the loop; returns a concurrent future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the loop thread soon."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+
+@dataclass
+class RankState:
+    """What the controller knows about one rank (mutable, loop thread only)."""
+
+    rank: int
+    host: str
+    local_rank: int
+    pid: int | None = None
+    alive: bool = False
+    responsive: bool = True
+    inflight: list[int] = field(default_factory=list)
+    busy_since: float | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    log: deque = field(default_factory=lambda: deque(maxlen=RANK_LOG_LINES))
+
+    @property
+    def state(self) -> str:
+        """idle, busy, dead, unresponsive or starting."""
+        if not self.alive:
+            return "dead" if self.pid is not None else "starting"
+        if not self.responsive:
+            return "unresponsive"
+        return "busy" if self.inflight else "idle"
+
+
+@dataclass(frozen=True)
+class RankSnapshot:
+    """A frozen view of a rank's state, safe to hand to other threads."""
+
+    rank: int
+    host: str
+    local_rank: int
+    pid: int | None
+    state: str
+    busy_for_s: float | None
+    exit_code: int | None
+    signal: str | None
+
+
+@dataclass
+class Request:
+    """One request in flight over some ranks, and what came back so far."""
+
+    req_id: int
+    ranks: frozenset[int]
+    label: str
+    fail_fast: bool
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    results: dict[int, m.Result] = field(default_factory=dict)
+    failures: dict[int, RankFailure] = field(default_factory=dict)
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    on_done: Callable[[], None] | None = None
+
+    @property
+    def outstanding(self) -> set[int]:
+        """Ranks that have neither answered nor failed."""
+        return set(self.ranks) - set(self.results) - set(self.failures)
+
+
+@dataclass
+class HostLink:
+    """The controller's end of one host agent."""
+
+    index: int
+    name: str
+    ranks: list[int]
+    process: Any = None
+    conn: AsyncConnection | None = None
+    started: asyncio.Future | None = None
+    log_path: str = ""
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """A host to run ranks on (only this machine for now)."""
+
+    name: str
+    kind: str = "local"
+
+
+class MeshRuntime:
+    """Controller-side state of one mesh: its hosts, ranks and requests in flight."""
+
+    _req_ids = itertools.count(1)
+
+    def __init__(self, name: str, hosts: list[HostSpec], gpus: int, backend: str,
+                 env: dict[str, str], start_timeout_s: float = 120.0):
+        self.name = name
+        self.hosts = hosts
+        self.gpus = gpus
+        self.backend = backend
+        self.env = env
+        self.start_timeout_s = start_timeout_s
+        self.controller = ControllerLoop.get()
+        self.links: list[HostLink] = []
+        self.ranks: dict[int, RankState] = {}
+        self.requests: dict[int, Request] = {}
+        self.run_dir = tempfile.mkdtemp(prefix=f"monarch-{name}-")
+        self.shm_dir = _private_shm_dir(name)
+        self.closed = False
+        self.started_at: float | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, timeout: float | None = None) -> None:
+        """Start agents and ranks; blocks until every rank is ready or raises MeshStartError."""
+        self.controller.run(self._start()).result(timeout or self.start_timeout_s + 10)
+
+    async def _start(self) -> None:
+        self.links = []
+        for index, host in enumerate(self.hosts):
+            ranks = list(range(index * self.gpus, (index + 1) * self.gpus))
+            link = HostLink(index, host.name, ranks, log_path=os.path.join(self.run_dir, f"agent-{index}.log"))
+            self.links.append(link)
+            for local, rank in enumerate(ranks):
+                self.ranks[rank] = RankState(rank, host.name, local)
+        await asyncio.gather(*(self._connect(link) for link in self.links))
+        await self._start_ranks()
+
+    async def _connect(self, link: HostLink) -> None:
+        proc, sock = spawn_local_agent(link.name, link.log_path)
+        link.process = proc
+        link.conn = await AsyncConnection.from_socket(
+            sock, lambda msg, l=link: self._on_message(l, msg), lambda exc, l=link: self._on_lost(l, exc))
+
+    async def _start_ranks(self) -> None:
+        world = len(self.links) * self.gpus
+        dist = m.DistConfig(self.backend, "127.0.0.1", world)
+        loop = asyncio.get_running_loop()
+        for link in self.links:
+            link.started = loop.create_future()
+            specs = tuple(m.RankSpec(r, i, self.gpus) for i, r in enumerate(link.ranks))
+            link.conn.send(m.StartRanks(specs, dist, dict(self.env), self.shm_dir, link.index))
+        try:
+            infos = await asyncio.wait_for(asyncio.gather(*(l.started for l in self.links)), self.start_timeout_s)
+        except asyncio.TimeoutError:
+            raise MeshStartError(
+                f"mesh {self.name!r} did not start within {self.start_timeout_s:.0f} s; "
+                f"see the agent log in {self.run_dir}") from None
+        for batch in infos:
+            for info in batch:
+                state = self.ranks[info.rank]
+                state.pid, state.alive, state.responsive = info.pid, True, True
+                state.exit_code = state.signal = None
+        self.started_at = time.time()
+
+    def restart(self, timeout: float | None = None) -> None:
+        """Replace every rank with a fresh one (same shape); namespaces are lost."""
+        self._require_open()
+        self.controller.run(self._restart()).result(timeout or self.start_timeout_s + 10)
+
+    async def _restart(self) -> None:
+        self._fail_all("the mesh was restarted")
+        if any(l.conn is None or l.conn.closed for l in self.links):
+            await self._close_links()
+            await self._start()
+            return
+        for state in self.ranks.values():
+            state.alive = False
+            state.inflight.clear()
+        await self._start_ranks()
+
+    def shutdown(self) -> None:
+        """Stop every rank and agent and remove temporary files (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.controller.run(self._shutdown()).result(15)
+        finally:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+    async def _shutdown(self) -> None:
+        self._fail_all(f"mesh {self.name!r} was shut down")
+        await self._close_links()
+        for state in self.ranks.values():
+            state.alive = False
+
+    async def _close_links(self) -> None:
+        for link in self.links:
+            if link.conn is not None and not link.conn.closed:
+                link.conn.send(m.Shutdown())
+        deadline = time.monotonic() + 5
+        for link in self.links:
+            while link.process is not None and link.process.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if link.process is not None and link.process.poll() is None:
+                os.killpg(link.process.pid, signal.SIGKILL)
+                link.process.wait()
+            if link.conn is not None:
+                link.conn.close()
+
+    def _require_open(self) -> None:
+        if self.closed:
+            raise MeshNotRunningError(
+                f"mesh {self.name!r} is shut down; start a new one with %mesh up or local_mesh()")
+
+    # ------------------------------------------------------------ requests
+    def submit(self, ranks: Iterable[int], make_body: Callable[[int], Any], *, label: str,
+               fail_fast: bool = False, on_done: Callable[[], None] | None = None) -> Request:
+        """Send a request (body built from its req_id) to ranks; thread-safe."""
+        self._require_open()
+        req = Request(next(self._req_ids), frozenset(ranks), label, fail_fast, on_done=on_done)
+        body = make_body(req.req_id)
+        self.controller.call(self._send_request, req, body)
+        return req
+
+    def _send_request(self, req: Request, body: Any) -> None:
+        self.requests[req.req_id] = req
+        now = time.time()
+        for rank in sorted(req.ranks):
+            state = self.ranks[rank]
+            if not state.alive:
+                req.failures[rank] = self._death_failure(state, "was already dead")
+                continue
+            if not state.inflight:
+                state.busy_since = now
+            state.inflight.append(req.req_id)
+        for link in self.links:
+            local = tuple(r for r in link.ranks if r in req.ranks and self.ranks[r].alive)
+            if local and link.conn is not None and not link.conn.closed:
+                link.conn.send(m.ToRanks(local, body))
+        self._maybe_complete(req)
+
+    def interrupt(self, ranks: Iterable[int] | None = None) -> None:
+        """SIGINT the given ranks (default: every busy rank); thread-safe."""
+        chosen = None if ranks is None else frozenset(ranks)
+        self.controller.call(self._signal, chosen, signal.SIGINT)
+
+    def _signal(self, ranks: frozenset[int] | None, signum: int) -> None:
+        for link in self.links:
+            local = tuple(r for r in link.ranks
+                          if (ranks is None and self.ranks[r].inflight) or (ranks is not None and r in ranks))
+            if local and link.conn is not None and not link.conn.closed:
+                link.conn.send(m.SignalRanks(local, signum))
+
+    def _maybe_complete(self, req: Request) -> None:
+        if req.outstanding or req.future.done():
+            return
+        self.requests.pop(req.req_id, None)
+        for rank in req.ranks:
+            state = self.ranks[rank]
+            if req.req_id in state.inflight:
+                state.inflight.remove(req.req_id)
+                state.busy_since = time.time() if state.inflight else None
+        if req.on_done is not None:
+            req.on_done()
+        req.events.put(("done", None))
+        req.future.set_result(req)
+
+    def _fail_all(self, why: str) -> None:
+        for req in list(self.requests.values()):
+            for rank in req.outstanding:
+                state = self.ranks[rank]
+                req.failures[rank] = RankFailure(rank, state.host, "lost", "MeshRestarted", why)
+            self._maybe_complete(req)
+
+    # ------------------------------------------------------------ messages from agents
+    def _on_message(self, link: HostLink, msg: Any) -> None:
+        if isinstance(msg, m.Output):
+            self._route(msg.rank, msg.req_id, ("output", msg.rank, msg.stream, msg.text))
+            self.ranks[msg.rank].log.extend((msg.stream, line) for line in msg.text.splitlines())
+        elif isinstance(msg, m.Gathered):
+            req = self.requests.get(msg.req_id)
+            if req is not None:
+                for result in msg.results:
+                    req.results[result.rank] = result
+                    req.events.put(("rank_done", result.rank, None))
+                self._maybe_complete(req)
+        elif isinstance(msg, m.Display):
+            self._route(msg.rank, msg.req_id, ("display", msg.rank, msg.data, msg.metadata))
+        elif isinstance(msg, m.RankExited):
+            self._on_rank_exit(msg)
+        elif isinstance(msg, m.RankHealth):
+            self._on_health(msg)
+        elif isinstance(msg, m.RanksStarted):
+            if link.started is not None and not link.started.done():
+                link.started.set_result(msg.ranks)
+        elif isinstance(msg, m.RanksFailed):
+            if link.started is not None and not link.started.done():
+                link.started.set_exception(MeshStartError(
+                    f"mesh {self.name!r}: ranks on host {link.name} failed to start:\n{msg.text}"))
+
+    def _route(self, rank: int, req_id: int | None, event: tuple) -> None:
+        state = self.ranks[rank]
+        if req_id is None and state.inflight:
+            req_id = state.inflight[0]  # fd-level output belongs to what the rank is running
+        req = self.requests.get(req_id) if req_id is not None else None
+        if req is not None:
+            req.events.put(event)
+
+    def _death_failure(self, state: RankState, how: str) -> RankFailure:
+        status = f"killed by {state.signal}" if state.signal else f"exit code {state.exit_code}"
+        tail = tuple(text for stream, text in state.log if stream == "stderr")[-10:]
+        return RankFailure(
+            state.rank, state.host, "died", "RankDied",
+            f"rank {state.rank} (host {state.host}, pid {state.pid}) {how}: {status}. "
+            f"Run %mesh restart (or mesh.restart()) for a fresh mesh.",
+            pid=state.pid, exit_code=state.exit_code, signal=state.signal, stderr_tail=tail,
+        )
+
+    def _on_rank_exit(self, msg: m.RankExited) -> None:
+        state = self.ranks[msg.rank]
+        state.alive = False
+        state.exit_code, state.signal = msg.exit_code, msg.signal
+        for line in msg.stderr_tail:
+            if ("stderr", line) not in state.log:
+                state.log.append(("stderr", line))
+        if msg.expected:
+            return
+        failure = self._death_failure(state, "died")
+        failure = RankFailure(**{**failure.__dict__, "stderr_tail": msg.stderr_tail or failure.stderr_tail})
+        for req_id in list(state.inflight):
+            req = self.requests.get(req_id)
+            if req is None or msg.rank in req.results:
+                continue
+            req.failures[msg.rank] = failure
+            req.events.put(("notice", msg.rank, failure.message))
+            if req.fail_fast:
+                self._signal(frozenset(req.outstanding), signal.SIGINT)
+            self._maybe_complete(req)
+        state.inflight.clear()
+
+    def _on_health(self, msg: m.RankHealth) -> None:
+        state = self.ranks[msg.rank]
+        state.responsive = msg.responsive
+        if not msg.responsive:
+            note = (f"rank {msg.rank} (host {state.host}, pid {state.pid}) is not answering heartbeats; "
+                    "it may be stopped (SIGSTOP) or stuck in native code")
+            for req_id in state.inflight:
+                req = self.requests.get(req_id)
+                if req is not None:
+                    req.events.put(("notice", msg.rank, note))
+
+    def _on_lost(self, link: HostLink, exc: Exception | None) -> None:
+        if self.closed:
+            return
+        for rank in link.ranks:
+            state = self.ranks[rank]
+            if state.alive:
+                self._on_rank_exit(m.RankExited(rank, state.pid or 0, None, "HOST_LOST",
+                                                (f"lost the connection to host {link.name}",), False))
+        if link.started is not None and not link.started.done():
+            link.started.set_exception(MeshStartError(
+                f"mesh {self.name!r}: the agent on host {link.name} exited during start-up; "
+                f"its log: {link.log_path}\n{_read_tail(link.log_path)}"))
+
+    # ------------------------------------------------------------ inspection
+    def snapshot(self) -> list[RankSnapshot]:
+        """Frozen states of all ranks (thread-safe enough: reads simple fields)."""
+        now = time.time()
+        return [
+            RankSnapshot(s.rank, s.host, s.local_rank, s.pid, s.state,
+                         (now - s.busy_since) if s.busy_since and s.inflight else None,
+                         s.exit_code, s.signal)
+            for s in sorted(self.ranks.values(), key=lambda s: s.rank)
+        ]
+
+    def logs(self, rank: int, lines: int = 50) -> list[tuple[str, str]]:
+        """The last lines a rank printed (stream, text)."""
+        return list(self.ranks[rank].log)[-lines:]
+
+    def describe_ranks(self, ranks: Iterable[int]) -> str:
+        """'ranks 0-3' style text."""
+        return f"ranks {format_ranks(list(ranks))}"
+
+
+def _private_shm_dir(name: str) -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    path = tempfile.mkdtemp(prefix=f"monarch-{name}-", dir=base)
+    os.chmod(path, 0o700)
+    return path
+
+
+def _read_tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""

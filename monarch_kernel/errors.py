@@ -1,0 +1,111 @@
+"""Every error monarch_kernel raises, in one place.
+
+Messages say what failed, for which mesh/rank/host, and how to fix it. Errors that
+happened on a rank carry the remote traceback as text and say they are remote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class MeshError(Exception):
+    """Base class of all monarch_kernel errors."""
+
+
+class MeshUsageError(MeshError, ValueError):
+    """The caller asked for something that cannot be done (bad slice, bad option...)."""
+
+
+class MeshNotRunningError(MeshError):
+    """The mesh was shut down or never came up; start one with `%mesh up` or local_mesh()."""
+
+
+class MeshStartError(MeshError):
+    """A mesh (or one of its hosts) failed to start."""
+
+
+class SerializationError(MeshError):
+    """A value could not be pickled or unpickled to cross to/from the ranks."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What went wrong on one rank: an exception traceback, or the rank died."""
+
+    rank: int
+    host: str
+    kind: str  # "exception", "died", "interrupted", "lost"
+    error_type: str
+    message: str
+    traceback: str = ""
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    stderr_tail: tuple[str, ...] = field(default_factory=tuple)
+
+    def signature(self) -> tuple[str, str, str]:
+        """Key used to group identical failures from several ranks."""
+        if self.kind == "died":
+            return (self.kind, f"rank {self.rank}", "")
+        return (self.kind, self.error_type, self.traceback or self.message)
+
+
+class _FailureReport:
+    """Shared behaviour of errors that carry per-rank failures."""
+
+    summary: str
+    failures: list[RankFailure]
+
+    def _init_report(self, summary: str, failures: list[RankFailure], partial: object) -> None:
+        self.summary = summary
+        self.failures = failures
+        self.partial = partial
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks that failed, sorted."""
+        return sorted(f.rank for f in self.failures)
+
+    def __str__(self) -> str:
+        from .errortext import format_failures  # late: keeps this module dependency-free
+
+        return self.summary + "\n" + format_failures(self.failures, color=False)
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython hook: show the remote tracebacks, not our local frames."""
+        from .errortext import format_failures
+
+        text = format_failures(self.failures, color=True)
+        return [f"\x1b[1;31m{self.summary}\x1b[0m", *text.splitlines()]
+
+
+class RemoteError(_FailureReport, MeshError):
+    """One or more ranks failed while running a cell or a call.
+
+    `failures` holds one RankFailure per failed rank; `partial` holds the values of
+    the ranks that finished (a ValueMesh or None).
+    """
+
+    def __init__(self, summary: str, failures: list[RankFailure], partial: object = None):
+        super().__init__(summary)
+        self._init_report(summary, failures, partial)
+
+
+class RankDiedError(RemoteError):
+    """A rank process exited or was killed while work was pending on it."""
+
+
+class MeshInterrupted(_FailureReport, KeyboardInterrupt):
+    """The run was interrupted (a KeyboardInterrupt); each rank's traceback is attached."""
+
+    def __init__(self, summary: str, failures: list[RankFailure], partial: object = None):
+        super().__init__(summary)
+        self._init_report(summary, failures, partial)
+
+
+class MeshTimeoutError(RemoteError, TimeoutError):
+    """A wait on the mesh ran past its timeout; the ranks were interrupted."""
+
+    def __init__(self, summary: str, failures: list[RankFailure] | None = None, partial: object = None):
+        RemoteError.__init__(self, summary, failures or [], partial)

@@ -1,0 +1,165 @@
+"""Live, deduplicated output of a run in the notebook cell (or terminal) that started it.
+
+In a Jupyter kernel, the cell's text lives in one display that is updated in place (at
+most every REFRESH_S, and at once for the first line), always addressed to the cell's
+own request, so it never lands in a later cell even for background runs. In a terminal,
+lines are printed once they are settled (no rank can still join them).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from .output import OutputGroups, render_html, render_text
+
+REFRESH_S = 0.05
+
+
+class KernelPublisher:
+    """Sends display/update messages to the cell whose request was current at creation."""
+
+    def __init__(self, shell: Any):
+        self._shell = shell
+        kernel = getattr(shell, "kernel", None)
+        self._parent = kernel.get_parent() if kernel is not None and hasattr(kernel, "get_parent") else None
+
+    def _with_parent(self, fn, *args, **kwargs) -> None:
+        pub = self._shell.display_pub
+        setter = getattr(pub, "set_thread_parent", None)
+        token = setter(self._parent) if setter is not None and self._parent else None
+        try:
+            fn(*args, **kwargs)
+        finally:
+            if token is not None:
+                pub.reset_thread_parent(token)
+
+    def show(self, bundle: dict[str, Any], metadata: dict[str, Any] | None = None, *, live: bool = True) -> str:
+        """Display a bundle; returns its display id (for updates)."""
+        from IPython.display import display
+
+        display_id = uuid.uuid4().hex
+        self._with_parent(display, bundle, raw=True, metadata=metadata or {},
+                          display_id=display_id if live else None)
+        return display_id
+
+    def update(self, display_id: str, bundle: dict[str, Any]) -> None:
+        """Replace the content of a display shown earlier."""
+        from IPython.display import update_display
+
+        self._with_parent(update_display, bundle, raw=True, display_id=display_id)
+
+
+class LiveOutput:
+    """An OutputSink that shows grouped rank output live in a Jupyter cell."""
+
+    def __init__(self, ranks: tuple[int, ...], *, dedupe: bool, publisher: KernelPublisher):
+        self._ranks = ranks
+        self._dedupe = dedupe
+        self._publisher = publisher
+        self._model = OutputGroups(ranks, dedupe=dedupe)
+        self._display_id: str | None = None
+        self._shown_version = 0
+        self._last_render = 0.0
+
+    def output(self, rank: int, stream: str, text: str) -> None:  # noqa: D102
+        self._model.add(rank, stream, text)
+        self._maybe_render()
+
+    def notice(self, rank: int, text: str) -> None:  # noqa: D102
+        self._model.notice(rank, text)
+        self._render()
+
+    def rank_done(self, rank: int) -> None:  # noqa: D102
+        self._model.finish_rank(rank)
+        self._maybe_render()
+
+    def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:  # noqa: D102
+        self._model.finish()
+        self._render()
+        self._publisher.show(label_bundle(rank, data), metadata, live=False)
+        self._model = OutputGroups(self._ranks, dedupe=self._dedupe)  # text after it goes below it
+        self._display_id = None
+        self._shown_version = 0
+
+    def tick(self) -> None:  # noqa: D102
+        self._maybe_render()
+
+    def close(self) -> None:  # noqa: D102
+        self._model.finish()
+        self._render()
+
+    def _maybe_render(self) -> None:
+        if self._model.version == self._shown_version:
+            return
+        if self._display_id is None or time.monotonic() - self._last_render >= REFRESH_S:
+            self._render()
+
+    def _render(self) -> None:
+        if self._model.version == self._shown_version:
+            return
+        bundle = {"text/plain": render_text(self._model), "text/html": render_html(self._model)}
+        if self._display_id is None:
+            self._display_id = self._publisher.show(bundle)
+        else:
+            self._publisher.update(self._display_id, bundle)
+        self._shown_version = self._model.version
+        self._last_render = time.monotonic()
+
+
+class TerminalOutput:
+    """An OutputSink for terminal IPython: prints settled groups, never rewrites."""
+
+    def __init__(self, ranks: tuple[int, ...], *, dedupe: bool, stream=None):
+        import sys
+
+        self._model = OutputGroups(ranks, dedupe=dedupe)
+        self._printed = 0
+        self._stream = stream or sys.stdout
+
+    def _emit(self, upto: int) -> None:
+        if upto > self._printed:
+            self._stream.write(render_text(self._model, self._printed, upto, tail=False) + "\n")
+            self._printed = upto
+
+    def output(self, rank: int, stream: str, text: str) -> None:  # noqa: D102
+        self._model.add(rank, stream, text)
+        self._emit(self._model.settled())
+
+    def notice(self, rank: int, text: str) -> None:  # noqa: D102
+        self._model.notice(rank, text)
+        self._emit(self._model.settled())
+
+    def rank_done(self, rank: int) -> None:  # noqa: D102
+        self._model.finish_rank(rank)
+        self._emit(self._model.settled())
+
+    def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:  # noqa: D102
+        self._stream.write(f"[rank {rank}] {data.get('text/plain', '<display>')}\n")
+
+    def tick(self) -> None:  # noqa: D102
+        pass
+
+    def close(self) -> None:  # noqa: D102
+        self._model.finish()
+        self._emit(len(self._model.groups))
+        note = render_text(self._model, len(self._model.groups))
+        if note:
+            self._stream.write(note + "\n")
+        self._stream.flush()
+
+
+def label_bundle(rank: int, data: dict[str, Any]) -> dict[str, Any]:
+    """A rank's display bundle, labelled with the rank in text and HTML."""
+    out = dict(data)
+    out["text/plain"] = f"[rank {rank}] {data.get('text/plain', '')}"
+    inner = data.get("text/html")
+    if inner is None and "image/png" in data:
+        inner = f"<img src='data:image/png;base64,{data['image/png']}'/>"
+    if inner is None and "image/svg+xml" in data:
+        inner = data["image/svg+xml"]
+    if inner is not None:
+        out["text/html"] = (f"<div class='monarch-rank-display'><div style='font-size:smaller;opacity:.6'>"
+                            f"rank {rank}</div>{inner}</div>")
+    return out

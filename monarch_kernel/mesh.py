@@ -1,0 +1,219 @@
+"""Mesh: the user's handle on a set of ranks (a whole mesh or a slice of one).
+
+>>> mesh = local_mesh(gpus=4, dist="gloo")
+>>> mesh.run("import torch.distributed as dist; dist.get_rank()")
+>>> mesh.slice(gpus=slice(0, 2)).push(lr=1e-3)
+>>> mesh.pull("lr")
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+from typing import Any
+
+from . import messages as m
+from .cell import check_syntax
+from .controller import HostSpec, MeshRuntime, RankSnapshot
+from .errors import MeshStartError, MeshUsageError, SerializationError
+from .futures import MeshFuture, raise_failures
+from .serialization import release, seal, unseal
+from .shape import Selector, Shape, format_ranks
+from .sinks import OutputSink, default_sink
+from .values import ValueMesh
+
+_cell_numbers = itertools.count(1)
+_mesh_numbers = itertools.count(0)
+BACKENDS = ("gloo", "nccl", "none")
+
+
+class Mesh:
+    """Ranks you can run code on, push values to and pull values from."""
+
+    def __init__(self, runtime: MeshRuntime, shape: Shape):
+        self._runtime = runtime
+        self._shape = shape
+
+    # ------------------------------------------------------------ description
+    @property
+    def name(self) -> str:
+        """The mesh's name (as used by `%mesh use NAME`)."""
+        return self._runtime.name
+
+    @property
+    def shape(self) -> Shape:
+        """Named dims and their sizes, e.g. {hosts: 1, gpus: 4}; `.sizes` gives a dict."""
+        return self._shape
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks in this mesh or slice, row-major."""
+        return self._shape.ranks
+
+    @property
+    def backend(self) -> str:
+        """The torch.distributed backend the ranks were started with."""
+        return self._runtime.backend
+
+    @property
+    def closed(self) -> bool:
+        """Whether the mesh was shut down."""
+        return self._runtime.closed
+
+    def status(self) -> list[RankSnapshot]:
+        """Each rank's state: idle, busy, dead or unresponsive, with host and pid."""
+        chosen = set(self.ranks)
+        return [s for s in self._runtime.snapshot() if s.rank in chosen]
+
+    def logs(self, rank: int, lines: int = 50) -> list[tuple[str, str]]:
+        """The last (stream, line) pairs a rank printed, including between cells."""
+        if rank not in self._runtime.ranks:
+            raise MeshUsageError(f"mesh {self.name!r} has no rank {rank}")
+        return self._runtime.logs(rank, lines)
+
+    # ------------------------------------------------------------ slicing
+    def slice(self, **selectors: Selector | None) -> Mesh:
+        """A sub-mesh: `mesh.slice(hosts=0, gpus=slice(0, 2))`; ints drop the dim."""
+        return Mesh(self._runtime, self._shape.slice(**selectors))
+
+    def select_ranks(self, ranks: list[int]) -> Mesh:
+        """A 1-D sub-mesh over the given global ranks."""
+        return Mesh(self._runtime, self._shape.select_ranks(ranks))
+
+    # ------------------------------------------------------------ work
+    def run(self, code: str, *, timeout: float | None = None, fail_fast: bool = False,
+            sink: OutputSink | None = None, dedupe: bool = True, name: str | None = None) -> ValueMesh:
+        """Run code on every rank; returns each rank's last-expression value.
+
+        Output streams live to `sink` (default: the notebook's live view). Raises
+        SyntaxError before sending, RemoteError if any rank fails.
+        """
+        return self.run_async(code, timeout=timeout, fail_fast=fail_fast, sink=sink,
+                              dedupe=dedupe, name=name).get()
+
+    def run_async(self, code: str, *, timeout: float | None = None, fail_fast: bool = False,
+                  sink: OutputSink | None = None, dedupe: bool = True, name: str | None = None) -> MeshFuture:
+        """Start code on every rank and return at once with a MeshFuture."""
+        filename = f"<mesh {name or f'cell {next(_cell_numbers)}'}>"
+        check_syntax(code, filename)
+        label = name or filename.strip("<>")
+        return self._submit(lambda rid: m.RunCell(rid, code, filename), label=label, timeout=timeout,
+                            fail_fast=fail_fast, sink=sink, dedupe=dedupe, finish=self._values)
+
+    def push(self, **values: Any) -> None:
+        """Assign variables in each rank's namespace: `mesh.push(lr=0.1, model=net)`."""
+        self.push_async(**values).get()
+
+    def push_async(self, **values: Any) -> MeshFuture:
+        """Start a push; returns a MeshFuture."""
+        if not values:
+            raise MeshUsageError("push() needs at least one name=value")
+        sealed = _seal_named(values, self._runtime.shm_dir)
+        names = ", ".join(values)
+        return self._submit(lambda rid: m.Push(rid, sealed), label=f"push({names})",
+                            on_done=lambda: release(sealed), finish=lambda req: raise_failures(req, self._runtime))
+
+    def pull(self, expr: str, *, timeout: float | None = None) -> ValueMesh:
+        """Evaluate an expression on every rank and bring the values back."""
+        check_syntax(expr, "<mesh pull>")
+        return self._submit(lambda rid: m.Pull(rid, expr), label=f"pull({expr!r})",
+                            timeout=timeout, finish=self._values).get()
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> ValueMesh:
+        """Call fn(*args, **kwargs) on every rank (it travels by cloudpickle)."""
+        sealed = seal(lambda worker: fn(*args, **kwargs), shm_dir=self._runtime.shm_dir, shared=True)
+        label = f"call({getattr(fn, '__name__', 'fn')})"
+        return self._submit(lambda rid: m.Call(rid, sealed), label=label, timeout=timeout,
+                            on_done=lambda: release(sealed), finish=self._values).get()
+
+    def _submit(self, make_body, *, label: str, finish, timeout: float | None = None,
+                fail_fast: bool = False, sink: OutputSink | None = None, dedupe: bool = True,
+                on_done=None) -> MeshFuture:
+        if sink is None:
+            sink = default_sink(ranks=self.ranks, dedupe=dedupe, label=label)
+        req = self._runtime.submit(self.ranks, make_body, label=label, fail_fast=fail_fast, on_done=on_done)
+        return MeshFuture(self._runtime, req, sink, finish, timeout=timeout)
+
+    def _values(self, req) -> ValueMesh:
+        values = []
+        for rank in self.ranks:
+            result = req.results.get(rank)
+            values.append(None if result is None or result.value is None else unseal(result.value))
+        vm = ValueMesh(self._shape, values)
+        raise_failures(req, self._runtime, partial=vm)
+        return vm
+
+    # ------------------------------------------------------------ control
+    def interrupt(self) -> None:
+        """Send KeyboardInterrupt to whatever the ranks of this mesh are running."""
+        self._runtime.interrupt(self.ranks)
+
+    def restart(self) -> None:
+        """Replace all ranks of the whole mesh with fresh ones (namespaces are reset)."""
+        self._runtime.restart()
+
+    def shutdown(self) -> None:
+        """Stop the whole mesh: every rank and agent process ends."""
+        self._runtime.shutdown()
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        states = {}
+        for s in self.status():
+            states.setdefault(s.state, []).append(s.rank)
+        text = ", ".join(f"{k} {format_ranks(v)}" for k, v in sorted(states.items()))
+        return f"<Mesh {self.name!r} {self._shape} dist={self.backend}: {text}>"
+
+
+def _seal_named(values: dict[str, Any], shm_dir: str):
+    try:
+        return seal(values, shm_dir=shm_dir, shared=True)
+    except SerializationError:
+        for key, value in values.items():  # find which variable is the problem
+            seal(value, name=key)
+        raise
+
+
+def local_mesh(gpus: int | None = None, *, dist: str = "gloo", name: str | None = None,
+               env: dict[str, str] | None = None, timeout: float = 120.0) -> Mesh:
+    """Start `gpus` ranks on this machine, shape {hosts: 1, gpus: N}.
+
+    `gpus` defaults to the number of CUDA devices (or 2 without any). `dist` is the
+    torch.distributed backend: "gloo", "nccl" or "none".
+    """
+    if gpus is None:
+        gpus = _cuda_count() or 2
+    if not isinstance(gpus, int) or gpus < 1:
+        raise MeshUsageError(f"gpus={gpus!r}: give a positive number of ranks, e.g. gpus=4")
+    if dist not in BACKENDS:
+        raise MeshUsageError(f"dist={dist!r}: expected one of {', '.join(BACKENDS)}")
+    name = name or f"mesh{next(_mesh_numbers)}"
+    runtime = MeshRuntime(name, [HostSpec("localhost")], gpus, dist, dict(env or {}), start_timeout_s=timeout)
+    try:
+        runtime.start()
+    except BaseException as exc:
+        runtime.shutdown()
+        if isinstance(exc, MeshStartError):
+            raise
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise MeshStartError(f"mesh {name!r} failed to start: {exc}") from exc
+    return Mesh(runtime, Shape.grid(hosts=1, gpus=gpus))
+
+
+def _cuda_count() -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0

@@ -1,0 +1,221 @@
+"""Wire messages between controller, host agent and ranks (frozen dataclasses).
+
+User values inside messages are `Sealed` blobs, so the host agent can route a message
+without unpickling what the user sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .serialization import Sealed
+
+# ---------------------------------------------------------------- controller -> rank
+
+
+@dataclass(frozen=True)
+class RunCell:
+    """Execute cell source on a rank; reply with the last expression's value."""
+
+    req_id: int
+    code: str
+    filename: str
+
+
+@dataclass(frozen=True)
+class Push:
+    """Assign names in each rank's namespace: values is a Sealed dict."""
+
+    req_id: int
+    values: Sealed
+
+
+@dataclass(frozen=True)
+class Pull:
+    """Evaluate an expression in each rank's namespace and reply with its value."""
+
+    req_id: int
+    expr: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run a pickled function fn(namespace, *args, **kwargs) on a rank (internal ops)."""
+
+    req_id: int
+    fn: Sealed
+
+
+# ---------------------------------------------------------------- rank -> controller
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An exception raised on a rank, already formatted there."""
+
+    error_type: str
+    message: str
+    traceback: str
+    interrupted: bool = False
+
+
+@dataclass(frozen=True)
+class Result:
+    """One rank's reply to a request: a Sealed value or a Failure."""
+
+    req_id: int
+    rank: int
+    value: Sealed | None
+    failure: Failure | None
+    started: float
+    finished: float
+
+
+@dataclass(frozen=True)
+class Output:
+    """Text a rank wrote to stdout/stderr while handling request req_id (None: idle)."""
+
+    rank: int
+    req_id: int | None
+    stream: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Display:
+    """A rich display (MIME bundle) produced on a rank."""
+
+    rank: int
+    req_id: int | None
+    data: dict[str, Any]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- controller -> agent
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """How ranks set up torch.distributed."""
+
+    backend: str  # "gloo", "nccl" or "none"
+    master_addr: str
+    world_size: int
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One rank to start on a host."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+
+
+@dataclass(frozen=True)
+class StartRanks:
+    """Start (or restart) this host's ranks."""
+
+    ranks: tuple[RankSpec, ...]
+    dist: DistConfig
+    env: dict[str, str]
+    shm_dir: str | None
+    node_rank: int = 0
+
+
+@dataclass(frozen=True)
+class StopRanks:
+    """Stop every rank of this host (SIGTERM, then SIGKILL after a grace period)."""
+
+    grace_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class ToRanks:
+    """Deliver `body` to the given local ranks; gather their Results into one reply."""
+
+    ranks: tuple[int, ...]
+    body: Any
+
+
+@dataclass(frozen=True)
+class SignalRanks:
+    """Send a signal (e.g. SIGINT) to the given local ranks."""
+
+    ranks: tuple[int, ...]
+    signum: int
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Liveness probe; the agent answers with Pong(seq)."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Stop all ranks and exit."""
+
+
+# ---------------------------------------------------------------- agent -> controller
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """A started rank: where it runs."""
+
+    rank: int
+    pid: int
+    host: str
+
+
+@dataclass(frozen=True)
+class RanksStarted:
+    """All ranks of a host are running and ready for work."""
+
+    ranks: tuple[RankInfo, ...]
+
+
+@dataclass(frozen=True)
+class RanksFailed:
+    """Ranks could not be started; text explains why."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """Results of one request from all of a host's ranks that answered."""
+
+    req_id: int
+    results: tuple[Result, ...]
+
+
+@dataclass(frozen=True)
+class RankExited:
+    """A rank process ended (exit code, or the signal that killed it)."""
+
+    rank: int
+    pid: int
+    exit_code: int | None
+    signal: str | None
+    stderr_tail: tuple[str, ...]
+    expected: bool
+
+
+@dataclass(frozen=True)
+class RankHealth:
+    """A rank stopped (or resumed) answering heartbeats."""
+
+    rank: int
+    responsive: bool
+
+
+@dataclass(frozen=True)
+class Pong:
+    """Answer to Ping."""
+
+    seq: int

@@ -1,0 +1,91 @@
+"""Where a run's live output goes: the OutputSink protocol and the plain-text default.
+
+The controller queues output events per request; the thread that waits for the result
+pumps them into a sink. The IPython extension installs a richer default (live, deduped
+cell output); without it, lines are printed with their rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class OutputSink(Protocol):
+    """Receives a run's output events, in order, on one thread."""
+
+    def output(self, rank: int, stream: str, text: str) -> None:
+        """Text a rank printed."""
+
+    def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        """A rich display made on a rank."""
+
+    def notice(self, rank: int, text: str) -> None:
+        """News about a rank (it died, stopped answering...)."""
+
+    def rank_done(self, rank: int) -> None:
+        """A rank finished this run."""
+
+    def tick(self) -> None:
+        """Called regularly while waiting: a chance to refresh a live view."""
+
+    def close(self) -> None:
+        """The run is over: show everything that is left."""
+
+
+class PlainSink:
+    """Prints each line as `[rank] text` to a stream, as it arrives."""
+
+    def __init__(self, stream=None):
+        self._stream = stream
+        self._partial: dict[tuple[int, str], str] = {}
+
+    @property
+    def stream(self):
+        """The stream written to (sys.stdout at the time of writing by default)."""
+        return self._stream or sys.stdout
+
+    def output(self, rank: int, stream: str, text: str) -> None:  # noqa: D102
+        key = (rank, stream)
+        lines = (self._partial.pop(key, "") + text).split("\n")
+        self._partial[key] = lines.pop()
+        for line in lines:
+            self.stream.write(f"[{rank}] {line}\n")
+
+    def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:  # noqa: D102
+        self.stream.write(f"[{rank}] {data.get('text/plain', '<display>')}\n")
+
+    def notice(self, rank: int, text: str) -> None:  # noqa: D102
+        self.stream.write(f"[{rank}] ! {text}\n")
+
+    def rank_done(self, rank: int) -> None:  # noqa: D102
+        for stream in ("stdout", "stderr"):
+            rest = self._partial.pop((rank, stream), "")
+            if rest:
+                self.stream.write(f"[{rank}] {rest}\n")
+
+    def tick(self) -> None:  # noqa: D102
+        pass
+
+    def close(self) -> None:  # noqa: D102
+        for (rank, _), rest in sorted(self._partial.items()):
+            if rest:
+                self.stream.write(f"[{rank}] {rest}\n")
+        self._partial.clear()
+        self.stream.flush()
+
+
+SinkFactory = Callable[[dict[str, Any]], OutputSink]
+_default_factory: SinkFactory = lambda options: PlainSink()  # noqa: E731
+
+
+def set_default_sink_factory(factory: SinkFactory | None) -> None:
+    """Install the sink used when a run is not given one (None restores plain text)."""
+    global _default_factory
+    _default_factory = factory or (lambda options: PlainSink())
+
+
+def default_sink(**options: Any) -> OutputSink:
+    """A new sink from the installed factory; options: ranks, dedupe, label..."""
+    return _default_factory(options)

@@ -1,0 +1,232 @@
+"""Framed messages over stream sockets, for asyncio and for blocking code.
+
+A frame is a header (pickle length, buffer count, buffer lengths), a protocol-5
+pickle of the message, then its out-of-band buffers. Receivers read each buffer
+straight into its own bytearray; senders hand the buffers to the kernel without
+joining them. Connections are only ever socketpairs inherited from the parent or
+streams inside an SSH connection: nothing here listens on a port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_HEAD = struct.Struct("!II")
+_LEN = struct.Struct("!Q")
+MAX_META = 1 << 31
+
+
+def encode(msg: Any) -> list[memoryview | bytes]:
+    """Serialize a message into the list of byte chunks that form one frame."""
+    buffers: list[pickle.PickleBuffer] = []
+    meta = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    header = _HEAD.pack(len(meta), len(raws)) + b"".join(_LEN.pack(r.nbytes) for r in raws)
+    return [header + meta, *raws]
+
+
+def decode(meta: bytes | bytearray, buffers: list[bytearray]) -> Any:
+    """Rebuild a message from a frame's pickle and buffers."""
+    return pickle.loads(meta, buffers=buffers)
+
+
+class ConnectionClosed(Exception):
+    """The peer closed the connection (or it broke)."""
+
+
+# ------------------------------------------------------------------ asyncio side
+
+
+class FrameProtocol(asyncio.BufferedProtocol):
+    """Reads frames directly into per-buffer bytearrays and calls on_message."""
+
+    def __init__(self, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]):
+        self._on_message = on_message
+        self._on_close = on_close
+        self._small = bytearray(1 << 16)
+        self._pending = bytearray()
+        self._want: list[int] = []  # sizes still to read for the current frame body
+        self._parts: list[bytearray] = []
+        self._target: bytearray | None = None
+        self._filled = 0
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport) -> None:  # noqa: D102
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:  # noqa: D102
+        if self._target is not None:
+            return memoryview(self._target)[self._filled:]
+        return memoryview(self._small)
+
+    def buffer_updated(self, nbytes: int) -> None:  # noqa: D102
+        if self._target is not None:
+            self._filled += nbytes
+            if self._filled == len(self._target):
+                self._part_done()
+            return
+        self._pending += memoryview(self._small)[:nbytes]
+        self._drain_pending()
+
+    def _drain_pending(self) -> None:
+        while True:
+            if not self._want:
+                if not self._parse_header():
+                    return
+            size = self._want[0]
+            if size > (1 << 16) and len(self._pending) < size:
+                # large part: read the rest of it straight into its own buffer
+                part = bytearray(size)
+                have = len(self._pending)
+                part[:have] = self._pending
+                self._pending = bytearray()
+                self._target, self._filled = part, have
+                return
+            if len(self._pending) < size:
+                return
+            part = self._pending[:size]
+            del self._pending[:size]
+            self._parts.append(part)
+            self._want.pop(0)
+            if not self._want:
+                self._frame_done()
+
+    def _part_done(self) -> None:
+        assert self._target is not None
+        self._parts.append(self._target)
+        self._target = None
+        self._want.pop(0)
+        if not self._want:
+            self._frame_done()
+        self._drain_pending()
+
+    def _parse_header(self) -> bool:
+        if len(self._pending) < _HEAD.size:
+            return False
+        meta_len, nbufs = _HEAD.unpack_from(self._pending)
+        head_len = _HEAD.size + nbufs * _LEN.size
+        if len(self._pending) < head_len:
+            return False
+        sizes = [_LEN.unpack_from(self._pending, _HEAD.size + i * _LEN.size)[0] for i in range(nbufs)]
+        del self._pending[:head_len]
+        self._want = [meta_len, *sizes]
+        return True
+
+    def _frame_done(self) -> None:
+        meta, *bufs = self._parts
+        self._parts = []
+        self._on_message(decode(meta, bufs))
+
+    def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
+        self._on_close(exc)
+
+
+class AsyncConnection:
+    """A framed connection on the asyncio loop: send() queues, messages arrive by callback."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: FrameProtocol):
+        self._transport = transport
+        self._protocol = protocol
+
+    @classmethod
+    async def from_socket(
+        cls, sock: socket.socket, on_message: Callable[[Any], None],
+        on_close: Callable[[Exception | None], None],
+    ) -> AsyncConnection:
+        """Wrap a connected stream socket."""
+        loop = asyncio.get_running_loop()
+        transport, protocol = await loop.connect_accepted_socket(
+            lambda: FrameProtocol(on_message, on_close), sock
+        )
+        return cls(transport, protocol)
+
+    def send(self, msg: Any) -> None:
+        """Queue one message (never blocks)."""
+        self.send_chunks(encode(msg))
+
+    def send_chunks(self, chunks: list[memoryview | bytes]) -> None:
+        """Queue an already encoded frame (to send one encoding to many peers)."""
+        if self._transport.is_closing():
+            raise ConnectionClosed("connection is closed")
+        for chunk in chunks:
+            self._transport.write(chunk)
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._transport.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection is closed or closing."""
+        return self._transport.is_closing()
+
+
+# ------------------------------------------------------------------ blocking side
+
+
+class BlockingConnection:
+    """A framed connection for plain threads (the rank's side)."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._rfile = sock.makefile("rb", buffering=1 << 16)
+        self._send_lock = threading.Lock()
+
+    def send(self, msg: Any) -> None:
+        """Send one message; safe to call from several threads."""
+        chunks = encode(msg)
+        with self._send_lock:
+            try:
+                _sendall_chunks(self._sock, chunks)
+            except OSError as exc:
+                raise ConnectionClosed(str(exc)) from exc
+
+    def recv(self) -> Any:
+        """Block until one message arrives."""
+        head = self._recv_exact(_HEAD.size)
+        meta_len, nbufs = _HEAD.unpack(head)
+        sizes = [_LEN.unpack(self._recv_exact(_LEN.size))[0] for _ in range(nbufs)]
+        meta = self._recv_exact(meta_len)
+        buffers = [self._recv_exact(n) for n in sizes]
+        return decode(meta, buffers)
+
+    def _recv_exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            try:
+                k = self._rfile.readinto(view[got:])
+            except OSError as exc:
+                raise ConnectionClosed(str(exc)) from exc
+            if not k:
+                raise ConnectionClosed("peer closed the connection")
+            got += k
+        return buf
+
+    def close(self) -> None:
+        """Close the socket."""
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+def _sendall_chunks(sock: socket.socket, chunks: list[memoryview | bytes]) -> None:
+    views = [memoryview(c).cast("B") for c in chunks if memoryview(c).nbytes]
+    while views:
+        sent = sock.sendmsg(views[:64])
+        while sent and views:
+            first = views[0]
+            if sent >= first.nbytes:
+                sent -= first.nbytes
+                views.pop(0)
+            else:
+                views[0] = first[sent:]
+                sent = 0

@@ -1,0 +1,212 @@
+"""The rank runtime: one process per rank, serving requests from its host agent.
+
+The main thread reads requests and runs them one at a time (so SIGINT from the agent
+interrupts user code as KeyboardInterrupt, exactly as in a local kernel). A daemon
+thread answers heartbeats, so a frozen process is noticed. Never imports IPython, rich
+or ipywidgets: ranks start light.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass
+from typing import Any
+
+from .capture import DisplayCapture, RankStream
+from .cell import CellRunner, describe_failure
+from .messages import Call, Failure, Pull, Push, Result, RunCell
+from .serialization import SerializationError, seal, unseal
+from .transport import BlockingConnection, ConnectionClosed
+
+READY_REQ = 0  # req_id of the rank's start-up reply
+
+
+@dataclass
+class WorkerConfig:
+    """What a forked rank needs to know."""
+
+    rank: int
+    host: str
+    shm_dir: str | None
+
+
+class UnpicklableValue:
+    """Stands in for a cell value that could not be sent back; shows what it was."""
+
+    def __init__(self, type_name: str, text: str, error: str, rank: int):
+        self.type_name, self.text, self.error, self.rank = type_name, text, error, rank
+
+    def __repr__(self) -> str:
+        return (f"<unpicklable {self.type_name} on rank {self.rank}: {self.text} "
+                f"({self.error}); keep it on the ranks, or return something picklable>")
+
+
+class Worker:
+    """Serves one rank: runs cells, pushes, pulls and calls in its namespace."""
+
+    def __init__(self, conn: BlockingConnection, config: WorkerConfig):
+        self.conn = conn
+        self.config = config
+        self.current_req: int | None = None
+        self.in_user_code = False
+        module = types.ModuleType("__mesh__", "namespace of the cells run on this rank")
+        self.namespace = module.__dict__
+        self.namespace["__builtins__"] = __builtins__
+        self.runner = CellRunner(self.namespace)
+        self.stdout = RankStream("stdout", config.rank, self._send, lambda: self.current_req)
+        self.stderr = RankStream("stderr", config.rank, self._send, lambda: self.current_req)
+        self.displays = DisplayCapture(config.rank, self._send, lambda: self.current_req, self.flush_streams)
+
+    def _send(self, msg: Any) -> None:
+        self.conn.send(msg)
+
+    def install(self) -> None:
+        """Take over stdout/stderr, display() and SIGINT for this process."""
+        sys.stdout, sys.stderr = self.stdout, self.stderr
+        import builtins
+
+        builtins.display = self.displays.display  # type: ignore[attr-defined]
+        self.displays.patch_ipython()
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.in_user_code:
+            raise KeyboardInterrupt
+        # idle or in our own code: an interrupt that came too late is ignored
+
+    def flush_streams(self) -> None:
+        """Send pending stdout/stderr text now."""
+        self.stdout.flush()
+        self.stderr.flush()
+
+    def serve(self) -> None:
+        """Handle requests until the agent goes away."""
+        while True:
+            try:
+                msg = self.conn.recv()
+            except ConnectionClosed:
+                return
+            self.handle(msg)
+
+    def handle(self, msg: Any) -> None:
+        """Run one request and send its Result."""
+        self.current_req = msg.req_id
+        started = time.time()
+        value, failure = None, None
+        try:
+            value = self._dispatch(msg)
+        except BaseException as exc:  # noqa: BLE001 - every user error is reported
+            failure = describe_failure(exc)
+        finally:
+            self.in_user_code = False
+        sealed = None
+        if failure is None:
+            sealed, failure = self._seal_value(msg, value)
+        try:
+            self.displays.flush_figures()
+        except Exception as exc:  # noqa: BLE001
+            print(f"monarch_kernel: could not render figures: {exc}", file=self.stderr)
+        self.stdout.finish_request(msg.req_id)
+        self.stderr.finish_request(msg.req_id)
+        self.current_req = None
+        self._send(Result(msg.req_id, self.config.rank, sealed, failure, started, time.time()))
+
+    def _dispatch(self, msg: Any) -> Any:
+        self.displays.patch_ipython()
+        if isinstance(msg, RunCell):
+            return self._user(self.runner.run, msg.code, msg.filename)
+        if isinstance(msg, Pull):
+            return self._user(self.runner.evaluate, msg.expr)
+        if isinstance(msg, Push):
+            values = unseal(msg.values)
+            self.namespace.update(values)
+            return None
+        if isinstance(msg, Call):
+            fn = unseal(msg.fn)
+            return self._user(fn, self)
+        raise TypeError(f"unknown request {type(msg).__name__}")
+
+    def _user(self, fn, *args) -> Any:
+        self.in_user_code = True
+        try:
+            return fn(*args)
+        finally:
+            self.in_user_code = False
+
+    def _seal_value(self, msg: Any, value: Any) -> tuple[Any, Failure | None]:
+        try:
+            return seal(value, shm_dir=self.config.shm_dir), None
+        except SerializationError as exc:
+            if isinstance(msg, RunCell):
+                text = _short_repr(value)
+                stand_in = UnpicklableValue(type(value).__name__, text, str(exc.__cause__), self.config.rank)
+                return seal(stand_in, shm_dir=self.config.shm_dir), None
+            return None, Failure("SerializationError", str(exc), "")
+
+
+def _short_repr(value: Any, limit: int = 200) -> str:
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001
+        text = f"<repr failed: {exc}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _heartbeat(sock: socket.socket) -> None:
+    """Echo every byte the agent sends, until the socket closes."""
+    while True:
+        try:
+            data = sock.recv(64)
+        except OSError:
+            return
+        if not data:
+            return
+        try:
+            sock.sendall(data)
+        except OSError:
+            return
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the host agent) dies."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_rank(conn_sock: socket.socket, hb_sock: socket.socket, config: WorkerConfig, setup) -> None:
+    """Entry point of a freshly forked rank. `setup()` initializes torch.distributed."""
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:
+        os._exit(1)
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    conn = BlockingConnection(conn_sock)
+    worker = Worker(conn, config)
+    worker.install()
+    threading.Thread(target=_heartbeat, args=(hb_sock,), name="heartbeat", daemon=True).start()
+    started = time.time()
+    failure = None
+    try:
+        worker.in_user_code = True
+        summary = setup()
+    except BaseException as exc:  # noqa: BLE001
+        failure = describe_failure(exc)
+        summary = None
+    finally:
+        worker.in_user_code = False
+    worker.flush_streams()
+    conn.send(Result(READY_REQ, config.rank, seal(summary), failure, started, time.time()))
+    if failure is None:
+        worker.serve()
