@@ -14,7 +14,7 @@ import inspect
 import linecache
 import os
 import traceback
-from types import CodeType, TracebackType
+from types import CodeType
 from typing import Any
 
 from .messages import Failure
@@ -78,14 +78,15 @@ class CellRunner:
 
 def describe_failure(exc: BaseException) -> Failure:
     """Format an exception raised by user code, without our own frames."""
-    tb = _user_frames(exc.__traceback__)
     if isinstance(exc, SystemExit):
         return Failure(
             "SystemExit",
             f"the cell called sys.exit({exc.code!r}); the rank keeps running",
             "",
         )
-    lines = traceback.format_exception(type(exc), exc, tb)
+    te = traceback.TracebackException(type(exc), exc, exc.__traceback__, compact=True)
+    _drop_own_frames(te)
+    lines = list(te.format())
     message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     return Failure(
         type(exc).__name__,
@@ -95,8 +96,11 @@ def describe_failure(exc: BaseException) -> Failure:
     )
 
 
-def _user_frames(tb: TracebackType | None) -> TracebackType | None:
-    """Skip the leading frames that belong to monarch_kernel itself."""
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        tb = tb.tb_next
-    return tb
+def _drop_own_frames(te: traceback.TracebackException) -> None:
+    """Remove monarch_kernel's own frames (dispatch, signal handler) from a traceback."""
+    seen: set[int] = set()
+    while te is not None and id(te) not in seen:
+        seen.add(id(te))
+        te.stack = traceback.StackSummary.from_list(
+            [f for f in te.stack if not f.filename.startswith(_PACKAGE_DIR)])
+        te = te.__cause__ or te.__context__

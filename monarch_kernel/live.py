@@ -142,7 +142,7 @@ class TerminalOutput:
         pass
 
     def close(self) -> None:  # noqa: D102
-        self._model.finish()
+        self._model.finish(realign=False)  # lines already printed cannot move
         self._emit(len(self._model.groups))
         note = render_text(self._model, len(self._model.groups))
         if note:

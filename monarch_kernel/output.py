@@ -1,21 +1,26 @@
 """The model of a run's text output: lines grouped across ranks, and its rendering.
 
-Each rank's text is cut into lines. A line joins an existing group with the same text
-when that rank has not contributed to it yet and the group comes after the rank's
-previous line, so per-rank order is always preserved while identical lines from many
-ranks collapse into one, tagged with the rank set (`[0-3] loss 0.25`).
+Each rank's text is cut into lines. While a run is live, a line joins an existing group
+with the same text when that rank has not contributed to it yet and the group comes
+after the rank's previous line (O(1) per line). When the run ends, the groups are
+rebuilt by aligning the ranks' line sequences (longest common subsequences), so rank-
+specific lines sit next to each other between the shared ones. Both keep each rank's
+order while identical lines collapse into one, tagged with the rank set
+(`[0-3] loss 0.25`).
 """
 
 from __future__ import annotations
 
 import html
 from collections import defaultdict
+from difflib import SequenceMatcher
 from dataclasses import dataclass, field
 
 from .shape import format_ranks
 
 MAX_SHOWN_LINES = 10_000
 MAX_SHOWN_CHARS = 2_000_000
+REALIGN_MAX_LINES = 20_000
 
 
 @dataclass
@@ -39,6 +44,7 @@ class OutputGroups:
         self._by_key: dict[tuple, list[int]] = defaultdict(list)
         self._cursor: dict[tuple, int] = defaultdict(int)
         self._done: set[int] = set()
+        self._lines: dict[int, list[tuple[str, str]]] = defaultdict(list)
         self.dropped_lines = 0
         self.dropped_chars = 0
         self._chars = 0
@@ -67,11 +73,15 @@ class OutputGroups:
                 self._add_line(rank, stream, rest)
         self._done.add(rank)
 
-    def finish(self) -> None:
-        """Every rank is done."""
+    def finish(self, *, realign: bool = True) -> None:
+        """Every rank is done; with realign, regroup by aligning whole rank sequences."""
         for rank, _ in sorted(self._partial):
             self.finish_rank(rank)
         self._done.update(self.all_ranks)
+        total = sum(len(v) for v in self._lines.values())
+        if realign and self.dedupe and len(self._lines) > 1 and total <= REALIGN_MAX_LINES:
+            self.groups = _align(self._lines)
+            self.version += 1
 
     def settled(self) -> int:
         """How many leading groups can no longer change (every running rank is past them)."""
@@ -103,7 +113,28 @@ class OutputGroups:
             candidates.append(pos)
             self._chars += len(line) + 1
         self._last_pos[rank] = pos
+        self._lines[rank].append((stream, line))
         self.version += 1
+
+
+def _align(per_rank: dict[int, list[tuple[str, str]]]) -> list[Group]:
+    """Merge rank line sequences: common subsequences become shared groups."""
+    merged: list[Group] = []
+    for rank, seq in per_rank.items():
+        keys = [(g.stream, g.text) if g.stream != "notice" else (g, None) for g in merged]
+        mine = [(st, tx) if st != "notice" else (object(), None) for st, tx in seq]
+        rebuilt: list[Group] = []
+        matcher = SequenceMatcher(None, keys, mine, autojunk=False)
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+            if tag == "equal":
+                for group in merged[i1:i2]:
+                    group.ranks.append(rank)
+                    rebuilt.append(group)
+                continue
+            rebuilt.extend(merged[i1:i2])
+            rebuilt.extend(Group(st, tx, [rank]) for st, tx in seq[j1:j2])
+        merged = rebuilt
+    return merged
 
 
 def _tag(group: Group) -> str:

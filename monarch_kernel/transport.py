@@ -211,11 +211,12 @@ class BlockingConnection:
         return buf
 
     def close(self) -> None:
-        """Close the socket."""
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        """Close the socket (and the reader that shares its file descriptor)."""
+        for closable in (self._rfile, self._sock):
+            try:
+                closable.close()
+            except OSError:
+                pass
 
 
 def _sendall_chunks(sock: socket.socket, chunks: list[memoryview | bytes]) -> None:

@@ -1,0 +1,57 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from monarch_kernel import local_mesh  # noqa: E402
+from monarch_kernel.sinks import PlainSink  # noqa: E402
+
+
+class RecordingSink(PlainSink):
+    """A sink that keeps every event (and still behaves like the plain one)."""
+
+    def __init__(self):
+        super().__init__(stream=open(os.devnull, "w"))
+        self.events = []
+
+    def output(self, rank, stream, text):
+        self.events.append(("output", rank, stream, text))
+
+    def display(self, rank, data, metadata):
+        self.events.append(("display", rank, data))
+
+    def notice(self, rank, text):
+        self.events.append(("notice", rank, text))
+
+    def text(self, stream="stdout"):
+        return {r: "".join(t for k, rr, s, t in (e for e in self.events if e[0] == "output") if rr == r and s == stream)
+                for r in sorted({e[1] for e in self.events})}
+
+
+@pytest.fixture
+def sink():
+    return RecordingSink()
+
+
+@pytest.fixture(scope="module")
+def mesh4():
+    """A 4-rank gloo mesh shared by the tests of one module."""
+    mesh = local_mesh(gpus=4, dist="gloo", name=f"test-{os.getpid()}")
+    yield mesh
+    mesh.shutdown()
+
+
+def pids_alive(pids):
+    """Which of these pids still exist (and are not zombies)."""
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive

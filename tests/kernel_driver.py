@@ -1,0 +1,117 @@
+"""Drive a real Jupyter kernel (jupyter_client) and record what a frontend would see."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from jupyter_client.manager import KernelManager
+
+
+@dataclass
+class CellRun:
+    """Everything the kernel published for one execute request."""
+
+    msg_id: str
+    started: float
+    reply: dict | None = None
+    messages: list[tuple[float, dict]] = field(default_factory=list)
+    displays: dict[str, dict] = field(default_factory=dict)  # display_id -> latest data
+
+    def outputs(self) -> list[dict]:
+        """The cell's outputs as a notebook would hold them (updates applied)."""
+        outs: list[dict] = []
+        for _, msg in self.messages:
+            kind, content = msg["msg_type"], msg["content"]
+            if kind in ("stream", "error", "execute_result", "display_data"):
+                outs.append({"type": kind, **content})
+            elif kind == "update_display_data":
+                did = content.get("transient", {}).get("display_id")
+                for out in outs:
+                    if out.get("transient", {}).get("display_id") == did:
+                        out["data"] = content["data"]
+        return outs
+
+    def text(self) -> str:
+        """All text/plain and stream text of the outputs, joined."""
+        parts = []
+        for out in self.outputs():
+            if out["type"] == "stream":
+                parts.append(out["text"])
+            elif out["type"] == "error":
+                parts.append("\n".join(out["traceback"]))
+            elif "data" in out:
+                parts.append(out["data"].get("text/plain", ""))
+        return "\n".join(parts)
+
+    @property
+    def status(self) -> str:
+        """The execute_reply status (ok, error, aborted)."""
+        return self.reply["content"]["status"] if self.reply else "pending"
+
+
+class KernelDriver:
+    """A started kernel with the monarch_kernel extension available."""
+
+    def __init__(self, kernel_name: str = "python3", extra_env: dict[str, str] | None = None):
+        env = dict(os.environ, **(extra_env or {}))
+        self.km = KernelManager(kernel_name=kernel_name)
+        self.km.start_kernel(env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        """The kernel process id."""
+        return self.km.provisioner.process.pid
+
+    def submit(self, code: str) -> CellRun:
+        """Send an execute request; returns at once."""
+        return CellRun(self.kc.execute(code), time.monotonic())
+
+    def collect(self, run: CellRun, timeout: float = 60, until=None) -> CellRun:
+        """Gather iopub messages of the run until idle (or until(run) is true)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.05)
+            except queue.Empty:
+                if until is not None and until(run):
+                    return run
+                continue
+            if msg["parent_header"].get("msg_id") != run.msg_id:
+                if msg["msg_type"] == "update_display_data":
+                    run.messages.append((time.monotonic(), msg))
+                continue
+            run.messages.append((time.monotonic(), msg))
+            if until is not None and until(run):
+                return run
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                run.reply = self.kc.get_shell_msg(timeout=10)
+                return run
+        raise TimeoutError(f"cell did not finish within {timeout} s; got:\n{run.text()}")
+
+    def execute(self, code: str, timeout: float = 60) -> CellRun:
+        """Run a cell to completion."""
+        return self.collect(self.submit(code), timeout)
+
+    def interrupt(self) -> None:
+        """What the notebook's stop button does."""
+        self.km.interrupt_kernel()
+
+    def kill(self) -> None:
+        """SIGKILL the kernel process."""
+        os.kill(self.pid, signal.SIGKILL)
+
+    def shutdown(self) -> None:
+        """Stop channels and the kernel."""
+        try:
+            self.kc.stop_channels()
+        finally:
+            if self.km.is_alive():
+                self.km.shutdown_kernel(now=True)

@@ -1,0 +1,51 @@
+import time
+
+from monarch_kernel import capture
+from monarch_kernel.capture import DisplayCapture, RankStream, mime_bundle
+from monarch_kernel.messages import Display, Output
+
+
+def test_stream_batches_writes_and_tags_requests():
+    sent = []
+    req = [5]
+    stream = RankStream("stdout", 2, sent.append, lambda: req[0])
+    for i in range(100):
+        stream.write(f"line {i}\n")
+    stream.flush()
+    text = "".join(m.text for m in sent)
+    assert text == "".join(f"line {i}\n" for i in range(100))
+    assert len(sent) < 10 and all(m.req_id == 5 and m.rank == 2 for m in sent)
+
+
+def test_flusher_sends_without_explicit_flush():
+    sent = []
+    stream = RankStream("stdout", 0, sent.append, lambda: 1)
+    stream.write("hello\n")
+    deadline = time.monotonic() + 2
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sent and sent[0] == Output(0, 1, "stdout", "hello\n")
+
+
+def test_output_per_request_is_capped_and_the_drop_reported(monkeypatch):
+    monkeypatch.setattr(capture, "MAX_OUTPUT_PER_REQUEST", 1000)
+    sent = []
+    stream = RankStream("stdout", 0, sent.append, lambda: 9)
+    for _ in range(50):
+        stream.write("x" * 99 + "\n")
+    stream.finish_request(9)
+    shown = "".join(m.text for m in sent if m.stream == "stdout")
+    assert len(shown) == 1000
+    assert "4,000 more characters of stdout" in sent[-1].text
+
+
+def test_display_builds_mime_bundles():
+    class Rich:
+        def _repr_html_(self):
+            return "<b>hi</b>"
+
+    sent = []
+    DisplayCapture(1, sent.append, lambda: 3, lambda: None).display(Rich(), "plain")
+    assert isinstance(sent[0], Display) and sent[0].data["text/html"] == "<b>hi</b>"
+    assert sent[1].data == {"text/plain": "'plain'"}
+    assert mime_bundle(3)[0] == {"text/plain": "3"}

@@ -1,0 +1,264 @@
+"""The Python API against real local meshes (real processes, real gloo)."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import pids_alive
+from monarch_kernel import (MeshInterrupted, MeshNotRunningError, MeshTimeoutError, MeshUsageError,
+                            RemoteError, SerializationError, ValueMesh, local_mesh)
+
+
+def test_run_returns_a_value_mesh_and_output_is_captured(mesh4, sink):
+    code = ("import torch, torch.distributed as dist\nt = torch.ones(2) * dist.get_rank()\n"
+            "dist.all_reduce(t)\nprint('sum', t.tolist())\ndist.get_rank()")
+    vm = mesh4.run(code, sink=sink)
+    assert isinstance(vm, ValueMesh) and list(vm.values()) == [0, 1, 2, 3]
+    assert vm.item(hosts=0, gpus=2) == 2
+    assert sink.text() == {r: "sum [6.0, 6.0]\n" for r in range(4)}
+    assert mesh4.shape.sizes == {"hosts": 1, "gpus": 4}
+
+
+def test_torchrun_environment(mesh4, sink):
+    env = mesh4.run("import os\n{k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
+                    "'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')}", sink=sink)
+    for point, value in env.items():
+        assert value["RANK"] == str(point.rank) and value["LOCAL_RANK"] == str(point["gpus"])
+        assert value["WORLD_SIZE"] == "4" and value["LOCAL_WORLD_SIZE"] == "4"
+        assert value["MASTER_ADDR"] == "127.0.0.1" and int(value["MASTER_PORT"]) > 0
+
+
+def test_push_and_pull_tensors_and_numpy(mesh4, sink):
+    big = torch.randn(1 << 19)  # 2 MiB: goes through shared memory
+    mesh4.push(big=big, arr=np.arange(5), k=3)
+    sums = mesh4.pull("float(big.sum()) + int(arr.sum()) * k")
+    assert all(v == pytest.approx(float(big.sum()) + 30) for v in sums.values())
+    back = mesh4.slice(gpus=1).pull("big * 2")
+    assert torch.equal(back.item(hosts=0), big * 2)
+
+
+def test_slices_run_only_there(mesh4, sink):
+    mesh4.run("marker = None", sink=sink)
+    sub = mesh4.slice(gpus=slice(0, 4, 2))
+    assert sub.ranks == (0, 2)
+    vm = sub.run("import torch.distributed as dist\nmarker = dist.get_rank()\nmarker", sink=sink)
+    assert vm.by_rank() == {0: 0, 2: 2}
+    assert list(mesh4.pull("marker").values()) == [0, None, 2, None]
+    assert mesh4.select_ranks([3]).pull("marker").item(ranks=0) is None
+
+
+def test_functions_defined_here_run_there(mesh4):
+    def scale(x, k=2):
+        return x * k
+
+    mesh4.push(scale=scale)
+    assert list(mesh4.pull("scale(3, k=5)").values()) == [15] * 4
+    assert list(mesh4.call(lambda a: a + 1, 41).values()) == [42] * 4
+
+
+def test_errors_carry_remote_tracebacks_with_cell_lines(mesh4, sink):
+    code = "import torch.distributed as dist\nr = dist.get_rank()\nif r % 2:\n    raise ValueError(f'odd {r}')\nr"
+    with pytest.raises(RemoteError) as info:
+        mesh4.run(code, sink=sink, name="In[9]")
+    err = info.value
+    assert err.ranks == [1, 3]
+    assert err.partial.by_rank()[0] == 0
+    text = str(err)
+    assert 'File "<mesh In[9]>", line 4' in text and "raise ValueError(f'odd {r}')" in text
+    assert "ValueError: odd 1" in text and "ValueError: odd 3" in text
+    assert "worker.py" not in text
+
+
+def test_identical_errors_are_grouped(mesh4, sink):
+    with pytest.raises(RemoteError) as info:
+        mesh4.run("1/0", sink=sink)
+    assert str(info.value).count("ZeroDivisionError: division by zero") == 1
+    assert "ranks 0-3" in str(info.value)
+
+
+def test_syntax_error_is_raised_before_sending(mesh4):
+    with pytest.raises(SyntaxError):
+        mesh4.run("def broken(:\n")
+
+
+def test_output_before_an_error_is_kept(mesh4, sink):
+    with pytest.raises(RemoteError):
+        mesh4.run("print('before')\nraise RuntimeError('boom')", sink=sink)
+    assert sink.text() == {r: "before\n" for r in range(4)}
+
+
+def test_unpicklable_things_never_break_the_mesh(mesh4, sink):
+    vm = mesh4.run("import threading\nthreading.Lock()", sink=sink)
+    assert all("unpicklable lock" in repr(v) for v in vm.values())
+    with pytest.raises(RemoteError, match="SerializationError"):
+        mesh4.pull("threading.Lock()")
+    with pytest.raises(SerializationError, match="variable 'lock'"):
+        mesh4.push(ok=1, lock=threading.Lock())
+    assert list(mesh4.pull("1 + 1").values()) == [2] * 4
+
+
+def test_sys_exit_and_cleared_namespace_leave_ranks_usable(mesh4, sink):
+    with pytest.raises(RemoteError, match="sys.exit"):
+        mesh4.run("import sys\nsys.exit(2)", sink=sink)
+    mesh4.run("globals().clear()", sink=sink)
+    assert list(mesh4.run("import os\nlen('abc')", sink=sink).values()) == [3] * 4
+
+
+def test_huge_output_is_capped(mesh4, sink):
+    mesh4.run("import sys\nchunk = 'x' * 1023 + '\\n'\nfor _ in range(20_000): sys.stdout.write(chunk)", sink=sink)
+    shown = sum(len(t) for t in sink.text().values())
+    assert shown <= 4 * (8 << 20)
+    assert any("were dropped" in e[3] for e in sink.events if e[0] == "output")
+
+
+def test_rich_displays_come_back_with_their_rank(mesh4, sink):
+    mesh4.run("class R:\n    def _repr_html_(self): return '<i>r</i>'\ndisplay(R())", sink=sink)
+    displays = [e for e in sink.events if e[0] == "display"]
+    assert sorted(e[1] for e in displays) == [0, 1, 2, 3]
+    assert displays[0][2]["text/html"] == "<i>r</i>"
+
+
+def test_matplotlib_figures_are_sent_as_png(mesh4, sink):
+    pytest.importorskip("matplotlib")
+    mesh4.slice(gpus=0).run("import matplotlib.pyplot as plt\nplt.plot([1, 2])", sink=sink)
+    pngs = [e for e in sink.events if e[0] == "display" and "image/png" in e[2]]
+    assert len(pngs) == 1 and pngs[0][1] == 0
+
+
+def test_live_output_arrives_before_the_cell_ends(mesh4, sink):
+    arrivals = []
+    record = sink.output
+    sink.output = lambda *a: (arrivals.append((time.monotonic(), a[1], a[2])), record(*a))
+    mesh4.run("import time\nprint('first', flush=True)\ntime.sleep(1.5)\nprint('second')", sink=sink)
+    done = time.monotonic()
+    first = min(t for t, _, text in arrivals if "first" in text)
+    assert done - first > 1.0  # shown while the ranks were still sleeping
+    assert sink.text() == {r: "first\nsecond\n" for r in range(4)}
+
+
+def test_timeout_interrupts_and_keeps_namespace(mesh4, sink):
+    mesh4.run("kept = 'yes'", sink=sink)
+    start = time.monotonic()
+    with pytest.raises(MeshTimeoutError) as info:
+        mesh4.run("import time\ntime.sleep(60)", timeout=0.5, sink=sink)
+    assert time.monotonic() - start < 3
+    assert "KeyboardInterrupt" in str(info.value) and "time.sleep(60)" in str(info.value)
+    assert list(mesh4.pull("kept").values()) == ["yes"] * 4
+
+
+def test_interrupt_from_another_thread(mesh4, sink):
+    timer = threading.Timer(0.5, mesh4.interrupt)
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(MeshInterrupted) as info:
+        mesh4.run("import time\ntime.sleep(60)", sink=sink)
+    assert time.monotonic() - start < 3
+    assert info.value.ranks == [0, 1, 2, 3]
+    assert isinstance(info.value, KeyboardInterrupt)
+
+
+def test_background_run_can_be_awaited(mesh4, sink):
+    import asyncio
+
+    future = mesh4.run_async("import time\ntime.sleep(0.2)\n7", sink=sink)
+    assert not future.done()
+    vm = asyncio.run(_await(future))
+    assert list(vm.values()) == [7] * 4 and future.done()
+
+
+async def _await(future):
+    return await future
+
+
+def test_status_shows_busy_then_idle(mesh4, sink):
+    future = mesh4.run_async("import time\ntime.sleep(1)", sink=sink)
+    time.sleep(0.3)
+    assert {s.state for s in mesh4.status()} == {"busy"}
+    future.get()
+    assert {s.state for s in mesh4.status()} == {"idle"}
+
+
+def test_bad_arguments():
+    with pytest.raises(MeshUsageError, match="positive number"):
+        local_mesh(gpus=0)
+    with pytest.raises(MeshUsageError, match="gloo, nccl, none"):
+        local_mesh(gpus=1, dist="mpi")
+
+
+# ------------------------------------------------------------------ meshes of their own
+
+
+def test_dead_rank_is_reported_at_once_with_details(sink):
+    with local_mesh(gpus=2, dist="none") as mesh:
+        start = time.monotonic()
+        with pytest.raises(RemoteError) as info:
+            mesh.run("import os, sys, time\nif os.environ['RANK'] == '1':\n"
+                     "    print('about to die', file=sys.stderr, flush=True)\n    time.sleep(0.1)\n    os._exit(3)\n"
+                     "time.sleep(0.2)\n'alive'", sink=sink, fail_fast=False)
+        assert time.monotonic() - start < 2
+        err = info.value
+        assert err.ranks == [1] and err.partial.by_rank()[0] == "alive"
+        failure = err.failures[0]
+        assert failure.exit_code == 3 and failure.pid and failure.host == "localhost"
+        assert "about to die" in "\n".join(failure.stderr_tail)
+        assert any(e[0] == "notice" and e[1] == 1 for e in sink.events)
+        assert [s.state for s in mesh.status()] == ["idle", "dead"]
+        with pytest.raises(RemoteError, match="already dead"):
+            mesh.run("1", sink=sink)
+        mesh.restart()
+        assert list(mesh.pull("2 + 2").values()) == [4, 4]
+
+
+def test_sigkill_with_fail_fast_interrupts_the_others(sink):
+    with local_mesh(gpus=3, dist="none") as mesh:
+        pid = mesh.status()[1].pid
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(RemoteError) as info:
+            mesh.run("import time\ntime.sleep(60)", sink=sink, fail_fast=True)
+        assert time.monotonic() - start < 2
+        kinds = {f.rank: f.kind for f in info.value.failures}
+        assert kinds == {0: "interrupted", 1: "died", 2: "interrupted"}
+        assert info.value.failures[1].signal == "SIGKILL"
+
+
+def test_frozen_rank_is_marked_unresponsive(sink):
+    with local_mesh(gpus=2, dist="none") as mesh:
+        pid = mesh.status()[0].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and mesh.status()[0].state != "unresponsive":
+                time.sleep(0.1)
+            assert mesh.status()[0].state == "unresponsive"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and mesh.status()[0].state != "idle":
+            time.sleep(0.1)
+        assert mesh.status()[0].state == "idle"
+
+
+def test_restart_gives_fresh_ranks_and_shutdown_leaves_nothing(sink):
+    mesh = local_mesh(gpus=2, dist="gloo")
+    mesh.run("x = 1", sink=sink)
+    old = [s.pid for s in mesh.status()]
+    mesh.restart()
+    new = [s.pid for s in mesh.status()]
+    assert set(old).isdisjoint(new) and not pids_alive(old)
+    with pytest.raises(RemoteError, match="NameError"):
+        mesh.run("x", sink=sink)
+    assert list(mesh.run("import torch.distributed as dist\ndist.get_world_size()", sink=sink).values()) == [2, 2]
+    agent = mesh._runtime.links[0].process.pid
+    mesh.shutdown()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and pids_alive(new + [agent]):
+        time.sleep(0.05)
+    assert not pids_alive(new + [agent])
+    with pytest.raises(MeshNotRunningError):
+        mesh.run("1")

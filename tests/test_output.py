@@ -1,0 +1,95 @@
+from monarch_kernel.output import MAX_SHOWN_LINES, OutputGroups, render_html, render_text
+
+
+def lines(model):
+    return [(g.stream, g.text, g.ranks) for g in model.groups]
+
+
+def test_identical_lines_collapse_with_their_rank_set():
+    model = OutputGroups([0, 1, 2, 3])
+    for rank in (2, 0, 3, 1):
+        model.add(rank, "stdout", "sum [6.0, 6.0]\n")
+    assert lines(model) == [("stdout", "sum [6.0, 6.0]", [2, 0, 3, 1])]
+    assert render_text(model) == "[0-3] sum [6.0, 6.0]"
+
+
+def test_different_lines_keep_their_rank_and_order():
+    model = OutputGroups([0, 1])
+    model.add(0, "stdout", "a\nrank 0\nb\n")
+    model.add(1, "stdout", "a\nrank 1\nb\n")
+    # live: "rank 1" came after rank 0's "b", so rank 1's "b" cannot join it yet
+    assert [g.text for g in model.groups] == ["a", "rank 0", "b", "rank 1", "b"]
+    model.finish()  # aligned: rank-specific lines side by side, shared lines once
+    assert lines(model) == [("stdout", "a", [0, 1]), ("stdout", "rank 0", [0]),
+                            ("stdout", "rank 1", [1]), ("stdout", "b", [0, 1])]
+    assert render_text(model).splitlines() == ["[0-1] a", "[0]   rank 0", "[1]   rank 1", "[0-1] b"]
+
+
+def test_per_rank_order_is_never_violated():
+    model = OutputGroups([0, 1, 2])
+    model.add(0, "stdout", "A\nB\nC\n")
+    model.add(1, "stdout", "B\nA\nC\n")
+    model.add(2, "stdout", "C\nA\n")
+    for finished in (False, True):
+        if finished:
+            model.finish()
+        for rank, printed in ((0, ["A", "B", "C"]), (1, ["B", "A", "C"]), (2, ["C", "A"])):
+            assert [g.text for g in model.groups if rank in g.ranks] == printed
+
+
+def test_repeated_lines_from_one_rank_stay_separate():
+    model = OutputGroups([0, 1])
+    model.add(0, "stdout", "x\nx\n")
+    model.add(1, "stdout", "x\nx\n")
+    assert lines(model) == [("stdout", "x", [0, 1]), ("stdout", "x", [0, 1])]
+
+
+def test_no_dedupe_shows_every_line():
+    model = OutputGroups([0, 1], dedupe=False)
+    model.add(0, "stdout", "x\n")
+    model.add(1, "stdout", "x\n")
+    assert lines(model) == [("stdout", "x", [0]), ("stdout", "x", [1])]
+
+
+def test_partial_lines_wait_for_newline_or_finish():
+    model = OutputGroups([0])
+    model.add(0, "stdout", "progress ")
+    assert model.groups == []
+    model.add(0, "stdout", "50%\nnext")
+    assert [g.text for g in model.groups] == ["progress 50%"]
+    model.finish_rank(0)
+    assert [g.text for g in model.groups] == ["progress 50%", "next"]
+
+
+def test_stderr_is_grouped_apart_from_stdout():
+    model = OutputGroups([0, 1])
+    model.add(0, "stdout", "same\n")
+    model.add(1, "stderr", "same\n")
+    assert lines(model) == [("stdout", "same", [0]), ("stderr", "same", [1])]
+    assert render_text(model).splitlines() == ["[0] same", "[1]:same"]
+
+
+def test_settled_prefix_advances_as_ranks_pass_or_finish():
+    model = OutputGroups([0, 1])
+    model.add(0, "stdout", "a\nb\n")
+    assert model.settled() == 0  # rank 1 may still print "a"
+    model.add(1, "stdout", "a\n")
+    assert model.settled() == 1
+    model.finish_rank(1)
+    assert model.settled() == 2
+
+
+def test_output_beyond_the_cap_is_counted_not_shown():
+    model = OutputGroups([0], dedupe=False)
+    model.add(0, "stdout", "".join(f"{i}\n" for i in range(MAX_SHOWN_LINES + 5)))
+    assert len(model.groups) == MAX_SHOWN_LINES
+    assert model.dropped_lines == 5
+    assert "5 more lines" in render_text(model)
+
+
+def test_html_escapes_and_marks_streams():
+    model = OutputGroups([0])
+    model.add(0, "stderr", "<b>oops</b>\n")
+    model.notice(0, "rank 0 died")
+    out = render_html(model)
+    assert "&lt;b&gt;oops&lt;/b&gt;" in out and "rank 0 died" in out

@@ -1,0 +1,97 @@
+import os
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from monarch_kernel.errors import SerializationError
+from monarch_kernel.serialization import SHM_THRESHOLD, Sealed, ShmRef, release, seal, unseal
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64,
+                                   torch.bool, torch.complex64, torch.uint8, torch.float16])
+def test_tensors_round_trip_bit_exact(dtype):
+    t = (torch.randn(3, 5) * 10).to(dtype)
+    back = unseal(seal(t))
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_tensor_data_travels_out_of_band():
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    sealed = seal(t)
+    assert len(sealed.data) < 1024  # the 256 KiB of data is not in the pickle stream
+    assert sum(memoryview(b).nbytes for b in sealed.buffers) == t.numel() * 4
+
+
+def test_views_empty_and_scalar_tensors():
+    base = torch.arange(24.0).reshape(4, 6)
+    for t in (base.t(), base[:, ::2], torch.empty(0, 3), torch.tensor(3.5), base[1]):
+        back = unseal(seal(t))
+        assert back.shape == t.shape and torch.equal(back, t)
+
+
+def test_requires_grad_is_kept_and_parameters_work():
+    t = torch.ones(3, requires_grad=True)
+    assert unseal(seal(t)).requires_grad
+    model = torch.nn.Linear(3, 2)
+    back = unseal(seal(model))
+    assert torch.equal(back.weight, model.weight)
+
+
+def test_numpy_and_nested_values():
+    value = {"a": np.arange(10.0), "b": [torch.ones(2), "text"], "c": (1, None)}
+    back = unseal(seal(value))
+    assert np.array_equal(back["a"], value["a"]) and torch.equal(back["b"][0], torch.ones(2))
+    assert back["b"][1] == "text" and back["c"] == (1, None)
+
+
+def test_notebook_functions_and_classes_travel_by_value():
+    class Scaler:
+        def __init__(self, k):
+            self.k = k
+
+        def __call__(self, x):
+            return x * self.k
+
+    fn = lambda x: Scaler(3)(x) + 1  # noqa: E731
+    assert unseal(seal(fn))(2) == 7
+
+
+def test_large_buffers_go_through_shared_memory(tmp_path):
+    t = torch.arange(SHM_THRESHOLD // 4 * 2, dtype=torch.float32)
+    sealed = seal(t, shm_dir=str(tmp_path))
+    refs = [b for b in sealed.buffers if isinstance(b, ShmRef)]
+    assert len(refs) == 1 and os.path.exists(refs[0].path)
+    # the envelope (as the agent forwards it) carries the reference, not the data
+    assert len(pickle.dumps(sealed, protocol=5)) < 4096
+    back = unseal(sealed)
+    assert torch.equal(back, t)
+    assert not os.path.exists(refs[0].path)  # consumed by the single receiver
+    back += 1  # private, writable mapping
+    assert back[0].item() == 1.0
+
+
+def test_shared_buffers_are_copy_on_write_and_released_by_sender(tmp_path):
+    t = torch.zeros(SHM_THRESHOLD // 4 * 2)
+    sealed = seal({"x": t}, shm_dir=str(tmp_path), shared=True)
+    first, second = unseal(sealed)["x"], unseal(sealed)["x"]
+    first += 1
+    assert second.sum().item() == 0  # one receiver's writes are invisible to another
+    assert all(os.path.exists(p) for p in sealed.shm_paths())
+    release(sealed)
+    assert not any(os.path.exists(p) for p in sealed.shm_paths())
+
+
+def test_unpicklable_value_names_the_variable():
+    with pytest.raises(SerializationError, match="variable 'lock'.*cannot pickle"):
+        seal(threading.Lock(), name="lock")
+
+
+def test_sealed_blob_survives_an_envelope_without_copying_buffers():
+    t = torch.arange(1000)
+    chunks = []
+    meta = pickle.dumps(seal(t), protocol=5, buffer_callback=chunks.append)
+    inner = pickle.loads(meta, buffers=[bytearray(c.raw()) for c in chunks])
+    assert isinstance(inner, Sealed) and torch.equal(unseal(inner), t)
