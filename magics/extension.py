@@ -18,7 +18,11 @@ def _sink_factory(shell):
     def make(options: dict[str, Any]):
         ranks, dedupe = tuple(options.get("ranks", ())), options.get("dedupe", True)
         if getattr(shell, "kernel", None) is not None:
-            return LiveOutput(ranks, dedupe=dedupe, publisher=KernelPublisher(shell))
+            placeholder = None
+            if options.get("background"):
+                placeholder = (f"[{options.get('label', 'run')} is running in the background; its output "
+                               "appears here. Get its value with `await fut` or `fut.get()`]")
+            return LiveOutput(ranks, dedupe=dedupe, publisher=KernelPublisher(shell), placeholder=placeholder)
         return TerminalOutput(ranks, dedupe=dedupe)
 
     return make

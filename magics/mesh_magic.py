@@ -9,7 +9,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from monarch_kernel.errors import MeshError, RemoteError
+from monarch_kernel.errors import CellSyntaxError, MeshError, RemoteError
 from monarch_kernel.mesh import BACKENDS, Mesh, local_mesh
 from monarch_kernel.shape import format_ranks, parse_spec
 from monarch_kernel.values import ValueMesh
@@ -110,8 +110,8 @@ class MeshMagics(Magics):
             if cell is None:
                 return self._line_magic(line)
             return self._cell_magic(line, cell)
-        except RemoteError:
-            raise  # IPython shows the remote tracebacks through _render_traceback_
+        except (RemoteError, CellSyntaxError):
+            raise  # IPython shows these through their _render_traceback_
         except MeshError as exc:
             raise UsageError(str(exc)) from None
 
@@ -123,12 +123,10 @@ class MeshMagics(Magics):
         name = f"In[{count}]" if count is not None else None
         try:
             future = target.run_async(cell, timeout=args.timeout, fail_fast=args.fail_fast,
-                                      dedupe=not args.no_dedupe, name=name)
-        except SyntaxError:
-            self.shell.showsyntaxerror()
-            return None
+                                      dedupe=not args.no_dedupe, name=name, background=args.bg)
+        except SyntaxError as exc:
+            raise CellSyntaxError(exc) from None  # shown like a local SyntaxError
         if args.bg:
-            future.pump_in_background()
             return future
         result = future.get()
         return result if _has_values(result) else None
@@ -232,7 +230,7 @@ class MeshMagics(Magics):
         print("cells run locally again")
 
     def _set_auto(self, name: str | None) -> None:
-        transformers = self.shell.input_transformers_post
+        transformers = self.shell.input_transformers_cleanup
         if self._route_cell in transformers:
             transformers.remove(self._route_cell)
         self._auto = name

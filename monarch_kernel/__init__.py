@@ -8,6 +8,7 @@ In IPython/Jupyter: `%load_ext monarch_kernel`, then `%mesh up local --gpus 4` a
 """
 
 from .errors import (
+    CellSyntaxError,
     MeshError,
     MeshInterrupted,
     MeshNotRunningError,
@@ -27,6 +28,7 @@ from .values import ValueMesh
 __version__ = "0.1.0"
 
 __all__ = [
+    "CellSyntaxError",
     "Mesh",
     "MeshError",
     "MeshFuture",

@@ -101,13 +101,14 @@ class RankStream(io.TextIOBase):
 
 
 def _merge(chunks: list[tuple[int | None, str]]) -> list[tuple[int | None, str]]:
-    merged: list[tuple[int | None, str]] = []
+    """Join consecutive chunks of the same request (one join per run, not per chunk)."""
+    runs: list[tuple[int | None, list[str]]] = []
     for req, text in chunks:
-        if merged and merged[-1][0] == req:
-            merged[-1] = (req, merged[-1][1] + text)
+        if runs and runs[-1][0] == req:
+            runs[-1][1].append(text)
         else:
-            merged.append((req, text))
-    return merged
+            runs.append((req, [text]))
+    return [(req, "".join(parts)) for req, parts in runs]
 
 
 def mime_bundle(obj: Any) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -25,6 +25,20 @@ class MeshStartError(MeshError):
     """A mesh (or one of its hosts) failed to start."""
 
 
+class CellSyntaxError(MeshError):
+    """A cell does not compile; nothing was sent to the ranks."""
+
+    def __init__(self, error: SyntaxError):
+        super().__init__(f"{error.msg} ({error.filename}, line {error.lineno}); nothing was sent to the ranks")
+        self.error = error
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython hook: show it like a local SyntaxError, without our frames."""
+        import traceback
+
+        return "".join(traceback.format_exception_only(type(self.error), self.error)).splitlines()
+
+
 class SerializationError(MeshError):
     """A value could not be pickled or unpickled to cross to/from the ranks."""
 

@@ -54,7 +54,8 @@ class KernelPublisher:
 class LiveOutput:
     """An OutputSink that shows grouped rank output live in a Jupyter cell."""
 
-    def __init__(self, ranks: tuple[int, ...], *, dedupe: bool, publisher: KernelPublisher):
+    def __init__(self, ranks: tuple[int, ...], *, dedupe: bool, publisher: KernelPublisher,
+                 placeholder: str | None = None):
         self._ranks = ranks
         self._dedupe = dedupe
         self._publisher = publisher
@@ -62,6 +63,9 @@ class LiveOutput:
         self._display_id: str | None = None
         self._shown_version = 0
         self._last_render = 0.0
+        if placeholder is not None:  # claim the spot in the cell now, while it still runs
+            self._display_id = publisher.show({"text/plain": placeholder})
+            self._shown_version = -1
 
     def output(self, rank: int, stream: str, text: str) -> None:  # noqa: D102
         self._model.add(rank, stream, text)

@@ -93,13 +93,22 @@ class Mesh:
                               dedupe=dedupe, name=name).get()
 
     def run_async(self, code: str, *, timeout: float | None = None, fail_fast: bool = False,
-                  sink: OutputSink | None = None, dedupe: bool = True, name: str | None = None) -> MeshFuture:
-        """Start code on every rank and return at once with a MeshFuture."""
+                  sink: OutputSink | None = None, dedupe: bool = True, name: str | None = None,
+                  background: bool = False) -> MeshFuture:
+        """Start code on every rank and return at once with a MeshFuture.
+
+        With background=True, live output is delivered from a helper thread (to the
+        cell that started the run) even if nobody calls get().
+        """
         filename = f"<mesh {name or f'cell {next(_cell_numbers)}'}>"
         check_syntax(code, filename)
         label = name or filename.strip("<>")
-        return self._submit(lambda rid: m.RunCell(rid, code, filename), label=label, timeout=timeout,
-                            fail_fast=fail_fast, sink=sink, dedupe=dedupe, finish=self._values)
+        future = self._submit(lambda rid: m.RunCell(rid, code, filename), label=label, timeout=timeout,
+                              fail_fast=fail_fast, sink=sink, dedupe=dedupe, finish=self._values,
+                              background=background)
+        if background:
+            future.pump_in_background()
+        return future
 
     def push(self, **values: Any) -> None:
         """Assign variables in each rank's namespace: `mesh.push(lr=0.1, model=net)`."""
@@ -129,9 +138,9 @@ class Mesh:
 
     def _submit(self, make_body, *, label: str, finish, timeout: float | None = None,
                 fail_fast: bool = False, sink: OutputSink | None = None, dedupe: bool = True,
-                on_done=None) -> MeshFuture:
+                on_done=None, background: bool = False) -> MeshFuture:
         if sink is None:
-            sink = default_sink(ranks=self.ranks, dedupe=dedupe, label=label)
+            sink = default_sink(ranks=self.ranks, dedupe=dedupe, label=label, background=background)
         req = self._runtime.submit(self.ranks, make_body, label=label, fail_fast=fail_fast, on_done=on_done)
         return MeshFuture(self._runtime, req, sink, finish, timeout=timeout)
 

@@ -1,0 +1,148 @@
+"""A real Jupyter kernel driven like a notebook frontend (jupyter_client)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import pids_alive
+from kernel_driver import KernelDriver
+
+PIDS = ("from monarch_kernel.magics import current_registry\n"
+        "_m = current_registry().get()\n"
+        "print(json.dumps([s.pid for s in _m.status()] + [l.process.pid for l in _m._runtime.links]))")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = KernelDriver()
+    run = k.execute("import json\n%load_ext monarch_kernel\n%mesh up local --gpus 4 --dist gloo", 120)
+    assert run.status == "ok", run.text()
+    yield k
+    k.shutdown()
+
+
+def first_output_time(run, needle):
+    for ts, msg in run.messages:
+        data = msg["content"].get("data", {}) or {}
+        if needle in data.get("text/plain", "") or needle in msg["content"].get("text", ""):
+            return ts - run.started
+    return None
+
+
+def test_output_streams_live_into_its_own_cell_deduped(kernel):
+    run = kernel.execute("%%mesh\nimport time\nprint('first', flush=True)\ntime.sleep(2)\nprint('second')", 30)
+    assert run.status == "ok"
+    first, second = first_output_time(run, "first"), first_output_time(run, "second")
+    assert first is not None and second is not None and second - first > 1.5
+    outputs = run.outputs()
+    assert len(outputs) == 1  # one live display, updated in place
+    assert outputs[0]["data"]["text/plain"] == "[0-3] first\n[0-3] second"
+    after = kernel.execute("1 + 1")
+    assert "first" not in after.text() and "second" not in after.text()
+
+
+def test_values_and_allreduce_as_in_the_readme(kernel):
+    run = kernel.execute("%%mesh\nimport torch, torch.distributed as dist\nt = torch.ones(2) * dist.get_rank()\n"
+                         "dist.all_reduce(t)\nprint('sum', t.tolist())\ndist.get_rank()", 30)
+    text = run.text()
+    assert text.count("sum [6.0, 6.0]") == 1 and "[0-3] sum [6.0, 6.0]" in text
+    result = [o for o in run.outputs() if o["type"] == "execute_result"][0]
+    assert "gpus 0  gpus 1  gpus 2  gpus 3" in result["data"]["text/plain"]
+    assert "<table>" in result["data"]["text/html"]
+
+
+def test_stop_button_interrupts_every_rank_within_a_second(kernel):
+    kernel.execute("%%mesh\nkept = 'state'")
+    run = kernel.submit("%%mesh\nimport time\ntime.sleep(100)")
+    kernel.collect(run, 10, until=lambda r: any(m["msg_type"] == "execute_input" for _, m in r.messages))
+    time.sleep(0.5)
+    start = time.monotonic()
+    kernel.interrupt()
+    kernel.collect(run, 10)
+    assert time.monotonic() - start < 1.0
+    assert run.status == "error"
+    error = [o for o in run.outputs() if o["type"] == "error"][0]
+    tb = "\n".join(error["traceback"])
+    assert "KeyboardInterrupt" in tb and "time.sleep(100)" in tb and "ranks 0-3" in tb
+    start = time.monotonic()
+    after = kernel.execute("%%mesh\nkept", 10)
+    assert time.monotonic() - start < 1.0
+    assert "all ranks: 'state'" in after.text()
+    busy = kernel.execute("print([s.state for s in current_registry().get().status()])"
+                          if False else "%mesh status").text()
+    assert busy.count("idle") == 4
+
+
+def test_dead_rank_ends_the_cell_within_a_second_with_fail_fast(kernel):
+    start_cell = ("%%mesh --fail-fast\nimport os, sys, time\nif os.environ['RANK'] == '2':\n"
+                  "    print('bye', file=sys.stderr, flush=True)\n    time.sleep(0.2)\n    os._exit(3)\ntime.sleep(30)")
+    run = kernel.submit(start_cell)
+    start = time.monotonic()
+    kernel.collect(run, 15)
+    assert time.monotonic() - start < 2.0
+    tb = "\n".join([o for o in run.outputs() if o["type"] == "error"][0]["traceback"])
+    assert "rank 2 (host localhost, pid" in tb and "exit code 3" in tb and "bye" in tb
+    status = kernel.execute("%mesh status").text()
+    assert "dead" in status and "exit code 3" in status
+    restarted = kernel.execute("%mesh restart", 60)
+    assert restarted.text().count("idle") == 4
+
+
+def test_background_run_keeps_its_output_in_its_cell(kernel):
+    bg = kernel.execute("%%mesh --bg\nimport time\ntime.sleep(0.5)\nprint('late line')\n5", 10)
+    assert bg.status == "ok" and "MeshFuture" in bg.text()
+    display_ids = {m["content"].get("transient", {}).get("display_id") for _, m in bg.messages
+                   if m["msg_type"] == "display_data"}
+    later = kernel.execute("import time\ntime.sleep(1.5)\nprint('other cell')", 10)
+    updates = [m for _, m in later.messages if m["msg_type"] == "update_display_data"]
+    assert updates and all(m["content"]["transient"]["display_id"] in display_ids for m in updates)
+    assert all("late line" not in o.get("text", "") for o in later.outputs() if o["type"] == "stream")
+    waited = kernel.execute("await _", 10)
+    assert "all ranks: 5" in waited.text()
+
+
+def test_kernel_kill_leaves_no_process_behind():
+    k = KernelDriver()
+    try:
+        run = k.execute("import json\n%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist gloo\n" + PIDS, 120)
+        pids = json.loads([o for o in run.outputs() if o["type"] == "stream"][-1]["text"].strip().splitlines()[-1])
+        assert len(pids_alive(pids)) == 3
+        k.kill()
+        deadline = time.monotonic() + 5
+        while pids_alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pids_alive(pids)
+    finally:
+        k.shutdown()
+
+
+def test_kernel_restart_leaves_no_process_behind():
+    k = KernelDriver()
+    try:
+        run = k.execute("import json\n%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist none\n" + PIDS, 120)
+        pids = json.loads([o for o in run.outputs() if o["type"] == "stream"][-1]["text"].strip().splitlines()[-1])
+        k.km.restart_kernel(now=False)
+        deadline = time.monotonic() + 5
+        while pids_alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pids_alive(pids)
+    finally:
+        k.shutdown()
+
+
+def test_monarch_kernelspec_loads_the_extension(tmp_path, monkeypatch):
+    subprocess.run([sys.executable, "-m", "monarch_kernel", "install", "--prefix", str(tmp_path)], check=True)
+    spec = json.loads((tmp_path / "share/jupyter/kernels/monarch/kernel.json").read_text())
+    assert spec["display_name"] == "Python 3 (monarch)" and "--ext=monarch_kernel" in spec["argv"]
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share/jupyter"))
+    k = KernelDriver(kernel_name="monarch")
+    try:
+        run = k.execute("%mesh up local --gpus 1 --dist none\n%mesh down", 60)
+        assert run.status == "ok" and "is down" in run.text()
+    finally:
+        k.shutdown()

@@ -1,0 +1,97 @@
+"""%mesh / %%mesh in a real IPython shell (terminal flavour: no kernel)."""
+
+import pytest
+from IPython.testing.globalipapp import start_ipython
+from IPython.utils.capture import capture_output
+
+from monarch_kernel.values import ValueMesh
+
+
+@pytest.fixture(scope="module")
+def ip():
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "monarch_kernel")
+    yield shell
+    shell.run_line_magic("unload_ext", "monarch_kernel")
+
+
+def run(ip, code):
+    with capture_output() as cap:
+        result = ip.run_cell(code)
+    shown = "\n".join(out.data.get("text/plain", "") for out in cap.outputs)
+    return result, cap.stdout + cap.stderr + shown
+
+
+@pytest.mark.parametrize("line", ["%mesh", "%mesh bogus", "%mesh up local --gpus x", "%mesh up ssh",
+                                  "%mesh status", "%mesh pull 1", "%mesh use nope", "%%mesh\n1"])
+def test_bad_input_gives_a_short_message_not_a_traceback(ip, line):
+    result, text = run(ip, line)
+    assert not result.success
+    assert "UsageError" in text and "Traceback" not in text and "monarch_kernel/" not in text
+
+
+def test_a_session_of_magics(ip):
+    result, text = run(ip, "%mesh up local --gpus 4 --dist gloo --name main --env MY_FLAG=on")
+    assert result.success, text
+    assert "mesh 'main' {hosts: 1, gpus: 4} dist=gloo (default)" in text and text.count("idle") == 4
+
+    result, text = run(ip, "%%mesh\nimport os, torch, torch.distributed as dist\nt = torch.ones(2) * dist.get_rank()\n"
+                           "dist.all_reduce(t)\nprint('sum', t.tolist())\nprint(os.environ['MY_FLAG'])\ndist.get_rank()")
+    assert result.success, text
+    assert text.count("sum [6.0, 6.0]") == 1 and "[0-3] sum [6.0, 6.0]" in text
+    assert isinstance(result.result, ValueMesh) and list(result.result.values()) == [0, 1, 2, 3]
+
+    result, text = run(ip, "%%mesh --gpus 1:3\ndist.get_rank()")
+    assert result.result.by_rank() == {1: 1, 2: 2}
+    result, text = run(ip, "%%mesh --ranks 0,3 --no-dedupe\nprint('hi')")
+    assert "[0] hi" in text and "[3] hi" in text and result.result is None
+    result, text = run(ip, "%%mesh --gpus 7\n1")
+    assert not result.success and "out of range" in text and "Traceback" not in text
+
+    ip.user_ns["lr"] = 0.5
+    result, text = run(ip, "%mesh push lr")
+    assert result.success, text
+    result, _ = run(ip, "%mesh pull lr * 2")
+    assert list(result.result.values()) == [1.0] * 4
+    result, text = run(ip, "%mesh push not_defined_here")
+    assert "not defined in the notebook: not_defined_here" in text
+
+    result, text = run(ip, "%%mesh\nraise KeyError('k')")
+    assert not result.success and "KeyError: 'k'" in text and "ranks 0-3" in text
+    assert "magics/" not in text and "futures.py" not in text
+
+    result, text = run(ip, "%%mesh\nx = (")
+    assert not result.success and "SyntaxError" in text and "mesh_magic" not in text, text
+
+
+def test_on_off_routes_every_cell(ip):
+    run(ip, "%mesh on")
+    result, text = run(ip, "import torch.distributed as dist\ndist.get_rank() * 10")
+    assert isinstance(result.result, ValueMesh) and list(result.result.values()) == [0, 10, 20, 30]
+    run(ip, "%mesh off")
+    result, _ = run(ip, "40 + 2")
+    assert result.result == 42
+
+
+def test_two_meshes_use_and_down(ip):
+    result, text = run(ip, "%mesh up local --gpus 1 --dist none --name small")
+    assert result.success, text
+    result, _ = run(ip, "%%mesh\nimport os\nos.environ['WORLD_SIZE']")
+    assert list(result.result.values()) == ["1"]
+    run(ip, "%mesh use main")
+    result, _ = run(ip, "%%mesh\nos.environ['WORLD_SIZE']")
+    assert list(result.result.values()) == ["4"] * 4
+    result, _ = run(ip, "%%mesh --name small\nos.getpid() > 0")
+    assert list(result.result.values()) == [True]
+    result, text = run(ip, "%mesh up local --gpus 1 --name small")
+    assert "already up" in text
+    result, text = run(ip, "%mesh down small")
+    assert "mesh 'small' is down" in text
+    result, text = run(ip, "%mesh logs --rank 0 --lines 5")
+    assert result.success and "--- rank 0" in text
+    result, text = run(ip, "%mesh restart")
+    assert result.success and text.count("idle") == 4
+    result, text = run(ip, "%mesh down")
+    assert "mesh 'main' is down" in text
+    result, text = run(ip, "%%mesh\n1")
+    assert "no mesh is up" in text
