@@ -6,7 +6,7 @@ import atexit
 from typing import Any
 
 from monarch_kernel import sinks
-from monarch_kernel.live import KernelPublisher, LiveOutput, TerminalOutput
+from monarch_kernel.live import KernelPublisher, LiveOutput, TerminalOutput, WidgetPublisher
 
 from .mesh_magic import MeshMagics
 from .registry import MeshRegistry
@@ -18,11 +18,11 @@ def _sink_factory(shell):
     def make(options: dict[str, Any]):
         ranks, dedupe = tuple(options.get("ranks", ())), options.get("dedupe", True)
         if getattr(shell, "kernel", None) is not None:
-            placeholder = None
             if options.get("background"):
                 placeholder = (f"[{options.get('label', 'run')} is running in the background; its output "
                                "appears here. Get its value with `await fut` or `fut.get()`]")
-            return LiveOutput(ranks, dedupe=dedupe, publisher=KernelPublisher(shell), placeholder=placeholder)
+                return LiveOutput(ranks, dedupe=dedupe, publisher=WidgetPublisher(), placeholder=placeholder)
+            return LiveOutput(ranks, dedupe=dedupe, publisher=KernelPublisher(shell))
         return TerminalOutput(ranks, dedupe=dedupe)
 
     return make
@@ -56,3 +56,13 @@ def unload_ipython_extension(ipython) -> None:
 def current_registry() -> MeshRegistry | None:
     """The registry of the loaded extension (None when not loaded)."""
     return _state.get("registry")
+
+
+def current_mesh(name: str | None = None):
+    """The mesh that `%mesh` commands act on (or the named one), for use from Python."""
+    registry = current_registry()
+    if registry is None:
+        from monarch_kernel.errors import MeshNotRunningError
+
+        raise MeshNotRunningError("the extension is not loaded: run %load_ext monarch_kernel first")
+    return registry.get(name)

@@ -34,10 +34,13 @@ def register_source(code: str, filename: str) -> None:
 
 
 def compile_cell(code: str, filename: str) -> tuple[CodeType | None, CodeType | None]:
-    """Split a cell into its body and a trailing expression (whose value is returned)."""
+    """Split a cell into its body and a trailing expression (whose value is returned).
+
+    As in IPython, a trailing semicolon means "no value".
+    """
     tree = ast.parse(code, filename, "exec")
     last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
+    if tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";"):
         last = ast.Expression(tree.body.pop().value)
     body = compile(tree, filename, "exec", flags=_FLAGS, dont_inherit=True) if tree.body else None
     expr = compile(last, filename, "eval", flags=_FLAGS, dont_inherit=True) if last else None

@@ -1,8 +1,11 @@
 """Live, deduplicated output of a run in the notebook cell (or terminal) that started it.
 
 In a Jupyter kernel, the cell's text lives in one display that is updated in place (at
-most every REFRESH_S, and at once for the first line), always addressed to the cell's
-own request, so it never lands in a later cell even for background runs. In a terminal,
+most every REFRESH_S, and at once for the first line). While the cell waits, updates go
+as display messages addressed to the cell's own request. A background run (`--bg`)
+outlives its cell's request, so its output goes into an ipywidgets Output widget shown
+in that cell: widget updates travel over the widget's comm, which frontends route by
+widget, not by request, so the text keeps landing in the right cell. In a terminal,
 lines are printed once they are settled (no rank can still join them).
 """
 
@@ -51,10 +54,40 @@ class KernelPublisher:
         self._with_parent(update_display, bundle, raw=True, display_id=display_id)
 
 
+class WidgetPublisher:
+    """Shows a run's outputs inside one ipywidgets Output, displayed in the current cell."""
+
+    def __init__(self) -> None:
+        import ipywidgets
+        from IPython.display import display
+
+        self.widget = ipywidgets.Output()
+        display(self.widget)  # now, while the starting cell is still the current request
+        self._ids: list[str] = []
+
+    def show(self, bundle: dict[str, Any], metadata: dict[str, Any] | None = None, *, live: bool = True) -> str:
+        """Append an output; returns its id (for updates)."""
+        display_id = uuid.uuid4().hex
+        self._ids.append(display_id)
+        self.widget.outputs = (*self.widget.outputs, _display_output(bundle, metadata))
+        return display_id
+
+    def update(self, display_id: str, bundle: dict[str, Any]) -> None:
+        """Replace an output shown earlier."""
+        index = self._ids.index(display_id)
+        outputs = list(self.widget.outputs)
+        outputs[index] = _display_output(bundle, None)
+        self.widget.outputs = tuple(outputs)
+
+
+def _display_output(bundle: dict[str, Any], metadata: dict[str, Any] | None) -> dict[str, Any]:
+    return {"output_type": "display_data", "data": bundle, "metadata": metadata or {}}
+
+
 class LiveOutput:
     """An OutputSink that shows grouped rank output live in a Jupyter cell."""
 
-    def __init__(self, ranks: tuple[int, ...], *, dedupe: bool, publisher: KernelPublisher,
+    def __init__(self, ranks: tuple[int, ...], *, dedupe: bool, publisher: KernelPublisher | WidgetPublisher,
                  placeholder: str | None = None):
         self._ranks = ranks
         self._dedupe = dedupe

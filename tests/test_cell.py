@@ -15,6 +15,11 @@ def test_last_expression_is_the_value_and_state_persists():
     assert runner.run("y = 1", "<mesh In[3]>") is None
 
 
+def test_trailing_semicolon_suppresses_the_value():
+    _, value = run("x = 3\nx * 2;")
+    assert value is None
+
+
 def test_top_level_await():
     _, value = run("import asyncio\nawait asyncio.sleep(0)\n'done'")
     assert value == "done"

@@ -96,12 +96,23 @@ def test_dead_rank_ends_the_cell_within_a_second_with_fail_fast(kernel):
 def test_background_run_keeps_its_output_in_its_cell(kernel):
     bg = kernel.execute("%%mesh --bg\nimport time\ntime.sleep(0.5)\nprint('late line')\n5", 10)
     assert bg.status == "ok" and "MeshFuture" in bg.text()
-    display_ids = {m["content"].get("transient", {}).get("display_id") for _, m in bg.messages
-                   if m["msg_type"] == "display_data"}
-    later = kernel.execute("import time\ntime.sleep(1.5)\nprint('other cell')", 10)
-    updates = [m for _, m in later.messages if m["msg_type"] == "update_display_data"]
-    assert updates and all(m["content"]["transient"]["display_id"] in display_ids for m in updates)
-    assert all("late line" not in o.get("text", "") for o in later.outputs() if o["type"] == "stream")
+    widget_ids = {m["content"]["comm_id"] for _, m in bg.messages if m["msg_type"] == "comm_open"}
+    assert any("Output widget" in o.get("data", {}).get("text/plain", "") or
+               "application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in bg.outputs())
+    later = kernel.submit("import time\ntime.sleep(1.5)\nprint('other cell')")
+    updates = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        msg = kernel.kc.get_iopub_msg(timeout=5)
+        if msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] in widget_ids:
+            updates.append(json.dumps(msg["content"]["data"]))
+        if msg["parent_header"].get("msg_id") == later.msg_id:
+            later.messages.append((time.monotonic(), msg))
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+    later.reply = kernel.kc.get_shell_msg(timeout=10)
+    assert any("late line" in u for u in updates)  # into the bg cell's widget
+    assert "late line" not in later.text() and "other cell" in later.text()
     waited = kernel.execute("await _", 10)
     assert "all ranks: 5" in waited.text()
 
