@@ -41,8 +41,8 @@ class OutputGroups:
         self.groups: list[Group] = []
         self._partial: dict[tuple[int, str], str] = {}
         self._last_pos: dict[int, int] = defaultdict(lambda: -1)
-        self._by_key: dict[tuple, list[int]] = defaultdict(list)
-        self._cursor: dict[tuple, int] = defaultdict(int)
+        self._by_key: dict[tuple, list[int]] = {}
+        self._cursor: dict[tuple, int] = {}
         self._done: set[int] = set()
         self._lines: dict[int, list[tuple[str, str]]] = defaultdict(list)
         self.dropped_lines = 0
@@ -57,8 +57,9 @@ class OutputGroups:
         rest = pieces.pop()
         if rest:
             self._partial[key] = rest
+        add_line = self._add_line
         for line in pieces:
-            self._add_line(rank, stream, line)
+            add_line(rank, stream, line)
 
     def notice(self, rank: int, text: str) -> None:
         """Add a message about a rank (shown as its own line)."""
@@ -97,20 +98,23 @@ class OutputGroups:
             self.version += 1
             return
         key = (stream, line) if self.dedupe and stream != "notice" else (stream, line, rank)
-        candidates = self._by_key[key]
-        cursor_key = (key, rank)
-        i = self._cursor[cursor_key]
-        last = self._last_pos[rank]
-        while i < len(candidates) and (candidates[i] <= last or rank in self.groups[candidates[i]].ranks):
-            i += 1
-        self._cursor[cursor_key] = i
-        if i < len(candidates):
-            pos = candidates[i]
-            self.groups[pos].ranks.append(rank)
-        else:
-            pos = len(self.groups)
-            self.groups.append(Group(stream, line, [rank]))
-            candidates.append(pos)
+        groups = self.groups
+        candidates = self._by_key.get(key)
+        pos = -1
+        if candidates is not None:
+            cursor_key = (key, rank)
+            i = self._cursor.get(cursor_key, 0)
+            last = self._last_pos[rank]
+            while i < len(candidates) and (candidates[i] <= last or rank in groups[candidates[i]].ranks):
+                i += 1
+            self._cursor[cursor_key] = i
+            if i < len(candidates):
+                pos = candidates[i]
+                groups[pos].ranks.append(rank)
+        if pos < 0:
+            pos = len(groups)
+            groups.append(Group(stream, line, [rank]))
+            self._by_key.setdefault(key, []).append(pos)
             self._chars += len(line) + 1
         self._last_pos[rank] = pos
         self._lines[rank].append((stream, line))
@@ -123,6 +127,10 @@ def _align(per_rank: dict[int, list[tuple[str, str]]]) -> list[Group]:
     for rank, seq in per_rank.items():
         keys = [(g.stream, g.text) if g.stream != "notice" else (g, None) for g in merged]
         mine = [(st, tx) if st != "notice" else (object(), None) for st, tx in seq]
+        if mine == keys:  # the common case: this rank printed exactly what the others did
+            for group in merged:
+                group.ranks.append(rank)
+            continue
         rebuilt: list[Group] = []
         matcher = SequenceMatcher(None, keys, mine, autojunk=False)
         for tag, i1, i2, j1, j2 in matcher.get_opcodes():
@@ -137,8 +145,14 @@ def _align(per_rank: dict[int, list[tuple[str, str]]]) -> list[Group]:
     return merged
 
 
-def _tag(group: Group) -> str:
-    return f"[{format_ranks(group.ranks)}]"
+def _tag(group: Group, cache: dict | None = None) -> str:
+    if cache is None:
+        return f"[{format_ranks(group.ranks)}]"
+    key = tuple(group.ranks)
+    tag = cache.get(key)
+    if tag is None:
+        tag = cache[key] = f"[{format_ranks(group.ranks)}]"
+    return tag
 
 
 def _dropped_note(model: OutputGroups) -> str:
@@ -153,11 +167,11 @@ def render_text(model: OutputGroups, start: int = 0, stop: int | None = None, *,
     groups = model.groups[start:stop]
     if not groups:
         return _dropped_note(model) if tail else ""
-    width = max(len(_tag(g)) for g in groups)
-    lines = []
-    for g in groups:
-        marker = "!" if g.stream == "notice" else (":" if g.stream == "stderr" else " ")
-        lines.append(f"{_tag(g).ljust(width)}{marker}{g.text}")
+    cache: dict = {}
+    tags = [_tag(g, cache) for g in groups]
+    width = max(map(len, tags))
+    markers = {"notice": "!", "stderr": ":", "stdout": " "}
+    lines = [f"{tag.ljust(width)}{markers[g.stream]}{g.text}" for tag, g in zip(tags, groups)]
     note = _dropped_note(model) if tail else ""
     return "\n".join(lines + ([note] if note else []))
 
@@ -173,10 +187,11 @@ def render_html(model: OutputGroups) -> str:
     """HTML of all groups: rank tags dimmed, stderr shaded, notices in red."""
     if not model.groups:
         return ""
-    width = max(len(_tag(g)) for g in model.groups)
+    cache: dict = {}
+    width = max(len(_tag(g, cache)) for g in model.groups)
     rows = []
     for g in model.groups:
-        tag = html.escape(_tag(g).ljust(width))
+        tag = html.escape(_tag(g, cache).ljust(width))
         rows.append(f"<span style='{_STYLE[g.stream]}'><span style='opacity:.55'>{tag}</span> "
                     f"{html.escape(g.text)}</span>")
     note = _dropped_note(model)

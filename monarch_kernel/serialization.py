@@ -11,12 +11,14 @@ Hosts agents forward Sealed blobs without unpickling them.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import mmap
 import os
 import pickle
 import secrets
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,16 +147,54 @@ def _to_shm(buf: memoryview, shm_dir: str, shared: bool) -> ShmRef:
     return ShmRef(path, memoryview(buf).nbytes, unlink_on_open=not shared)
 
 
-def _open_shm(ref: ShmRef) -> mmap.mmap:
+def _open_shm(ref: ShmRef):
+    """Map a shared-memory buffer privately (copy-on-write) with its pages pre-faulted.
+
+    Pre-faulting a *writable* private mapping would copy every page, so the pages are
+    mapped read-only first (no copy), then the mapping is made writable: a page is only
+    copied if the receiver writes to it.
+    """
     fd = os.open(ref.path, os.O_RDONLY)
     try:
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(fd, ref.nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return _map_private(fd, ref.nbytes)
     finally:
         os.close(fd)
         if ref.unlink_on_open:
             _unlink_quietly(ref.path)
-    return mapped
+
+
+def _map_private(fd: int, nbytes: int):
+    libc = _libc()
+    if libc is None:  # portable fallback: copies pages on first write, faults lazily
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    addr = libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_PRIVATE | populate, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap of a shared-memory buffer failed")
+    if libc.mprotect(ctypes.c_void_p(addr), nbytes, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
+        libc.munmap(ctypes.c_void_p(addr), nbytes)
+        raise OSError(ctypes.get_errno(), "mprotect of a shared-memory buffer failed")
+    array = (ctypes.c_char * nbytes).from_address(addr)
+    weakref.finalize(array, libc.munmap, ctypes.c_void_p(addr), nbytes)
+    return array
+
+
+_LIBC: list = []
+
+
+def _libc():
+    if not _LIBC:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_int, ctypes.c_long]
+            libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            _LIBC.append(libc)
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    return _LIBC[0]
 
 
 def _unlink_quietly(path: str) -> None:

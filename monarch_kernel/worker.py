@@ -60,8 +60,8 @@ class Worker:
         self.namespace = module.__dict__
         self.namespace["__builtins__"] = __builtins__
         self.runner = CellRunner(self.namespace)
-        self.stdout = RankStream("stdout", config.rank, self._send, lambda: self.current_req)
-        self.stderr = RankStream("stderr", config.rank, self._send, lambda: self.current_req)
+        self.stdout = RankStream("stdout", config.rank, self._send)
+        self.stderr = RankStream("stderr", config.rank, self._send)
         self.displays = DisplayCapture(config.rank, self._send, lambda: self.current_req, self.flush_streams)
 
     def _send(self, msg: Any) -> None:
@@ -95,9 +95,12 @@ class Worker:
                 return
             self.handle(msg)
 
+    def _set_request(self, req_id: int | None) -> None:
+        self.current_req = self.stdout.request_id = self.stderr.request_id = req_id
+
     def handle(self, msg: Any) -> None:
         """Run one request and send its Result."""
-        self.current_req = msg.req_id
+        self._set_request(msg.req_id)
         started = time.time()
         value, failure = None, None
         try:
@@ -115,11 +118,10 @@ class Worker:
             print(f"monarch_kernel: could not render figures: {exc}", file=self.stderr)
         self.stdout.finish_request(msg.req_id)
         self.stderr.finish_request(msg.req_id)
-        self.current_req = None
+        self._set_request(None)
         self._send(Result(msg.req_id, self.config.rank, sealed, failure, started, time.time()))
 
     def _dispatch(self, msg: Any) -> Any:
-        self.displays.patch_ipython()
         if isinstance(msg, RunCell):
             return self._user(self.runner.run, msg.code, msg.filename)
         if isinstance(msg, Pull):

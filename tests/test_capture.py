@@ -7,8 +7,8 @@ from monarch_kernel.messages import Display, Output
 
 def test_stream_batches_writes_and_tags_requests():
     sent = []
-    req = [5]
-    stream = RankStream("stdout", 2, sent.append, lambda: req[0])
+    stream = RankStream("stdout", 2, sent.append)
+    stream.request_id = 5
     for i in range(100):
         stream.write(f"line {i}\n")
     stream.flush()
@@ -19,7 +19,8 @@ def test_stream_batches_writes_and_tags_requests():
 
 def test_flusher_sends_without_explicit_flush():
     sent = []
-    stream = RankStream("stdout", 0, sent.append, lambda: 1)
+    stream = RankStream("stdout", 0, sent.append)
+    stream.request_id = 1
     stream.write("hello\n")
     deadline = time.monotonic() + 2
     while not sent and time.monotonic() < deadline:
@@ -30,7 +31,8 @@ def test_flusher_sends_without_explicit_flush():
 def test_output_per_request_is_capped_and_the_drop_reported(monkeypatch):
     monkeypatch.setattr(capture, "MAX_OUTPUT_PER_REQUEST", 1000)
     sent = []
-    stream = RankStream("stdout", 0, sent.append, lambda: 9)
+    stream = RankStream("stdout", 0, sent.append)
+    stream.request_id = 9
     for _ in range(50):
         stream.write("x" * 99 + "\n")
     stream.finish_request(9)

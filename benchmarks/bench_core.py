@@ -1,0 +1,329 @@
+"""Core benchmark: monarch-kernel vs IPython Parallel vs PyTorch Monarch vs a raw socket floor.
+
+Each system runs in its own subprocess (so runtimes do not disturb each other) with 4
+workers, and reports raw timings as JSON; this script prints medians, p99 and ratios.
+
+    python benchmarks/bench_core.py [--quick] [--only ours,raw,ipyparallel,monarch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+WORKERS = 4
+MIB64 = 64 << 20
+LINES_CODE = "for i in range(1000):\n    print('line', i)"
+
+
+def timed(fn, n: int, warmup: int = 1) -> list[float]:
+    """Seconds per call of fn, n times after warmup calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+# ------------------------------------------------------------------ systems
+
+
+def bench_ours(quick: bool) -> dict:
+    import torch
+
+    import monarch_kernel
+    from monarch_kernel.output import OutputGroups, render_text
+
+    class NullSink:
+        def output(self, *a): pass
+        def display(self, *a): pass
+        def notice(self, *a): pass
+        def rank_done(self, *a): pass
+        def tick(self): pass
+        def close(self): pass
+
+    class TextSink(NullSink):
+        """Groups lines as the notebook view does and renders the final text."""
+
+        def __init__(self, ranks):
+            self.model = OutputGroups(ranks)
+
+        def output(self, rank, stream, text):
+            self.model.add(rank, stream, text)
+
+        def close(self):
+            self.model.finish()
+            self.text = render_text(self.model)
+
+    res: dict = {}
+    startups = []
+    for _ in range(1 if quick else 3):
+        t = time.perf_counter()
+        mesh = monarch_kernel.local_mesh(gpus=WORKERS, dist="gloo")
+        mesh.run("import torch", sink=NullSink())
+        startups.append(time.perf_counter() - t)
+        mesh.shutdown()
+    res["startup (import torch)"] = startups
+    mesh = monarch_kernel.local_mesh(gpus=WORKERS, dist="gloo")
+    res["restart"] = timed(lambda: (mesh.restart(), mesh.run("pass", sink=NullSink())), 1 if quick else 3, 0)
+    n = 100 if quick else 500
+    res["no-op broadcast (API)"] = timed(lambda: mesh.run("pass", sink=NullSink()), n, 20)
+
+    from IPython.testing.globalipapp import start_ipython
+
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "monarch_kernel")
+    from monarch_kernel.magics import current_registry
+
+    current_registry().add(mesh)
+    import monarch_kernel.sinks as sinks
+
+    sinks.set_default_sink_factory(lambda options: NullSink())
+    res["no-op broadcast (magic)"] = timed(lambda: ip.run_cell_magic("mesh", "", "pass"), n, 20)
+    mesh.run(f"import torch\nt = torch.randn({MIB64 // 4})", sink=NullSink())
+    one = mesh.slice(gpus=0)
+    res["pull 64 MiB (s)"] = timed(lambda: one.pull("t"), 5 if quick else 15, 2)
+    x = torch.randn(MIB64 // 4)
+    res["push 64 MiB to 4 (s)"] = timed(lambda: mesh.push(t=x), 5 if quick else 15, 2)
+
+    def lines():
+        sink = TextSink(mesh.ranks)
+        mesh.run(LINES_CODE, sink=sink)
+        assert sink.text.count("\n") == 999, sink.text[-200:]  # 1,000 deduped lines
+
+    res["4 x 1,000 lines shown"] = timed(lines, 10 if quick else 30, 3)
+    ip.run_line_magic("unload_ext", "monarch_kernel")
+    return res
+
+
+def bench_ipyparallel(quick: bool) -> dict:
+    import ipyparallel as ipp
+    import numpy as np
+
+    res: dict = {}
+    t = time.perf_counter()
+    cluster = ipp.Cluster(n=WORKERS, log_level=40)
+    rc = cluster.start_and_connect_sync(activate=True)
+    rc.wait_for_engines(WORKERS, timeout=120)
+    view = rc[:]
+    view.execute("import torch", block=True)
+    res["startup (import torch)"] = [time.perf_counter() - t]
+    try:
+        n = 100 if quick else 300
+        res["no-op broadcast (API)"] = timed(lambda: view.execute("pass", block=True), n, 10)
+        from IPython.testing.globalipapp import start_ipython
+
+        ip = start_ipython()
+        view.activate()  # registers %px on the running IPython
+        res["no-op broadcast (magic)"] = timed(lambda: ip.run_cell_magic("px", "", "pass"), n, 10)
+        view.execute(f"import torch\nt = torch.randn({MIB64 // 4})", block=True)
+        res["pull 64 MiB (s)"] = timed(lambda: rc[0].pull("t", block=True), 5 if quick else 15, 2)
+        x = np.random.rand(MIB64 // 8)
+        res["push 64 MiB to 4 (s)"] = timed(lambda: view.push({"t": x}, block=True), 5 if quick else 15, 2)
+
+        def lines():
+            ar = view.execute(LINES_CODE, block=True)
+            assert sum(s.count("\n") for s in ar.stdout) == 4000
+
+        res["4 x 1,000 lines shown"] = timed(lines, 10 if quick else 30, 3)
+        t = time.perf_counter()
+        cluster.restart_engines_sync()
+        rc.wait_for_engines(WORKERS, timeout=120, block=True)
+        rc[:].execute("import torch", block=True)
+        res["restart"] = [time.perf_counter() - t]
+    finally:
+        cluster.stop_cluster_sync()
+    return res
+
+
+def bench_monarch(quick: bool) -> dict:
+    import torch
+    from monarch.actor import Actor, endpoint, this_host
+
+    class Worker(Actor):
+        def __init__(self):
+            import torch as _t  # noqa: F401
+
+        @endpoint
+        def noop(self) -> None:
+            return None
+
+        @endpoint
+        def make(self, n: int) -> None:
+            self.t = torch.randn(n)
+
+        @endpoint
+        def get(self):
+            return self.t
+
+        @endpoint
+        def put(self, t) -> None:
+            self.t = t
+
+    res: dict = {}
+    t = time.perf_counter()
+    procs = this_host().spawn_procs(per_host={"gpus": WORKERS})
+    actors = procs.spawn("w", Worker)
+    actors.noop.call().get()
+    res["startup (import torch)"] = [time.perf_counter() - t]
+    n = 100 if quick else 300
+    res["no-op broadcast (API)"] = timed(lambda: actors.noop.call().get(), n, 10)
+    actors.make.call(MIB64 // 4).get()
+    one = actors.slice(gpus=0)
+    res["pull 64 MiB (s)"] = timed(lambda: one.get.call_one().get(), 5 if quick else 15, 2)
+    x = torch.randn(MIB64 // 4)
+    res["push 64 MiB to 4 (s)"] = timed(lambda: actors.put.call(x).get(), 5 if quick else 15, 2)
+    return res
+
+
+def bench_raw(quick: bool) -> dict:
+    """The floor: a parent and 4 children on bare Unix socketpairs, no framing library."""
+    import socket
+
+    socks, pids = [], []
+    for _ in range(WORKERS):
+        a, b = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            a.close()
+            _raw_child(b)
+            os._exit(0)
+        b.close()
+        socks.append(a)
+        pids.append(pid)
+
+    def bcast():
+        for s in socks:
+            s.sendall(b"p")
+        for s in socks:
+            s.recv(1)
+
+    res: dict = {"no-op broadcast (API)": timed(bcast, 200 if quick else 1000, 50)}
+    buf = bytearray(MIB64)
+
+    def pull():
+        socks[0].sendall(b"g")
+        view, got = memoryview(buf), 0
+        while got < MIB64:
+            got += socks[0].recv_into(view[got:])
+
+    res["pull 64 MiB (s)"] = timed(pull, 5 if quick else 15, 2)
+    data = bytes(MIB64)
+
+    def push():
+        for s in socks:
+            s.sendall(b"s")
+            s.sendall(data)
+        for s in socks:
+            s.recv(1)
+
+    res["push 64 MiB to 4 (s)"] = timed(push, 5 if quick else 15, 2)
+    for s in socks:
+        s.sendall(b"q")
+    for pid in pids:
+        os.waitpid(pid, 0)
+    return res
+
+
+def _raw_child(sock) -> None:
+    payload = bytes(MIB64)
+    buf = bytearray(MIB64)
+    while True:
+        cmd = sock.recv(1)
+        if cmd in (b"q", b""):
+            return
+        if cmd == b"p":
+            sock.sendall(b"r")
+        elif cmd == b"g":
+            sock.sendall(payload)
+        elif cmd == b"s":
+            view, got = memoryview(buf), 0
+            while got < MIB64:
+                got += sock.recv_into(view[got:])
+            sock.sendall(b"k")
+
+
+SYSTEMS = {"ours": bench_ours, "raw": bench_raw, "ipyparallel": bench_ipyparallel, "monarch": bench_monarch}
+ROWS = ["startup (import torch)", "restart", "no-op broadcast (API)", "no-op broadcast (magic)",
+        "pull 64 MiB (s)", "push 64 MiB to 4 (s)", "4 x 1,000 lines shown"]
+
+
+# ------------------------------------------------------------------ driver
+
+
+def run_system(name: str, quick: bool) -> dict:
+    """Run one system's benchmark in a fresh interpreter; returns timings or a skip reason."""
+    cmd = [sys.executable, __file__, "--child", name] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"skipped": " | ".join(tail) or f"exit code {proc.returncode}"}
+
+
+def _fmt(seconds: float, row: str) -> str:
+    if "64 MiB" in row:
+        return f"{(MIB64 / seconds) / 1e9:.2f} GB/s"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def report(results: dict) -> str:
+    """The comparison table: median (p99) per system, and ours relative to each peer."""
+    names = [n for n in ("ours", "raw", "ipyparallel", "monarch") if n in results]
+    lines = [f"{'benchmark (4 workers)':28}" + "".join(f"{n:>24}" for n in names) + "   ours vs peers"]
+    for row in ROWS:
+        cells, medians = [], {}
+        for name in names:
+            data = results[name].get(row)
+            if not data:
+                cells.append(f"{'-':>24}")
+                continue
+            med = statistics.median(data)
+            p99 = sorted(data)[min(len(data) - 1, int(len(data) * 0.99))]
+            medians[name] = med
+            text = _fmt(med, row) + (f" (p99 {_fmt(p99, row)})" if len(data) >= 10 else "")
+            cells.append(f"{text:>24}")
+        ratios = []
+        if "ours" in medians:
+            for peer in names[1:]:
+                if peer in medians:
+                    ratio = medians["ours"] / medians[peer]
+                    ratios.append(f"{peer} {ratio:.2f}x time")
+        lines.append(f"{row:28}" + "".join(cells) + "   " + ", ".join(ratios))
+    for name in names:
+        if "skipped" in results[name]:
+            lines.append(f"{name} skipped: {results[name]['skipped']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--only", default="ours,raw,ipyparallel,monarch")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(SYSTEMS[args.child](args.quick)), flush=True)
+        os._exit(0)  # do not wait on peers' lingering threads
+    results = {}
+    for name in args.only.split(","):
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        results[name] = run_system(name, args.quick)
+    print(report(results))
+    print("\n(ratios: our median time divided by the peer's; below 1.00x means we are faster; "
+          "for the 64 MiB rows the figures are throughput)")
+
+
+if __name__ == "__main__":
+    main()
