@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import functools
 import inspect
 import linecache
 import os
@@ -33,6 +34,7 @@ def register_source(code: str, filename: str) -> None:
     linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
 
 
+@functools.lru_cache(maxsize=256)
 def compile_cell(code: str, filename: str) -> tuple[CodeType | None, CodeType | None]:
     """Split a cell into its body and a trailing expression (whose value is returned).
 

@@ -329,7 +329,8 @@ class MeshRuntime:
             if req is not None:
                 for result in msg.results:
                     req.results[result.rank] = result
-                    req.events.put(("rank_done", result.rank, None))
+                if req.outstanding:  # when all are done, "done" says it (one wake-up, not two)
+                    req.events.put(("ranks_done", tuple(r.rank for r in msg.results)))
                 self._maybe_complete(req)
         elif isinstance(msg, m.Display):
             self._route(msg.rank, msg.req_id, ("display", msg.rank, msg.data, msg.metadata))

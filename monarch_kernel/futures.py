@@ -122,8 +122,9 @@ class MeshFuture(Generic[T]):
             self._sink.display(event[1], event[2], event[3])
         elif kind == "notice":
             self._sink.notice(event[1], event[2])
-        elif kind == "rank_done":
-            self._sink.rank_done(event[1])
+        elif kind == "ranks_done":
+            for rank in event[1]:
+                self._sink.rank_done(rank)
 
     def _stop(self, why: str, error_type: type) -> BaseException:
         """Interrupt the ranks still running, collect their tracebacks, build the error."""

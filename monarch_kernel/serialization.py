@@ -25,6 +25,7 @@ from typing import Any
 from .errors import SerializationError
 
 SHM_THRESHOLD = 1 << 20  # buffers from 1 MiB go through shared memory on one host
+_NONE_PICKLE = pickle.dumps(None, protocol=5)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ def seal(obj: Any, *, shm_dir: str | None = None, shared: bool = False, name: st
     `shared=True` means several receivers will map them, so the sender unlinks them
     (see Sealed.shm_paths) instead of the receiver.
     """
+    if obj is None:
+        return Sealed(_NONE_PICKLE)
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
     try:
