@@ -122,6 +122,7 @@ def bench_ipyparallel(quick: bool) -> dict:
         from IPython.testing.globalipapp import start_ipython
 
         ip = start_ipython()
+        view.block = True  # %px waits for the engines, as %%mesh does
         view.activate()  # registers %px on the running IPython
         res["no-op broadcast (magic)"] = timed(lambda: ip.run_cell_magic("px", "", "pass"), n, 10)
         view.execute(f"import torch\nt = torch.randn({MIB64 // 4})", block=True)
@@ -281,19 +282,19 @@ def _fmt(seconds: float, row: str) -> str:
 def report(results: dict) -> str:
     """The comparison table: median (p99) per system, and ours relative to each peer."""
     names = [n for n in ("ours", "raw", "ipyparallel", "monarch") if n in results]
-    lines = [f"{'benchmark (4 workers)':28}" + "".join(f"{n:>24}" for n in names) + "   ours vs peers"]
+    lines = [f"{'benchmark (4 workers)':28}" + "".join(f"{n:>28}" for n in names) + "   ours vs peers"]
     for row in ROWS:
         cells, medians = [], {}
         for name in names:
             data = results[name].get(row)
             if not data:
-                cells.append(f"{'-':>24}")
+                cells.append(f"{'-':>28}")
                 continue
             med = statistics.median(data)
             p99 = sorted(data)[min(len(data) - 1, int(len(data) * 0.99))]
             medians[name] = med
             text = _fmt(med, row) + (f" (p99 {_fmt(p99, row)})" if len(data) >= 10 else "")
-            cells.append(f"{text:>24}")
+            cells.append(f"{text:>28}")
         ratios = []
         if "ours" in medians:
             for peer in names[1:]:

@@ -14,37 +14,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import os
 import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import messages as m
-from .transport import AsyncConnection, ConnectionClosed, encode
+from .launcher import RankProcess, fork_rank
+from .transport import AsyncConnection, encode
 
 HEARTBEAT_INTERVAL_S = 0.5
 UNRESPONSIVE_AFTER_S = 2.5
-STDERR_TAIL_LINES = 20
-
-
-@dataclass
-class RankProcess:
-    """The agent's view of one forked rank."""
-
-    spec: m.RankSpec
-    pid: int
-    pidfd: int
-    hb_sock: socket.socket
-    conn: AsyncConnection | None = None
-    ready: asyncio.Future | None = None
-    last_pong: float = field(default_factory=time.monotonic)
-    responsive: bool = True
-    stopping: bool = False
-    stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
 
 
 class HostAgent:
@@ -171,8 +153,6 @@ class HostAgent:
         self._to_controller(m.RanksStarted(infos))
 
     async def _spawn_all(self, msg: m.StartRanks) -> tuple[m.RankInfo, ...]:
-        from .launcher import fork_rank
-
         store_fd, port = None, 0
         if any(spec.rank == 0 for spec in msg.ranks) and msg.dist.backend != "none":
             from .dist import bind_store_socket

@@ -3,18 +3,47 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import socket
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from . import messages as m
 from .transport import AsyncConnection
 
-if TYPE_CHECKING:
-    from .agent import HostAgent, RankProcess
+STDERR_TAIL_LINES = 20
+
+
+class RankSupervisor(Protocol):
+    """What a forked rank reports to (the host agent)."""
+
+    host: str
+
+    def on_rank_message(self, rank: int, msg: Any) -> None: ...  # noqa: D102,E704
+    def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None: ...  # noqa: D102,E704
+    def on_rank_exit(self, rank: int) -> None: ...  # noqa: D102,E704
+    def on_pong(self, rank: int) -> None: ...  # noqa: D102,E704
+
+
+@dataclass
+class RankProcess:
+    """The agent's view of one forked rank."""
+
+    spec: m.RankSpec
+    pid: int
+    pidfd: int
+    hb_sock: socket.socket
+    conn: AsyncConnection | None = None
+    ready: asyncio.Future | None = None
+    last_pong: float = field(default_factory=time.monotonic)
+    responsive: bool = True
+    stopping: bool = False
+    stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
 
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,11 +68,9 @@ def spawn_local_agent(host: str, log_path: str, python: str | None = None) -> tu
     return proc, ours
 
 
-async def fork_rank(agent: HostAgent, spec: m.RankSpec, start: m.StartRanks,
+async def fork_rank(agent: RankSupervisor, spec: m.RankSpec, start: m.StartRanks,
                     store_fd: int | None, master_port: int) -> RankProcess:
     """Fork one rank from the (warm) agent process and wire it to the agent's loop."""
-    from .agent import RankProcess
-
     parent_conn, child_conn = socket.socketpair()
     parent_hb, child_hb = socket.socketpair()
     out_r, out_w = os.pipe()
@@ -76,7 +103,7 @@ async def fork_rank(agent: HostAgent, spec: m.RankSpec, start: m.StartRanks,
     return proc
 
 
-def _pump_fd(loop: asyncio.AbstractEventLoop, fd: int, agent: HostAgent, rank: int, stream: str) -> None:
+def _pump_fd(loop: asyncio.AbstractEventLoop, fd: int, agent: RankSupervisor, rank: int, stream: str) -> None:
     try:
         data = os.read(fd, 65536)
     except BlockingIOError:

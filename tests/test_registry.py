@@ -1,0 +1,33 @@
+import pytest
+
+from monarch_kernel.magics.registry import MeshRegistry
+from monarch_kernel.errors import MeshNotRunningError, MeshUsageError
+
+
+class FakeMesh:
+    """Only what the registry touches: a name and shutdown()."""
+
+    def __init__(self, name):
+        self.name = name
+        self.down = False
+
+    def shutdown(self):
+        self.down = True
+
+
+def test_newest_is_default_and_use_switches():
+    reg = MeshRegistry()
+    with pytest.raises(MeshNotRunningError, match="%mesh up local"):
+        reg.get()
+    a, b = FakeMesh("a"), FakeMesh("b")
+    reg.add(a)
+    reg.add(b)
+    assert reg.get() is b and reg.use("a") is a and reg.get() is a
+    with pytest.raises(MeshUsageError, match="already up"):
+        reg.add(FakeMesh("a"))
+    with pytest.raises(MeshUsageError, match="meshes up: a, b"):
+        reg.get("c")
+    reg.remove("a")
+    assert reg.current == "b"
+    reg.shutdown_all()
+    assert b.down and reg.names() == []
