@@ -10,6 +10,7 @@ never blocked by mesh traffic.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import os
@@ -19,6 +20,7 @@ import signal
 import tempfile
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -146,6 +148,7 @@ class MeshRuntime:
     """Controller-side state of one mesh: its hosts, ranks and requests in flight."""
 
     _req_ids = itertools.count(1)
+    _open: weakref.WeakSet = weakref.WeakSet()  # shut down at interpreter exit
 
     def __init__(self, name: str, hosts: list[HostSpec], gpus: int, backend: str,
                  env: dict[str, str], start_timeout_s: float = 120.0):
@@ -163,6 +166,7 @@ class MeshRuntime:
         self.shm_dir = _private_shm_dir(name)
         self.closed = False
         self.started_at: float | None = None
+        MeshRuntime._open.add(self)
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout: float | None = None) -> None:
@@ -428,6 +432,16 @@ class MeshRuntime:
     def describe_ranks(self, ranks: Iterable[int]) -> str:
         """'ranks 0-3' style text."""
         return f"ranks {format_ranks(list(ranks))}"
+
+
+@atexit.register
+def _shutdown_open_meshes() -> None:
+    """Meshes the user never shut down: stop their processes and remove their files."""
+    for runtime in list(MeshRuntime._open):
+        try:
+            runtime.shutdown()
+        except Exception:  # noqa: BLE001 - best effort while the interpreter exits
+            pass
 
 
 def _private_shm_dir(name: str) -> str:

@@ -23,7 +23,7 @@ MAX_SHOWN_CHARS = 2_000_000
 REALIGN_MAX_LINES = 20_000
 
 
-@dataclass
+@dataclass(slots=True)
 class Group:
     """One shown line and the ranks that printed it."""
 
@@ -57,9 +57,33 @@ class OutputGroups:
         rest = pieces.pop()
         if rest:
             self._partial[key] = rest
+        start = self._follow(rank, stream, pieces) if self.dedupe and stream != "notice" else 0
         add_line = self._add_line
-        for line in pieces:
+        for line in pieces[start:]:
             add_line(rank, stream, line)
+
+    def _follow(self, rank: int, stream: str, lines: list[str]) -> int:
+        """Fast path: join the groups right after the rank's last line while they match.
+
+        This is what happens for every rank but the first when ranks print the same
+        lines; returns how many lines were placed.
+        """
+        groups, last, placed = self.groups, self._last_pos[rank], 0
+        for line in lines:
+            nxt = last + 1
+            if nxt >= len(groups):
+                break
+            group = groups[nxt]
+            if group.text != line or group.stream != stream or rank in group.ranks:
+                break
+            group.ranks.append(rank)
+            last = nxt
+            placed += 1
+        if placed:
+            self._last_pos[rank] = last
+            self._lines[rank].extend((stream, line) for line in lines[:placed])
+            self.version += 1
+        return placed
 
     def notice(self, rank: int, text: str) -> None:
         """Add a message about a rank (shown as its own line)."""
@@ -80,7 +104,10 @@ class OutputGroups:
             self.finish_rank(rank)
         self._done.update(self.all_ranks)
         total = sum(len(v) for v in self._lines.values())
-        if realign and self.dedupe and len(self._lines) > 1 and total <= REALIGN_MAX_LINES:
+        printing = len(self._lines)
+        if all(len(g.ranks) == printing for g in self.groups):
+            return  # every rank printed the same lines: the live grouping is already aligned
+        if realign and self.dedupe and printing > 1 and total <= REALIGN_MAX_LINES:
             self.groups = _align(self._lines)
             self.version += 1
 
@@ -99,12 +126,17 @@ class OutputGroups:
             return
         key = (stream, line) if self.dedupe and stream != "notice" else (stream, line, rank)
         groups = self.groups
-        candidates = self._by_key.get(key)
+        last = self._last_pos[rank]
         pos = -1
+        if key.__len__() == 2 and last + 1 < len(groups):
+            following = groups[last + 1]  # fast path: the rank repeats what another printed
+            if following.text == line and following.stream == stream and rank not in following.ranks:
+                pos = last + 1
+                following.ranks.append(rank)
+        candidates = self._by_key.get(key) if pos < 0 else None
         if candidates is not None:
             cursor_key = (key, rank)
             i = self._cursor.get(cursor_key, 0)
-            last = self._last_pos[rank]
             while i < len(candidates) and (candidates[i] <= last or rank in groups[candidates[i]].ranks):
                 i += 1
             self._cursor[cursor_key] = i

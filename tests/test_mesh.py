@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import pids_alive
-from monarch_kernel import (MeshInterrupted, MeshNotRunningError, MeshTimeoutError, MeshUsageError,
+from monarch_kernel import (MeshInterrupted, MeshNotRunningError, MeshStartError, MeshTimeoutError, MeshUsageError,
                             RemoteError, SerializationError, ValueMesh, local_mesh)
 
 
@@ -181,6 +181,17 @@ def test_status_shows_busy_then_idle(mesh4, sink):
     assert {s.state for s in mesh4.status()} == {"busy"}
     future.get()
     assert {s.state for s in mesh4.status()} == {"idle"}
+
+
+def test_a_failed_start_says_why_and_leaves_nothing():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU, so NCCL would start")
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(MeshStartError, match="--dist nccl needs a CUDA GPU.*use --dist gloo"):
+        local_mesh(gpus=1, dist="nccl", name="no-gpu")
+    assert not {n for n in os.listdir("/dev/shm") if n.startswith("monarch-no-gpu")} - before
 
 
 def test_bad_arguments():
