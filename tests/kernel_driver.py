@@ -7,7 +7,6 @@ import queue
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from jupyter_client.manager import KernelManager
 

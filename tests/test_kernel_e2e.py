@@ -1,8 +1,6 @@
 """A real Jupyter kernel driven like a notebook frontend (jupyter_client)."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -117,27 +115,19 @@ def test_background_run_keeps_its_output_in_its_cell(kernel):
     assert "all ranks: 5" in waited.text()
 
 
-def test_kernel_kill_leaves_no_process_behind():
+@pytest.mark.parametrize("how", ["SIGKILL", "restart", "shutdown"])
+def test_the_kernel_going_away_leaves_no_process_behind(how):
     k = KernelDriver()
     try:
         run = k.execute("import json\n%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist gloo\n" + PIDS, 120)
         pids = json.loads([o for o in run.outputs() if o["type"] == "stream"][-1]["text"].strip().splitlines()[-1])
-        assert len(pids_alive(pids)) == 3
-        k.kill()
-        deadline = time.monotonic() + 5
-        while pids_alive(pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not pids_alive(pids)
-    finally:
-        k.shutdown()
-
-
-def test_kernel_restart_leaves_no_process_behind():
-    k = KernelDriver()
-    try:
-        run = k.execute("import json\n%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist none\n" + PIDS, 120)
-        pids = json.loads([o for o in run.outputs() if o["type"] == "stream"][-1]["text"].strip().splitlines()[-1])
-        k.km.restart_kernel(now=False)
+        assert len(pids_alive(pids)) == 3  # two ranks and their host agent
+        if how == "SIGKILL":
+            k.kill()
+        elif how == "restart":
+            k.km.restart_kernel(now=False)
+        else:
+            k.km.shutdown_kernel(now=False)
         deadline = time.monotonic() + 5
         while pids_alive(pids) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -3,7 +3,6 @@
 import os
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

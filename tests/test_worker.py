@@ -1,0 +1,64 @@
+"""The rank runtime in-process, over a real socketpair (no agent)."""
+
+import socket
+import sys
+
+import pytest
+
+from monarch_kernel.messages import Call, Output, Pull, Push, Result, RunCell
+from monarch_kernel.serialization import seal, unseal
+from monarch_kernel.transport import BlockingConnection
+from monarch_kernel.worker import Worker, WorkerConfig
+
+
+@pytest.fixture
+def rank():
+    a, b = socket.socketpair()
+    worker = Worker(BlockingConnection(a), WorkerConfig(rank=3, host="h", shm_dir=None))
+    peer = BlockingConnection(b)
+    yield worker, peer
+    peer.close()
+
+
+def request(worker, peer, msg):
+    old = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = worker.stdout, worker.stderr  # as worker.install() does in a rank
+    try:
+        worker.handle(msg)
+    finally:
+        sys.stdout, sys.stderr = old
+    got = []
+    while True:
+        item = peer.recv()
+        got.append(item)
+        if isinstance(item, Result):
+            return got
+
+
+def test_output_arrives_before_the_result_it_belongs_to(rank):
+    worker, peer = rank
+    got = request(worker, peer, RunCell(7, "print('a')\nprint('b', file=__import__('sys').stderr)\n41 + 1", "<c>"))
+    outputs, result = got[:-1], got[-1]
+    assert {(o.stream, o.text) for o in outputs} == {("stdout", "a\n"), ("stderr", "b\n")}
+    assert all(isinstance(o, Output) and o.req_id == 7 and o.rank == 3 for o in outputs)
+    assert result.req_id == 7 and result.failure is None and unseal(result.value) == 42
+
+
+def test_push_pull_call_share_the_namespace(rank):
+    worker, peer = rank
+    request(worker, peer, Push(1, seal({"x": 5})))
+    assert unseal(request(worker, peer, Pull(2, "x * 2"))[-1].value) == 10
+    fn = seal(lambda w: w.namespace["x"] + 1)
+    assert unseal(request(worker, peer, Call(3, fn))[-1].value) == 6
+
+
+def test_failures_and_stand_ins(rank):
+    worker, peer = rank
+    result = request(worker, peer, RunCell(1, "import sys\nsys.exit(3)", "<c>"))[-1]
+    assert result.failure.error_type == "SystemExit"
+    result = request(worker, peer, RunCell(2, "import threading\nthreading.Lock()", "<c>"))[-1]
+    assert "unpicklable lock on rank 3" in repr(unseal(result.value))
+    result = request(worker, peer, Pull(3, "threading.Lock()"))[-1]
+    assert result.failure.error_type == "SerializationError"
+    result = request(worker, peer, RunCell(4, "undefined_name", "<mesh In[4]>"))[-1]
+    assert "NameError" in result.failure.traceback and "<mesh In[4]>" in result.failure.traceback
