@@ -21,7 +21,7 @@ from .errors import (
     SerializationError,
 )
 from .futures import MeshFuture
-from .mesh import Mesh, local_mesh
+from .mesh import Mesh, local_mesh, ssh_mesh
 from .shape import Point, Shape
 from .values import ValueMesh
 
@@ -46,6 +46,7 @@ __all__ = [
     "ValueMesh",
     "load_ipython_extension",
     "local_mesh",
+    "ssh_mesh",
     "unload_ipython_extension",
 ]
 

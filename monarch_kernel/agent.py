@@ -27,6 +27,7 @@ from .transport import AsyncConnection, encode
 
 HEARTBEAT_INTERVAL_S = 0.5
 UNRESPONSIVE_AFTER_S = 2.5
+CONTROLLER_SILENCE_S = 6.0  # the controller pings every second; silence means it is gone
 
 
 class HostAgent:
@@ -39,10 +40,13 @@ class HostAgent:
         self.controller: AsyncConnection | None = None
         self.done = asyncio.get_running_loop().create_future()
         self._store_sock: socket.socket | None = None
+        self.last_heard = time.monotonic()
+        self._outbox: list[Any] = []
 
     # ------------------------------------------------------------ controller side
     def on_controller_message(self, msg: Any) -> None:
         """Dispatch one message from the controller."""
+        self.last_heard = time.monotonic()
         if isinstance(msg, m.ToRanks):
             self._fan_out(msg)
         elif isinstance(msg, m.SignalRanks):
@@ -52,6 +56,8 @@ class HostAgent:
                     _kill(proc.pid, msg.signum)
         elif isinstance(msg, m.Ping):
             self._to_controller(m.Pong(msg.seq))
+        elif isinstance(msg, m.BindStore):
+            self._bind_store(msg.addr)
         elif isinstance(msg, m.StartRanks):
             asyncio.get_running_loop().create_task(self._start(msg))
         elif isinstance(msg, m.StopRanks):
@@ -64,8 +70,17 @@ class HostAgent:
         asyncio.get_running_loop().create_task(self.shutdown())
 
     def _to_controller(self, msg: Any) -> None:
-        if self.controller is not None and not self.controller.closed:
+        if self.controller is None:
+            self._outbox.append(msg)  # the connection is still being set up
+        elif not self.controller.closed:
             self.controller.send(msg)
+
+    def connected(self, conn: AsyncConnection) -> None:
+        """The controller connection is ready: send what was queued meanwhile."""
+        self.controller = conn
+        for msg in self._outbox:
+            conn.send(msg)
+        self._outbox.clear()
 
     def _fan_out(self, msg: m.ToRanks) -> None:
         req_id = msg.body.req_id
@@ -152,14 +167,26 @@ class HostAgent:
             return
         self._to_controller(m.RanksStarted(infos))
 
-    async def _spawn_all(self, msg: m.StartRanks) -> tuple[m.RankInfo, ...]:
-        store_fd, port = None, 0
-        if any(spec.rank == 0 for spec in msg.ranks) and msg.dist.backend != "none":
-            from .dist import bind_store_socket
+    def _bind_store(self, addr: str) -> None:
+        from .dist import bind_store_socket
 
-            if self._store_sock is not None:
-                self._store_sock.close()
-            self._store_sock = bind_store_socket(msg.dist.master_addr)
+        if self._store_sock is not None:
+            self._store_sock.close()
+        try:
+            self._store_sock = bind_store_socket(addr)
+        except OSError as exc:
+            self._to_controller(m.RanksFailed(
+                f"{self.host}: cannot listen on MASTER_ADDR {addr} for the rendezvous store ({exc}); "
+                "pass an address of this host (master_addr=...)"))
+            return
+        self._to_controller(m.StoreBound(self._store_sock.getsockname()[1]))
+
+    async def _spawn_all(self, msg: m.StartRanks) -> tuple[m.RankInfo, ...]:
+        port = msg.master_port
+        store_fd = None
+        if any(spec.rank == 0 for spec in msg.ranks) and msg.dist.backend != "none":
+            if self._store_sock is None:
+                self._bind_store(msg.dist.master_addr)
             store_fd, port = self._store_sock.fileno(), self._store_sock.getsockname()[1]
         for spec in msg.ranks:
             proc = await fork_rank(self, spec, msg, store_fd if spec.rank == 0 else None, port)
@@ -207,10 +234,17 @@ class HostAgent:
                 self.done.set_result(None)
 
     async def heartbeat(self) -> None:
-        """Ping every rank; report ranks that stop answering, and those that come back."""
+        """Ping every rank; report ranks that stop answering, and those that come back.
+
+        Also watches the controller: if it has been silent too long (its host lost the
+        network, or the kernel froze), take every rank down rather than leave them behind.
+        """
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             now = time.monotonic()
+            if now - self.last_heard > CONTROLLER_SILENCE_S:
+                await self.shutdown()
+                return
             for rank, proc in list(self.ranks.items()):
                 try:
                     proc.hb_sock.send(b".")
@@ -273,10 +307,21 @@ def _warm_imports() -> None:
 async def _amain(args: argparse.Namespace) -> None:
     agent = HostAgent(args.host)
     loop = asyncio.get_running_loop()
-    sock = socket.socket(fileno=args.fd)
-    agent.controller = await AsyncConnection.from_socket(
-        sock, agent.on_controller_message, agent.on_controller_closed)
-    loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(agent.shutdown()))
+    if args.stdio:
+        # The SSH channel is our stdin/stdout: keep it on private descriptors and point
+        # fds 0/1 elsewhere, so nothing a library prints can corrupt the stream.
+        read_fd, write_fd = os.dup(0), os.dup(1)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(2, 1)
+        agent.connected(await AsyncConnection.from_pipes(
+            read_fd, write_fd, agent.on_controller_message, agent.on_controller_closed))
+    else:
+        sock = socket.socket(fileno=args.fd)
+        agent.connected(await AsyncConnection.from_socket(
+            sock, agent.on_controller_message, agent.on_controller_closed))
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, lambda: loop.create_task(agent.shutdown()))
     beat = loop.create_task(agent.heartbeat())
     await agent.done
     beat.cancel()
@@ -285,15 +330,24 @@ async def _amain(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Agent entry point."""
     parser = argparse.ArgumentParser(description="monarch_kernel host agent")
-    parser.add_argument("--fd", type=int, required=True, help="inherited socket to the controller")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--fd", type=int, help="inherited socket to the controller")
+    where.add_argument("--stdio", action="store_true", help="talk to the controller on stdin/stdout (SSH)")
     parser.add_argument("--host", default=socket.gethostname())
+    parser.add_argument("--cleanup", default=None, help="a folder to remove when the agent exits")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts come as messages, not signals
     from .worker import _die_with_parent
 
     _die_with_parent()
     _warm_imports()
-    asyncio.run(_amain(args))
+    try:
+        asyncio.run(_amain(args))
+    finally:
+        if args.cleanup:
+            import shutil
+
+            shutil.rmtree(args.cleanup, ignore_errors=True)
     sys.exit(0)
 
 

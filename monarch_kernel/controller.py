@@ -28,11 +28,14 @@ from typing import Any
 
 from . import messages as m
 from .errors import MeshNotRunningError, MeshStartError, RankFailure
-from .launcher import spawn_local_agent
+from .hosts import HostConnection, HostSpec, open_host
 from .shape import format_ranks
 from .transport import AsyncConnection
 
 RANK_LOG_LINES = 500
+PING_INTERVAL_S = 1.0
+HOST_LOST_AFTER_S = 3.0
+HOST_LOST = "HOST_LOST"  # the "signal" of ranks whose host disappeared
 
 
 class ControllerLoop:
@@ -130,18 +133,12 @@ class HostLink:
     index: int
     name: str
     ranks: list[int]
-    process: Any = None
+    host: HostConnection | None = None
     conn: AsyncConnection | None = None
     started: asyncio.Future | None = None
+    store_port: asyncio.Future | None = None
+    last_pong: float = 0.0
     log_path: str = ""
-
-
-@dataclass(frozen=True)
-class HostSpec:
-    """A host to run ranks on (only this machine for now)."""
-
-    name: str
-    kind: str = "local"
 
 
 class MeshRuntime:
@@ -151,12 +148,14 @@ class MeshRuntime:
     _open: weakref.WeakSet = weakref.WeakSet()  # shut down at interpreter exit
 
     def __init__(self, name: str, hosts: list[HostSpec], gpus: int, backend: str,
-                 env: dict[str, str], start_timeout_s: float = 120.0):
+                 env: dict[str, str], start_timeout_s: float = 120.0, master_addr: str | None = None):
         self.name = name
         self.hosts = hosts
         self.gpus = gpus
         self.backend = backend
         self.env = env
+        self.master_addr = master_addr
+        self._heartbeat: asyncio.Task | None = None
         self.start_timeout_s = start_timeout_s
         self.controller = ControllerLoop.get()
         self.links: list[HostLink] = []
@@ -181,23 +180,41 @@ class MeshRuntime:
             self.links.append(link)
             for local, rank in enumerate(ranks):
                 self.ranks[rank] = RankState(rank, host.name, local)
-        await asyncio.gather(*(self._connect(link) for link in self.links))
+        results = await asyncio.gather(*(self._connect(link, spec) for link, spec in zip(self.links, self.hosts)),
+                                       return_exceptions=True)
+        failed = [(link, exc) for link, exc in zip(self.links, results) if isinstance(exc, BaseException)]
+        if failed:
+            await self._close_links()  # leave nothing running on the hosts that did start
+            report = "\n".join(f"  {link.name}: {_reason(exc)}" for link, exc in failed)
+            raise MeshStartError(f"mesh {self.name!r} could not start on {len(failed)} of "
+                                 f"{len(self.links)} hosts:\n{report}")
         await self._start_ranks()
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.get_running_loop().create_task(self._ping_hosts())
 
-    async def _connect(self, link: HostLink) -> None:
-        proc, sock = spawn_local_agent(link.name, link.log_path)
-        link.process = proc
+    async def _connect(self, link: HostLink, spec: HostSpec) -> None:
+        link.host = await open_host(spec, log_path=link.log_path, env=self.env)
+        link.last_pong = time.monotonic()
         link.conn = await AsyncConnection.from_socket(
-            sock, lambda msg, l=link: self._on_message(l, msg), lambda exc, l=link: self._on_lost(l, exc))
+            link.host.sock, lambda msg, l=link: self._on_message(l, msg), lambda exc, l=link: self._on_lost(l, exc))
 
     async def _start_ranks(self) -> None:
         world = len(self.links) * self.gpus
-        dist = m.DistConfig(self.backend, "127.0.0.1", world)
+        master = self.master_addr or self.links[0].host.address
+        dist = m.DistConfig(self.backend, master, world)
         loop = asyncio.get_running_loop()
+        port = 0
+        if self.backend != "none":
+            first = self.links[0]
+            first.store_port = loop.create_future()
+            first.started = first.store_port  # a failure to bind is reported like a failed start
+            first.conn.send(m.BindStore(master))
+            port = await asyncio.wait_for(first.store_port, 30)
         for link in self.links:
             link.started = loop.create_future()
             specs = tuple(m.RankSpec(r, i, self.gpus) for i, r in enumerate(link.ranks))
-            link.conn.send(m.StartRanks(specs, dist, dict(self.env), self.shm_dir, link.index))
+            link.conn.send(m.StartRanks(specs, dist, dict(self.env), self.shm_dir if link.host.process else None,
+                                        link.index, port))
         try:
             infos = await asyncio.wait_for(asyncio.gather(*(l.started for l in self.links)), self.start_timeout_s)
         except asyncio.TimeoutError:
@@ -245,18 +262,31 @@ class MeshRuntime:
             state.alive = False
 
     async def _close_links(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         for link in self.links:
             if link.conn is not None and not link.conn.closed:
                 link.conn.send(m.Shutdown())
-        deadline = time.monotonic() + 5
+        await asyncio.gather(*(link.host.close() for link in self.links if link.host is not None))
         for link in self.links:
-            while link.process is not None and link.process.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            if link.process is not None and link.process.poll() is None:
-                os.killpg(link.process.pid, signal.SIGKILL)
-                link.process.wait()
             if link.conn is not None:
                 link.conn.close()
+
+    async def _ping_hosts(self) -> None:
+        """Ping every agent each second; a host silent for HOST_LOST_AFTER_S is lost."""
+        seq = 0
+        while not self.closed:
+            await asyncio.sleep(PING_INTERVAL_S)
+            seq += 1
+            now = time.monotonic()
+            for link in self.links:
+                if link.conn is None or link.conn.closed:
+                    continue
+                if now - link.last_pong > HOST_LOST_AFTER_S:
+                    self._on_lost(link, TimeoutError(f"no heartbeat for {now - link.last_pong:.1f} s"))
+                    link.conn.close()
+                    continue
+                link.conn.send(m.Ping(seq))
 
     def _require_open(self) -> None:
         if self.closed:
@@ -325,6 +355,7 @@ class MeshRuntime:
 
     # ------------------------------------------------------------ messages from agents
     def _on_message(self, link: HostLink, msg: Any) -> None:
+        link.last_pong = time.monotonic()
         if isinstance(msg, m.Output):
             self._route(msg.rank, msg.req_id, ("output", msg.rank, msg.stream, msg.text))
             self.ranks[msg.rank].log.extend((msg.stream, line) for line in msg.text.splitlines())
@@ -345,6 +376,11 @@ class MeshRuntime:
         elif isinstance(msg, m.RanksStarted):
             if link.started is not None and not link.started.done():
                 link.started.set_result(msg.ranks)
+        elif isinstance(msg, m.Pong):
+            link.last_pong = time.monotonic()
+        elif isinstance(msg, m.StoreBound):
+            if link.store_port is not None and not link.store_port.done():
+                link.store_port.set_result(msg.port)
         elif isinstance(msg, m.RanksFailed):
             if link.started is not None and not link.started.done():
                 link.started.set_exception(MeshStartError(
@@ -359,7 +395,10 @@ class MeshRuntime:
             req.events.put(event)
 
     def _death_failure(self, state: RankState, how: str) -> RankFailure:
-        status = f"killed by {state.signal}" if state.signal else f"exit code {state.exit_code}"
+        if state.signal == HOST_LOST:
+            status = f"its host {state.host} was lost"
+        else:
+            status = f"killed by {state.signal}" if state.signal else f"exit code {state.exit_code}"
         tail = tuple(text for stream, text in state.log if stream == "stderr")[-10:]
         return RankFailure(
             state.rank, state.host, "died", "RankDied",
@@ -404,11 +443,11 @@ class MeshRuntime:
     def _on_lost(self, link: HostLink, exc: Exception | None) -> None:
         if self.closed:
             return
+        why = f"lost the connection to host {link.name}" + (f" ({exc})" if exc else "")
         for rank in link.ranks:
             state = self.ranks[rank]
             if state.alive:
-                self._on_rank_exit(m.RankExited(rank, state.pid or 0, None, "HOST_LOST",
-                                                (f"lost the connection to host {link.name}",), False))
+                self._on_rank_exit(m.RankExited(rank, state.pid or 0, None, HOST_LOST, (why,), False))
         if link.started is not None and not link.started.done():
             link.started.set_exception(MeshStartError(
                 f"mesh {self.name!r}: the agent on host {link.name} exited during start-up; "
@@ -442,6 +481,11 @@ def _shutdown_open_meshes() -> None:
             runtime.shutdown()
         except Exception:  # noqa: BLE001 - best effort while the interpreter exits
             pass
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    return text.split(": ", 1)[1] if text.startswith("host ") and ": " in text else (text or type(exc).__name__)
 
 
 def _private_shm_dir(name: str) -> str:

@@ -36,9 +36,41 @@ def rank_environment(spec: RankSpec, dist: DistConfig, master_port: int, node_ra
         "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RUN_ID": "monarch_kernel",
     }
-    if dist.master_addr in ("127.0.0.1", "localhost") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo's pair sockets on loopback for local meshes
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        iface = interface_towards(dist.master_addr)
+        if iface:  # gloo binds its pair sockets on the interface that reaches rank 0's host
+            env["GLOO_SOCKET_IFNAME"] = iface
     return env
+
+
+def interface_towards(addr: str) -> str | None:
+    """Name of the local network interface used to reach addr (lo for loopback)."""
+    if addr in ("127.0.0.1", "localhost", "::1"):
+        return "lo"
+    try:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((addr, 9))  # UDP connect sends nothing; it only picks a route
+            local = probe.getsockname()[0]
+        return _interface_with_address(local)
+    except OSError:
+        return None
+
+
+def _interface_with_address(address: str) -> str | None:
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
 
 
 def limit_threads(local_world_size: int) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 
 from . import messages as m
 from .cell import check_syntax
-from .controller import HostSpec, MeshRuntime, RankSnapshot
+from .controller import MeshRuntime, RankSnapshot
+from .hosts import HostSpec
 from .errors import MeshStartError, MeshUsageError, SerializationError
 from .futures import MeshFuture, raise_failures
 from .serialization import release, seal, unseal
@@ -198,12 +199,38 @@ def local_mesh(gpus: int | None = None, *, dist: str = "gloo", name: str | None 
     """
     if gpus is None:
         gpus = _cuda_count() or 2
+    return _start_mesh([HostSpec("localhost")], gpus, dist, name, env, timeout, None)
+
+
+def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "python3",
+             setup: str | None = None, env: dict[str, str] | None = None, name: str | None = None,
+             connect_options: dict[str, Any] | None = None, connect_timeout: float = 30.0,
+             master_addr: str | None = None, ship_package: bool = False, timeout: float = 180.0) -> Mesh:
+    """Start `gpus` ranks on each SSH host, shape {hosts: len(hosts), gpus: N}.
+
+    Hosts are `host`, `user@host` or `user@host:port`, resolved through ~/.ssh/config;
+    host keys must be in known_hosts. Every host is connected and started in parallel.
+    `python` is the remote interpreter (monarch_kernel must be importable there, or
+    pass ship_package=True to copy this package's source to a temporary folder);
+    `setup` is a shell snippet run first (e.g. "source ~/env.sh"); `master_addr` is
+    host 0's address as the other hosts reach it (default: the one we connected to).
+    """
+    if not hosts:
+        raise MeshUsageError("ssh_mesh() needs at least one host, e.g. ssh_mesh(['gpu-a'], gpus=8)")
+    specs = [HostSpec(h, "ssh", h, python, setup, dict(connect_options or {}), connect_timeout, ship_package)
+             for h in hosts]
+    return _start_mesh(specs, gpus, dist, name, env, timeout, master_addr)
+
+
+def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, env: dict[str, str] | None,
+                timeout: float, master_addr: str | None) -> Mesh:
     if not isinstance(gpus, int) or gpus < 1:
-        raise MeshUsageError(f"gpus={gpus!r}: give a positive number of ranks, e.g. gpus=4")
+        raise MeshUsageError(f"gpus={gpus!r}: give a positive number of ranks per host, e.g. gpus=4")
     if dist not in BACKENDS:
         raise MeshUsageError(f"dist={dist!r}: expected one of {', '.join(BACKENDS)}")
     name = name or f"mesh{next(_mesh_numbers)}"
-    runtime = MeshRuntime(name, [HostSpec("localhost")], gpus, dist, dict(env or {}), start_timeout_s=timeout)
+    runtime = MeshRuntime(name, hosts, gpus, dist, dict(env or {}), start_timeout_s=timeout,
+                          master_addr=master_addr)
     try:
         runtime.start()
     except BaseException as exc:
@@ -213,7 +240,7 @@ def local_mesh(gpus: int | None = None, *, dist: str = "gloo", name: str | None 
         if isinstance(exc, KeyboardInterrupt):
             raise
         raise MeshStartError(f"mesh {name!r} failed to start: {exc}") from exc
-    return Mesh(runtime, Shape.grid(hosts=1, gpus=gpus))
+    return Mesh(runtime, Shape.grid(hosts=len(hosts), gpus=gpus))
 
 
 def _cuda_count() -> int:

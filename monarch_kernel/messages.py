@@ -123,6 +123,21 @@ class StartRanks:
     env: dict[str, str]
     shm_dir: str | None
     node_rank: int = 0
+    master_port: int = 0
+
+
+@dataclass(frozen=True)
+class BindStore:
+    """Bind rank 0's rendezvous socket on this host (to addr); answered by StoreBound."""
+
+    addr: str
+
+
+@dataclass(frozen=True)
+class StoreBound:
+    """The port rank 0's rendezvous store will listen on."""
+
+    port: int
 
 
 @dataclass(frozen=True)

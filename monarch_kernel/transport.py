@@ -123,6 +123,19 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._parts = []
         self._on_message(decode(meta, bufs))
 
+    def data_received(self, data: bytes) -> None:
+        """For transports that do not fill our buffers directly (pipes)."""
+        view = memoryview(data)
+        while view:
+            target = self.get_buffer(len(view))
+            n = min(len(target), len(view))
+            target[:n] = view[:n]
+            self.buffer_updated(n)
+            view = view[n:]
+
+    def eof_received(self) -> bool:  # noqa: D102
+        return False
+
     def connection_lost(self, exc: Exception | None) -> None:  # noqa: D102
         self._on_close(exc)
 
@@ -130,9 +143,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
 class AsyncConnection:
     """A framed connection on the asyncio loop: send() queues, messages arrive by callback."""
 
-    def __init__(self, transport: asyncio.Transport, protocol: FrameProtocol):
+    def __init__(self, transport: asyncio.Transport, protocol: FrameProtocol,
+                 reader: asyncio.BaseTransport | None = None):
         self._transport = transport
         self._protocol = protocol
+        self._reader = reader  # a separate read side (pipes), else the transport reads too
 
     @classmethod
     async def from_socket(
@@ -145,6 +160,20 @@ class AsyncConnection:
             lambda: FrameProtocol(on_message, on_close), sock
         )
         return cls(transport, protocol)
+
+    @classmethod
+    async def from_pipes(
+        cls, read_fd: int, write_fd: int, on_message: Callable[[Any], None],
+        on_close: Callable[[Exception | None], None],
+    ) -> AsyncConnection:
+        """Wrap a pair of file descriptors (an agent's stdin/stdout over SSH)."""
+        import os
+
+        loop = asyncio.get_running_loop()
+        writer, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(write_fd, "wb", buffering=0))
+        reader, protocol = await loop.connect_read_pipe(
+            lambda: FrameProtocol(on_message, on_close), os.fdopen(read_fd, "rb", buffering=0))
+        return cls(writer, protocol, reader)
 
     def send(self, msg: Any) -> None:
         """Queue one message (never blocks)."""
@@ -160,6 +189,8 @@ class AsyncConnection:
     def close(self) -> None:
         """Close the connection."""
         self._transport.close()
+        if self._reader is not None:
+            self._reader.close()
 
     @property
     def closed(self) -> bool:

@@ -10,8 +10,8 @@ import monarch_kernel
 PKG = os.path.dirname(monarch_kernel.__file__)
 LAYERS = [
     {"errors", "errortext", "shape", "messages", "serialization"},  # values
-    {"transport"},  # I/O
-    {"cell", "capture", "dist", "worker", "launcher", "agent", "controller"},  # runtime
+    {"transport", "ssh"},  # I/O
+    {"cell", "capture", "dist", "worker", "launcher", "hosts", "agent", "controller"},  # runtime
     {"futures", "sinks", "values", "mesh"},  # API
     {"output", "live", "statusview"},  # views
 ]
@@ -22,7 +22,7 @@ def test_public_names():
         "CellSyntaxError", "Mesh", "MeshError", "MeshFuture", "MeshInterrupted", "MeshNotRunningError",
         "MeshStartError", "MeshTimeoutError", "MeshUsageError", "Point", "RankDiedError", "RankFailure",
         "RemoteError", "SerializationError", "Shape", "ValueMesh", "load_ipython_extension", "local_mesh",
-        "unload_ipython_extension"}
+        "ssh_mesh", "unload_ipython_extension"}
     for name in monarch_kernel.__all__:
         assert getattr(monarch_kernel, name).__doc__, name
 

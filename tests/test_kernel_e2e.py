@@ -12,7 +12,7 @@ from kernel_driver import KernelDriver
 
 PIDS = ("from monarch_kernel.magics import current_registry\n"
         "_m = current_registry().get()\n"
-        "print(json.dumps([s.pid for s in _m.status()] + [l.process.pid for l in _m._runtime.links]))")
+        "print(json.dumps([s.pid for s in _m.status()] + [l.host.pid for l in _m._runtime.links]))")
 
 
 @pytest.fixture(scope="module")

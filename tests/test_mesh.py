@@ -265,7 +265,7 @@ def test_restart_gives_fresh_ranks_and_shutdown_leaves_nothing(sink):
     with pytest.raises(RemoteError, match="NameError"):
         mesh.run("x", sink=sink)
     assert list(mesh.run("import torch.distributed as dist\ndist.get_world_size()", sink=sink).values()) == [2, 2]
-    agent = mesh._runtime.links[0].process.pid
+    agent = mesh._runtime.links[0].host.pid
     mesh.shutdown()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and pids_alive(new + [agent]):

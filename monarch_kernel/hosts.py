@@ -1,0 +1,80 @@
+"""Hosts of a mesh: what they are (HostSpec) and how the controller reaches their agent.
+
+A local host's agent is a child process on a socketpair; a remote host's agent is
+started over SSH and bridged to a socketpair. Either way the controller gets a socket
+and talks the same framed protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+from .launcher import spawn_local_agent
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """A host to run ranks on: this machine, or an SSH target."""
+
+    name: str
+    kind: str = "local"  # "local" or "ssh"
+    target: str | None = None  # for ssh: host, user@host, host:port or user@host:port
+    python: str = "python3"
+    setup: str | None = None
+    options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    connect_timeout_s: float = 30.0
+    ship_package: bool = False
+
+
+@dataclass
+class HostConnection:
+    """A started agent: the socket to talk to it and how to end it."""
+
+    sock: socket.socket
+    address: str  # the address the controller reached the host at
+    process: subprocess.Popen | None = None  # local agents
+    remote: Any = None  # ssh.RemoteAgent for remote ones
+
+    @property
+    def pid(self) -> int | None:
+        """The local agent's pid (None for a remote agent)."""
+        return self.process.pid if self.process is not None else None
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Wait for the agent to exit (after Shutdown was sent); force it if it does not."""
+        if self.process is not None:
+            deadline = asyncio.get_running_loop().time() + timeout
+            while self.process.poll() is None and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            if self.process.poll() is None:
+                try:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.process.wait()
+        if self.remote is not None:
+            try:
+                await asyncio.wait_for(self.remote.process.wait_closed(), timeout)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - closing anyway
+                pass
+            self.remote.close()
+
+
+async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str]) -> HostConnection:
+    """Start the agent of one host; raises MeshStartError with a per-host reason."""
+    if spec.kind == "local":
+        proc, sock = spawn_local_agent(spec.name, log_path, python=None)
+        return HostConnection(sock, "127.0.0.1", process=proc)
+    from . import ssh
+
+    remote = await ssh.start_agent(
+        ssh.SSHTarget.parse(spec.target or spec.name), name=spec.name, python=spec.python,
+        setup=spec.setup, env=env, options=spec.options, timeout=spec.connect_timeout_s,
+        stderr_path=log_path, ship_package=spec.ship_package)
+    return HostConnection(remote.sock, remote.peer_address, remote=remote)
