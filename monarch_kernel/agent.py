@@ -63,11 +63,11 @@ class HostAgent:
         elif isinstance(msg, m.StopRanks):
             asyncio.get_running_loop().create_task(self._stop_and_report(msg.grace_s))
         elif isinstance(msg, m.Shutdown):
-            asyncio.get_running_loop().create_task(self.shutdown())
+            asyncio.get_running_loop().create_task(self.shutdown("the controller asked"))
 
     def on_controller_closed(self, exc: Exception | None) -> None:
         """The controller is gone (kernel died, SSH dropped): take every rank down."""
-        asyncio.get_running_loop().create_task(self.shutdown())
+        asyncio.get_running_loop().create_task(self.shutdown(f"the controller connection closed ({exc})"))
 
     def _to_controller(self, msg: Any) -> None:
         if self.controller is None:
@@ -219,10 +219,11 @@ class HostAgent:
         while self.ranks:
             await asyncio.sleep(0.01)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, why: str) -> None:
         """Stop all ranks and end the agent."""
         if self.done.done():
             return
+        print(f"monarch_kernel agent on {self.host}: shutting down: {why}", file=sys.stderr, flush=True)
         try:
             await asyncio.wait_for(self._stop_ranks(0.5), timeout=3)
         finally:
@@ -243,7 +244,7 @@ class HostAgent:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             now = time.monotonic()
             if now - self.last_heard > CONTROLLER_SILENCE_S:
-                await self.shutdown()
+                await self.shutdown(f"no message from the controller for {now - self.last_heard:.1f} s")
                 return
             for rank, proc in list(self.ranks.items()):
                 try:
@@ -321,7 +322,7 @@ async def _amain(args: argparse.Namespace) -> None:
         agent.connected(await AsyncConnection.from_socket(
             sock, agent.on_controller_message, agent.on_controller_closed))
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(sig, lambda: loop.create_task(agent.shutdown()))
+        loop.add_signal_handler(sig, lambda s=sig: loop.create_task(agent.shutdown(signal.Signals(s).name)))
     beat = loop.create_task(agent.heartbeat())
     await agent.done
     beat.cancel()

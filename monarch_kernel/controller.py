@@ -138,6 +138,7 @@ class HostLink:
     started: asyncio.Future | None = None
     store_port: asyncio.Future | None = None
     last_pong: float = 0.0
+    answered: bool = False
     log_path: str = ""
 
 
@@ -174,9 +175,13 @@ class MeshRuntime:
 
     async def _start(self) -> None:
         self.links = []
+        loop = asyncio.get_running_loop()
+        if self._heartbeat is None or self._heartbeat.done():  # each agent is pinged once connected
+            self._heartbeat = loop.create_task(self._ping_hosts())
         for index, host in enumerate(self.hosts):
             ranks = list(range(index * self.gpus, (index + 1) * self.gpus))
-            link = HostLink(index, host.name, ranks, log_path=os.path.join(self.run_dir, f"agent-{index}.log"))
+            link = HostLink(index, host.name, ranks, log_path=os.path.join(self.run_dir, f"agent-{index}.log"),
+                            started=loop.create_future())
             self.links.append(link)
             for local, rank in enumerate(ranks):
                 self.ranks[rank] = RankState(rank, host.name, local)
@@ -189,8 +194,6 @@ class MeshRuntime:
             raise MeshStartError(f"mesh {self.name!r} could not start on {len(failed)} of "
                                  f"{len(self.links)} hosts:\n{report}")
         await self._start_ranks()
-        if self._heartbeat is None or self._heartbeat.done():
-            self._heartbeat = asyncio.get_running_loop().create_task(self._ping_hosts())
 
     async def _connect(self, link: HostLink, spec: HostSpec) -> None:
         link.host = await open_host(spec, log_path=link.log_path, env=self.env)
@@ -203,15 +206,22 @@ class MeshRuntime:
         master = self.master_addr or self.links[0].host.address
         dist = m.DistConfig(self.backend, master, world)
         loop = asyncio.get_running_loop()
+        for link in self.links:
+            if link.started is None or link.started.done():
+                link.started = loop.create_future()  # fails if the agent is lost meanwhile
         port = 0
         if self.backend != "none":
             first = self.links[0]
             first.store_port = loop.create_future()
-            first.started = first.store_port  # a failure to bind is reported like a failed start
             first.conn.send(m.BindStore(master))
-            port = await asyncio.wait_for(first.store_port, 30)
+            await asyncio.wait([first.store_port, first.started], timeout=30,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not first.store_port.done():
+                if first.started.done():
+                    first.started.result()  # raises why the host failed
+                raise MeshStartError(f"mesh {self.name!r}: host {first.name} did not bind the rendezvous store")
+            port = first.store_port.result()
         for link in self.links:
-            link.started = loop.create_future()
             specs = tuple(m.RankSpec(r, i, self.gpus) for i, r in enumerate(link.ranks))
             link.conn.send(m.StartRanks(specs, dist, dict(self.env), self.shm_dir if link.host.process else None,
                                         link.index, port))
@@ -282,7 +292,7 @@ class MeshRuntime:
             for link in self.links:
                 if link.conn is None or link.conn.closed:
                     continue
-                if now - link.last_pong > HOST_LOST_AFTER_S:
+                if link.answered and now - link.last_pong > HOST_LOST_AFTER_S:
                     self._on_lost(link, TimeoutError(f"no heartbeat for {now - link.last_pong:.1f} s"))
                     link.conn.close()
                     continue
@@ -356,6 +366,7 @@ class MeshRuntime:
     # ------------------------------------------------------------ messages from agents
     def _on_message(self, link: HostLink, msg: Any) -> None:
         link.last_pong = time.monotonic()
+        link.answered = True  # until then the agent may still be importing torch
         if isinstance(msg, m.Output):
             self._route(msg.rank, msg.req_id, ("output", msg.rank, msg.stream, msg.text))
             self.ranks[msg.rank].log.extend((msg.stream, line) for line in msg.text.splitlines())
@@ -407,7 +418,7 @@ class MeshRuntime:
             pid=state.pid, exit_code=state.exit_code, signal=state.signal, stderr_tail=tail,
         )
 
-    def _on_rank_exit(self, msg: m.RankExited) -> None:
+    def _on_rank_exit(self, msg: m.RankExited, *, interrupt_others: bool = False) -> None:
         state = self.ranks[msg.rank]
         state.alive = False
         state.exit_code, state.signal = msg.exit_code, msg.signal
@@ -424,7 +435,7 @@ class MeshRuntime:
                 continue
             req.failures[msg.rank] = failure
             req.events.put(("notice", msg.rank, failure.message))
-            if req.fail_fast:
+            if req.fail_fast or interrupt_others:
                 self._signal(frozenset(req.outstanding), signal.SIGINT)
             self._maybe_complete(req)
         state.inflight.clear()
@@ -447,11 +458,16 @@ class MeshRuntime:
         for rank in link.ranks:
             state = self.ranks[rank]
             if state.alive:
-                self._on_rank_exit(m.RankExited(rank, state.pid or 0, None, HOST_LOST, (why,), False))
+                # a lost host would leave the others waiting in collectives: end its cells
+                self._on_rank_exit(m.RankExited(rank, state.pid or 0, None, HOST_LOST, (why,), False),
+                                   interrupt_others=True)
         if link.started is not None and not link.started.done():
-            link.started.set_exception(MeshStartError(
-                f"mesh {self.name!r}: the agent on host {link.name} exited during start-up; "
-                f"its log: {link.log_path}\n{_read_tail(link.log_path)}"))
+            asyncio.get_running_loop().create_task(self._fail_start(link))
+
+    async def _fail_start(self, link: HostLink) -> None:
+        why = await link.host.explain_exit(link.log_path) if link.host is not None else "its agent exited"
+        if link.started is not None and not link.started.done():
+            link.started.set_exception(MeshStartError(f"mesh {self.name!r}: host {link.name}: {why}"))
 
     # ------------------------------------------------------------ inspection
     def snapshot(self) -> list[RankSnapshot]:
@@ -493,11 +509,3 @@ def _private_shm_dir(name: str) -> str:
     path = tempfile.mkdtemp(prefix=f"monarch-{name}-", dir=base)
     os.chmod(path, 0o700)
     return path
-
-
-def _read_tail(path: str, lines: int = 20) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""

@@ -46,6 +46,18 @@ class HostConnection:
         """The local agent's pid (None for a remote agent)."""
         return self.process.pid if self.process is not None else None
 
+    async def explain_exit(self, log_path: str) -> str:
+        """Why the agent is gone (for start-up failures)."""
+        if self.remote is not None:
+            return await self.remote.explain_exit()
+        try:
+            with open(log_path, encoding="utf-8", errors="replace") as f:
+                tail = "".join(f.readlines()[-20:])
+        except OSError:
+            tail = ""
+        code = self.process.poll() if self.process is not None else None
+        return f"the local agent exited (status {code})" + (f":\n{tail}" if tail else "")
+
     async def close(self, timeout: float = 5.0) -> None:
         """Wait for the agent to exit (after Shutdown was sent); force it if it does not."""
         if self.process is not None:

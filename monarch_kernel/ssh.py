@@ -10,6 +10,7 @@ user's ~/.ssh/config is read as OpenSSH would.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import shlex
 import socket
@@ -53,11 +54,30 @@ class RemoteAgent:
     sock: socket.socket
     peer_address: str
     _bridge: socket.socket = field(repr=False, default=None)  # type: ignore[assignment]
+    python: str = "python3"
     pumps: list = field(default_factory=list, repr=False)
+    stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30), repr=False)
 
     def close(self) -> None:
         """Close the SSH connection (the agent exits when its stdin closes)."""
         self.connection.close()
+
+    async def explain_exit(self, timeout: float = 3.0) -> str:
+        """Why the agent ended: exit status and stderr, with advice for common causes."""
+        try:
+            await asyncio.wait_for(asyncio.gather(self.process.wait_closed(), *self.pumps), timeout)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - explain what we have
+            pass
+        tail = "\n".join(self.stderr_tail)
+        status = self.process.exit_status
+        if "No module named" in tail and "monarch_kernel" in tail:
+            return (f"monarch_kernel is not importable on host {self.target} with {self.python}. Install it "
+                    f"there (pip install monarch-kernel), point python= at an environment that has it, or "
+                    f"pass ship_package=True (%mesh up ssh ... --ship) to copy this package's source to a "
+                    f"temporary folder on the host for this session")
+        if status == 127:
+            return f"{self.python} was not found on host {self.target} (exit status 127); pass python=/path/to/python"
+        return f"the agent on host {self.target} exited (status {status})" + (f":\n{tail}" if tail else "")
 
 
 def _advice(target: SSHTarget, exc: BaseException) -> str:
@@ -120,11 +140,11 @@ async def start_agent(target: SSHTarget, *, name: str, python: str, setup: str |
         pythonpath = await _ship_package(conn) if ship_package else None
         ours, theirs = socket.socketpair()
         command = agent_command(python=python, name=name, setup=setup, env=env, pythonpath=pythonpath)
-        process = await conn.create_process(command, stderr=stderr_path, encoding=None)
+        process = await conn.create_process(command, encoding=None)
         peer = conn.get_extra_info("peername")[0]
-        agent = RemoteAgent(target, conn, process, ours, peer, theirs)
-        agent.pumps = [asyncio.ensure_future(_socket_to_channel(theirs, process)),
-                       asyncio.ensure_future(_channel_to_socket(process, theirs))]
+        agent = RemoteAgent(target, conn, process, ours, peer, theirs, python=python)
+        agent.pumps = [asyncio.ensure_future(_bridge(process, theirs)),
+                       asyncio.ensure_future(_keep_stderr(process, stderr_path, agent.stderr_tail))]
         return agent
     except BaseException:
         conn.close()
@@ -142,17 +162,17 @@ async def _socket_to_channel(sock: socket.socket, process) -> None:
                 break
             process.stdin.write(data)
             await process.stdin.drain()
-    except (OSError, ConnectionError):
+    except Exception:  # noqa: BLE001 - connection lost or closed: the pump ends
         pass
     finally:
         try:
             process.stdin.write_eof()
-        except (OSError, ConnectionError):
+        except Exception:  # noqa: BLE001 - connection lost or closed: the pump ends
             pass
 
 
 async def _channel_to_socket(process, sock: socket.socket) -> None:
-    """Forward the agent's stdout to the socketpair; close it when the agent is gone."""
+    """Forward the agent's stdout to the socketpair until the agent is gone."""
     loop = asyncio.get_running_loop()
     try:
         while True:
@@ -160,10 +180,42 @@ async def _channel_to_socket(process, sock: socket.socket) -> None:
             if not data:
                 break
             await loop.sock_sendall(sock, data)
-    except (OSError, ConnectionError):
+    except Exception:  # noqa: BLE001 - connection lost or closed: the pump ends
         pass
+
+
+async def _bridge(process, sock: socket.socket) -> None:
+    """Pump both directions; when the agent's output ends, stop and close our end.
+
+    The socket is closed only after the other pump is cancelled (which unregisters it
+    from the event loop): closing a socket the loop still watches would leave a stale
+    registration that a later socket reusing the descriptor number would inherit.
+    """
+    inbound = asyncio.ensure_future(_socket_to_channel(sock, process))
+    try:
+        await _channel_to_socket(process, sock)
     finally:
+        inbound.cancel()
+        try:
+            await inbound
+        except BaseException:  # noqa: BLE001 - cancelled, or the pump's own end
+            pass
         sock.close()
+
+
+async def _keep_stderr(process, path: str, tail: collections.deque) -> None:
+    """Append the agent's stderr to its log file and keep the last lines in memory."""
+    with open(path, "ab") as log:
+        while True:
+            try:
+                data = await process.stderr.read(1 << 16)
+            except Exception:  # noqa: BLE001 - connection lost or closed: the pump ends
+                break
+            if not data:
+                break
+            log.write(data)
+            log.flush()
+            tail.extend(line for line in data.decode("utf-8", "replace").splitlines() if line.strip())
 
 
 async def _ship_package(conn) -> str:

@@ -49,7 +49,7 @@ class Host:
     sshd: subprocess.Popen | None = None
 
 
-class TestHosts:
+class SSHTestHosts:
     """N hosts named host-0, host-1, ... reachable as root with a test-only key."""
 
     def __init__(self, count: int, workdir: str):
@@ -63,7 +63,7 @@ class TestHosts:
         self.config = os.path.join(workdir, "ssh_config")
 
     # ------------------------------------------------------------ lifecycle
-    def start(self) -> TestHosts:
+    def start(self) -> SSHTestHosts:
         """Create the network and start every sshd; raises on failure (call stop())."""
         os.makedirs("/run/sshd", exist_ok=True)
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", self.key], check=True)
@@ -150,6 +150,11 @@ class TestHosts:
     def cut_link(self, host: Host) -> None:
         """Take the host's network interface down (as if its cable were pulled)."""
         _run("ip", "link", "set", "eth0", "down", ns=host.netns)
+
+    def restore_link(self, host: Host) -> None:
+        """Bring a cut link back up."""
+        _run("ip", "link", "set", "eth0", "up", ns=host.netns)
+        _run("ip", "addr", "replace", f"{host.address}/24", "dev", "eth0", ns=host.netns)
 
     def connect_options(self) -> dict:
         """asyncssh options that use this test network's config, key and known_hosts."""
