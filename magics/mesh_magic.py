@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from monarch_kernel.errors import CellSyntaxError, MeshError, RemoteError
-from monarch_kernel.mesh import BACKENDS, Mesh, local_mesh
+from monarch_kernel.mesh import BACKENDS, Mesh, local_mesh, ssh_mesh
 from monarch_kernel.shape import format_ranks, parse_spec
 from monarch_kernel.values import ValueMesh
 
@@ -19,8 +19,10 @@ from monarch_kernel.statusview import status_bundle
 
 USAGE = """\
 %mesh up local [--gpus N] [--name NAME] [--dist gloo|nccl|none] [--env K=V ...]
+%mesh up ssh HOST [HOST ...] --gpus N [--dist ...] [--python P] [--setup CMD] [--master-addr A]
+             [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]
 %mesh status [NAME] | use NAME | down [NAME] | restart [NAME] | interrupt [NAME]
-%mesh push VAR [VAR ...] | pull EXPR | logs [--rank R] [--lines N] | on | off
+%mesh push VAR [VAR ...] | pull EXPR | logs [HOST] [--rank R] [--lines N] | on | off
 %%mesh [--name NAME] [--hosts SPEC] [--gpus SPEC] [--ranks SPEC] [--timeout S]
        [--fail-fast] [--no-dedupe] [--bg]
 SPEC is an int (2), a list (0,2) or a slice (0:4, ::2)."""
@@ -40,12 +42,18 @@ def _line_parser() -> _Parser:
     p = _Parser(prog="%mesh", add_help=False)
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     up = sub.add_parser("up", add_help=False)
-    up.add_argument("kind", choices=["local"], help="where ranks run")
+    up.add_argument("kind", choices=["local", "ssh"], help="where ranks run")
+    up.add_argument("hosts", nargs="*", help="SSH hosts (ssh only)")
     up.add_argument("--gpus", type=int, default=None)
     up.add_argument("--name", default=None)
-    up.add_argument("--dist", choices=BACKENDS, default="gloo")
+    up.add_argument("--dist", choices=BACKENDS, default=None)
     up.add_argument("--env", nargs="*", default=[], metavar="K=V")
-    up.add_argument("--timeout", type=float, default=120.0)
+    up.add_argument("--timeout", type=float, default=None)
+    up.add_argument("--python", default="python3")
+    up.add_argument("--setup", default=None)
+    up.add_argument("--master-addr", default=None)
+    up.add_argument("--connect-timeout", type=float, default=30.0)
+    up.add_argument("--ship", action="store_true", help="copy this package's source to the hosts")
     for name in ("status", "down", "restart", "interrupt"):
         sub.add_parser(name, add_help=False).add_argument("name", nargs="?")
     sub.add_parser("use", add_help=False).add_argument("name")
@@ -55,6 +63,7 @@ def _line_parser() -> _Parser:
     pull = sub.add_parser("pull", add_help=False)
     pull.add_argument("expr", nargs=argparse.REMAINDER)
     logs = sub.add_parser("logs", add_help=False)
+    logs.add_argument("host", nargs="?", default=None, help="show this host agent's log")
     logs.add_argument("--rank", type=int, default=None)
     logs.add_argument("--lines", type=int, default=30)
     logs.add_argument("--name", dest="mesh", default=None)
@@ -102,6 +111,7 @@ class MeshMagics(Magics):
         """Run cells on a mesh of ranks, and manage meshes.
 
         %mesh up local --gpus 4 --dist gloo     start 4 local ranks
+        %mesh up ssh gpu-a gpu-b --gpus 8       8 ranks on each of two SSH hosts
         %%mesh                                  run this cell on every rank
         %%mesh --gpus 0:2 --timeout 30          ... on a slice, with a timeout
         %mesh status | use | down | restart | interrupt | push | pull | logs | on | off
@@ -159,8 +169,17 @@ class MeshMagics(Magics):
         return handler(args)
 
     def _do_up(self, args) -> None:
-        mesh = local_mesh(args.gpus, dist=args.dist, name=args.name or self._fresh_name(),
-                          env=_parse_env(args.env), timeout=args.timeout)
+        name, env = args.name or self._fresh_name(), _parse_env(args.env)
+        if args.kind == "local":
+            if args.hosts:
+                raise UsageError(f"%mesh up local takes no hosts (got {' '.join(args.hosts)}); did you mean ssh?")
+            mesh = local_mesh(args.gpus, dist=args.dist or "gloo", name=name, env=env, timeout=args.timeout or 120.0)
+        else:
+            if not args.hosts or args.gpus is None:
+                raise UsageError("%mesh up ssh HOST [HOST ...] --gpus N: give the hosts and ranks per host")
+            mesh = ssh_mesh(args.hosts, args.gpus, dist=args.dist or "nccl", python=args.python, setup=args.setup,
+                            env=env, name=name, connect_timeout=args.connect_timeout,
+                            master_addr=args.master_addr, ship_package=args.ship, timeout=args.timeout or 180.0)
         self.registry.add(mesh)
         self._show_status(mesh)
 
@@ -214,6 +233,12 @@ class MeshMagics(Magics):
 
     def _do_logs(self, args) -> None:
         mesh = self.registry.get(args.mesh)
+        if args.host is not None:
+            host = int(args.host) if args.host.isdigit() else args.host
+            print(f"--- agent on host {args.host} (last {args.lines} lines)")
+            print(mesh.agent_log(host, args.lines) or "(empty)")
+            if args.rank is None:
+                return
         ranks = [args.rank] if args.rank is not None else list(mesh.ranks)
         for rank in ranks:
             print(f"--- rank {rank} (last {args.lines} lines)")

@@ -73,6 +73,18 @@ class Mesh:
             raise MeshUsageError(f"mesh {self.name!r} has no rank {rank}")
         return self._runtime.logs(rank, lines)
 
+    def agent_log(self, host: int | str, lines: int = 50) -> str:
+        """The last lines of a host agent's log (its stderr): start-up problems, crashes."""
+        for link in self._runtime.links:
+            if host in (link.index, link.name):
+                try:
+                    with open(link.log_path, encoding="utf-8", errors="replace") as f:
+                        return "".join(f.readlines()[-lines:])
+                except OSError:
+                    return ""
+        names = ", ".join(link.name for link in self._runtime.links)
+        raise MeshUsageError(f"mesh {self.name!r} has no host {host!r} (hosts: {names})")
+
     # ------------------------------------------------------------ slicing
     def slice(self, **selectors: Selector | None) -> Mesh:
         """A sub-mesh: `mesh.slice(hosts=0, gpus=slice(0, 2))`; ints drop the dim."""

@@ -156,6 +156,14 @@ class SSHTestHosts:
         _run("ip", "link", "set", "eth0", "up", ns=host.netns)
         _run("ip", "addr", "replace", f"{host.address}/24", "dev", "eth0", ns=host.netns)
 
+    def install_home(self, home: str) -> str:
+        """Write an OpenSSH-style ~/.ssh under `home` for these hosts (for HOME=home)."""
+        ssh_dir = os.path.join(home, ".ssh")
+        os.makedirs(ssh_dir, mode=0o700, exist_ok=True)
+        shutil.copy(self.config, os.path.join(ssh_dir, "config"))
+        shutil.copy(self.known_hosts, os.path.join(ssh_dir, "known_hosts"))
+        return home
+
     def connect_options(self) -> dict:
         """asyncssh options that use this test network's config, key and known_hosts."""
         return {"config": [self.config], "known_hosts": self.known_hosts, "client_keys": [self.key]}

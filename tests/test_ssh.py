@@ -1,5 +1,6 @@
 """Multi-host meshes over real SSH: network namespaces, each with its own OpenSSH sshd."""
 
+import os
 import sys
 import time
 
@@ -135,3 +136,63 @@ def test_link_cut_mid_cell_is_detected_and_cleaned_up(hosts, sink):
         hosts.restore_link(hosts.hosts[1])
         m.interrupt()
         m.shutdown()
+
+
+def test_magics_on_ssh_hosts_read_the_users_ssh_config(hosts, tmp_path, monkeypatch):
+    from IPython.testing.globalipapp import start_ipython
+    from IPython.utils.capture import capture_output
+
+    monkeypatch.setenv("HOME", hosts.install_home(str(tmp_path)))
+    ip = start_ipython()
+    ip.run_line_magic("load_ext", "monarch_kernel")
+    try:
+        with capture_output() as cap:
+            ok = ip.run_cell(f"%mesh up ssh host-0 host-1 --gpus 1 --dist gloo --python {sys.executable} --name magic")
+        shown = cap.stdout + "".join(o.data.get("text/plain", "") for o in cap.outputs)
+        assert ok.success, shown + cap.stderr
+        assert "mesh 'magic' {hosts: 2, gpus: 1}" in shown and "host-1" in shown
+        with capture_output() as cap:
+            result = ip.run_cell("%%mesh\nimport socket, torch.distributed as dist\nprint('world', dist.get_world_size())\n"
+                                 "dist.get_rank()")
+        assert "[0-1] world 2" in cap.stdout and list(result.result.values()) == [0, 1]
+        with capture_output() as cap:
+            ip.run_cell("%mesh logs host-1")
+        assert "--- agent on host host-1" in cap.stdout
+    finally:
+        ip.run_line_magic("unload_ext", "monarch_kernel")
+
+
+def test_kernel_killed_leaves_nothing_on_the_hosts(hosts, tmp_path):
+    from kernel_driver import KernelDriver
+
+    baseline = processes(hosts)
+    home = hosts.install_home(str(tmp_path))
+    k = KernelDriver(extra_env={"HOME": home})
+    try:
+        run = k.execute(f"import monarch_kernel\nm = monarch_kernel.ssh_mesh(['host-0', 'host-1'], gpus=2, dist='gloo', "
+                        f"python={sys.executable!r})\nprint(len(m.status()))", 120)
+        assert "4" in run.text(), run.text()
+        assert not back_to(hosts, baseline)()  # agents and ranks are running there now
+        k.kill()
+        assert wait_until(back_to(hosts, baseline), 10)
+    finally:
+        k.shutdown()
+
+
+def test_ssh_notebook_runs_end_to_end_on_the_test_hosts(hosts, tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks", "03_ssh_hosts.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    env = dict(os.environ, HOME=hosts.install_home(str(tmp_path)), MONARCH_SSH_HOSTS="host-0 host-1",
+               MONARCH_SSH_GPUS="2", MONARCH_SSH_DIST="gloo", MONARCH_SSH_PYTHON=sys.executable)
+    NotebookClient(nb, timeout=300, kernel_name="python3").execute(env=env)
+    texts = ["\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in c.outputs)
+             for c in nb.cells if c.cell_type == "code"]
+    assert any("[0-3] MASTER_ADDR 198.18.0.10 world 4" in t for t in texts)
+    assert any("[0-1] group rank 0" in t and "[2-3] group rank 1" in t for t in texts)
+    assert any("all ranks: [6.0, 6.0, 6.0]" in t for t in texts)
+    ddp = [t for t in texts if "all ranks:" in t and "6.0" not in t]
+    assert ddp, texts  # one identical parameter checksum on all four ranks
+    assert "is down" in texts[-1]
