@@ -1,7 +1,7 @@
 """%mesh / %%mesh in a real IPython shell (terminal flavour: no kernel)."""
 
 import pytest
-from IPython.testing.globalipapp import start_ipython
+from IPython.testing.globalipapp import get_ipython
 from IPython.utils.capture import capture_output
 
 from monarch_kernel.values import ValueMesh
@@ -9,7 +9,7 @@ from monarch_kernel.values import ValueMesh
 
 @pytest.fixture(scope="module")
 def ip():
-    shell = start_ipython()
+    shell = get_ipython()
     shell.run_line_magic("load_ext", "monarch_kernel")
     yield shell
     shell.run_line_magic("unload_ext", "monarch_kernel")

@@ -139,11 +139,11 @@ def test_link_cut_mid_cell_is_detected_and_cleaned_up(hosts, sink):
 
 
 def test_magics_on_ssh_hosts_read_the_users_ssh_config(hosts, tmp_path, monkeypatch):
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.testing.globalipapp import get_ipython
     from IPython.utils.capture import capture_output
 
     monkeypatch.setenv("HOME", hosts.install_home(str(tmp_path)))
-    ip = start_ipython()
+    ip = get_ipython()
     ip.run_line_magic("load_ext", "monarch_kernel")
     try:
         with capture_output() as cap:
