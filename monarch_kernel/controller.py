@@ -181,7 +181,7 @@ class MeshRuntime:
         for index, host in enumerate(self.hosts):
             ranks = list(range(index * self.gpus, (index + 1) * self.gpus))
             link = HostLink(index, host.name, ranks, log_path=os.path.join(self.run_dir, f"agent-{index}.log"),
-                            started=loop.create_future())
+                            started=_quiet_future(loop))
             self.links.append(link)
             for local, rank in enumerate(ranks):
                 self.ranks[rank] = RankState(rank, host.name, local)
@@ -208,7 +208,7 @@ class MeshRuntime:
         loop = asyncio.get_running_loop()
         for link in self.links:
             if link.started is None or link.started.done():
-                link.started = loop.create_future()  # fails if the agent is lost meanwhile
+                link.started = _quiet_future(loop)  # fails if the agent is lost meanwhile
         port = 0
         if self.backend != "none":
             first = self.links[0]
@@ -497,6 +497,13 @@ def _shutdown_open_meshes() -> None:
             runtime.shutdown()
         except Exception:  # noqa: BLE001 - best effort while the interpreter exits
             pass
+
+
+def _quiet_future(loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    """A future whose failure may go unawaited (a host failing while the start is aborted)."""
+    future = loop.create_future()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
 
 
 def _reason(exc: BaseException) -> str:

@@ -132,6 +132,9 @@ def test_link_cut_mid_cell_is_detected_and_cleaned_up(hosts, sink):
         assert m.status()[1].state == "dead"
         # the agent on the cut-off host notices the silence and takes its rank down
         assert wait_until(lambda: processes(hosts)["host-1"] <= baseline["host-1"], 12)
+        hosts.restore_link(hosts.hosts[1])
+        m.restart()  # the host is back: a fresh mesh of the same shape
+        assert m.pull("int(__import__('os').environ['RANK'])").by_rank() == {0: 0, 1: 1}
     finally:
         hosts.restore_link(hosts.hosts[1])
         m.interrupt()
@@ -196,3 +199,28 @@ def test_ssh_notebook_runs_end_to_end_on_the_test_hosts(hosts, tmp_path):
     ddp = [t for t in texts if "all ranks:" in t and "6.0" not in t]
     assert ddp, texts  # one identical parameter checksum on all four ranks
     assert "is down" in texts[-1]
+
+
+def test_ship_package_makes_a_host_with_only_torch_work(hosts, tmp_path, sink):
+    import site
+    import subprocess
+
+    # an interpreter that has torch (and friends) but not monarch_kernel
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    packages = [p for p in site.getsitepackages() if p.endswith("site-packages")][0]
+    lib = next((bare / "lib").iterdir()) / "site-packages"
+    (lib / "deps.pth").write_text(packages + "\n")  # a plain path: editable installs stay out
+    python = str(bare / "bin" / "python")
+    probe = subprocess.run([python, "-c", "import torch, cloudpickle; import monarch_kernel"], capture_output=True,
+                           cwd=str(tmp_path))
+    assert b"No module named 'monarch_kernel'" in probe.stderr
+    with pytest.raises(MeshStartError, match="not importable on host host-1"):
+        ssh_mesh(["host-1"], gpus=1, dist="none", python=python, connect_options=hosts.connect_options())
+    with ssh_mesh(["host-1"], gpus=1, dist="gloo", python=python, ship_package=True,
+                  connect_options=hosts.connect_options()) as m:
+        where = m.run("import monarch_kernel, torch.distributed as dist\n(monarch_kernel.__file__, dist.get_world_size())",
+                      sink=sink).item(hosts=0, gpus=0)
+        assert "/monarch-pkg-" in where[0] and where[1] == 1
+        shipped = where[0].split("/monarch_kernel/")[0]
+    assert wait_until(lambda: not os.path.exists(shipped), 10)  # the agent removed it on exit

@@ -1,0 +1,132 @@
+"""SSH benchmark: a 2-host x 2-rank mesh on network-namespace test hosts (needs root).
+
+Compares, in one run: startup, no-op broadcast round trip and 64 MiB push/pull of the SSH
+mesh, next to a local 4-rank mesh, with plain OpenSSH transfers of the same bytes
+(`ssh host cat > /dev/null`, `ssh host head -c`) as the floor.
+
+    sudo .venv/bin/python benchmarks/bench_ssh.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+MIB64 = 64 << 20
+
+
+def timed(fn, n: int, warmup: int = 1) -> list[float]:
+    """Seconds per call, n calls after warmup."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+class NullSink:
+    """Discards output (we time the transport, not the rendering)."""
+
+    def output(self, *a): pass
+    def display(self, *a): pass
+    def notice(self, *a): pass
+    def rank_done(self, *a): pass
+    def tick(self): pass
+    def close(self): pass
+
+
+def measure_mesh(make, quick: bool) -> dict:
+    """Startup, broadcast, pull and push for the mesh that make() starts."""
+    import torch
+
+    t = time.perf_counter()
+    mesh = make()
+    res = {"startup": [time.perf_counter() - t]}
+    try:
+        res["no-op broadcast"] = timed(lambda: mesh.run("pass", sink=NullSink()), 100 if quick else 300, 10)
+        mesh.run(f"import torch\nt = torch.randn({MIB64 // 4})", sink=NullSink())
+        one = mesh.slice(hosts=mesh.shape.sizes["hosts"] - 1, gpus=0)
+        res["pull 64 MiB"] = timed(lambda: one.pull("t"), 3 if quick else 8, 1)
+        x = torch.randn(MIB64 // 4)
+        res["push 64 MiB to all"] = timed(lambda: mesh.push(t=x), 3 if quick else 8, 1)
+    finally:
+        mesh.shutdown()
+    return res
+
+
+def measure_floor(hosts, quick: bool) -> dict:
+    """Plain OpenSSH moving the same bytes: the floor for our SSH transfers."""
+    host = hosts.hosts[-1].alias
+    payload = os.urandom(MIB64)
+    base = ["ssh", "-F", hosts.config, "-o", "BatchMode=yes", host]
+
+    def push():
+        subprocess.run(base + ["cat > /dev/null"], input=payload, check=True)
+
+    def pull():
+        out = subprocess.run(base + [f"head -c {MIB64} /dev/urandom"], capture_output=True, check=True).stdout
+        assert len(out) == MIB64
+
+    n = 3 if quick else 8
+    return {"pull 64 MiB": timed(pull, n, 1), "push 64 MiB to all": timed(push, n, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    from sshhosts import SSHTestHosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        sys.exit(f"cannot make SSH test hosts here: {reason}")
+    import monarch_kernel
+
+    hosts = SSHTestHosts(2, tempfile.mkdtemp()).start()
+    try:
+        results = {
+            "local 1x4": measure_mesh(lambda: monarch_kernel.local_mesh(gpus=4, dist="gloo"), args.quick),
+            "ssh 2x2": measure_mesh(lambda: monarch_kernel.ssh_mesh(
+                [h.alias for h in hosts.hosts], gpus=2, dist="gloo", python=sys.executable,
+                connect_options=hosts.connect_options()), args.quick),
+            "ssh cat (floor)": measure_floor(hosts, args.quick),
+        }
+    finally:
+        hosts.stop()
+    rows = ["startup", "no-op broadcast", "pull 64 MiB", "push 64 MiB to all"]
+    names = list(results)
+    print(f"{'benchmark':22}" + "".join(f"{n:>20}" for n in names) + "   ratios")
+    for row in rows:
+        cells, med = [], {}
+        for name in names:
+            data = results[name].get(row)
+            if not data:
+                cells.append(f"{'-':>20}")
+                continue
+            med[name] = statistics.median(data)
+            if "64 MiB" in row:
+                cells.append(f"{MIB64 / med[name] / 1e9:>15.2f} GB/s")
+            else:
+                cells.append(f"{med[name] * 1e3:>17.2f} ms")
+        ratio = ""
+        if "ssh 2x2" in med and "local 1x4" in med and "64 MiB" not in row:
+            ratio = f"ssh/local time {med['ssh 2x2'] / med['local 1x4']:.2f}x"
+        if "ssh 2x2" in med and "ssh cat (floor)" in med:
+            ratio = f"ssh mesh at {100 * med['ssh cat (floor)'] / med['ssh 2x2']:.0f}% of the floor's throughput"
+        print(f"{row:22}" + "".join(cells) + "   " + ratio)
+    print("\n(push to all: the time until every rank of the mesh has the tensor; the floor sends it once)")
+
+
+if __name__ == "__main__":
+    main()
