@@ -75,7 +75,7 @@ def measure_floor(hosts, quick: bool) -> dict:
         subprocess.run(base + ["cat > /dev/null"], input=payload, check=True)
 
     def pull():
-        out = subprocess.run(base + [f"head -c {MIB64} /dev/urandom"], capture_output=True, check=True).stdout
+        out = subprocess.run(base + [f"head -c {MIB64} /dev/zero"], capture_output=True, check=True).stdout
         assert len(out) == MIB64
 
     n = 3 if quick else 8

@@ -298,6 +298,12 @@ class MeshRuntime:
                     continue
                 link.conn.send(m.Ping(seq))
 
+    def shm_dir_for(self, ranks: Iterable[int]) -> str | None:
+        """The shared-memory folder, if every one of these ranks runs on this machine."""
+        local = {r for link in self.links if link.host is not None and link.host.process is not None
+                 for r in link.ranks}
+        return self.shm_dir if set(ranks) <= local else None
+
     def _require_open(self) -> None:
         if self.closed:
             raise MeshNotRunningError(

@@ -131,7 +131,7 @@ class Mesh:
         """Start a push; returns a MeshFuture."""
         if not values:
             raise MeshUsageError("push() needs at least one name=value")
-        sealed = _seal_named(values, self._runtime.shm_dir)
+        sealed = _seal_named(values, self._runtime.shm_dir_for(self.ranks))
         names = ", ".join(values)
         return self._submit(lambda rid: m.Push(rid, sealed), label=f"push({names})",
                             on_done=lambda: release(sealed), finish=lambda req: raise_failures(req, self._runtime))
@@ -144,7 +144,7 @@ class Mesh:
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> ValueMesh:
         """Call fn(*args, **kwargs) on every rank (it travels by cloudpickle)."""
-        sealed = seal(lambda worker: fn(*args, **kwargs), shm_dir=self._runtime.shm_dir, shared=True)
+        sealed = seal(lambda worker: fn(*args, **kwargs), shm_dir=self._runtime.shm_dir_for(self.ranks), shared=True)
         label = f"call({getattr(fn, '__name__', 'fn')})"
         return self._submit(lambda rid: m.Call(rid, sealed), label=label, timeout=timeout,
                             on_done=lambda: release(sealed), finish=self._values).get()
@@ -193,7 +193,7 @@ class Mesh:
         return f"<Mesh {self.name!r} {self._shape} dist={self.backend}: {text}>"
 
 
-def _seal_named(values: dict[str, Any], shm_dir: str):
+def _seal_named(values: dict[str, Any], shm_dir: str | None):
     try:
         return seal(values, shm_dir=shm_dir, shared=True)
     except SerializationError:

@@ -59,6 +59,16 @@ def test_two_hosts_two_ranks_run_cells_with_deduped_output(mesh, sink):
     assert {s.host for s in mesh.status()} == {"host-0", "host-1"}
 
 
+def test_push_and_pull_to_remote_hosts_carry_the_bytes(mesh):
+    import torch
+
+    # remote ranks cannot map the controller's shared memory: the bytes travel over SSH
+    assert mesh._runtime.shm_dir_for(mesh.ranks) is None
+    x = torch.randn(1 << 19)
+    mesh.push(x=x)
+    assert all(torch.equal(v, x * 2) for v in mesh.pull("x * 2").values())
+
+
 def test_slices_by_host(mesh, sink):
     assert mesh.slice(hosts=1).pull("dist.get_rank()").by_rank() == {2: 2, 3: 3}
     vm = mesh.slice(hosts=slice(0, 2), gpus=1).run("import os\nos.environ['LOCAL_RANK']", sink=sink)
