@@ -16,21 +16,12 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import NullSink, timed  # noqa: E402
+
 WORKERS = 4
 MIB64 = 64 << 20
 LINES_CODE = "for i in range(1000):\n    print('line', i)"
-
-
-def timed(fn, n: int, warmup: int = 1) -> list[float]:
-    """Seconds per call of fn, n times after warmup calls."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 # ------------------------------------------------------------------ systems
@@ -41,14 +32,6 @@ def bench_ours(quick: bool) -> dict:
 
     import monarch_kernel
     from monarch_kernel.output import OutputGroups, render_text
-
-    class NullSink:
-        def output(self, *a): pass
-        def display(self, *a): pass
-        def notice(self, *a): pass
-        def rank_done(self, *a): pass
-        def tick(self): pass
-        def close(self): pass
 
     class TextSink(NullSink):
         """Groups lines as the notebook view does and renders the final text."""

@@ -19,31 +19,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+from common import NullSink, timed  # noqa: E402
 
 MIB64 = 64 << 20
-
-
-def timed(fn, n: int, warmup: int = 1) -> list[float]:
-    """Seconds per call, n calls after warmup."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
-
-
-class NullSink:
-    """Discards output (we time the transport, not the rendering)."""
-
-    def output(self, *a): pass
-    def display(self, *a): pass
-    def notice(self, *a): pass
-    def rank_done(self, *a): pass
-    def tick(self): pass
-    def close(self): pass
 
 
 def measure_mesh(make, quick: bool) -> dict:
