@@ -198,8 +198,8 @@ class MeshRuntime:
     async def _connect(self, link: HostLink, spec: HostSpec) -> None:
         link.host = await open_host(spec, log_path=link.log_path, env=self.env)
         link.last_pong = time.monotonic()
-        link.conn = await AsyncConnection.from_socket(
-            link.host.sock, lambda msg, l=link: self._on_message(l, msg), lambda exc, l=link: self._on_lost(l, exc))
+        link.conn = await link.host.connect(
+            lambda msg, l=link: self._on_message(l, msg), lambda exc, l=link: self._on_lost(l, exc))
 
     async def _start_ranks(self) -> None:
         world = len(self.links) * self.gpus

@@ -12,10 +12,12 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .launcher import spawn_local_agent
+from .transport import AsyncConnection
 
 
 @dataclass(frozen=True)
@@ -34,12 +36,20 @@ class HostSpec:
 
 @dataclass
 class HostConnection:
-    """A started agent: the socket to talk to it and how to end it."""
+    """A started agent: how to talk to it and how to end it."""
 
-    sock: socket.socket
+    sock: socket.socket | None  # local agents: our end of the socketpair
     address: str  # the address the controller reached the host at
     process: subprocess.Popen | None = None  # local agents
     remote: Any = None  # ssh.RemoteAgent for remote ones
+
+    async def connect(self, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]):
+        """A framed connection to the agent (socketpair, or the SSH channel)."""
+        if self.remote is not None:
+            from .ssh import ChannelConnection
+
+            return ChannelConnection(self.remote.process, on_message, on_close)
+        return await AsyncConnection.from_socket(self.sock, on_message, on_close)
 
     @property
     def pid(self) -> int | None:
@@ -89,4 +99,4 @@ async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str]) -> Ho
         ssh.SSHTarget.parse(spec.target or spec.name), name=spec.name, python=spec.python,
         setup=spec.setup, env=env, options=spec.options, timeout=spec.connect_timeout_s,
         stderr_path=log_path, ship_package=spec.ship_package)
-    return HostConnection(remote.sock, remote.peer_address, remote=remote)
+    return HostConnection(None, remote.peer_address, remote=remote)

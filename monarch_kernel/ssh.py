@@ -1,8 +1,8 @@
 """Reaching remote hosts over SSH (the only module that imports asyncssh).
 
 A host agent is started with `python -m monarch_kernel.agent --stdio` over an
-authenticated SSH connection; its stdin/stdout are bridged to one end of a local
-socketpair, so the controller talks to remote agents exactly as to local ones. Host
+authenticated SSH connection; the controller speaks the same framed protocol on the
+process's stdin/stdout (ChannelConnection) as on a local agent's socketpair. Host
 keys are checked against known_hosts (asyncssh's default, or the options given); the
 user's ~/.ssh/config is read as OpenSSH would.
 """
@@ -13,11 +13,12 @@ import asyncio
 import collections
 import os
 import shlex
-import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import MeshStartError
+from .transport import ConnectionClosed, FrameProtocol, encode
 
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 KEEPALIVE_S = 1.0
@@ -51,9 +52,7 @@ class RemoteAgent:
     target: SSHTarget
     connection: Any  # asyncssh.SSHClientConnection
     process: Any  # asyncssh.SSHClientProcess
-    sock: socket.socket
     peer_address: str
-    _bridge: socket.socket = field(repr=False, default=None)  # type: ignore[assignment]
     python: str = "python3"
     pumps: list = field(default_factory=list, repr=False)
     stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30), repr=False)
@@ -138,69 +137,59 @@ async def start_agent(target: SSHTarget, *, name: str, python: str, setup: str |
     conn = await connect(target, options=options, timeout=timeout)
     try:
         pythonpath = await _ship_package(conn) if ship_package else None
-        ours, theirs = socket.socketpair()
         command = agent_command(python=python, name=name, setup=setup, env=env, pythonpath=pythonpath)
         process = await conn.create_process(command, encoding=None)
         peer = conn.get_extra_info("peername")[0]
-        agent = RemoteAgent(target, conn, process, ours, peer, theirs, python=python)
-        agent.pumps = [asyncio.ensure_future(_bridge(process, theirs)),
-                       asyncio.ensure_future(_keep_stderr(process, stderr_path, agent.stderr_tail))]
+        agent = RemoteAgent(target, conn, process, peer, python=python)
+        agent.pumps = [asyncio.ensure_future(_keep_stderr(process, stderr_path, agent.stderr_tail))]
         return agent
     except BaseException:
         conn.close()
         raise
 
 
-async def _socket_to_channel(sock: socket.socket, process) -> None:
-    """Forward what the controller writes on the socketpair to the agent's stdin."""
-    loop = asyncio.get_running_loop()
-    sock.setblocking(False)
-    try:
-        while True:
-            data = await loop.sock_recv(sock, 1 << 16)
-            if not data:
-                break
-            process.stdin.write(data)
-            await process.stdin.drain()
-    except Exception:  # noqa: BLE001 - connection lost or closed: the pump ends
-        pass
-    finally:
+class ChannelConnection:
+    """Framed messages over an SSH process's stdin/stdout (the interface of AsyncConnection)."""
+
+    def __init__(self, process, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]):
+        self._process = process
+        self._protocol = FrameProtocol(on_message, on_close)
+        self._closed = False
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        error: Exception | None = None
         try:
-            process.stdin.write_eof()
-        except Exception:  # noqa: BLE001 - connection lost or closed: the pump ends
-            pass
+            while True:
+                data = await self._process.stdout.read(1 << 16)
+                if not data:
+                    break
+                self._protocol.data_received(data)
+        except Exception as exc:  # noqa: BLE001 - the connection is gone, whatever the cause
+            error = exc
+        finally:
+            self._closed = True
+            self._protocol.connection_lost(error)
 
+    def send(self, msg: Any) -> None:
+        """Queue one message (never blocks; asyncssh buffers and flow-controls)."""
+        self.send_chunks(encode(msg))
 
-async def _channel_to_socket(process, sock: socket.socket) -> None:
-    """Forward the agent's stdout to the socketpair until the agent is gone."""
-    loop = asyncio.get_running_loop()
-    try:
-        while True:
-            data = await process.stdout.read(1 << 16)
-            if not data:
-                break
-            await loop.sock_sendall(sock, data)
-    except Exception:  # noqa: BLE001 - connection lost or closed: the pump ends
-        pass
+    def send_chunks(self, chunks: list) -> None:
+        """Queue an already encoded frame."""
+        if self._closed:
+            raise ConnectionClosed("the SSH channel is closed")
+        self._process.stdin.write(b"".join(chunks) if len(chunks) > 1 else bytes(chunks[0]))
 
+    def close(self) -> None:
+        """Close the channel (the agent sees end of input and exits)."""
+        self._closed = True
+        self._process.close()
 
-async def _bridge(process, sock: socket.socket) -> None:
-    """Pump both directions; when the agent's output ends, stop and close our end.
-
-    The socket is closed only after the other pump is cancelled (which unregisters it
-    from the event loop): closing a socket the loop still watches would leave a stale
-    registration that a later socket reusing the descriptor number would inherit.
-    """
-    inbound = asyncio.ensure_future(_socket_to_channel(sock, process))
-    try:
-        await _channel_to_socket(process, sock)
-    finally:
-        inbound.cancel()
-        try:
-            await inbound
-        except BaseException:  # noqa: BLE001 - cancelled, or the pump's own end
-            pass
-        sock.close()
+    @property
+    def closed(self) -> bool:
+        """Whether the channel is closed."""
+        return self._closed
 
 
 async def _keep_stderr(process, path: str, tail: collections.deque) -> None:
