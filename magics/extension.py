@@ -19,9 +19,9 @@ def _sink_factory(shell):
         ranks, dedupe = tuple(options.get("ranks", ())), options.get("dedupe", True)
         if getattr(shell, "kernel", None) is not None:
             if options.get("background"):
-                placeholder = (f"[{options.get('label', 'run')} is running in the background; its output "
+                announcement = (f"[{options.get('label', 'run')} is running in the background; its output "
                                "appears here. Get its value with `await fut` or `fut.get()`]")
-                return LiveOutput(ranks, dedupe=dedupe, publisher=WidgetPublisher(), placeholder=placeholder)
+                return LiveOutput(ranks, dedupe=dedupe, publisher=WidgetPublisher(), announcement=announcement)
             return LiveOutput(ranks, dedupe=dedupe, publisher=KernelPublisher(shell))
         return TerminalOutput(ranks, dedupe=dedupe)
 

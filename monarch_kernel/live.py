@@ -88,7 +88,7 @@ class LiveOutput:
     """An OutputSink that shows grouped rank output live in a Jupyter cell."""
 
     def __init__(self, ranks: tuple[int, ...], *, dedupe: bool, publisher: KernelPublisher | WidgetPublisher,
-                 placeholder: str | None = None):
+                 announcement: str | None = None):
         self._ranks = ranks
         self._dedupe = dedupe
         self._publisher = publisher
@@ -96,8 +96,8 @@ class LiveOutput:
         self._display_id: str | None = None
         self._shown_version = 0
         self._last_render = 0.0
-        if placeholder is not None:  # claim the spot in the cell now, while it still runs
-            self._display_id = publisher.show({"text/plain": placeholder})
+        if announcement is not None:  # claim the spot in the cell now, while it still runs
+            self._display_id = publisher.show({"text/plain": announcement})
             self._shown_version = -1
 
     def output(self, rank: int, stream: str, text: str) -> None:  # noqa: D102

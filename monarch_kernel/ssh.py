@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import secrets
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -210,7 +211,8 @@ async def _keep_stderr(process, path: str, tail: collections.deque) -> None:
 async def _ship_package(conn) -> str:
     """Copy this monarch_kernel's source to a private temporary folder on the host."""
     here = os.path.dirname(os.path.abspath(__file__))
-    made = await conn.run("mktemp -d -t monarch-pkg-XXXXXX", check=True)
+    name = f"monarch-pkg-{secrets.token_hex(8)}"
+    made = await conn.run(f'd="${{TMPDIR:-/tmp}}/{name}" && mkdir -m 700 "$d" && echo "$d"', check=True)
     remote = made.stdout.strip()
     async with conn.start_sftp_client() as sftp:
         await sftp.put(here, f"{remote}/monarch_kernel", recurse=True)

@@ -64,9 +64,9 @@ def test_notice_shows_immediately():
     assert "[1]!rank 1 died: exit code 3" in pub.shown["d0"]["text/plain"]
 
 
-def test_background_placeholder_is_replaced():
+def test_background_announcement_is_replaced():
     pub = Publisher()
-    live = LiveOutput((0,), dedupe=True, publisher=pub, placeholder="running...")
+    live = LiveOutput((0,), dedupe=True, publisher=pub, announcement="running...")
     assert pub.shown["d0"] == {"text/plain": "running..."}
     live.output(0, "stdout", "done\n")
     live.close()
