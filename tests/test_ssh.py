@@ -234,3 +234,15 @@ def test_ship_package_makes_a_host_with_only_torch_work(hosts, tmp_path, sink):
         assert "/monarch-pkg-" in where[0] and where[1] == 1
         shipped = where[0].split("/monarch_kernel/")[0]
     assert wait_until(lambda: not os.path.exists(shipped), 10)  # the agent removed it on exit
+
+
+def test_changed_host_key_is_rejected(hosts, tmp_path):
+    import subprocess
+
+    other = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    wrong = " ".join(open(f"{other}.pub").read().split()[:2])
+    (tmp_path / "known_hosts").write_text(f"host-0,198.18.0.10 {wrong}\n")
+    options = dict(hosts.connect_options(), known_hosts=str(tmp_path / "known_hosts"))
+    with pytest.raises(MeshStartError, match="host-0.*known_hosts.*never accepts unknown keys"):
+        ssh_mesh(["host-0"], gpus=1, dist="none", python=sys.executable, connect_options=options)
