@@ -60,8 +60,6 @@ class HostAgent:
             self._bind_store(msg.addr)
         elif isinstance(msg, m.StartRanks):
             asyncio.get_running_loop().create_task(self._start(msg))
-        elif isinstance(msg, m.StopRanks):
-            asyncio.get_running_loop().create_task(self._stop_and_report(msg.grace_s))
         elif isinstance(msg, m.Shutdown):
             asyncio.get_running_loop().create_task(self.shutdown("the controller asked"))
 
@@ -200,10 +198,6 @@ class HostAgent:
             rank, failure = failures[0]
             raise RuntimeError(f"rank {rank} failed to start:\n{failure.traceback or failure.message}")
         return tuple(m.RankInfo(r, p.pid, self.host) for r, p in sorted(self.ranks.items()))
-
-    async def _stop_and_report(self, grace_s: float) -> None:
-        await self._stop_ranks(grace_s)
-        self._to_controller(m.RanksStarted(()))
 
     async def _stop_ranks(self, grace_s: float) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after grace_s."""

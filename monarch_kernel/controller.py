@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import messages as m
-from .errors import MeshNotRunningError, MeshStartError, RankFailure
+from .errors import MeshNotRunningError, MeshStartError, MeshUsageError, RankFailure
 from .hosts import HostConnection, HostSpec, open_host
-from .shape import format_ranks
 from .transport import AsyncConnection
 
 RANK_LOG_LINES = 500
@@ -165,7 +164,6 @@ class MeshRuntime:
         self.run_dir = tempfile.mkdtemp(prefix=f"monarch-{name}-")
         self.shm_dir = _private_shm_dir(name)
         self.closed = False
-        self.started_at: float | None = None
         MeshRuntime._open.add(self)
 
     # ------------------------------------------------------------ lifecycle
@@ -236,7 +234,6 @@ class MeshRuntime:
                 state = self.ranks[info.rank]
                 state.pid, state.alive, state.responsive = info.pid, True, True
                 state.exit_code = state.signal = None
-        self.started_at = time.time()
 
     def restart(self, timeout: float | None = None) -> None:
         """Replace every rank with a fresh one (same shape); namespaces are lost."""
@@ -486,13 +483,22 @@ class MeshRuntime:
             for s in sorted(self.ranks.values(), key=lambda s: s.rank)
         ]
 
+    def agent_log(self, host: int | str, lines: int = 50) -> str:
+        """The last lines of the log of a host agent, by host index or name."""
+        for link in self.links:
+            if host in (link.index, link.name):
+                try:
+                    with open(link.log_path, encoding="utf-8", errors="replace") as f:
+                        return "".join(f.readlines()[-lines:])
+                except OSError:
+                    return ""
+        names = ", ".join(link.name for link in self.links)
+        raise MeshUsageError(f"mesh {self.name!r} has no host {host!r} (hosts: {names})")
+
     def logs(self, rank: int, lines: int = 50) -> list[tuple[str, str]]:
         """The last lines a rank printed (stream, text)."""
         return list(self.ranks[rank].log)[-lines:]
 
-    def describe_ranks(self, ranks: Iterable[int]) -> str:
-        """'ranks 0-3' style text."""
-        return f"ranks {format_ranks(list(ranks))}"
 
 
 @atexit.register

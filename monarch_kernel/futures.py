@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from .errors import MeshInterrupted, MeshTimeoutError, RankFailure, RemoteError
+from .errors import MeshInterrupted, MeshTimeoutError, RankDiedError, RankFailure, RemoteError
 from .shape import format_ranks
 from .sinks import OutputSink
 
@@ -177,4 +177,6 @@ def raise_failures(req: Request, runtime: MeshRuntime, partial: object = None) -
                f"({format_ranks([f.rank for f in failures])}): {', '.join(kinds)}")
     if all(f.kind == "interrupted" for f in failures):
         raise MeshInterrupted(summary, failures, partial)
+    if any(f.kind == "died" for f in failures):
+        raise RankDiedError(summary, failures, partial)
     raise RemoteError(summary, failures, partial)

@@ -75,15 +75,7 @@ class Mesh:
 
     def agent_log(self, host: int | str, lines: int = 50) -> str:
         """The last lines of a host agent's log (its stderr): start-up problems, crashes."""
-        for link in self._runtime.links:
-            if host in (link.index, link.name):
-                try:
-                    with open(link.log_path, encoding="utf-8", errors="replace") as f:
-                        return "".join(f.readlines()[-lines:])
-                except OSError:
-                    return ""
-        names = ", ".join(link.name for link in self._runtime.links)
-        raise MeshUsageError(f"mesh {self.name!r} has no host {host!r} (hosts: {names})")
+        return self._runtime.agent_log(host, lines)
 
     # ------------------------------------------------------------ slicing
     def slice(self, **selectors: Selector | None) -> Mesh:

@@ -141,13 +141,6 @@ class StoreBound:
 
 
 @dataclass(frozen=True)
-class StopRanks:
-    """Stop every rank of this host (SIGTERM, then SIGKILL after a grace period)."""
-
-    grace_s: float = 1.0
-
-
-@dataclass(frozen=True)
 class ToRanks:
     """Deliver `body` to the given local ranks; gather their Results into one reply."""
 

@@ -19,7 +19,6 @@ from typing import Any
 
 _HEAD = struct.Struct("!II")
 _LEN = struct.Struct("!Q")
-MAX_META = 1 << 31
 
 
 def encode(msg: Any) -> list[memoryview | bytes]:
