@@ -189,15 +189,18 @@ class HostAgent:
         for spec in msg.ranks:
             proc = await fork_rank(self, spec, msg, store_fd if spec.rank == 0 else None, port)
             self.ranks[spec.rank] = proc
-        await asyncio.wait_for(
-            asyncio.gather(*(p.ready for p in self.ranks.values())), timeout=msg.dist.timeout_s
+        procs = dict(self.ranks)  # a rank that fails also exits, and leaves self.ranks
+        replies = await asyncio.wait_for(
+            asyncio.gather(*(p.ready for p in procs.values())), timeout=msg.dist.timeout_s
         )
-        failures = [(r, p.ready.result().failure) for r, p in self.ranks.items()
-                    if p.ready.result().failure is not None]
-        if failures:
-            rank, failure = failures[0]
-            raise RuntimeError(f"rank {rank} failed to start:\n{failure.traceback or failure.message}")
-        return tuple(m.RankInfo(r, p.pid, self.host) for r, p in sorted(self.ranks.items()))
+        for rank, reply in zip(procs, replies):
+            if reply.failure is not None:
+                raise RuntimeError(f"rank {rank} failed to start:\n"
+                                   f"{reply.failure.traceback or reply.failure.message}")
+        gone = sorted(set(procs) - set(self.ranks))
+        if gone:
+            raise RuntimeError(f"ranks {gone} exited right after start-up")
+        return tuple(m.RankInfo(r, p.pid, self.host) for r, p in sorted(procs.items()))
 
     async def _stop_ranks(self, grace_s: float) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after grace_s."""
