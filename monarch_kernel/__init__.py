@@ -7,6 +7,7 @@
 In IPython/Jupyter: `%load_ext monarch_kernel`, then `%mesh up local --gpus 4` and `%%mesh`.
 """
 
+from .actors import Actor, ActorDiedError, ActorError, ActorFailureEvent, ActorFuture, ActorMesh, current_rank, endpoint
 from .errors import (
     CellSyntaxError,
     MeshError,
@@ -28,6 +29,12 @@ from .values import ValueMesh
 __version__ = "0.1.0"
 
 __all__ = [
+    "Actor",
+    "ActorDiedError",
+    "ActorError",
+    "ActorFailureEvent",
+    "ActorFuture",
+    "ActorMesh",
     "CellSyntaxError",
     "Mesh",
     "MeshError",
@@ -44,6 +51,8 @@ __all__ = [
     "SerializationError",
     "Shape",
     "ValueMesh",
+    "current_rank",
+    "endpoint",
     "load_ipython_extension",
     "local_mesh",
     "ssh_mesh",

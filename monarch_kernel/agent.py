@@ -19,9 +19,11 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from . import messages as m
+from .calls import CallTracker, death_reply
 from .launcher import RankProcess, fork_rank
 from .transport import AsyncConnection, encode
 
@@ -42,6 +44,8 @@ class HostAgent:
         self._store_sock: socket.socket | None = None
         self.last_heard = time.monotonic()
         self._outbox: list[Any] = []
+        self.local_ranks: set[int] = set()  # every rank of this host, alive or not
+        self.calls = CallTracker()  # actor calls routed to this host's ranks
 
     # ------------------------------------------------------------ controller side
     def on_controller_message(self, msg: Any) -> None:
@@ -54,6 +58,12 @@ class HostAgent:
                 proc = self.ranks.get(rank)
                 if proc is not None:
                     _kill(proc.pid, msg.signum)
+        elif isinstance(msg, m.ActorCall):
+            self._deliver_call(msg, msg.ranks)
+        elif isinstance(msg, m.ActorReply):
+            self._route_reply(msg)
+        elif isinstance(msg, m.CancelCall):
+            self._deliver_to_ranks(msg, msg.ranks)
         elif isinstance(msg, m.Ping):
             self._to_controller(m.Pong(msg.seq))
         elif isinstance(msg, m.BindStore):
@@ -114,9 +124,55 @@ class HostAgent:
                 entry[1].append(msg)
                 self._maybe_gathered(msg.req_id)
             return
+        if isinstance(msg, m.ActorReply):
+            if self.calls.answered(msg.caller, msg.call_id, rank):
+                self._route_reply(msg)
+            return
+        if isinstance(msg, (m.ActorCall, m.CancelCall)):
+            self._route_from_rank(msg)
+            return
         if isinstance(msg, m.Output) and msg.stream == "stderr":
             self._remember_stderr(rank, msg.text)
         self._to_controller(msg)
+
+    # ------------------------------------------------------------ actor call routing
+    def _route_from_rank(self, msg: m.ActorCall | m.CancelCall) -> None:
+        """A rank's own call: ranks of this host get it directly, the rest via the controller."""
+        here = tuple(r for r in msg.ranks if r in self.local_ranks)
+        away = tuple(r for r in msg.ranks if r not in self.local_ranks)
+        if here:
+            if isinstance(msg, m.ActorCall):
+                self._deliver_call(msg, here)
+            else:
+                self._deliver_to_ranks(msg, here)
+        if away:
+            self._to_controller(replace(msg, ranks=away))
+
+    def _deliver_call(self, msg: m.ActorCall, ranks: tuple[int, ...]) -> None:
+        chunks = encode(msg)
+        for rank in ranks:
+            proc = self.ranks.get(rank)
+            if proc is None or proc.conn is None or proc.conn.closed:
+                self._route_reply(death_reply(msg.caller, msg.call_id, rank, f"rank {rank} on {self.host} is not running"))
+                continue
+            self.calls.add(msg.caller, msg.call_id, (rank,))
+            proc.conn.send_chunks(chunks)
+
+    def _deliver_to_ranks(self, msg: Any, ranks: tuple[int, ...]) -> None:
+        chunks = encode(msg)
+        for rank in ranks:
+            proc = self.ranks.get(rank)
+            if proc is not None and proc.conn is not None and not proc.conn.closed:
+                proc.conn.send_chunks(chunks)
+
+    def _route_reply(self, reply: m.ActorReply) -> None:
+        """To the calling rank if it lives here, else to the controller."""
+        if reply.caller in self.local_ranks:
+            proc = self.ranks.get(reply.caller)
+            if proc is not None and proc.conn is not None and not proc.conn.closed:
+                proc.conn.send(reply)
+        else:
+            self._to_controller(reply)
 
     def _remember_stderr(self, rank: int, text: str) -> None:
         proc = self.ranks.get(rank)
@@ -149,6 +205,11 @@ class HostAgent:
             proc.ready.set_exception(RuntimeError(
                 f"rank {rank} exited during start-up ({_status_text(exit_code, sig)})"
                 + _tail_text(proc.stderr_tail)))
+        why = (f"rank {rank} on {self.host} (pid {proc.pid}) died ({_status_text(exit_code, sig)}) "
+               f"before answering" + _tail_text(proc.stderr_tail))
+        for caller, call_id in self.calls.owed_by(rank):
+            if self.calls.answered(caller, call_id, rank):
+                self._route_reply(death_reply(caller, call_id, rank, why))
         self._to_controller(m.RankExited(rank, proc.pid, exit_code, sig, tuple(proc.stderr_tail), proc.stopping))
         for req_id in list(self.pending):
             self.pending[req_id][0].discard(rank)
@@ -180,6 +241,7 @@ class HostAgent:
         self._to_controller(m.StoreBound(self._store_sock.getsockname()[1]))
 
     async def _spawn_all(self, msg: m.StartRanks) -> tuple[m.RankInfo, ...]:
+        self.local_ranks = {spec.rank for spec in msg.ranks}
         port = msg.master_port
         store_fd = None
         if any(spec.rank == 0 for spec in msg.ranks) and msg.dist.backend != "none":

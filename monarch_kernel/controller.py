@@ -17,19 +17,22 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import messages as m
+from .calls import CallTable, CallTracker, death_reply, register_sender
 from .errors import MeshNotRunningError, MeshStartError, MeshUsageError, RankFailure
 from .hosts import HostConnection, HostSpec, open_host
-from .transport import AsyncConnection
+from .lanes import LaneWriter, connect_lane, lane_path
+from .transport import AsyncConnection, ConnectionClosed, encode
 
 RANK_LOG_LINES = 500
 PING_INTERVAL_S = 1.0
@@ -164,6 +167,14 @@ class MeshRuntime:
         self.run_dir = tempfile.mkdtemp(prefix=f"monarch-{name}-")
         self.shm_dir = _private_shm_dir(name)
         self.closed = False
+        self.caller_id = m.CONTROLLER
+        self.calls = CallTable()  # actor calls made from this process
+        self.routed = CallTracker()  # actor calls routed through here, failed if a rank dies
+        self.lanes: dict[int, LaneWriter] = {}
+        self.actor_meshes: dict[str, tuple[int, ...]] = {}  # spawned actor meshes: name -> ranks
+        self._lanes_lock = threading.Lock()
+        self.failure_watchers: list[tuple[frozenset[int], Callable[[int, str], None]]] = []
+        register_sender(name, self)
         MeshRuntime._open.add(self)
 
     # ------------------------------------------------------------ lifecycle
@@ -360,11 +371,150 @@ class MeshRuntime:
         req.future.set_result(req)
 
     def _fail_all(self, why: str) -> None:
+        self._close_lanes()
+        self.actor_meshes.clear()  # the ranks that held them are gone
+        for call in self.calls.pending():
+            for rank in call.outstanding:
+                self.calls.deliver(death_reply(m.CONTROLLER, call.call_id, rank, why, "MeshRestarted"))
+        self.routed = CallTracker()
         for req in list(self.requests.values()):
             for rank in req.outstanding:
                 state = self.ranks[rank]
                 req.failures[rank] = RankFailure(rank, state.host, "lost", "MeshRestarted", why)
             self._maybe_complete(req)
+
+    # ------------------------------------------------------------ actor calls
+    def send_call(self, msg: m.ActorCall) -> None:
+        """Send an actor call; thread-safe.
+
+        Ranks on this machine get it straight from the calling thread over their direct
+        lane; the others through the controller loop and their host agent.
+        """
+        self._require_open()
+        away = []
+        chunks = None
+        for rank in msg.ranks:
+            lane = self._lane(rank)
+            if lane is None:
+                away.append(rank)
+                continue
+            if chunks is None:
+                chunks = encode(msg)
+            try:
+                lane.send_chunks(chunks)
+            except ConnectionClosed:
+                away.append(rank)  # the rank is going away: the agent reports how
+        if away:
+            self.controller.call(self._route_call, msg if len(away) == len(msg.ranks)
+                                 else replace(msg, ranks=tuple(away)))
+
+    def _lane(self, rank: int) -> LaneWriter | None:
+        """The direct lane to a live rank of this machine (opened on first use)."""
+        lane = self.lanes.get(rank)
+        if lane is not None and not lane.closed:
+            return lane
+        state = self.ranks.get(rank)
+        if state is None or not state.alive or self.shm_dir_for((rank,)) is None:
+            return None
+        with self._lanes_lock:
+            lane = self.lanes.get(rank)
+            if lane is not None and not lane.closed:
+                return lane
+            try:
+                sock = connect_lane(lane_path(self.shm_dir, rank))
+            except OSError:
+                return None
+            lane = LaneWriter(sock, self.controller.loop)
+            self.controller.run(self._read_lane(lane)).result(10)
+            self.lanes[rank] = lane
+            return lane
+
+    async def _read_lane(self, lane: LaneWriter) -> None:
+        def on_message(msg: Any) -> None:
+            if isinstance(msg, m.ActorReply):
+                lane.answered()
+                self.calls.deliver(msg)
+
+        def closed(exc: Exception | None) -> None:
+            lane.closed = True
+
+        await AsyncConnection.from_socket(lane.sock, on_message, closed)
+
+    def flush_calls(self) -> None:
+        """Write calls queued on direct lanes now (a caller is about to wait)."""
+        for lane in list(self.lanes.values()):
+            lane.flush()
+
+    def _close_lanes(self) -> None:
+        with self._lanes_lock:
+            for lane in self.lanes.values():
+                lane.closed = True
+                try:
+                    lane.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self.lanes.clear()
+
+    def send_cancel(self, msg: m.CancelCall) -> None:
+        """Ask the ranks of a call to stop it; thread-safe."""
+        if not self.closed:
+            self.controller.call(self._route_cancel, msg)
+
+    def must_not_wait_on(self, ranks: tuple[int, ...]) -> bool:
+        """The notebook's thread may always wait (replies arrive on the loop thread)."""
+        return False
+
+    def host_of(self, rank: int) -> str:
+        """The host a rank runs on."""
+        state = self.ranks.get(rank)
+        return state.host if state is not None else ""
+
+    def is_alive(self, rank: int) -> bool:
+        """Whether a rank is running (as last reported)."""
+        state = self.ranks.get(rank)
+        return state is not None and state.alive
+
+    def watch_failures(self, ranks: Iterable[int], callback: Callable[[int, str], None]) -> None:
+        """Call callback(rank, why) (on a helper thread) when one of these ranks dies."""
+        self.failure_watchers.append((frozenset(ranks), callback))
+
+    def _route_call(self, msg: m.ActorCall) -> None:
+        for link in self.links:
+            local = tuple(r for r in link.ranks if r in msg.ranks)
+            if not local:
+                continue
+            alive = tuple(r for r in local if self.ranks[r].alive and link.conn is not None and not link.conn.closed)
+            for rank in local:
+                if rank not in alive:
+                    state = self.ranks[rank]
+                    self._deliver_reply(death_reply(msg.caller, msg.call_id, rank, self._death_failure(
+                        state, "is dead").message))
+            if alive:
+                self.routed.add(msg.caller, msg.call_id, alive)
+                link.conn.send(msg if alive == msg.ranks else replace(msg, ranks=alive))
+
+    def _route_cancel(self, msg: m.CancelCall) -> None:
+        for link in self.links:
+            local = tuple(r for r in link.ranks if r in msg.ranks)
+            if local and link.conn is not None and not link.conn.closed:
+                link.conn.send(replace(msg, ranks=local))
+
+    def _deliver_reply(self, reply: m.ActorReply) -> None:
+        if reply.caller == m.CONTROLLER:
+            self.calls.deliver(reply)
+            return
+        for link in self.links:
+            if reply.caller in link.ranks and link.conn is not None and not link.conn.closed:
+                link.conn.send(reply)
+
+    def _fail_calls_on(self, rank: int, why: str) -> None:
+        self.calls.fail_rank(rank, why)  # calls sent over its direct lane
+        for caller, call_id in self.routed.owed_by(rank):
+            if self.routed.answered(caller, call_id, rank):
+                self._deliver_reply(death_reply(caller, call_id, rank, why))
+        for ranks, callback in self.failure_watchers:
+            if rank in ranks:
+                threading.Thread(target=callback, args=(rank, why), name="mesh-supervision", daemon=True).start()
 
     # ------------------------------------------------------------ messages from agents
     def _on_message(self, link: HostLink, msg: Any) -> None:
@@ -390,6 +540,13 @@ class MeshRuntime:
         elif isinstance(msg, m.RanksStarted):
             if link.started is not None and not link.started.done():
                 link.started.set_result(msg.ranks)
+        elif isinstance(msg, m.ActorReply):
+            if self.routed.answered(msg.caller, msg.call_id, msg.rank):
+                self._deliver_reply(msg)
+        elif isinstance(msg, m.ActorCall):
+            self._route_call(msg)
+        elif isinstance(msg, m.CancelCall):
+            self._route_cancel(msg)
         elif isinstance(msg, m.Pong):
             link.last_pong = time.monotonic()
         elif isinstance(msg, m.StoreBound):
@@ -431,6 +588,7 @@ class MeshRuntime:
         if msg.expected:
             return
         failure = self._death_failure(state, "died")
+        self._fail_calls_on(msg.rank, failure.message)
         failure = RankFailure(**{**failure.__dict__, "stderr_tail": msg.stderr_tail or failure.stderr_tail})
         for req_id in list(state.inflight):
             req = self.requests.get(req_id)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import messages as m
+from .actors import ActorMesh, spawn
 from .cell import check_syntax
 from .controller import MeshRuntime, RankSnapshot
 from .hosts import HostSpec
@@ -136,8 +137,12 @@ class Mesh:
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> ValueMesh:
         """Call fn(*args, **kwargs) on every rank (it travels by cloudpickle)."""
-        sealed = seal(lambda worker: fn(*args, **kwargs), shm_dir=self._runtime.shm_dir_for(self.ranks), shared=True)
-        label = f"call({getattr(fn, '__name__', 'fn')})"
+        return self._call_in_worker(lambda worker: fn(*args, **kwargs), f"call({getattr(fn, '__name__', 'fn')})",
+                                    timeout)
+
+    def _call_in_worker(self, fn: Callable[[Any], Any], label: str, timeout: float | None = None) -> ValueMesh:
+        """Run fn(worker) on every rank (internal operations such as spawning actors)."""
+        sealed = seal(fn, shm_dir=self._runtime.shm_dir_for(self.ranks), shared=True)
         return self._submit(lambda rid: m.Call(rid, sealed), label=label, timeout=timeout,
                             on_done=lambda: release(sealed), finish=self._values).get()
 
@@ -157,6 +162,14 @@ class Mesh:
         vm = ValueMesh(self._shape, values)
         raise_failures(req, self._runtime, partial=vm)
         return vm
+
+    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> ActorMesh:
+        """One `actor_class(*args, **kwargs)` per rank, as actor mesh `name`.
+
+        Returns an ActorMesh: `trainers.step.call(x).get()` and friends. Each rank's
+        instance is also `actors[name]` in `%%mesh` cells.
+        """
+        return spawn(self, name, actor_class, args, kwargs)
 
     # ------------------------------------------------------------ control
     def interrupt(self) -> None:

@@ -227,3 +227,45 @@ class Pong:
     """Answer to Ping."""
 
     seq: int
+
+
+# ---------------------------------------------------------------- actor calls (any -> any)
+
+CONTROLLER = -1  # the caller id of calls made from the notebook (ranks use their rank)
+
+
+@dataclass(frozen=True)
+class ActorCall:
+    """Call `endpoint` of actor mesh `actor` on `ranks`; each rank answers with ActorReply.
+
+    Routed by agents and the controller without unpickling `args` (a Sealed
+    (args, kwargs) pair). `caller` and `call_id` together name the call.
+    """
+
+    caller: int
+    call_id: int
+    actor: str
+    endpoint: str
+    args: Sealed
+    ranks: tuple[int, ...]
+    want_value: bool = True
+
+
+@dataclass(frozen=True)
+class ActorReply:
+    """One rank's answer to an ActorCall: a Sealed value or a Failure."""
+
+    caller: int
+    call_id: int
+    rank: int
+    value: Sealed | None
+    failure: Failure | None
+
+
+@dataclass(frozen=True)
+class CancelCall:
+    """Stop a call on these ranks: interrupt it if running, drop it if still queued."""
+
+    caller: int
+    call_id: int
+    ranks: tuple[int, ...]

@@ -182,6 +182,9 @@ class AsyncConnection:
         """Queue an already encoded frame (to send one encoding to many peers)."""
         if self._transport.is_closing():
             raise ConnectionClosed("connection is closed")
+        if len(chunks) > 1 and sum(memoryview(c).nbytes for c in chunks) < (1 << 16):
+            self._transport.write(b"".join(chunks))  # one system call for small frames
+            return
         for chunk in chunks:
             self._transport.write(chunk)
 
@@ -249,15 +252,24 @@ class BlockingConnection:
                 pass
 
 
+def byte_views(chunks: list[memoryview | bytes]) -> list[memoryview]:
+    """The non-empty chunks of a frame as byte views, ready for sendmsg()."""
+    return [memoryview(c).cast("B") for c in chunks if memoryview(c).nbytes]
+
+
+def advance(views: list[memoryview], sent: int) -> None:
+    """Drop `sent` bytes from the front of views (after a partial sendmsg)."""
+    while sent and views:
+        first = views[0]
+        if sent >= first.nbytes:
+            sent -= first.nbytes
+            views.pop(0)
+        else:
+            views[0] = first[sent:]
+            sent = 0
+
+
 def _sendall_chunks(sock: socket.socket, chunks: list[memoryview | bytes]) -> None:
-    views = [memoryview(c).cast("B") for c in chunks if memoryview(c).nbytes]
+    views = byte_views(chunks)
     while views:
-        sent = sock.sendmsg(views[:64])
-        while sent and views:
-            first = views[0]
-            if sent >= first.nbytes:
-                sent -= first.nbytes
-                views.pop(0)
-            else:
-                views[0] = first[sent:]
-                sent = 0
+        advance(views, sock.sendmsg(views[:64]))

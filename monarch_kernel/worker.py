@@ -1,13 +1,17 @@
 """The rank runtime: one process per rank, serving requests from its host agent.
 
-The main thread reads requests and runs them one at a time (so SIGINT from the agent
-interrupts user code as KeyboardInterrupt, exactly as in a local kernel). A daemon
-thread answers heartbeats, so a frozen process is noticed. Never imports IPython, rich
+A reader thread takes every message off the agent's connection: replies to this rank's
+own actor calls and cancellations are handled right there, everything else is handed
+to the main thread's event loop. The main thread runs cells and sync endpoints one at a
+time (so SIGINT from the agent interrupts user code as KeyboardInterrupt, exactly as in
+a local kernel) and async endpoints as tasks. A daemon thread answers heartbeats, so a
+frozen process is noticed. Never imports IPython, rich
 or ipywidgets: ranks start light.
 """
 
 from __future__ import annotations
 
+import asyncio
 import faulthandler
 import os
 import signal
@@ -19,11 +23,13 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from .actor_host import ActorHost
 from .capture import DisplayCapture, RankStream
 from .cell import CellRunner, describe_failure
-from .messages import Call, Failure, Pull, Push, Result, RunCell
+from .messages import ActorCall, ActorReply, Call, CancelCall, Failure, Pull, Push, Result, RunCell
 from .serialization import SerializationError, seal, unseal
-from .transport import BlockingConnection, ConnectionClosed
+from .lanes import accept_lane, lane_path, listen_lane
+from .transport import AsyncConnection, BlockingConnection, ConnectionClosed, encode
 
 READY_REQ = 0  # req_id of the rank's start-up reply
 
@@ -63,6 +69,9 @@ class Worker:
         self.stdout = RankStream("stdout", config.rank, self._send)
         self.stderr = RankStream("stderr", config.rank, self._send)
         self.displays = DisplayCapture(config.rank, self._send, lambda: self.current_req, self.flush_streams)
+        self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir)
+        self.lane_listener = listen_lane(lane_path(config.shm_dir, config.rank)) if config.shm_dir else None
+        self.namespace["actors"] = self.actors.instances
 
     def _send(self, msg: Any) -> None:
         self.conn.send(msg)
@@ -88,12 +97,72 @@ class Worker:
 
     def serve(self) -> None:
         """Handle requests until the agent goes away."""
+        loop = asyncio.new_event_loop()
+        self.actors.loop = loop
+        threading.Thread(target=self._read, args=(loop,), name="rank-reader", daemon=True).start()
+        if self.lane_listener is not None:
+            loop.add_reader(self.lane_listener.fileno(), self._accept_lane)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The reader thread: replies and cancellations here, the rest to the loop."""
         while True:
             try:
                 msg = self.conn.recv()
             except ConnectionClosed:
+                loop.call_soon_threadsafe(loop.stop)
                 return
+            if isinstance(msg, ActorReply):
+                self.actors.sender.calls.deliver(msg)
+            elif isinstance(msg, CancelCall):
+                self.actors.cancel(msg)
+            elif isinstance(msg, ActorCall):
+                loop.call_soon_threadsafe(self.actors.deliver, msg)
+            else:
+                loop.call_soon_threadsafe(self._handle_request, msg)
+
+    def _accept_lane(self) -> None:
+        sock = accept_lane(self.lane_listener)
+        if sock is not None:
+            asyncio.get_running_loop().create_task(self._serve_lane(sock))
+
+    async def _serve_lane(self, sock: socket.socket) -> None:
+        """A direct lane from the notebook: actor calls in, their replies out.
+
+        Replies made while handling one batch of incoming calls are written together.
+        """
+        loop = asyncio.get_running_loop()
+        outgoing: list = []
+        lane: list[AsyncConnection] = []
+
+        def flush() -> None:
+            chunks = [c for frame in outgoing for c in frame]
+            outgoing.clear()
+            if not lane[0].closed:
+                lane[0].send_chunks(chunks)
+
+        def reply(msg: Any) -> None:
+            if not outgoing:
+                loop.call_soon(flush)
+            outgoing.append(encode(msg))
+
+        def on_message(msg: Any) -> None:
+            if isinstance(msg, ActorCall):
+                self.actors.deliver(msg, reply)
+
+        lane.append(await AsyncConnection.from_socket(sock, on_message, lambda exc: None))
+
+    def _handle_request(self, msg: Any) -> None:
+        # A cell runs as plain code, as in a fresh interpreter: it may call asyncio.run().
+        loop = asyncio.get_running_loop()
+        asyncio._set_running_loop(None)
+        try:
             self.handle(msg)
+        finally:
+            asyncio._set_running_loop(loop)
 
     def _set_request(self, req_id: int | None) -> None:
         self.current_req = self.stdout.request_id = self.stderr.request_id = req_id
@@ -135,10 +204,10 @@ class Worker:
             return self._user(fn, self)
         raise TypeError(f"unknown request {type(msg).__name__}")
 
-    def _user(self, fn, *args) -> Any:
+    def _user(self, fn, *args, **kwargs) -> Any:
         self.in_user_code = True
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         finally:
             self.in_user_code = False
 

@@ -10,15 +10,18 @@ import monarch_kernel
 PKG = os.path.dirname(monarch_kernel.__file__)
 LAYERS = [
     {"errors", "errortext", "shape", "messages", "serialization"},  # values
-    {"transport", "ssh"},  # I/O
-    {"cell", "capture", "dist", "worker", "launcher", "hosts", "agent", "controller"},  # runtime
-    {"futures", "sinks", "values", "mesh"},  # API
+    {"transport", "lanes", "ssh"},  # I/O
+    {"cell", "capture", "calls", "actor_host", "dist", "worker", "launcher", "hosts", "agent",
+     "controller"},  # runtime
+    {"futures", "sinks", "values", "actors", "mesh"},  # API
     {"output", "live", "statusview"},  # views
 ]
 
 
 def test_public_names():
     assert set(monarch_kernel.__all__) == {
+        "Actor", "ActorDiedError", "ActorError", "ActorFailureEvent", "ActorFuture", "ActorMesh",
+        "current_rank", "endpoint",
         "CellSyntaxError", "Mesh", "MeshError", "MeshFuture", "MeshInterrupted", "MeshNotRunningError",
         "MeshStartError", "MeshTimeoutError", "MeshUsageError", "Point", "RankDiedError", "RankFailure",
         "RemoteError", "SerializationError", "Shape", "ValueMesh", "load_ipython_extension", "local_mesh",

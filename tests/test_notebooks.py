@@ -1,5 +1,6 @@
 """The example notebooks, executed end to end with a real kernel (nbclient)."""
 
+import ast
 import os
 
 import nbformat
@@ -47,3 +48,19 @@ def test_ddp_notebook_trains_and_checks_parameters():
     plot = cell_with(nb, "plt.plot(losses)")
     pngs = [o for o in plot.outputs if o.output_type == "display_data" and "image/png" in o.data]
     assert len(pngs) == 1 and "rank 0" in pngs[0].data["text/plain"]
+
+
+def test_actors_notebook_trains_with_a_parameter_server():
+    nb = execute("04_actors.ipynb")
+    spawned = texts(cell_with(nb, "spawn(\"workers\""))
+    assert "ParameterServer on {hosts: 1} (ranks 0)" in spawned and "Worker on {hosts: 1, gpus: 3} (ranks 1-3)" in spawned
+    streamed = texts(cell_with(nb, "workers.step.stream"))
+    assert sorted(line.split()[3] for line in streamed.splitlines() if line.startswith("worker on rank")) == ["1", "2", "3"]
+    learned = next(line for line in streamed.splitlines() if line.startswith("learned:"))
+    target = next(line for line in streamed.splitlines() if line.startswith("target:"))
+    learned, target = (ast.literal_eval(line.split(":", 1)[1].strip()) for line in (learned, target))
+    assert max(abs(a - b) for a, b in zip(learned, target)) < 0.05
+    failure = texts(cell_with(nb, "workers.check.call(-1)"))
+    assert "Worker.check (actor mesh 'workers') failed on ranks 1-3: ValueError" in failure
+    assert 'raise ValueError(f"batch index must be >= 0, got {batch}")' in failure
+    assert "[0] updates:" in texts(cell_with(nb, 'actors["server"]'))

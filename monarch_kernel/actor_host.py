@@ -1,0 +1,233 @@
+"""The actors living on one rank: their instances, mailboxes and the calls they serve.
+
+Every actor has a mailbox served one message at a time, in arrival order (which is
+each sender's order: every route between two processes is one FIFO stream). Sync
+endpoints run inline on the rank's main thread, so an interrupt reaches them as
+KeyboardInterrupt; async endpoints run as tasks on the rank's event loop, so an actor
+awaiting another call does not hold up the other actors of the rank.
+
+The rank's `CallSender` lives here too: actor meshes used inside an endpoint or a
+`%%mesh` cell send their calls through the rank's host agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import linecache
+import signal
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .calls import CallKey, CallTable, set_default_sender
+from .cell import describe_failure
+from .messages import ActorCall, ActorReply, CancelCall, Failure
+from .serialization import SerializationError, seal, unseal
+from .shape import Point, Shape
+from .transport import ConnectionClosed
+
+MAX_REMEMBERED_CANCELS = 10_000
+current_point: contextvars.ContextVar[Point | None] = contextvars.ContextVar("monarch_current_point", default=None)
+
+
+@dataclass
+class _Mailbox:
+    name: str
+    instance: Any
+    shape: Shape
+    point: Point
+    queue: deque = field(default_factory=deque)
+    busy: bool = False
+
+
+class RankSender:
+    """Sends this rank's own actor calls through its host agent."""
+
+    def __init__(self, rank: int, send: Callable[[Any], None], shm_dir: str | None):
+        self.caller_id = rank
+        self.own_rank = rank
+        self.calls = CallTable()
+        self._send = send
+        self._shm_dir = shm_dir
+
+    def send_call(self, msg: ActorCall) -> None:
+        """Hand a call to the host agent, which routes it."""
+        self._send(msg)
+
+    def send_cancel(self, msg: CancelCall) -> None:
+        """Ask the ranks of a call to stop it."""
+        self._send(msg)
+
+    def shm_dir_for(self, ranks: tuple[int, ...]) -> str | None:
+        """Large arguments go through shared memory when the mesh is on one machine."""
+        return self._shm_dir
+
+    def flush_calls(self) -> None:
+        """Calls go out as they are made (no queue to flush)."""
+
+    def must_not_wait_on(self, ranks: tuple[int, ...]) -> bool:
+        """Blocking on our own rank from its main thread would wait forever."""
+        return self.own_rank in ranks and threading.current_thread() is threading.main_thread()
+
+
+class ActorHost:
+    """Instances and mailboxes of the actors on one rank."""
+
+    def __init__(self, rank: int, send: Callable[[Any], None], run_user: Callable[..., Any],
+                 shm_dir: str | None):
+        self.rank = rank
+        self.instances: dict[str, Any] = {}  # what `actors[...]` shows in %%mesh cells
+        self._mailboxes: dict[str, _Mailbox] = {}
+        self._send = send
+        self._run_user = run_user  # runs a function with interrupts enabled
+        self._shm_dir = shm_dir
+        self._lock = threading.Lock()  # guards the three below (reader thread vs main)
+        self._cancelled: dict[CallKey, None] = {}  # may come before its call (other route)
+        self._running_sync: CallKey | None = None
+        self._tasks: dict[CallKey, asyncio.Task] = {}
+        self._reply_via: dict[CallKey, Callable[[Any], None]] = {}  # loop thread only
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.sender = RankSender(rank, send, shm_dir)
+        set_default_sender(self.sender)
+
+    # ------------------------------------------------------------ spawning
+    def spawn(self, name: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
+              sources: dict[str, list[str]]) -> str:
+        """Create this rank's instance of actor mesh `name` (runs in user-code context)."""
+        if name in self._mailboxes:
+            raise ValueError(f"an actor mesh named {name!r} already lives on rank {self.rank}")
+        for filename, lines in sources.items():
+            linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
+        point = next(p for p in shape.points() if p.rank == self.rank)
+        token = current_point.set(point)
+        try:
+            instance = cls(*args, **kwargs)
+        finally:
+            current_point.reset(token)
+        self.instances[name] = instance
+        self._mailboxes[name] = _Mailbox(name, instance, shape, point)
+        return f"{cls.__name__} on rank {self.rank}"
+
+    def stop(self, name: str) -> None:
+        """Forget actor mesh `name` on this rank (queued calls fail)."""
+        box = self._mailboxes.pop(name, None)
+        self.instances.pop(name, None)
+        if box is not None:
+            while box.queue:
+                self._reply(box.queue.popleft(), None, Failure("ActorStopped", f"actor mesh {name!r} was stopped", ""))
+
+    # ------------------------------------------------------------ reader thread side
+    def cancel(self, msg: CancelCall) -> None:
+        """Called by the reader thread: stop a call wherever it is."""
+        key = (msg.caller, msg.call_id)
+        with self._lock:
+            self._cancelled[key] = None
+            while len(self._cancelled) > MAX_REMEMBERED_CANCELS:  # of calls that already ended
+                del self._cancelled[next(iter(self._cancelled))]
+            if self._running_sync == key:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            task = self._tasks.get(key)
+        if task is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(task.cancel)
+
+    # ------------------------------------------------------------ loop side
+    def deliver(self, msg: ActorCall, reply_via: Callable[[Any], None] | None = None) -> None:
+        """Queue a call on its actor's mailbox and serve the mailbox if idle.
+
+        The answer goes back the way the call came: `reply_via` (a direct lane) or the agent.
+        """
+        if reply_via is not None:
+            self._reply_via[(msg.caller, msg.call_id)] = reply_via
+        box = self._mailboxes.get(msg.actor)
+        if box is None:
+            known = ", ".join(sorted(self._mailboxes)) or "none"
+            self._reply(msg, None, Failure(
+                "ActorNotFound", f"no actor mesh {msg.actor!r} on rank {self.rank} (actor meshes here: {known}); "
+                "it was never spawned here, or the mesh restarted", ""))
+            return
+        box.queue.append(msg)
+        if not box.busy:
+            self._drain(box)
+
+    def _drain(self, box: _Mailbox) -> None:
+        while box.queue and not box.busy:
+            msg = box.queue.popleft()
+            key = (msg.caller, msg.call_id)
+            with self._lock:
+                cancelled = key in self._cancelled
+            if cancelled:
+                self._reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "",
+                                               interrupted=True))
+                continue
+            method = getattr(box.instance, msg.endpoint, None)
+            if method is None:
+                self._reply(msg, None, Failure(
+                    "AttributeError", f"{type(box.instance).__name__} has no endpoint {msg.endpoint!r}", ""))
+                continue
+            try:
+                args, kwargs = unseal(msg.args)
+            except Exception as exc:  # noqa: BLE001
+                self._reply(msg, None, describe_failure(exc))
+                continue
+            if inspect.iscoroutinefunction(method):
+                box.busy = True
+                task = self.loop.create_task(self._serve_async(box, msg, method, args, kwargs),
+                                             context=_context_at(box.point))
+                with self._lock:
+                    self._tasks[key] = task
+            else:
+                self._serve_sync(box, msg, method, args, kwargs)
+
+    def _serve_sync(self, box: _Mailbox, msg: ActorCall, method, args, kwargs) -> None:
+        key = (msg.caller, msg.call_id)
+        token = current_point.set(box.point)
+        with self._lock:
+            self._running_sync = key
+        try:
+            value, failure = self._run_user(method, *args, **kwargs), None
+        except BaseException as exc:  # noqa: BLE001 - every endpoint error goes to its caller
+            value, failure = None, describe_failure(exc)
+        finally:
+            with self._lock:
+                self._running_sync = None
+            current_point.reset(token)
+        self._reply(msg, value, failure)
+
+    async def _serve_async(self, box: _Mailbox, msg: ActorCall, method, args, kwargs) -> None:
+        try:
+            value, failure = await method(*args, **kwargs), None
+        except asyncio.CancelledError:
+            value, failure = None, Failure("KeyboardInterrupt", "cancelled while it ran", "", interrupted=True)
+        except BaseException as exc:  # noqa: BLE001
+            value, failure = None, describe_failure(exc)
+        with self._lock:
+            self._tasks.pop((msg.caller, msg.call_id), None)
+        self._reply(msg, value, failure)
+        box.busy = False
+        self._drain(box)
+
+    def _reply(self, msg: ActorCall, value: Any, failure: Failure | None) -> None:
+        key = (msg.caller, msg.call_id)
+        with self._lock:
+            self._cancelled.pop(key, None)
+        send = self._reply_via.pop(key, self._send)
+        sealed = None
+        if failure is None and msg.want_value and value is not None:
+            try:
+                sealed = seal(value, shm_dir=self._shm_dir)
+            except SerializationError as exc:
+                failure = Failure("SerializationError", f"the reply of {msg.endpoint} could not be sent: {exc}", "")
+        try:
+            send(ActorReply(msg.caller, msg.call_id, self.rank, sealed, failure))
+        except ConnectionClosed:
+            pass  # the caller went away
+
+
+def _context_at(point: Point) -> contextvars.Context:
+    ctx = contextvars.copy_context()
+    ctx.run(current_point.set, point)
+    return ctx
