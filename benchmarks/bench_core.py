@@ -11,13 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import NullSink, timed  # noqa: E402
+from common import NullSink, format_seconds, report, run_system, timed  # noqa: E402
 
 WORKERS = 4
 MIB64 = 64 << 20
@@ -248,52 +246,10 @@ ROWS = ["startup (import torch)", "restart", "no-op broadcast (API)", "no-op bro
 # ------------------------------------------------------------------ driver
 
 
-def run_system(name: str, quick: bool) -> dict:
-    """Run one system's benchmark in a fresh interpreter; returns timings or a skip reason."""
-    cmd = [sys.executable, __file__, "--child", name] + (["--quick"] if quick else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"skipped": " | ".join(tail) or f"exit code {proc.returncode}"}
-
-
 def _fmt(seconds: float, row: str) -> str:
     if "64 MiB" in row:
         return f"{(MIB64 / seconds) / 1e9:.2f} GB/s"
-    if seconds >= 1:
-        return f"{seconds:.2f} s"
-    return f"{seconds * 1e3:.2f} ms"
-
-
-def report(results: dict) -> str:
-    """The comparison table: median (p99) per system, and ours relative to each peer."""
-    names = [n for n in ("ours", "raw", "ipyparallel", "monarch") if n in results]
-    lines = [f"{'benchmark (4 workers)':28}" + "".join(f"{n:>28}" for n in names) + "   ours vs peers"]
-    for row in ROWS:
-        cells, medians = [], {}
-        for name in names:
-            data = results[name].get(row)
-            if not data:
-                cells.append(f"{'-':>28}")
-                continue
-            med = statistics.median(data)
-            p99 = sorted(data)[min(len(data) - 1, int(len(data) * 0.99))]
-            medians[name] = med
-            text = _fmt(med, row) + (f" (p99 {_fmt(p99, row)})" if len(data) >= 10 else "")
-            cells.append(f"{text:>28}")
-        ratios = []
-        if "ours" in medians:
-            for peer in names[1:]:
-                if peer in medians:
-                    ratio = medians["ours"] / medians[peer]
-                    ratios.append(f"{peer} {ratio:.2f}x time")
-        lines.append(f"{row:28}" + "".join(cells) + "   " + ", ".join(ratios))
-    for name in names:
-        if "skipped" in results[name]:
-            lines.append(f"{name} skipped: {results[name]['skipped']}")
-    return "\n".join(lines)
+    return format_seconds(seconds)
 
 
 def main() -> None:
@@ -308,8 +264,8 @@ def main() -> None:
     results = {}
     for name in args.only.split(","):
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        results[name] = run_system(name, args.quick)
-    print(report(results))
+        results[name] = run_system(__file__, name, args.quick)
+    print(report(results, ROWS, "benchmark (4 workers)", _fmt))
     print("\n(ratios: our median time divided by the peer's; below 1.00x means we are faster; "
           "for the 64 MiB rows the figures are throughput)")
 

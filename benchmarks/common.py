@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 
 
 def timed(fn, n: int, warmup: int = 1) -> list[float]:
@@ -26,3 +31,50 @@ class NullSink:
     def rank_done(self, *a): pass
     def tick(self): pass
     def close(self): pass
+
+
+def run_system(script: str, name: str, quick: bool) -> dict:
+    """Run one system's benchmark (`script --child name`) in a fresh interpreter.
+
+    Returns its timings (the last JSON line it printed) or {"skipped": reason}.
+    """
+    cmd = [sys.executable, script, "--child", name] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"skipped": " | ".join(tail) or f"exit code {proc.returncode}"}
+
+
+def format_seconds(seconds: float) -> str:
+    """1.23 s or 4.56 ms."""
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.2f} ms"
+
+
+def report(results: dict, rows: list[str], title: str, fmt: Callable[[float, str], str]) -> str:
+    """The comparison table: median (p99) per system, and ours relative to each peer.
+
+    The first system in `results` is ours; ratios are our median time over the peer's.
+    """
+    names = list(results)
+    lines = [f"{title:34}" + "".join(f"{n:>26}" for n in names) + "   ours vs peers"]
+    for row in rows:
+        cells, medians = [], {}
+        for name in names:
+            data = results[name].get(row)
+            if not data:
+                cells.append(f"{'-':>26}")
+                continue
+            med = statistics.median(data)
+            p99 = sorted(data)[min(len(data) - 1, int(len(data) * 0.99))]
+            medians[name] = med
+            text = fmt(med, row) + (f" (p99 {fmt(p99, row)})" if len(data) >= 10 else "")
+            cells.append(f"{text:>26}")
+        ratios = [f"{peer} {medians[names[0]] / medians[peer]:.2f}x time"
+                  for peer in names[1:] if names[0] in medians and peer in medians]
+        lines.append(f"{row:34}" + "".join(cells) + "   " + ", ".join(ratios))
+    for name in names:
+        if "skipped" in results[name]:
+            lines.append(f"{name} skipped: {results[name]['skipped']}")
+    return "\n".join(lines)

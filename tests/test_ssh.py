@@ -59,6 +59,42 @@ def test_two_hosts_two_ranks_run_cells_with_deduped_output(mesh, sink):
     assert {s.host for s in mesh.status()} == {"host-0", "host-1"}
 
 
+def test_actors_across_hosts(mesh):
+    from monarch_kernel import Actor, ActorError, current_rank, endpoint
+
+    class Counter(Actor):
+        def __init__(self):
+            self.value = 0
+
+        @endpoint
+        def add(self, by):
+            self.value += by
+            return (current_rank().rank, self.value)
+
+        @endpoint
+        def fail(self):
+            raise KeyError("missing on purpose")
+
+    class Relay(Actor):
+        def __init__(self, counters):
+            self.counters = counters
+
+        @endpoint
+        def ask(self):
+            far = self.counters.slice(hosts=1).add.call(10).get()  # via the controller
+            near = self.counters.slice(hosts=0, gpus=1).add.call_one(100).get()  # via host 0's agent
+            return sorted(far.values()), near
+
+    counters = mesh.spawn("ssh-counters", Counter)
+    assert sorted(counters.add.call(1).get().values()) == [(r, 1) for r in range(4)]
+    assert counters.slice(hosts=1, gpus=1).add.call_one(1).get() == (3, 2)
+    with pytest.raises(ActorError, match="KeyError") as info:
+        counters.slice(hosts=1).fail.call().get()
+    assert info.value.ranks == [2, 3] and 'raise KeyError("missing on purpose")' in str(info.value)
+    relay = mesh.slice(hosts=0, gpus=0).spawn("ssh-relay", Relay, counters)
+    assert relay.ask.call_one().get() == ([(2, 11), (3, 12)], (1, 101))
+
+
 def test_push_and_pull_to_remote_hosts_carry_the_bytes(mesh):
     import torch
 
