@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .calls import CallKey, CallTable, set_default_sender
+from .calls import CallKey, CallTable, PendingCall, set_default_sender
 from .cell import describe_failure
 from .messages import ActorCall, ActorReply, CancelCall, Failure
 from .serialization import SerializationError, seal, unseal
@@ -68,6 +68,10 @@ class RankSender:
 
     def flush_calls(self) -> None:
         """Calls go out as they are made (no queue to flush)."""
+
+    def wait_for_replies(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
+        """Replies are delivered by the rank's reader thread: just wait."""
+        return pending.wait(count, timeout)
 
     def must_not_wait_on(self, ranks: tuple[int, ...]) -> bool:
         """Blocking on our own rank from its main thread would wait forever."""

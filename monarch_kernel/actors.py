@@ -115,14 +115,13 @@ class ActorFuture(Generic[T]):
         endpoint, cancellation of an async one), so the actor is free for the next call.
         """
         sender = self._mesh._sender()
-        sender.flush_calls()
         if not self.done() and sender.must_not_wait_on(self._pending.outstanding):
             raise MeshUsageError(
                 f"{self._pending.label}: this rank would wait on itself (its main thread serves its own actors). "
                 "In an endpoint, make it `async def` and `await` the call; in a %%mesh cell, call the actors "
                 "of other ranks (or call from the notebook)")
         try:
-            finished = self._pending.wait(self._count, timeout)
+            finished = sender.wait_for_replies(self._pending, self._count, timeout)
         except KeyboardInterrupt:
             raise self._stop("was interrupted", MeshInterrupted) from None
         if not finished:
@@ -148,7 +147,7 @@ class ActorFuture(Generic[T]):
     def _stop(self, why: str, error_type: type) -> BaseException:
         self._mesh._cancel(self._pending)
         try:
-            self._pending.wait(len(self._pending.ranks), INTERRUPT_GRACE_S)
+            self._mesh._sender().wait_for_replies(self._pending, len(self._pending.ranks), INTERRUPT_GRACE_S)
         except KeyboardInterrupt:
             pass
         failures = _failures(self._pending, self._mesh)
@@ -227,15 +226,16 @@ class ActorMesh:
         sealed = seal((args, kwargs), shm_dir=sender.shm_dir_for(ranks), shared=True)
         label = f"{self.class_name}.{endpoint_name}"
 
-        pending = sender.calls.new(ranks, label)
+        pending = sender.calls.new(ranks, label, on_reply)
+        if sealed.shm_paths():  # shared-memory arguments: remove them once every rank answered
 
-        def replied(reply: ActorReply) -> None:
-            if on_reply is not None:
-                on_reply(reply)
-            if pending.done():
-                release(sealed)
+            def replied(reply: ActorReply) -> None:
+                if on_reply is not None:
+                    on_reply(reply)
+                if pending.done():
+                    release(sealed)
 
-        pending.on_reply = replied
+            pending.on_reply = replied
         sender.send_call(ActorCall(sender.caller_id, pending.call_id, self.name, endpoint_name, sealed,
                                    ranks, want_value))
         return pending
@@ -300,10 +300,10 @@ class EndpointHandle:
         mesh = self._mesh
         pending = mesh._send(self._name, mesh.ranks, args, kwargs)
         waiter = ActorFuture(mesh, pending, lambda p: None)
-        mesh._sender().flush_calls()
+        sender = mesh._sender()
         for count in range(1, len(pending.ranks) + 1):
             try:
-                arrived = pending.wait(count, timeout)
+                arrived = sender.wait_for_replies(pending, count, timeout)
             except KeyboardInterrupt:
                 raise waiter._stop("was interrupted", MeshInterrupted) from None
             if not arrived:

@@ -17,7 +17,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -28,10 +27,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import messages as m
-from .calls import CallTable, CallTracker, death_reply, register_sender
+from .calls import CallTable, CallTracker, PendingCall, death_reply, register_sender
 from .errors import MeshNotRunningError, MeshStartError, MeshUsageError, RankFailure
 from .hosts import HostConnection, HostSpec, open_host
-from .lanes import LaneWriter, connect_lane, lane_path
+from .lanes import Lane, LanePool
 from .transport import AsyncConnection, ConnectionClosed, encode
 
 RANK_LOG_LINES = 500
@@ -170,9 +169,9 @@ class MeshRuntime:
         self.caller_id = m.CONTROLLER
         self.calls = CallTable()  # actor calls made from this process
         self.routed = CallTracker()  # actor calls routed through here, failed if a rank dies
-        self.lanes: dict[int, LaneWriter] = {}
+        self._local_ranks: tuple[list, frozenset[int]] = ([], frozenset())
+        self.lanes = LanePool(self.shm_dir, self.controller.loop, self._on_lane_message)
         self.actor_meshes: dict[str, tuple[int, ...]] = {}  # spawned actor meshes: name -> ranks
-        self._lanes_lock = threading.Lock()
         self.failure_watchers: list[tuple[frozenset[int], Callable[[int, str], None]]] = []
         register_sender(name, self)
         MeshRuntime._open.add(self)
@@ -308,9 +307,12 @@ class MeshRuntime:
 
     def shm_dir_for(self, ranks: Iterable[int]) -> str | None:
         """The shared-memory folder, if every one of these ranks runs on this machine."""
-        local = {r for link in self.links if link.host is not None and link.host.process is not None
-                 for r in link.ranks}
-        return self.shm_dir if set(ranks) <= local else None
+        links, local = self._local_ranks
+        if links is not self.links or len(local) == 0:  # hosts were (re)connected
+            local = frozenset(r for link in self.links if link.host is not None and link.host.process is not None
+                              for r in link.ranks)
+            self._local_ranks = (self.links, local)
+        return self.shm_dir if local.issuperset(ranks) else None
 
     def _require_open(self) -> None:
         if self.closed:
@@ -371,7 +373,7 @@ class MeshRuntime:
         req.future.set_result(req)
 
     def _fail_all(self, why: str) -> None:
-        self._close_lanes()
+        self.lanes.close()
         self.actor_meshes.clear()  # the ranks that held them are gone
         for call in self.calls.pending():
             for rank in call.outstanding:
@@ -401,59 +403,32 @@ class MeshRuntime:
             if chunks is None:
                 chunks = encode(msg)
             try:
-                lane.send_chunks(chunks)
+                self.lanes.send(lane, chunks)
             except ConnectionClosed:
                 away.append(rank)  # the rank is going away: the agent reports how
         if away:
             self.controller.call(self._route_call, msg if len(away) == len(msg.ranks)
                                  else replace(msg, ranks=tuple(away)))
 
-    def _lane(self, rank: int) -> LaneWriter | None:
-        """The direct lane to a live rank of this machine (opened on first use)."""
-        lane = self.lanes.get(rank)
-        if lane is not None and not lane.closed:
-            return lane
+    def _lane(self, rank: int) -> Lane | None:
         state = self.ranks.get(rank)
         if state is None or not state.alive or self.shm_dir_for((rank,)) is None:
             return None
-        with self._lanes_lock:
-            lane = self.lanes.get(rank)
-            if lane is not None and not lane.closed:
-                return lane
-            try:
-                sock = connect_lane(lane_path(self.shm_dir, rank))
-            except OSError:
-                return None
-            lane = LaneWriter(sock, self.controller.loop)
-            self.controller.run(self._read_lane(lane)).result(10)
-            self.lanes[rank] = lane
-            return lane
+        return self.lanes.get(rank)
 
-    async def _read_lane(self, lane: LaneWriter) -> None:
-        def on_message(msg: Any) -> None:
-            if isinstance(msg, m.ActorReply):
-                lane.answered()
-                self.calls.deliver(msg)
-
-        def closed(exc: Exception | None) -> None:
-            lane.closed = True
-
-        await AsyncConnection.from_socket(lane.sock, on_message, closed)
+    def _on_lane_message(self, msg: Any) -> None:
+        if isinstance(msg, m.ActorReply):
+            self.calls.deliver(msg)
 
     def flush_calls(self) -> None:
         """Write calls queued on direct lanes now (a caller is about to wait)."""
-        for lane in list(self.lanes.values()):
-            lane.flush()
+        self.lanes.flush()
 
-    def _close_lanes(self) -> None:
-        with self._lanes_lock:
-            for lane in self.lanes.values():
-                lane.closed = True
-                try:
-                    lane.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            self.lanes.clear()
+    def wait_for_replies(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
+        """Block until `count` replies are in; local replies are read on this thread."""
+        self.lanes.flush()
+        done = self.lanes.wait(pending.outstanding, lambda: len(pending.replies) >= count, timeout)
+        return pending.wait(count, timeout) if done is None else done
 
     def send_cancel(self, msg: m.CancelCall) -> None:
         """Ask the ranks of a call to stop it; thread-safe."""

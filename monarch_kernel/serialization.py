@@ -46,6 +46,8 @@ class Sealed:
     buffers: list[Any] = field(default_factory=list)
 
     def __reduce_ex__(self, protocol: int):  # noqa: D105 - pickle hook
+        if not self.buffers:
+            return (Sealed, (self.data,))
         bufs = [b if isinstance(b, ShmRef) else pickle.PickleBuffer(b) for b in self.buffers]
         return (Sealed, (self.data, bufs))
 
@@ -153,10 +155,17 @@ def _is_plain(obj: Any, depth: int = 0) -> bool:
     kind = type(obj)
     if kind in _PLAIN_ATOMS:
         return kind is not str or len(obj) < 4096
-    if depth > 2 or kind not in (tuple, list, dict) or len(obj) > 16:
+    if depth > 2 or len(obj) > 16 if kind in (tuple, list, dict) else True:
         return False
-    items = obj.items() if kind is dict else ((None, v) for v in obj)
-    return all(_is_plain(k, 3) and _is_plain(v, depth + 1) for k, v in items)
+    if kind is dict:
+        for key, value in obj.items():
+            if type(key) is not str or not _is_plain(value, depth + 1):
+                return False
+        return True
+    for value in obj:
+        if not _is_plain(value, depth + 1):
+            return False
+    return True
 
 
 def _to_shm(buf: memoryview, shm_dir: str, shared: bool) -> ShmRef:
