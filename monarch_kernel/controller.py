@@ -17,6 +17,7 @@ import os
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -169,6 +170,7 @@ class MeshRuntime:
         self.caller_id = m.CONTROLLER
         self.calls = CallTable()  # actor calls made from this process
         self.routed = CallTracker()  # actor calls routed through here, failed if a rank dies
+        self.idle_output = IdleOutput()  # what ranks print outside cells (actor endpoints)
         self._local_ranks: tuple[list, frozenset[int]] = ([], frozenset())
         self.lanes = LanePool(self.shm_dir, self.controller.loop, self._on_lane_message)
         self.actor_meshes: dict[str, tuple[int, ...]] = {}  # spawned actor meshes: name -> ranks
@@ -539,6 +541,8 @@ class MeshRuntime:
         req = self.requests.get(req_id) if req_id is not None else None
         if req is not None:
             req.events.put(event)
+        elif event[0] == "output":
+            self.idle_output.write(rank, event[2], event[3])
 
     def _death_failure(self, state: RankState, how: str) -> RankFailure:
         if state.signal == HOST_LOST:
@@ -632,6 +636,28 @@ class MeshRuntime:
         """The last lines a rank printed (stream, text)."""
         return list(self.ranks[rank].log)[-lines:]
 
+
+
+class IdleOutput:
+    """Text ranks print outside any cell (actor endpoints, their threads), shown as it comes.
+
+    Whole lines go to this process's stdout/stderr, tagged with the rank; in a notebook
+    they appear in the cell that is running (or the last one that ran).
+    """
+
+    def __init__(self) -> None:
+        self._partial: dict[tuple[int, str], str] = {}
+
+    def write(self, rank: int, stream: str, text: str) -> None:
+        """Show the complete lines of `text`; keep a trailing partial line for later."""
+        text = self._partial.pop((rank, stream), "") + text
+        *lines, rest = text.split("\n")
+        if rest:
+            self._partial[(rank, stream)] = rest
+        if lines:
+            out = sys.stderr if stream == "stderr" else sys.stdout
+            out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+            out.flush()
 
 
 @atexit.register

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import sys
+
 from .errors import RankFailure
 from .shape import format_ranks
 
@@ -34,10 +37,28 @@ def format_failures(failures: list[RankFailure], *, color: bool) -> str:
                 lines.extend(f"{dim}    {line}{reset}" for line in f.stderr_tail)
         elif f.traceback:
             lines = [f"{red}{bold}[{where}] remote traceback:{reset}"]
-            body = f.traceback.rstrip("\n").splitlines()
+            body = _cell_names(f.traceback).rstrip("\n").splitlines()
             lines.extend(f"  {line}" for line in body[:-1])
             lines.append(f"  {red}{body[-1]}{reset}" if body else "")
         else:
             lines = [f"{red}{bold}[{where}] {f.error_type}{reset}: {f.message}"]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _cell_names(text: str) -> str:
+    """Name notebook cells as IPython does ("Cell In[3], line 5"), not by their temp file."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    label_of = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if label_of is None:
+        return text
+
+    def rename(match: re.Match) -> str:
+        label = label_of(match.group(1))
+        return f"{label[0]} {label[1]}, line {match.group(2)}" if label else match.group(0)
+
+    return _FILE_LINE.sub(rename, text)

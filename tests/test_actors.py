@@ -70,6 +70,11 @@ class Counter(Actor):
         return os.getpid()
 
     @endpoint
+    def say(self, text):
+        print(text)
+        print("on stderr", file=sys.stderr)
+
+    @endpoint
     def checksum(self, tensor):
         return float(tensor.double().sum()), tuple(tensor.shape)
 
@@ -151,6 +156,18 @@ def test_broadcast_runs_everywhere_and_reports_failures(counters, capfd):
         time.sleep(0.05)
         err += capfd.readouterr().err
     assert err.count("broadcast Counter.fail failed on rank") == 4
+
+
+def test_what_endpoints_print_shows_in_the_notebook_tagged_by_rank(counters, capfd):
+    counters.slice(gpus=slice(1, 3)).say.call("hello from an actor").get()
+    deadline = time.monotonic() + 5
+    out = err = ""
+    while time.monotonic() < deadline and not ("[rank 2] hello" in out and "[rank 2] on stderr" in err):
+        time.sleep(0.05)
+        captured = capfd.readouterr()
+        out, err = out + captured.out, err + captured.err
+    assert "[rank 1] hello from an actor\n" in out and "[rank 2] hello from an actor\n" in out
+    assert "[rank 1] on stderr\n" in err
 
 
 def test_await_in_an_event_loop_without_warnings(counters):

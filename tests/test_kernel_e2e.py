@@ -76,6 +76,25 @@ def test_stop_button_interrupts_every_rank_within_a_second(kernel):
     assert busy.count("idle") == 4
 
 
+def test_stop_button_while_waiting_on_an_actor_stops_the_endpoint(kernel):
+    defined = kernel.execute(
+        "import time\nfrom monarch_kernel import Actor, endpoint\nfrom monarch_kernel.magics import current_mesh\n"
+        "class Sleeper(Actor):\n    @endpoint\n    def nap(self, s):\n        time.sleep(s)\n        return 'rested'\n"
+        "sleepers = current_mesh().spawn('sleepers', Sleeper)", 30)
+    assert defined.status == "ok", defined.text()
+    run = kernel.submit("sleepers.nap.call(100).get()")
+    kernel.collect(run, 10, until=lambda r: any(m["msg_type"] == "execute_input" for _, m in r.messages))
+    time.sleep(0.5)
+    start = time.monotonic()
+    kernel.interrupt()
+    kernel.collect(run, 10)
+    assert time.monotonic() - start < 2.0
+    error = "\n".join([o for o in run.outputs() if o["type"] == "error"][0]["traceback"])
+    assert "Sleeper.nap" in error and "KeyboardInterrupt" in error and "time.sleep(s)" in error  # notebook source
+    after = kernel.execute("sleepers.nap.call(0).get()", 10)
+    assert "all ranks: 'rested'" in after.text()
+
+
 def test_dead_rank_ends_the_cell_within_a_second_with_fail_fast(kernel):
     start_cell = ("%%mesh --fail-fast\nimport os, sys, time\nif os.environ['RANK'] == '2':\n"
                   "    print('bye', file=sys.stderr, flush=True)\n    time.sleep(0.2)\n    os._exit(3)\ntime.sleep(30)")

@@ -63,4 +63,5 @@ def test_actors_notebook_trains_with_a_parameter_server():
     failure = texts(cell_with(nb, "workers.check.call(-1)"))
     assert "Worker.check (actor mesh 'workers') failed on ranks 1-3: ValueError" in failure
     assert 'raise ValueError(f"batch index must be >= 0, got {batch}")' in failure
+    assert "Cell In[2], line 41, in check" in failure  # named like IPython names local cells
     assert "[0] updates:" in texts(cell_with(nb, 'actors["server"]'))
