@@ -269,3 +269,22 @@ class CancelCall:
     caller: int
     call_id: int
     ranks: tuple[int, ...]
+
+
+# ---------------------------------------------------------------- fast pickling
+
+
+def _rebuild(cls: type, values: tuple) -> Any:
+    """Recreate a message without the frozen dataclass __init__ (about twice as fast)."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(zip(cls.__dataclass_fields__, values))
+    return obj
+
+
+def _reduce(self: Any) -> tuple:
+    return (_rebuild, (type(self), tuple(self.__dict__.values())))
+
+
+for _cls in list(globals().values()):
+    if isinstance(_cls, type) and _cls.__module__ == __name__ and hasattr(_cls, "__dataclass_fields__"):
+        _cls.__reduce__ = _reduce  # type: ignore[method-assign]

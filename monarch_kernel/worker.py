@@ -28,8 +28,8 @@ from .capture import DisplayCapture, RankStream
 from .cell import CellRunner, describe_failure
 from .messages import ActorCall, ActorReply, Call, CancelCall, Failure, Pull, Push, Result, RunCell
 from .serialization import SerializationError, seal, unseal
-from .lanes import accept_lane, lane_path, listen_lane
-from .transport import AsyncConnection, BlockingConnection, ConnectionClosed, encode
+from .lanes import LaneServer, accept_lane, lane_path, listen_lane
+from .transport import BlockingConnection, ConnectionClosed
 
 READY_REQ = 0  # req_id of the rank's start-up reply
 
@@ -126,34 +126,15 @@ class Worker:
 
     def _accept_lane(self) -> None:
         sock = accept_lane(self.lane_listener)
-        if sock is not None:
-            asyncio.get_running_loop().create_task(self._serve_lane(sock))
-
-    async def _serve_lane(self, sock: socket.socket) -> None:
-        """A direct lane from the notebook: actor calls in, their replies out.
-
-        Replies made while handling one batch of incoming calls are written together.
-        """
-        loop = asyncio.get_running_loop()
-        outgoing: list = []
-        lane: list[AsyncConnection] = []
-
-        def flush() -> None:
-            chunks = [c for frame in outgoing for c in frame]
-            outgoing.clear()
-            if not lane[0].closed:
-                lane[0].send_chunks(chunks)
-
-        def reply(msg: Any) -> None:
-            if not outgoing:
-                loop.call_soon(flush)
-            outgoing.append(encode(msg))
+        if sock is None:
+            return
+        lane: list[LaneServer] = []
 
         def on_message(msg: Any) -> None:
             if isinstance(msg, ActorCall):
-                self.actors.deliver(msg, reply)
+                self.actors.deliver(msg, lane[0].send)
 
-        lane.append(await AsyncConnection.from_socket(sock, on_message, lambda exc: None))
+        lane.append(LaneServer(sock, asyncio.get_running_loop(), on_message))
 
     def _handle_request(self, msg: Any) -> None:
         # A cell runs as plain code, as in a fresh interpreter: it may call asyncio.run().
