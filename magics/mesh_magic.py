@@ -12,6 +12,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from monarch_kernel.errors import CellSyntaxError, MeshError, RemoteError
 from monarch_kernel.mesh import BACKENDS, Mesh, local_mesh, ssh_mesh
 from monarch_kernel.shape import format_ranks, parse_spec
+from monarch_kernel.shardview import visualize_sharding
 from monarch_kernel.values import ValueMesh
 
 from .registry import MeshRegistry
@@ -23,6 +24,7 @@ USAGE = """\
              [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]
 %mesh status [NAME] | use NAME | down [NAME] | restart [NAME] | interrupt [NAME]
 %mesh push VAR [VAR ...] | pull EXPR | logs [HOST] [--rank R] [--lines N] | on | off
+%mesh sharding EXPR [--rows DIM] [--cols DIM] [--name NAME]
 %%mesh [--name NAME] [--hosts SPEC] [--gpus SPEC] [--ranks SPEC] [--timeout S]
        [--fail-fast] [--no-dedupe] [--bg]
 SPEC is an int (2), a list (0,2) or a slice (0:4, ::2)."""
@@ -62,6 +64,11 @@ def _line_parser() -> _Parser:
     push.add_argument("--name", dest="mesh", default=None)
     pull = sub.add_parser("pull", add_help=False)
     pull.add_argument("expr", nargs=argparse.REMAINDER)
+    sharding = sub.add_parser("sharding", add_help=False)
+    sharding.add_argument("expr")
+    sharding.add_argument("--rows", type=int, default=None)
+    sharding.add_argument("--cols", type=int, default=None)
+    sharding.add_argument("--name", dest="mesh", default=None)
     logs = sub.add_parser("logs", add_help=False)
     logs.add_argument("host", nargs="?", default=None, help="show this host agent's log")
     logs.add_argument("--rank", type=int, default=None)
@@ -115,6 +122,7 @@ class MeshMagics(Magics):
         %%mesh                                  run this cell on every rank
         %%mesh --gpus 0:2 --timeout 30          ... on a slice, with a timeout
         %mesh status | use | down | restart | interrupt | push | pull | logs | on | off
+        %mesh sharding x                        how DTensor x lies on the mesh
         """
         try:
             if cell is None:
@@ -230,6 +238,9 @@ class MeshMagics(Magics):
         if not expr:
             raise UsageError("%mesh pull EXPR: give an expression, e.g. %mesh pull loss")
         return self.registry.get().pull(expr)
+
+    def _do_sharding(self, args) -> Any:
+        return visualize_sharding(self.registry.get(args.mesh), args.expr, rows=args.rows, cols=args.cols)
 
     def _do_logs(self, args) -> None:
         mesh = self.registry.get(args.mesh)

@@ -24,6 +24,7 @@ from .errors import (
 from .futures import MeshFuture
 from .mesh import Mesh, local_mesh, ssh_mesh
 from .shape import Point, Shape
+from .shardview import visualize_sharding
 from .values import ValueMesh
 
 __version__ = "0.1.0"
@@ -57,6 +58,7 @@ __all__ = [
     "local_mesh",
     "ssh_mesh",
     "unload_ipython_extension",
+    "visualize_sharding",
 ]
 
 

@@ -9,19 +9,19 @@ import monarch_kernel
 
 PKG = os.path.dirname(monarch_kernel.__file__)
 LAYERS = [
-    {"errors", "errortext", "shape", "messages", "serialization"},  # values
+    {"errors", "errortext", "shape", "messages", "serialization", "sharding"},  # values
     {"transport", "lanes", "ssh"},  # I/O
     {"cell", "capture", "calls", "actor_host", "dist", "worker", "launcher", "hosts", "agent",
      "controller"},  # runtime
     {"futures", "sinks", "values", "actors", "mesh"},  # API
-    {"output", "live", "statusview"},  # views
+    {"output", "live", "statusview", "shardview"},  # views
 ]
 
 
 def test_public_names():
     assert set(monarch_kernel.__all__) == {
         "Actor", "ActorDiedError", "ActorError", "ActorFailureEvent", "ActorFuture", "ActorMesh",
-        "current_rank", "endpoint",
+        "current_rank", "endpoint", "visualize_sharding",
         "CellSyntaxError", "Mesh", "MeshError", "MeshFuture", "MeshInterrupted", "MeshNotRunningError",
         "MeshStartError", "MeshTimeoutError", "MeshUsageError", "Point", "RankDiedError", "RankFailure",
         "RemoteError", "SerializationError", "Shape", "ValueMesh", "load_ipython_extension", "local_mesh",

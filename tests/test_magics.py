@@ -56,6 +56,15 @@ def test_a_session_of_magics(ip):
     result, text = run(ip, "%mesh push not_defined_here")
     assert "not defined in the notebook: not_defined_here" in text
 
+    result, text = run(ip, "%%mesh\nfrom torch.distributed.device_mesh import init_device_mesh\n"
+                           "from torch.distributed.tensor import distribute_tensor, Shard\n"
+                           "w = distribute_tensor(torch.ones(8, 2), init_device_mesh('cpu', (4,)), [Shard(0)])")
+    assert result.success, text
+    result, text = run(ip, "%mesh sharding w")
+    assert "placements (Shard(0))" in text and "dim 0 [6:8]  localhost:3 (rank 3)" in text
+    result, text = run(ip, "%mesh sharding w --rows 5")
+    assert not result.success and "out of range" in text and "Traceback" not in text
+
     result, text = run(ip, "%%mesh\nraise KeyError('k')")
     assert not result.success and "KeyError: 'k'" in text and "ranks 0-3" in text
     assert "magics/" not in text and "futures.py" not in text

@@ -1,0 +1,121 @@
+"""The sharding view: layouts built from each rank's metadata, drawn as text and HTML."""
+
+import os
+import re
+
+import pytest
+
+from monarch_kernel import local_mesh, visualize_sharding
+from monarch_kernel.sharding import LocalPiece, Placement, TensorLayout
+
+SETUP = """
+import os, torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor, Shard, Replicate, Partial, DTensor
+from torch.distributed.fsdp import fully_shard
+mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+mesh1d = init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))
+rows_cols = distribute_tensor(torch.arange(30.).reshape(5, 6), mesh2d, [Shard(0), Shard(1)])
+by_cols = distribute_tensor(torch.arange(32.).reshape(4, 8), mesh1d, [Shard(1)])
+uneven = distribute_tensor(torch.arange(15.).reshape(5, 3), mesh1d, [Shard(0)])
+replicated = distribute_tensor(torch.ones(4, 4), mesh2d, [Replicate(), Shard(1)])
+partial = DTensor.from_local(torch.ones(2, 2), mesh2d, [Partial(), Replicate()])
+cube = distribute_tensor(torch.ones(4, 6, 8), mesh2d, [Shard(2), Shard(0)])
+per_rank = torch.ones(3) * (int(os.environ["RANK"]) % 2)
+same = torch.ones(3)
+model = torch.nn.Sequential(torch.nn.Linear(10, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+fully_shard(model, mesh=mesh1d)
+"""
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = local_mesh(gpus=4, dist="gloo", name=f"sharding-{os.getpid()}")
+    m.run(SETUP)
+    yield m
+    m.shutdown()
+
+
+def extents(view):
+    """rank -> (rows, cols) from the HTML blocks."""
+    found = {}
+    for ranks, rows, cols in re.findall(r"data-ranks='([\d,]*)' data-rows='(\d+:\d+)' data-cols='(\d+:\d+)'",
+                                        view.html()):
+        for r in ranks.split(","):
+            found.setdefault(int(r), []).append((rows, cols))
+    return found
+
+
+def test_2d_mesh_shards_rows_and_cols(mesh):
+    view = visualize_sharding(mesh, "rows_cols")
+    assert extents(view) == {0: [("0:3", "0:3")], 1: [("0:3", "3:6")], 2: [("3:5", "0:3")], 3: [("3:5", "3:6")]}
+    text = view.text()
+    assert "DeviceMesh (dp=2, tp=2), placements (Shard(0), Shard(1))" in text
+    assert "dim 0 [3:5]  localhost:2 (rank 2)  localhost:3 (rank 3)" in text
+    assert "0: 36 B, 1: 36 B, 2: 24 B, 3: 24 B" in text
+
+
+def test_1d_mesh_shard_on_columns(mesh):
+    view = visualize_sharding(mesh, "by_cols")
+    assert extents(view) == {r: [("0:4", f"{2 * r}:{2 * r + 2}")] for r in range(4)}
+
+
+def test_uneven_rows_follow_chunk_semantics_and_mark_the_empty_shard(mesh):
+    view = visualize_sharding(mesh, "uneven")
+    assert extents(view) == {0: [("0:2", "0:3")], 1: [("2:4", "0:3")], 2: [("4:5", "0:3")]}
+    assert "empty shards (no elements): localhost:3 (rank 3)" in view.text()
+    assert [p.local_shape for p in view.layout.pieces] == [(2, 3), (2, 3), (1, 3), (0, 3)]
+
+
+def test_replicate_puts_several_ranks_on_one_block(mesh):
+    view = visualize_sharding(mesh, "replicated")
+    assert extents(view) == {0: [("0:4", "0:2")], 2: [("0:4", "0:2")], 1: [("0:4", "2:4")], 3: [("0:4", "2:4")]}
+    assert "ranks 0,2 (replicated)" in view.text()
+
+
+def test_partial_is_marked_unreduced_not_replicated(mesh):
+    view = visualize_sharding(mesh, "partial")
+    assert view.layout.partial == (Placement("partial", reduce_op="sum"),)
+    text = view.text()
+    assert "Partial(sum)" in text and "unreduced" in text and "partial" in text.splitlines()[-2]
+    assert "&Sigma; partial" in view.html()
+
+
+def test_3d_tensor_is_faceted_on_the_dim_not_drawn(mesh):
+    view = visualize_sharding(mesh, "cube")
+    text = view.text()
+    assert "at dim 2 [0:4]:" in text and "at dim 2 [4:8]:" in text
+    facets = view.layout.facets(0, 1)
+    assert [view.layout.blocks(0, 1, f)[0][0].ranks for f in facets] == [(0,), (2,)]
+    other = visualize_sharding(mesh, "cube", rows=2, cols=0)  # draw dims 2 x 0 instead
+    assert extents(other)[3] == [("4:8", "2:4")]
+
+
+def test_plain_tensors_compare_ranks_by_checksum(mesh):
+    assert "values different across ranks" in visualize_sharding(mesh, "per_rank").text()
+    same = visualize_sharding(mesh, "same")
+    assert "values identical on every rank" in same.text()
+    assert same.html().count("<tr>") == 5
+
+
+def test_fsdp2_module_gives_a_parameter_table(mesh):
+    view = visualize_sharding(mesh, "model")
+    text = view.text()
+    assert "module model: 4 parameters, 348 B over all ranks" in text
+    assert re.search(r"0\.weight\s+\[6, 10\]\s+Shard\(0\)\s+0: 80 B, 1: 80 B, 2: 80 B, 3: 0 B\s+240 B", text)
+
+
+def test_a_missing_name_is_a_readable_error(mesh):
+    with pytest.raises(Exception, match="NameError"):
+        visualize_sharding(mesh, "nothing_here")
+    with pytest.raises(Exception, match="expected a torch.Tensor or DTensor"):
+        visualize_sharding(mesh, "'text'")
+
+
+def test_layout_model_without_a_mesh():
+    pieces = tuple(LocalPiece(r, (n, 4), (start, 0), n * 16, "cpu", "float32")
+                   for r, (start, n) in enumerate([(0, 2), (2, 2), (4, 1), (5, 0)]))
+    layout = TensorLayout("t", (5, 4), "float32", pieces, (Placement("shard", 0),), (4,), ("x",))
+    grid = layout.blocks(0, 1)
+    assert [(b.rows, b.ranks) for line in grid for b in line] == [((0, 2), (0,)), ((2, 4), (1,)), ((4, 5), (2,))]
+    assert [p.rank for p in layout.empty_pieces()] == [3]
