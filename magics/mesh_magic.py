@@ -13,6 +13,7 @@ from monarch_kernel.errors import CellSyntaxError, MeshError, RemoteError
 from monarch_kernel.mesh import BACKENDS, Mesh, local_mesh, ssh_mesh
 from monarch_kernel.shape import format_ranks, parse_spec
 from monarch_kernel.shardview import visualize_sharding
+from monarch_kernel.timing import RankTime, TimingView
 from monarch_kernel.values import ValueMesh
 
 from .registry import MeshRegistry
@@ -24,7 +25,7 @@ USAGE = """\
              [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]
 %mesh status [NAME] | use NAME | down [NAME] | restart [NAME] | interrupt [NAME]
 %mesh push VAR [VAR ...] | pull EXPR | logs [HOST] [--rank R] [--lines N] | on | off
-%mesh sharding EXPR [--rows DIM] [--cols DIM] [--name NAME]
+%mesh sharding EXPR [--rows DIM] [--cols DIM] [--name NAME] | config timing on|off
 %%mesh [--name NAME] [--hosts SPEC] [--gpus SPEC] [--ranks SPEC] [--timeout S]
        [--fail-fast] [--no-dedupe] [--bg]
 SPEC is an int (2), a list (0,2) or a slice (0:4, ::2)."""
@@ -64,6 +65,9 @@ def _line_parser() -> _Parser:
     push.add_argument("--name", dest="mesh", default=None)
     pull = sub.add_parser("pull", add_help=False)
     pull.add_argument("expr", nargs=argparse.REMAINDER)
+    config = sub.add_parser("config", add_help=False)
+    config.add_argument("setting", choices=["timing"])
+    config.add_argument("value", choices=["on", "off"])
     sharding = sub.add_parser("sharding", add_help=False)
     sharding.add_argument("expr")
     sharding.add_argument("--rows", type=int, default=None)
@@ -112,6 +116,7 @@ class MeshMagics(Magics):
         self._line = _line_parser()
         self._cell = _cell_parser()
         self._auto: str | None = None  # "%mesh on": the mesh every cell goes to
+        self.timing = True  # per-rank timing bars after each %%mesh cell
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
@@ -146,8 +151,22 @@ class MeshMagics(Magics):
             raise CellSyntaxError(exc) from None  # shown like a local SyntaxError
         if args.bg:
             return future
-        result = future.get()
+        try:
+            result = future.get()
+        finally:
+            self._show_timing(target, future)
         return result if _has_values(result) else None
+
+    def _show_timing(self, target: Mesh, future: Any) -> None:
+        times = future.rank_times() if future.done() else []
+        if not self.timing or len(times) < 2:
+            return
+        labels = {s.rank: f"{s.host}:{s.local_rank} (rank {s.rank})" for s in target.status()}
+        view = TimingView(f"{future.label} per rank", [RankTime(r, labels.get(r, f"rank {r}"), sec, ok)
+                                                         for r, sec, ok in times])
+        from IPython.display import display
+
+        display(view)
 
     def _target(self, args: argparse.Namespace) -> Mesh:
         mesh = self.registry.get(args.name)
@@ -238,6 +257,10 @@ class MeshMagics(Magics):
         if not expr:
             raise UsageError("%mesh pull EXPR: give an expression, e.g. %mesh pull loss")
         return self.registry.get().pull(expr)
+
+    def _do_config(self, args) -> None:
+        self.timing = args.value == "on"
+        print(f"per-rank timing after each %%mesh cell: {args.value}")
 
     def _do_sharding(self, args) -> Any:
         return visualize_sharding(self.registry.get(args.mesh), args.expr, rows=args.rows, cols=args.cols)

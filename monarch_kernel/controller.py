@@ -35,6 +35,7 @@ from .lanes import Lane, LanePool
 from .transport import AsyncConnection, ConnectionClosed, encode
 
 RANK_LOG_LINES = 500
+HISTORY_RECORDS = 50_000
 PING_INTERVAL_S = 1.0
 HOST_LOST_AFTER_S = 3.0
 HOST_LOST = "HOST_LOST"  # the "signal" of ranks whose host disappeared
@@ -128,6 +129,18 @@ class Request:
         return set(self.ranks) - set(self.results) - set(self.failures)
 
 
+@dataclass(frozen=True)
+class TimingRecord:
+    """How long one rank took for one request (None: it died or was lost)."""
+
+    label: str
+    rank: int
+    host: str
+    seconds: float | None
+    ok: bool
+    finished_at: float
+
+
 @dataclass
 class HostLink:
     """The controller's end of one host agent."""
@@ -170,6 +183,7 @@ class MeshRuntime:
         self.caller_id = m.CONTROLLER
         self.calls = CallTable()  # actor calls made from this process
         self.routed = CallTracker()  # actor calls routed through here, failed if a rank dies
+        self.history: deque[TimingRecord] = deque(maxlen=HISTORY_RECORDS)
         self.idle_output = IdleOutput()  # what ranks print outside cells (actor endpoints)
         self._local_ranks: tuple[list, frozenset[int]] = ([], frozenset())
         self.lanes = LanePool(self.shm_dir, self.controller.loop, self._on_lane_message)
@@ -369,10 +383,22 @@ class MeshRuntime:
             if req.req_id in state.inflight:
                 state.inflight.remove(req.req_id)
                 state.busy_since = time.time() if state.inflight else None
+        self._record_timing(req)
         if req.on_done is not None:
             req.on_done()
         req.events.put(("done", None))
         req.future.set_result(req)
+
+    def _record_timing(self, req: Request) -> None:
+        now = time.time()
+        for rank in sorted(req.ranks):
+            result = req.results.get(rank)
+            host = self.ranks[rank].host
+            if result is not None:
+                self.history.append(TimingRecord(req.label, rank, host, result.finished - result.started,
+                                                 result.failure is None, result.finished))
+            else:
+                self.history.append(TimingRecord(req.label, rank, host, None, False, now))
 
     def _fail_all(self, why: str) -> None:
         self.lanes.close()

@@ -71,6 +71,18 @@ class MeshFuture(Generic[T]):
         await asyncio.wrap_future(self._request.future)
         return self.get()
 
+    def rank_times(self) -> list[tuple[int, float | None, bool]]:
+        """(rank, seconds, ok) for each rank of a finished run; seconds None if it died."""
+        req = self._request
+        out = []
+        for rank in sorted(req.ranks):
+            result = req.results.get(rank)
+            if result is None:
+                out.append((rank, None, False))
+            else:
+                out.append((rank, result.finished - result.started, result.failure is None))
+        return out
+
     def pump_in_background(self) -> None:
         """Deliver live output from a daemon thread (for runs nobody waits on)."""
         threading.Thread(target=self._bg_wait, name=f"mesh-pump-{self.label}", daemon=True).start()

@@ -163,6 +163,22 @@ class Mesh:
         raise_failures(req, self._runtime, partial=vm)
         return vm
 
+    def history(self, last: int | None = None) -> Any:
+        """How long each rank took for each cell, push, pull and call (oldest first).
+
+        A pandas DataFrame when pandas is installed, else a list of dicts with keys
+        label, rank, host, seconds, ok, finished_at. `last` keeps the newest N records.
+        """
+        chosen = set(self.ranks)
+        records = [r.__dict__.copy() for r in list(self._runtime.history) if r.rank in chosen]
+        if last is not None:
+            records = records[-last:]
+        try:
+            import pandas
+        except ImportError:
+            return records
+        return pandas.DataFrame.from_records(records, columns=["label", "rank", "host", "seconds", "ok", "finished_at"])
+
     def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> ActorMesh:
         """One `actor_class(*args, **kwargs)` per rank, as actor mesh `name`.
 

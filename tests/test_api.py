@@ -14,7 +14,7 @@ LAYERS = [
     {"cell", "capture", "calls", "actor_host", "dist", "worker", "launcher", "hosts", "agent",
      "controller"},  # runtime
     {"futures", "sinks", "values", "actors", "mesh"},  # API
-    {"output", "live", "statusview", "shardview"},  # views
+    {"output", "live", "statusview", "shardview", "timing"},  # views
 ]
 
 

@@ -38,8 +38,12 @@ def test_output_streams_live_into_its_own_cell_deduped(kernel):
     first, second = first_output_time(run, "first"), first_output_time(run, "second")
     assert first is not None and second is not None and second - first > 1.5
     outputs = run.outputs()
-    assert len(outputs) == 1  # one live display, updated in place
+    assert len(outputs) == 2  # one live display, updated in place, then the per-rank timing
     assert outputs[0]["data"]["text/plain"] == "[0-3] first\n[0-3] second"
+    timing = outputs[1]["data"]["text/plain"].splitlines()
+    assert timing[0].startswith("In[") and "per rank: median 2.0" in timing[0]
+    assert [line.split()[0] for line in timing[1:]] == [f"localhost:{r}" for r in range(4)]
+    assert outputs[1]["data"]["text/html"].count("class='mk-timing-row'") == 4
     after = kernel.execute("1 + 1")
     assert "first" not in after.text() and "second" not in after.text()
 

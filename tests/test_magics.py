@@ -4,6 +4,7 @@ import pytest
 from IPython.testing.globalipapp import get_ipython
 from IPython.utils.capture import capture_output
 
+from monarch_kernel.magics import current_registry
 from monarch_kernel.values import ValueMesh
 
 
@@ -64,6 +65,19 @@ def test_a_session_of_magics(ip):
     assert "placements (Shard(0))" in text and "dim 0 [6:8]  localhost:3 (rank 3)" in text
     result, text = run(ip, "%mesh sharding w --rows 5")
     assert not result.success and "out of range" in text and "Traceback" not in text
+
+    result, text = run(ip, "%%mesh\nimport time\ntime.sleep(0.4 if dist.get_rank() == 3 else 0.01)")
+    assert result.success, text
+    lines = [line for line in text.splitlines() if line.strip().startswith("localhost:")]
+    assert len(lines) == 4 and "straggler" in lines[3] and not any("straggler" in x for x in lines[:3])
+    history = current_registry().get().history(last=4)
+    records = history.to_dict("records") if hasattr(history, "to_dict") else history
+    assert [r["rank"] for r in records] == [0, 1, 2, 3] and records[3]["seconds"] >= 0.4
+    result, text = run(ip, "%mesh config timing off")
+    assert "timing after each %%mesh cell: off" in text
+    result, text = run(ip, "%%mesh\n1")
+    assert "localhost:0 (rank 0)" not in text
+    run(ip, "%mesh config timing on")
 
     result, text = run(ip, "%%mesh\nraise KeyError('k')")
     assert not result.success and "KeyError: 'k'" in text and "ranks 0-3" in text
