@@ -6,6 +6,7 @@ import atexit
 from typing import Any
 
 from monarch_kernel import sinks
+from monarch_kernel.mesh import Mesh
 from monarch_kernel.live import KernelPublisher, LiveOutput, TerminalOutput, WidgetPublisher
 
 from .mesh_magic import MeshMagics
@@ -36,8 +37,18 @@ def load_ipython_extension(ipython) -> None:
     magics = MeshMagics(ipython, registry)
     ipython.register_magics(magics)
     sinks.set_default_sink_factory(_sink_factory(ipython))
+    if getattr(ipython, "kernel", None) is not None:  # a mesh as a cell's value: the live view
+        ipython.display_formatter.ipython_display_formatter.for_type(Mesh, _display_mesh)
     atexit.register(registry.shutdown_all)
     _state.update(registry=registry, magics=magics)
+
+
+def _display_mesh(mesh: Mesh) -> None:
+    from IPython.display import display
+
+    from monarch_kernel.meshwidget import MeshWidget
+
+    display(MeshWidget(mesh))
 
 
 def unload_ipython_extension(ipython) -> None:

@@ -13,6 +13,7 @@ from monarch_kernel.errors import CellSyntaxError, MeshError, RemoteError
 from monarch_kernel.mesh import BACKENDS, Mesh, local_mesh, ssh_mesh
 from monarch_kernel.shape import format_ranks, parse_spec
 from monarch_kernel.shardview import visualize_sharding
+from monarch_kernel.meshview import mesh_snapshot, snapshot_rich
 from monarch_kernel.timing import RankTime, TimingView
 from monarch_kernel.values import ValueMesh
 
@@ -220,9 +221,20 @@ class MeshMagics(Magics):
         self._show_status(self.registry.get(args.name))
 
     def _show_status(self, mesh: Mesh) -> None:
+        """A live widget in a notebook, a rich grid in a terminal, the text table elsewhere."""
         from IPython.display import display
 
-        display(status_bundle(mesh, default=mesh.name == self.registry.current), raw=True)
+        default = mesh.name == self.registry.current
+        if getattr(self.shell, "kernel", None) is not None and not mesh.closed:
+            from monarch_kernel.meshwidget import MeshWidget
+
+            display(MeshWidget(mesh, title_suffix=" (default)" if default else ""))
+        elif not mesh.closed:
+            from rich.console import Console
+
+            Console().print(snapshot_rich(mesh_snapshot(mesh, title_suffix=" (default)" if default else "")))
+        else:
+            display(status_bundle(mesh, default=default), raw=True)
 
     def _do_use(self, args) -> None:
         self.registry.use(args.name)

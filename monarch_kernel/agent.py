@@ -25,11 +25,13 @@ from typing import Any
 from . import messages as m
 from .calls import CallTracker, death_reply
 from .launcher import RankProcess, fork_rank
+from .load import LoadSampler
 from .transport import AsyncConnection, encode
 
 HEARTBEAT_INTERVAL_S = 0.5
 UNRESPONSIVE_AFTER_S = 2.5
-CONTROLLER_SILENCE_S = 6.0  # the controller pings every second; silence means it is gone
+CONTROLLER_SILENCE_S = 6.0
+LOAD_INTERVAL_S = 1.0  # the controller pings every second; silence means it is gone
 
 
 class HostAgent:
@@ -46,6 +48,8 @@ class HostAgent:
         self._outbox: list[Any] = []
         self.local_ranks: set[int] = set()  # every rank of this host, alive or not
         self.calls = CallTracker()  # actor calls routed to this host's ranks
+        self._sampler = LoadSampler()
+        self._last_load = 0.0
 
     # ------------------------------------------------------------ controller side
     def on_controller_message(self, msg: Any) -> None:
@@ -305,6 +309,11 @@ class HostAgent:
             if now - self.last_heard > CONTROLLER_SILENCE_S:
                 await self.shutdown(f"no message from the controller for {now - self.last_heard:.1f} s")
                 return
+            if now - self._last_load >= LOAD_INTERVAL_S:
+                self._last_load = now
+                loads = self._sampler.sample({r: (p.pid, p.spec.local_rank) for r, p in self.ranks.items()})
+                if loads:
+                    self._to_controller(m.HostLoad(tuple(loads)))
             for rank, proc in list(self.ranks.items()):
                 try:
                     proc.hb_sock.send(b".")

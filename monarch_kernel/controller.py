@@ -84,6 +84,7 @@ class RankState:
     exit_code: int | None = None
     signal: str | None = None
     log: deque = field(default_factory=lambda: deque(maxlen=RANK_LOG_LINES))
+    load: Any = None  # the latest RankLoad from its host agent
 
     @property
     def state(self) -> str:
@@ -107,6 +108,8 @@ class RankSnapshot:
     busy_for_s: float | None
     exit_code: int | None
     signal: str | None
+    busy_with: str | None = None  # the label of what it runs (e.g. "In[3]")
+    load: Any = None  # RankLoad: CPU %, RSS, GPU memory and utilization
 
 
 @dataclass
@@ -550,6 +553,11 @@ class MeshRuntime:
             self._route_call(msg)
         elif isinstance(msg, m.CancelCall):
             self._route_cancel(msg)
+        elif isinstance(msg, m.HostLoad):
+            for load in msg.loads:
+                state = self.ranks.get(load.rank)
+                if state is not None:
+                    state.load = load
         elif isinstance(msg, m.Pong):
             link.last_pong = time.monotonic()
         elif isinstance(msg, m.StoreBound):
@@ -642,9 +650,16 @@ class MeshRuntime:
         return [
             RankSnapshot(s.rank, s.host, s.local_rank, s.pid, s.state,
                          (now - s.busy_since) if s.busy_since and s.inflight else None,
-                         s.exit_code, s.signal)
+                         s.exit_code, s.signal, self._label_of(s.inflight), s.load if s.alive else None)
             for s in sorted(self.ranks.values(), key=lambda s: s.rank)
         ]
+
+    def _label_of(self, inflight: list[int]) -> str | None:
+        for req_id in list(inflight):
+            req = self.requests.get(req_id)
+            if req is not None:
+                return req.label
+        return None
 
     def agent_log(self, host: int | str, lines: int = 50) -> str:
         """The last lines of the log of a host agent, by host index or name."""

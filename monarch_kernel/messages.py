@@ -223,6 +223,13 @@ class RankHealth:
 
 
 @dataclass(frozen=True)
+class HostLoad:
+    """Each rank's load on this host (RankLoad records), about once a second."""
+
+    loads: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
 class Pong:
     """Answer to Ping."""
 

@@ -11,10 +11,10 @@ PKG = os.path.dirname(monarch_kernel.__file__)
 LAYERS = [
     {"errors", "errortext", "shape", "messages", "serialization", "sharding"},  # values
     {"transport", "lanes", "ssh"},  # I/O
-    {"cell", "capture", "calls", "actor_host", "dist", "worker", "launcher", "hosts", "agent",
+    {"cell", "capture", "calls", "actor_host", "load", "dist", "worker", "launcher", "hosts", "agent",
      "controller"},  # runtime
     {"futures", "sinks", "values", "actors", "mesh"},  # API
-    {"output", "live", "statusview", "shardview", "timing"},  # views
+    {"output", "live", "statusview", "shardview", "timing", "meshview", "meshwidget"},  # views
 ]
 
 
