@@ -165,9 +165,7 @@ class MeshMagics(Magics):
         labels = {s.rank: f"{s.host}:{s.local_rank} (rank {s.rank})" for s in target.status()}
         view = TimingView(f"{future.label} per rank", [RankTime(r, labels.get(r, f"rank {r}"), sec, ok)
                                                          for r, sec, ok in times])
-        from IPython.display import display
-
-        display(view)
+        view._ipython_display_()
 
     def _target(self, args: argparse.Namespace) -> Mesh:
         mesh = self.registry.get(args.name)

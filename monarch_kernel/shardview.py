@@ -175,6 +175,37 @@ class ShardingView:
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
         return {"text/plain": self.text(), "text/html": self.html()}
 
+    def _ipython_display_(self) -> None:
+        from .viewwidgets import ShardingWidget, show
+
+        show(self, ShardingWidget)
+
+    def __rich__(self) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        lines = self.text().splitlines()
+        parts: list[Any] = [Text(lines[0], style="bold")]
+        if not self.layout.is_dtensor:
+            parts += [Text(line) for line in lines[1:]]
+            return Group(*parts)
+        for facet in self.layout.facets(self.rows, self.cols):
+            grid = self.layout.blocks(self.rows, self.cols, facet)
+            title = ("at " + ", ".join(f"dim {d} {_range(r)}" for d, r in facet.items())) if facet else None
+            table = Table(title=title, show_lines=True)
+            table.add_column("")
+            for b in grid[0]:
+                table.add_column(f"dim {self.cols} {_range(b.cols)}" if self.cols is not None else "")
+            for line in grid:
+                label = f"dim {self.rows} {_range(line[0].rows)}" if self.rows is not None else ""
+                cells = [Text(self._holders(b) + (" partial" if self.layout.partial else ""),
+                              style=rank_colour(b.ranks[0]) if len(b.ranks) == 1 else "bold") for b in line]
+                table.add_row(label, *cells)
+            parts.append(table)
+        parts += [Text(line) for line in lines[1:] if not line.startswith(("    ", "  at "))]
+        return Group(*parts)
+
     def __repr__(self) -> str:
         return self.text()
 
@@ -226,6 +257,11 @@ class ModuleShardingView:
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
         return {"text/plain": self.text(), "text/html": self.html()}
+
+    def _ipython_display_(self) -> None:
+        from .viewwidgets import ShardingWidget, show
+
+        show(self, ShardingWidget)
 
     def __repr__(self) -> str:
         return self.text()

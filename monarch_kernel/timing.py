@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
 STRAGGLER_FACTOR = 1.5
 MIN_STRAGGLER_GAP_S = 0.02  # a rank must also be this much slower to count as a straggler
@@ -85,6 +86,21 @@ class TimingView:
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
         return {"text/plain": self.text(), "text/html": self.html()}
+
+    def _ipython_display_(self) -> None:
+        from .viewwidgets import TimingWidget, show
+
+        show(self, TimingWidget)
+
+    def __rich__(self) -> Any:
+        from rich.text import Text
+
+        lines = self.text().splitlines()
+        out = Text(lines[0] + "\n", style="dim")
+        for t, line in zip(self.times, lines[1:]):
+            style = "red" if not t.ok else "yellow" if self.is_straggler(t) else "blue"
+            out.append(line + "\n", style=style)
+        return out
 
     def __repr__(self) -> str:
         return self.text()

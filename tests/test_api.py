@@ -14,7 +14,8 @@ LAYERS = [
     {"cell", "capture", "calls", "actor_host", "load", "dist", "worker", "launcher", "hosts", "agent",
      "controller"},  # runtime
     {"futures", "sinks", "values", "actors", "mesh"},  # API
-    {"output", "live", "statusview", "shardview", "timing", "meshview", "meshwidget"},  # views
+    {"output", "live", "statusview", "shardview", "timing", "meshview", "meshwidget",
+     "viewwidgets"},  # views
 ]
 
 

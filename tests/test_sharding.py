@@ -119,3 +119,14 @@ def test_layout_model_without_a_mesh():
     grid = layout.blocks(0, 1)
     assert [(b.rows, b.ranks) for line in grid for b in line] == [((0, 2), (0,)), ((2, 4), (1,)), ((4, 5), (2,))]
     assert [p.rank for p in layout.empty_pieces()] == [3]
+
+
+def test_the_widget_redraws_other_dims_without_asking_the_ranks(mesh):
+    from monarch_kernel.viewwidgets import ShardingWidget
+
+    widget = ShardingWidget(visualize_sharding(mesh, "cube"))
+    assert widget._repr_mimebundle_()["text/plain"].startswith("DTensor cube")
+    assert "data-rows='0:2' data-cols='0:6'" in widget.picture.value
+    widget.cols.value = 2
+    assert "data-rows='0:2' data-cols='0:4'" in widget.picture.value and "at dim 1 [0:6]" in widget.picture.value
+    assert "dim 1 [0:6]" in widget.fallback_text
