@@ -147,12 +147,16 @@ class ShardingView:
         total_h = sum(line[0].rows[1] - line[0].rows[0] for line in grid) or 1
         cols = " ".join(f"{max(1, round(360 * (b.cols[1] - b.cols[0]) / total_w))}px" for b in grid[0])
         rows = " ".join(f"{max(24, round(200 * (line[0].rows[1] - line[0].rows[0]) / total_h))}px" for line in grid)
-        cells = []
+        label = "font:10px monospace;color:#555;align-self:center"
+        cells = ["<div></div>"] + [
+            f"<div style='{label};text-align:center'>{f'dim {self.cols} {_range(b.cols)}' if self.cols is not None else ''}</div>"
+            for b in grid[0]]
         for line in grid:
-            for b in line:
-                cells.append(self._block_html(b))
-        return (f"<div class='mk-grid' style='display:grid;grid-template-columns:{cols};"
-                f"grid-template-rows:{rows};gap:2px;margin:4px 0'>{''.join(cells)}</div>")
+            row_label = f"dim {self.rows} {_range(line[0].rows)}" if self.rows is not None else ""
+            cells.append(f"<div style='{label};text-align:right;padding-right:4px'>{row_label}</div>")
+            cells.extend(self._block_html(b) for b in line)
+        return (f"<div class='mk-grid' style='display:grid;justify-content:start;grid-template-columns:max-content {cols};"
+                f"grid-template-rows:auto {rows};gap:2px;margin:4px 0'>{''.join(cells)}</div>")
 
     def _block_html(self, b: Block) -> str:
         colours = [rank_colour(r) for r in b.ranks] or ["#ddd"]

@@ -4,9 +4,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The SSH tests run real sshd servers in network namespaces: they need root, openssh-server
 # and iproute2 (they are skipped, with the reason, where those are missing).
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && { [ ! -x /usr/sbin/sshd ] || ! command -v ip >/dev/null; }; then
+# The browser test renders an executed notebook in Debian's chromium.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+   && { [ ! -x /usr/sbin/sshd ] || ! command -v ip >/dev/null || [ ! -x /usr/bin/chromium ]; }; then
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client iproute2 >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client iproute2 chromium >/dev/null
 fi
 bash scripts/setup.sh test
+# The widget renderer for notebooks exported to HTML (nbconvert loads it from a CDN by
+# default; the browser test serves it from here, offline).
+if [ ! -f .cache/widgets/node_modules/@jupyter-widgets/html-manager/dist/embed-amd.js ] && command -v npm >/dev/null; then
+  mkdir -p .cache/widgets
+  (cd .cache/widgets && npm install --silent --no-audit --no-fund @jupyter-widgets/html-manager@1 requirejs@2 >/dev/null)
+fi
 .venv/bin/python -m pytest tests "$@"

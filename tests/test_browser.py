@@ -1,0 +1,95 @@
+"""The visualization notebook, executed, exported with its widget state, rendered in Chromium.
+
+Debian's chromium runs headless (no sandbox, no background networking) under playwright;
+the widget renderer (@jupyter-widgets/html-manager, installed by scripts/test.sh with
+npm) is served from disk, so nothing is fetched from the network.
+"""
+
+import os
+import shutil
+
+import pytest
+
+from test_notebooks import HERE, execute
+
+CHROMIUM = "/usr/bin/chromium"
+WIDGETS = os.path.join(HERE, ".cache", "widgets", "node_modules")
+RENDERER = os.path.join(WIDGETS, "@jupyter-widgets", "html-manager", "dist")
+REQUIRE = os.path.join(WIDGETS, "requirejs", "require.js")
+
+
+def _missing() -> str | None:
+    if not os.path.exists(CHROMIUM):
+        return "Debian's chromium is not installed (scripts/test.sh installs it as root)"
+    if not os.path.exists(os.path.join(RENDERER, "embed-amd.js")):
+        return "the widget renderer is not installed (scripts/test.sh installs it with npm)"
+    try:
+        import nbconvert  # noqa: F401
+        import playwright  # noqa: F401
+    except ImportError as exc:
+        return f"{exc.name} is not installed (pip install -e .[test])"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    from nbconvert import HTMLExporter
+    from playwright.sync_api import sync_playwright
+
+    site = tmp_path_factory.mktemp("site")
+    nb = execute("05_visualize.ipynb")
+    assert nb.metadata.get("widgets"), "nbclient stored no widget state"
+    exporter = HTMLExporter(template_name="lab", require_js_url="require.js", widget_renderer_url="embed-amd.js")
+    body, _ = exporter.from_notebook_node(nb)
+    (site / "index.html").write_text(body)
+    shutil.copytree(RENDERER, site, dirs_exist_ok=True)
+    shutil.copy(REQUIRE, site / "require.js")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run", "--disable-quic"])
+        try:
+            tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+            tab.goto(f"file://{site}/index.html")
+            tab.wait_for_selector(".mk-rank", timeout=60_000)
+            yield tab, site
+        finally:
+            browser.close()
+
+
+def test_mesh_grid_renders_every_rank(page):
+    tab, site = page
+    cards = tab.locator(".mk-rank")
+    assert cards.count() == 8  # two live views: after %mesh up, and %mesh status
+    assert sorted(int(cards.nth(i).get_attribute("data-rank")) for i in range(4)) == [0, 1, 2, 3]
+    assert {cards.nth(i).get_attribute("data-state") for i in range(4)} <= {"idle", "busy"}
+    assert "localhost:2 (rank 2)" in cards.nth(2).inner_text()
+    tab.locator(".widget-gridbox").last.screenshot(path=str(site / "mesh.png"))
+    assert (site / "mesh.png").stat().st_size > 1000
+
+
+def test_sharding_views_render_their_blocks(page):
+    tab, site = page
+    blocks = tab.locator(".mk-block")
+    found = {(blocks.nth(i).get_attribute("data-ranks"), blocks.nth(i).get_attribute("data-rows"),
+              blocks.nth(i).get_attribute("data-cols")) for i in range(blocks.count())}
+    # weights [6, 8] on a 2x2 mesh: Shard(0), Shard(1)
+    assert {("0", "0:3", "0:4"), ("1", "0:3", "4:8"), ("2", "3:6", "0:4"), ("3", "3:6", "4:8")} <= found
+    # uneven [5, 3] over 4 ranks: 2, 2, 1, 0 rows
+    assert {("0", "0:2", "0:3"), ("1", "2:4", "0:3"), ("2", "4:5", "0:3")} <= found
+    assert ("0,1,2,3", "0:4", "0:4") in found  # the Partial tensor, on every rank
+    assert "empty shards (no elements): localhost:3 (rank 3)" in tab.locator(".mk-sharding").nth(1).inner_text()
+    assert "Σ partial" in tab.locator(".mk-sharding").nth(2).inner_text()
+    tab.locator(".mk-sharding").first.screenshot(path=str(site / "sharding.png"))
+    assert (site / "sharding.png").stat().st_size > 1000
+
+
+def test_timing_bars_mark_the_straggler(page):
+    tab, _ = page
+    rows = tab.locator(".mk-timing-row")
+    assert rows.count() == 8  # two %%mesh cells, four ranks each
+    assert "straggler" in rows.nth(7).inner_text() and "straggler" not in rows.nth(4).inner_text()
+    assert rows.nth(7).get_attribute("data-rank") == "3"
