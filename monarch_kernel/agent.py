@@ -309,7 +309,9 @@ class HostAgent:
             if now - self.last_heard > CONTROLLER_SILENCE_S:
                 await self.shutdown(f"no message from the controller for {now - self.last_heard:.1f} s")
                 return
-            if now - self._last_load >= LOAD_INTERVAL_S:
+            # loads only while the controller answers: a link gone quiet gets no traffic from
+            # us, so the SSH server's own keepalive can notice it and end the session
+            if now - self._last_load >= LOAD_INTERVAL_S and now - self.last_heard < 2 * LOAD_INTERVAL_S:
                 self._last_load = now
                 loads = self._sampler.sample({r: (p.pid, p.spec.local_rank) for r, p in self.ranks.items()})
                 if loads:

@@ -142,10 +142,11 @@ def snapshot_html(snap: MeshSnapshot) -> str:
 
 def snapshot_rich(snap: MeshSnapshot) -> Any:
     """The grid as a rich Table (terminals)."""
+    from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=snap.title, show_lines=True)
+    table = Table(show_lines=True)
     table.add_column("")
     for label in snap.col_labels:
         table.add_column(label)
@@ -157,7 +158,7 @@ def snapshot_rich(snap: MeshSnapshot) -> Any:
             text.append(f"  pid {c.pid or '-'} {c.detail}\n{c.load_text(snap.has_gpu)}")
             cells.append(text)
         table.add_row(label, *cells)
-    return table
+    return Group(Text(snap.title, style="bold"), table)  # the title never wraps into the table
 
 
 class MeshView:
