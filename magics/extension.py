@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import threading
 from typing import Any
 
 from monarch_kernel import sinks
@@ -39,8 +40,49 @@ def load_ipython_extension(ipython) -> None:
     sinks.set_default_sink_factory(_sink_factory(ipython))
     if getattr(ipython, "kernel", None) is not None:  # a mesh as a cell's value: the live view
         ipython.display_formatter.ipython_display_formatter.for_type(Mesh, _display_mesh)
+    sinks.set_timing_reporter(_ActorTiming(ipython, magics))
     atexit.register(registry.shutdown_all)
     _state.update(registry=registry, magics=magics)
+
+
+class _ActorTiming:
+    """Per-rank timing of actor calls: one view per cell, showing its latest call.
+
+    A loop of calls in one cell updates that view in place instead of adding one each.
+    """
+
+    def __init__(self, shell: Any, magics: MeshMagics):
+        self.shell, self.magics = shell, magics
+        self._cell: Any = None
+        self._widget: Any = None
+
+    def __call__(self, label: str, times: list) -> None:
+        if not self.magics.timing or len(times) < 2 or threading.current_thread() is not threading.main_thread():
+            return
+        from monarch_kernel.timing import RankTime, TimingView
+
+        registry = _state.get("registry")
+        labels = {}
+        if registry is not None:
+            for name in registry.names():
+                mesh = registry.get(name)
+                labels.update({s.rank: f"{s.host}:{s.local_rank} (rank {s.rank})" for s in mesh.status()})
+        view = TimingView(f"{label} per rank", [RankTime(r, labels.get(r, f"rank {r}"), sec, ok)
+                                                for r, sec, ok in times])
+        cell = getattr(self.shell, "execution_count", None)
+        if getattr(self.shell, "kernel", None) is None:
+            view._ipython_display_()
+            return
+        from monarch_kernel.viewwidgets import TimingWidget
+
+        if cell != self._cell or self._widget is None:
+            from IPython.display import display
+
+            self._cell, self._widget = cell, TimingWidget(view)
+            display(self._widget)
+        else:
+            self._widget.fallback_text = view.text()
+            self._widget.value = view.html()
 
 
 def _display_mesh(mesh: Mesh) -> None:
@@ -62,6 +104,7 @@ def unload_ipython_extension(ipython) -> None:
     registry.shutdown_all()
     atexit.unregister(registry.shutdown_all)
     sinks.set_default_sink_factory(None)
+    sinks.set_timing_reporter(None)
 
 
 def current_registry() -> MeshRegistry | None:

@@ -18,6 +18,7 @@ import inspect
 import linecache
 import signal
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -191,6 +192,7 @@ class ActorHost:
         token = current_point.set(box.point)
         with self._lock:
             self._running_sync = key
+        started = time.perf_counter()
         try:
             value, failure = self._run_user(method, *args, **kwargs), None
         except BaseException as exc:  # noqa: BLE001 - every endpoint error goes to its caller
@@ -199,9 +201,10 @@ class ActorHost:
             with self._lock:
                 self._running_sync = None
             current_point.reset(token)
-        self._reply(msg, value, failure)
+        self._reply(msg, value, failure, time.perf_counter() - started)
 
     async def _serve_async(self, box: _Mailbox, msg: ActorCall, method, args, kwargs) -> None:
+        started = time.perf_counter()
         try:
             value, failure = await method(*args, **kwargs), None
         except asyncio.CancelledError:
@@ -210,11 +213,11 @@ class ActorHost:
             value, failure = None, describe_failure(exc)
         with self._lock:
             self._tasks.pop((msg.caller, msg.call_id), None)
-        self._reply(msg, value, failure)
+        self._reply(msg, value, failure, time.perf_counter() - started)
         box.busy = False
         self._drain(box)
 
-    def _reply(self, msg: ActorCall, value: Any, failure: Failure | None) -> None:
+    def _reply(self, msg: ActorCall, value: Any, failure: Failure | None, seconds: float | None = None) -> None:
         key = (msg.caller, msg.call_id)
         with self._lock:
             self._cancelled.pop(key, None)
@@ -226,7 +229,7 @@ class ActorHost:
             except SerializationError as exc:
                 failure = Failure("SerializationError", f"the reply of {msg.endpoint} could not be sent: {exc}", "")
         try:
-            send(ActorReply(msg.caller, msg.call_id, self.rank, sealed, failure))
+            send(ActorReply(msg.caller, msg.call_id, self.rank, sealed, failure, seconds))
         except ConnectionClosed:
             pass  # the caller went away
 

@@ -38,6 +38,7 @@ from .errors import (
 from .messages import ActorCall, ActorReply, CancelCall
 from .serialization import release, seal, unseal
 from .shape import Point, Selector, Shape, format_ranks
+from .sinks import report_timing
 from .values import ValueMesh
 
 if TYPE_CHECKING:
@@ -262,7 +263,7 @@ class EndpointHandle:
         """Call on every actor; the future gives a ValueMesh of their replies."""
         mesh = self._mesh
         pending = mesh._send(self._name, mesh.ranks, args, kwargs)
-        return ActorFuture(mesh, pending, lambda p: _value_mesh(p, mesh))
+        return ActorFuture(mesh, pending, lambda p: _value_mesh(p, mesh, timed=True))
 
     def call_one(self, *args: Any, **kwargs: Any) -> ActorFuture[Any]:
         """Call the one actor of a one-rank slice; the future gives its reply."""
@@ -374,7 +375,13 @@ def _value(reply: ActorReply) -> Any:
     return None if reply.value is None else unseal(reply.value)
 
 
-def _value_mesh(pending: PendingCall, mesh: ActorMesh) -> ValueMesh:
+def _value_mesh(pending: PendingCall, mesh: ActorMesh, timed: bool = False) -> ValueMesh:
+    if timed:
+        times = [(r, pending.replies[r].seconds, pending.replies[r].failure is None) for r in mesh.ranks]
+        record = getattr(mesh._sender(), "record_timing", None)
+        if record is not None:
+            record(pending.label, times)
+            report_timing(f"{pending.label} (actor mesh {mesh.name!r})", times)
     values = [_value(pending.replies[r]) if pending.replies[r].failure is None else None for r in mesh.ranks]
     vm = ValueMesh(mesh.shape, values)
     _raise_failures(pending, mesh, mesh.ranks, vm)

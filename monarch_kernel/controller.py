@@ -392,6 +392,12 @@ class MeshRuntime:
         req.events.put(("done", None))
         req.future.set_result(req)
 
+    def record_timing(self, label: str, times: list[tuple[int, float | None, bool]]) -> None:
+        """Keep per-rank durations of an actor call in the history; thread-safe."""
+        now = time.time()
+        for rank, seconds, ok in times:
+            self.history.append(TimingRecord(label, rank, self.ranks[rank].host, seconds, ok, now))
+
     def _record_timing(self, req: Request) -> None:
         now = time.time()
         for rank in sorted(req.ranks):

@@ -267,6 +267,7 @@ class ActorReply:
     rank: int
     value: Sealed | None
     failure: Failure | None
+    seconds: float | None = None  # how long the endpoint ran (None: it never ran)
 
 
 @dataclass(frozen=True)

@@ -89,3 +89,18 @@ def set_default_sink_factory(factory: SinkFactory | None) -> None:
 def default_sink(**options: Any) -> OutputSink:
     """A new sink from the installed factory; options: ranks, dedupe, label..."""
     return _default_factory(options)
+
+
+TimingReporter = Callable[[str, list[tuple[int, "float | None", bool]]], None]
+_timing_reporter: list[TimingReporter] = []
+
+
+def set_timing_reporter(reporter: TimingReporter | None) -> None:
+    """Where per-rank timings of actor calls are shown (the notebook sets one)."""
+    _timing_reporter[:] = [reporter] if reporter is not None else []
+
+
+def report_timing(label: str, times: list[tuple[int, float | None, bool]]) -> None:
+    """Show how long each rank took for a call, if someone shows such things."""
+    for reporter in _timing_reporter:
+        reporter(label, times)

@@ -170,3 +170,18 @@ def test_monarch_kernelspec_loads_the_extension(tmp_path, monkeypatch):
         assert run.status == "ok" and "is down" in run.text()
     finally:
         k.shutdown()
+
+
+def test_actor_calls_show_per_rank_timing_once_per_cell(kernel):
+    kernel.execute("from monarch_kernel import Actor, endpoint\nfrom monarch_kernel.magics import current_mesh\nimport time\n"
+                   "class Slow(Actor):\n    @endpoint\n    def work(self, s):\n        import os\n"
+                   "        time.sleep(s * (4 if os.environ['RANK'] == '2' else 1))\n"
+                   "slow = current_mesh().spawn('slow', Slow)", 30)
+    run = kernel.execute("for _ in range(3):\n    slow.work.call(0.05).get()", 30)
+    assert run.status == "ok", run.text()
+    timing = [o for o in run.outputs() if "per rank" in o.get("data", {}).get("text/plain", "")]
+    assert len(timing) == 1  # one view per cell, updated by each call
+    text = timing[0]["data"]["text/plain"]
+    assert text.startswith("Slow.work (actor mesh 'slow') per rank") and "straggler" in text.splitlines()[3]
+    history = kernel.execute("print(current_mesh().history(last=4))").text()
+    assert "'label': 'Slow.work'" in history
