@@ -94,6 +94,7 @@ class ActorHost:
         self._cancelled: dict[CallKey, None] = {}  # may come before its call (other route)
         self._running_sync: CallKey | None = None
         self._tasks: dict[CallKey, asyncio.Task] = {}
+        self._doing: dict[CallKey, tuple[str, float]] = {}  # endpoints running: label, start time
         self._reply_via: dict[CallKey, Callable[[Any], None]] = {}  # loop thread only
         self.loop: asyncio.AbstractEventLoop | None = None
         self.sender = RankSender(rank, send, shm_dir)
@@ -138,6 +139,15 @@ class ActorHost:
             task = self._tasks.get(key)
         if task is not None and self.loop is not None:
             self.loop.call_soon_threadsafe(task.cancel)
+
+    def activity(self) -> str:
+        """What the actors of this rank run now, e.g. "Trainer.step 1.5s" ("" when idle)."""
+        doing = list(self._doing.values())
+        if not doing:
+            return ""
+        label, started = min(doing, key=lambda d: d[1])
+        more = f" (+{len(doing) - 1})" if len(doing) > 1 else ""
+        return f"{label}{more} {time.monotonic() - started:.1f}s"
 
     # ------------------------------------------------------------ loop side
     def deliver(self, msg: ActorCall, reply_via: Callable[[Any], None] | None = None) -> None:
@@ -193,6 +203,7 @@ class ActorHost:
         with self._lock:
             self._running_sync = key
         started = time.perf_counter()
+        self._doing[key] = (f"{type(box.instance).__name__}.{msg.endpoint}", time.monotonic())
         try:
             value, failure = self._run_user(method, *args, **kwargs), None
         except BaseException as exc:  # noqa: BLE001 - every endpoint error goes to its caller
@@ -200,11 +211,14 @@ class ActorHost:
         finally:
             with self._lock:
                 self._running_sync = None
+            self._doing.pop(key, None)
             current_point.reset(token)
         self._reply(msg, value, failure, time.perf_counter() - started)
 
     async def _serve_async(self, box: _Mailbox, msg: ActorCall, method, args, kwargs) -> None:
         started = time.perf_counter()
+        key = (msg.caller, msg.call_id)
+        self._doing[key] = (f"{type(box.instance).__name__}.{msg.endpoint}", time.monotonic())
         try:
             value, failure = await method(*args, **kwargs), None
         except asyncio.CancelledError:
@@ -212,7 +226,8 @@ class ActorHost:
         except BaseException as exc:  # noqa: BLE001
             value, failure = None, describe_failure(exc)
         with self._lock:
-            self._tasks.pop((msg.caller, msg.call_id), None)
+            self._tasks.pop(key, None)
+        self._doing.pop(key, None)
         self._reply(msg, value, failure, time.perf_counter() - started)
         box.busy = False
         self._drain(box)

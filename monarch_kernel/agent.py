@@ -198,6 +198,9 @@ class HostAgent:
         loop = asyncio.get_running_loop()
         loop.remove_reader(proc.pidfd)
         os.close(proc.pidfd)
+        # unregister before closing: a stale registration would swallow the next rank's
+        # heartbeats (its socket may reuse the same descriptor number)
+        loop.remove_reader(proc.hb_sock.fileno())
         proc.hb_sock.close()
         _, status = os.waitpid(proc.pid, 0)
         code = os.waitstatus_to_exitcode(status)
@@ -313,7 +316,8 @@ class HostAgent:
             # us, so the SSH server's own keepalive can notice it and end the session
             if now - self._last_load >= LOAD_INTERVAL_S and now - self.last_heard < 2 * LOAD_INTERVAL_S:
                 self._last_load = now
-                loads = self._sampler.sample({r: (p.pid, p.spec.local_rank) for r, p in self.ranks.items()})
+                loads = self._sampler.sample({r: (p.pid, p.spec.local_rank) for r, p in self.ranks.items()},
+                                             {r: p.activity for r, p in self.ranks.items()})
                 if loads:
                     self._to_controller(m.HostLoad(tuple(loads)))
             for rank, proc in list(self.ranks.items()):
@@ -332,9 +336,12 @@ class HostAgent:
         if proc is None:
             return
         try:
-            proc.hb_sock.recv(4096)
+            data = proc.hb_sock.recv(4096)
         except OSError:
             return
+        answers = data.split(b"\n")
+        if len(answers) > 1:  # the latest complete answer says what the rank is doing
+            proc.activity = answers[-2].lstrip(b".").decode("utf-8", "replace")
         proc.last_pong = time.monotonic()
         if not proc.responsive:
             proc.responsive = True

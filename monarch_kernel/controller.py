@@ -93,7 +93,7 @@ class RankState:
             return "dead" if self.pid is not None else "starting"
         if not self.responsive:
             return "unresponsive"
-        return "busy" if self.inflight else "idle"
+        return "busy" if self.inflight or (self.load is not None and self.load.activity) else "idle"
 
 
 @dataclass(frozen=True)
@@ -656,7 +656,9 @@ class MeshRuntime:
         return [
             RankSnapshot(s.rank, s.host, s.local_rank, s.pid, s.state,
                          (now - s.busy_since) if s.busy_since and s.inflight else None,
-                         s.exit_code, s.signal, self._label_of(s.inflight), s.load if s.alive else None)
+                         s.exit_code, s.signal,
+                         self._label_of(s.inflight) or (s.load.activity if s.load is not None else None) or None,
+                         s.load if s.alive else None)
             for s in sorted(self.ranks.values(), key=lambda s: s.rank)
         ]
 

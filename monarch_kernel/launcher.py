@@ -43,6 +43,7 @@ class RankProcess:
     last_pong: float = field(default_factory=time.monotonic)
     responsive: bool = True
     stopping: bool = False
+    activity: str = ""  # what its actors run, from its latest heartbeat answer
     stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
 
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -24,6 +24,7 @@ class RankLoad:
     gpu_used_bytes: int | None = None
     gpu_total_bytes: int | None = None
     gpu_util_percent: float | None = None
+    activity: str = ""  # the endpoint its actors run, e.g. "Trainer.step 1.5s"
 
 
 class LoadSampler:
@@ -33,7 +34,7 @@ class LoadSampler:
         self._last: dict[int, tuple[float, float]] = {}  # pid -> (wall time, cpu seconds)
         self._nvml = _nvml()
 
-    def sample(self, ranks: dict[int, tuple[int, int]]) -> list[RankLoad]:
+    def sample(self, ranks: dict[int, tuple[int, int]], activity: dict[int, str] | None = None) -> list[RankLoad]:
         """Loads of {rank: (pid, local_rank)}; ranks whose /proc entry vanished are skipped."""
         now = time.monotonic()
         loads = []
@@ -45,7 +46,7 @@ class LoadSampler:
             self._last[pid] = (now, cpu_s)
             percent = 0.0 if before is None or now <= before[0] else 100.0 * (cpu_s - before[1]) / (now - before[0])
             gpu = self._gpu(local_rank)
-            loads.append(RankLoad(rank, round(max(0.0, percent), 1), rss, *gpu))
+            loads.append(RankLoad(rank, round(max(0.0, percent), 1), rss, *gpu, (activity or {}).get(rank, "")))
         alive = {pid for pid, _ in ranks.values()}
         for pid in list(self._last):
             if pid not in alive:

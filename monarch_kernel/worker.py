@@ -211,8 +211,8 @@ def _short_repr(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _heartbeat(sock: socket.socket) -> None:
-    """Echo every byte the agent sends, until the socket closes."""
+def _heartbeat(sock: socket.socket, activity) -> None:
+    """Answer every ping of the agent with what this rank is doing ("" when idle)."""
     while True:
         try:
             data = sock.recv(64)
@@ -221,7 +221,7 @@ def _heartbeat(sock: socket.socket) -> None:
         if not data:
             return
         try:
-            sock.sendall(data)
+            sock.sendall(b"." + activity().encode("utf-8", "replace")[:200] + b"\n")
         except OSError:
             return
 
@@ -247,7 +247,8 @@ def run_rank(conn_sock: socket.socket, hb_sock: socket.socket, config: WorkerCon
     conn = BlockingConnection(conn_sock)
     worker = Worker(conn, config)
     worker.install()
-    threading.Thread(target=_heartbeat, args=(hb_sock,), name="heartbeat", daemon=True).start()
+    threading.Thread(target=_heartbeat, args=(hb_sock, worker.actors.activity), name="heartbeat",
+                     daemon=True).start()
     started = time.time()
     failure = None
     try:

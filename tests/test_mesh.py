@@ -273,3 +273,10 @@ def test_restart_gives_fresh_ranks_and_shutdown_leaves_nothing(sink):
     assert not pids_alive(new + [agent])
     with pytest.raises(MeshNotRunningError):
         mesh.run("1")
+
+
+def test_restarted_ranks_keep_answering_heartbeats():
+    with local_mesh(gpus=2, dist="none", name="restart-heartbeat") as mesh:
+        mesh.restart()
+        time.sleep(3.5)  # longer than the agent waits before calling a rank unresponsive
+        assert [s.state for s in mesh.status()] == ["idle", "idle"]

@@ -85,3 +85,27 @@ def test_widget_follows_busy_idle_and_dead_within_a_second(mesh):
     finally:
         widget.close()
         mesh.restart()
+
+
+def test_a_rank_running_an_endpoint_shows_busy_with_its_name(mesh):
+    import sys
+
+    import cloudpickle
+
+    from monarch_kernel import Actor, endpoint
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+    class Napper(Actor):
+        @endpoint
+        def nap(self, seconds):
+            time.sleep(seconds)
+
+    nappers = mesh.spawn("nappers", Napper)
+    future = nappers.slice(gpus=2).nap.call_one(2.5)
+    try:
+        assert wait_for(lambda: mesh_snapshot(mesh).rows[0][2].state == "busy", 2.0)
+        assert "Napper.nap" in mesh_snapshot(mesh).rows[0][2].detail
+        assert mesh_snapshot(mesh).rows[0][1].state == "idle"
+    finally:
+        future.get(timeout=10)
