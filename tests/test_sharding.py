@@ -25,6 +25,9 @@ per_rank = torch.ones(3) * (int(os.environ["RANK"]) % 2)
 same = torch.ones(3)
 model = torch.nn.Sequential(torch.nn.Linear(10, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
 fully_shard(model, mesh=mesh1d)
+from torch.distributed.tensor.placement_types import _StridedShard
+strided = DTensor.from_local(torch.ones(2, 4), mesh2d, [_StridedShard(0, split_factor=2), Shard(0)],
+                             shape=torch.Size([8, 4]), stride=(4, 1))
 """
 
 
@@ -130,3 +133,9 @@ def test_the_widget_redraws_other_dims_without_asking_the_ranks(mesh):
     widget.cols.value = 2
     assert "data-rows='0:2' data-cols='0:4'" in widget.picture.value and "at dim 1 [0:6]" in widget.picture.value
     assert "dim 1 [0:6]" in widget.fallback_text
+
+
+def test_strided_sharding_is_reported_clearly(mesh):
+    text = visualize_sharding(mesh, "strided").text()
+    assert "placements (StridedShard(0, split_factor=2), Shard(0))" in text
+    assert "interleaved, not one range" in text
