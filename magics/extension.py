@@ -10,6 +10,7 @@ from monarch_kernel import sinks
 from monarch_kernel.mesh import Mesh
 from monarch_kernel.live import KernelPublisher, LiveOutput, TerminalOutput, WidgetPublisher
 
+from . import sidebar
 from .mesh_magic import MeshMagics
 from .registry import MeshRegistry
 
@@ -41,6 +42,7 @@ def load_ipython_extension(ipython) -> None:
     if getattr(ipython, "kernel", None) is not None:  # a mesh as a cell's value: the live view
         ipython.display_formatter.ipython_display_formatter.for_type(Mesh, _display_mesh)
     sinks.set_timing_reporter(_ActorTiming(ipython, magics))
+    sidebar.register(ipython, registry)  # the JupyterLab Meshes panel talks to this comm target
     atexit.register(registry.shutdown_all)
     _state.update(registry=registry, magics=magics)
 
@@ -105,6 +107,7 @@ def unload_ipython_extension(ipython) -> None:
     atexit.unregister(registry.shutdown_all)
     sinks.set_default_sink_factory(None)
     sinks.set_timing_reporter(None)
+    sidebar.unregister(ipython)
 
 
 def current_registry() -> MeshRegistry | None:

@@ -95,6 +95,8 @@ class ActorHost:
         self._running_sync: CallKey | None = None
         self._tasks: dict[CallKey, asyncio.Task] = {}
         self._doing: dict[CallKey, tuple[str, float]] = {}  # endpoints running: label, start time
+        self.reported = ""  # the activity last told to the agent
+        self.on_idle: Callable[[], None] | None = None  # tells the agent, when set
         self._reply_via: dict[CallKey, Callable[[Any], None]] = {}  # loop thread only
         self.loop: asyncio.AbstractEventLoop | None = None
         self.sender = RankSender(rank, send, shm_dir)
@@ -141,13 +143,23 @@ class ActorHost:
             self.loop.call_soon_threadsafe(task.cancel)
 
     def activity(self) -> str:
-        """What the actors of this rank run now, e.g. "Trainer.step 1.5s" ("" when idle)."""
+        """What the actors of this rank run now, e.g. "Trainer.step 1.5s" ("" when idle).
+
+        Called by the heartbeat thread; what it returns is what the agent believes.
+        """
         doing = list(self._doing.values())
         if not doing:
+            self.reported = ""
             return ""
         label, started = min(doing, key=lambda d: d[1])
         more = f" (+{len(doing) - 1})" if len(doing) > 1 else ""
-        return f"{label}{more} {time.monotonic() - started:.1f}s"
+        self.reported = f"{label}{more} {time.monotonic() - started:.1f}s"
+        return self.reported
+
+    def _ended(self, key: CallKey) -> None:
+        self._doing.pop(key, None)
+        if self.reported and not self._doing and self.on_idle is not None:
+            self.on_idle()  # the agent was told we are busy: say at once that we are not
 
     # ------------------------------------------------------------ loop side
     def deliver(self, msg: ActorCall, reply_via: Callable[[Any], None] | None = None) -> None:
@@ -211,7 +223,7 @@ class ActorHost:
         finally:
             with self._lock:
                 self._running_sync = None
-            self._doing.pop(key, None)
+            self._ended(key)
             current_point.reset(token)
         self._reply(msg, value, failure, time.perf_counter() - started)
 
@@ -227,7 +239,7 @@ class ActorHost:
             value, failure = None, describe_failure(exc)
         with self._lock:
             self._tasks.pop(key, None)
-        self._doing.pop(key, None)
+        self._ended(key)
         self._reply(msg, value, failure, time.perf_counter() - started)
         box.busy = False
         self._drain(box)

@@ -315,11 +315,7 @@ class HostAgent:
             # loads only while the controller answers: a link gone quiet gets no traffic from
             # us, so the SSH server's own keepalive can notice it and end the session
             if now - self._last_load >= LOAD_INTERVAL_S and now - self.last_heard < 2 * LOAD_INTERVAL_S:
-                self._last_load = now
-                loads = self._sampler.sample({r: (p.pid, p.spec.local_rank) for r, p in self.ranks.items()},
-                                             {r: p.activity for r, p in self.ranks.items()})
-                if loads:
-                    self._to_controller(m.HostLoad(tuple(loads)))
+                self._send_loads()
             for rank, proc in list(self.ranks.items()):
                 try:
                     proc.hb_sock.send(b".")
@@ -329,6 +325,13 @@ class HostAgent:
                 if late and proc.responsive:
                     proc.responsive = False
                     self._to_controller(m.RankHealth(rank, False))
+
+    def _send_loads(self) -> None:
+        self._last_load = time.monotonic()
+        loads = self._sampler.sample({r: (p.pid, p.spec.local_rank) for r, p in self.ranks.items()},
+                                     {r: p.activity for r, p in self.ranks.items()})
+        if loads:
+            self._to_controller(m.HostLoad(tuple(loads)))
 
     def on_pong(self, rank: int) -> None:
         """A heartbeat answer arrived from a rank."""
@@ -341,7 +344,11 @@ class HostAgent:
             return
         answers = data.split(b"\n")
         if len(answers) > 1:  # the latest complete answer says what the rank is doing
-            proc.activity = answers[-2].lstrip(b".").decode("utf-8", "replace")
+            activity = answers[-2].lstrip(b".").decode("utf-8", "replace")
+            went_idle = bool(proc.activity) and not activity
+            proc.activity = activity
+            if went_idle:
+                self._send_loads()  # a rank stopped being busy: say so now, not in a second
         proc.last_pong = time.monotonic()
         if not proc.responsive:
             proc.responsive = True

@@ -218,12 +218,17 @@ def _heartbeat(sock: socket.socket, activity) -> None:
             data = sock.recv(64)
         except OSError:
             return
-        if not data:
+        if not data or not _tell(sock, activity()):
             return
-        try:
-            sock.sendall(b"." + activity().encode("utf-8", "replace")[:200] + b"\n")
-        except OSError:
-            return
+
+
+def _tell(sock: socket.socket, activity: str) -> bool:
+    """One heartbeat answer (also sent unasked when the rank stops being busy)."""
+    try:
+        sock.sendall(b"." + activity.encode("utf-8", "replace")[:200] + b"\n")
+    except OSError:
+        return False
+    return True
 
 
 def _die_with_parent() -> None:
@@ -249,6 +254,7 @@ def run_rank(conn_sock: socket.socket, hb_sock: socket.socket, config: WorkerCon
     worker.install()
     threading.Thread(target=_heartbeat, args=(hb_sock, worker.actors.activity), name="heartbeat",
                      daemon=True).start()
+    worker.actors.on_idle = lambda: _tell(hb_sock, worker.actors.activity())
     started = time.time()
     failure = None
     try:

@@ -107,5 +107,8 @@ def test_a_rank_running_an_endpoint_shows_busy_with_its_name(mesh):
         assert wait_for(lambda: mesh_snapshot(mesh).rows[0][2].state == "busy", 2.0)
         assert "Napper.nap" in mesh_snapshot(mesh).rows[0][2].detail
         assert mesh_snapshot(mesh).rows[0][1].state == "idle"
+        future.get(timeout=10)
+        # the rank says at once that it is idle again (not at its next load report)
+        assert wait_for(lambda: mesh_snapshot(mesh).rows[0][2].state == "idle", 0.3)
     finally:
         future.get(timeout=10)

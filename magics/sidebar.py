@@ -1,0 +1,142 @@
+"""The kernel's side of the Meshes sidebar: a Jupyter comm target, `monarch_kernel.meshes`.
+
+A frontend (the JupyterLab extension) opens a comm to this target; no server port or
+dashboard URL is involved, so it works wherever the kernel's own channels do.
+
+Messages (JSON), frontend -> kernel:
+  {"type": "refresh"}                                   -> a "meshes" message
+  {"type": "action", "action": "interrupt"|"restart"|"down", "mesh": NAME}
+  {"type": "action", "action": "logs", "mesh": NAME, "rank": R, "lines": N}
+kernel -> frontend:
+  {"type": "meshes", "version": 1, "meshes": [MESH, ...]}   on open, on refresh, and
+      whenever something changes (checked twice a second while the comm is open)
+  {"type": "result", "action": ..., "mesh": NAME, "ok": bool, "message": str, "logs": [...]}
+MESH: {"name", "kind" ("local"|"ssh"), "shape": {dim: size}, "hosts": [...], "dist",
+       "state" ("up"|"down"), "default": bool,
+       "ranks": [{"rank", "coords", "host", "pid", "state", "detail", "cpu", "rss"}, ...]}
+
+Actions run on a helper thread, so a restart never holds up the kernel's message loop.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from monarch_kernel.meshview import mesh_snapshot
+
+from .registry import MeshRegistry
+
+TARGET = "monarch_kernel.meshes"
+PROTOCOL_VERSION = 1
+UPDATE_INTERVAL_S = 0.5
+
+
+def describe_meshes(registry: MeshRegistry) -> list[dict[str, Any]]:
+    """Every mesh of the registry as plain JSON-ready data."""
+    out = []
+    for name in registry.names():
+        mesh = registry.get(name)
+        runtime = mesh._runtime
+        entry: dict[str, Any] = {
+            "name": name, "kind": "ssh" if any(h.kind == "ssh" for h in runtime.hosts) else "local",
+            "shape": mesh.shape.sizes, "hosts": [h.name for h in runtime.hosts], "dist": mesh.backend,
+            "state": "down" if mesh.closed else "up", "default": name == registry.current, "ranks": [],
+        }
+        if not mesh.closed:
+            entry["ranks"] = [
+                {"rank": c.rank, "coords": dict(c.coords), "host": c.host, "pid": c.pid, "state": c.state,
+                 "detail": c.detail, "cpu": c.cpu_percent, "rss": c.rss_bytes}
+                for c in mesh_snapshot(mesh).cells()]
+        out.append(entry)
+    return out
+
+
+class SidebarChannel:
+    """One open comm: answers requests and pushes changes."""
+
+    def __init__(self, comm: Any, registry: MeshRegistry):
+        self.comm = comm
+        self.registry = registry
+        self._last = ""
+        self._closed = threading.Event()
+        comm.on_msg(self.on_msg)
+        comm.on_close(lambda _msg: self._closed.set())
+        self.push(force=True)
+        threading.Thread(target=self._follow, name="mesh-sidebar", daemon=True).start()
+
+    def push(self, force: bool = False) -> None:
+        """Send the meshes if they changed since the last message (or if forced)."""
+        meshes = describe_meshes(self.registry)
+        # loads change all the time; the sidebar shows them but they alone are not news
+        key = json.dumps([{**m, "ranks": [{k: v for k, v in r.items() if k not in ("cpu", "rss", "detail")}
+                                           for r in m["ranks"]]} for m in meshes], sort_keys=True)
+        if force or key != self._last:
+            self._last = key
+            self.comm.send({"type": "meshes", "version": PROTOCOL_VERSION, "meshes": meshes})
+
+    def on_msg(self, msg: dict[str, Any]) -> None:
+        """Handle one request from the frontend."""
+        data = msg["content"]["data"]
+        if data.get("type") == "refresh":
+            self.push(force=True)
+        elif data.get("type") == "action":
+            threading.Thread(target=self._act, args=(data,), name="mesh-sidebar-action", daemon=True).start()
+        else:
+            self.comm.send({"type": "result", "ok": False, "message": f"unknown request {data.get('type')!r}"})
+
+    def _act(self, data: dict[str, Any]) -> None:
+        action, name = data.get("action"), data.get("mesh")
+        reply: dict[str, Any] = {"type": "result", "action": action, "mesh": name, "ok": True, "message": ""}
+        try:
+            mesh = self.registry.get(name)
+            if action == "interrupt":
+                mesh.interrupt()
+                reply["message"] = f"interrupted mesh {name!r}"
+            elif action == "restart":
+                mesh.restart()
+                reply["message"] = f"mesh {name!r} restarted"
+            elif action == "down":
+                self.registry.remove(name).shutdown()
+                reply["message"] = f"mesh {name!r} is down"
+            elif action == "logs":
+                rank = int(data["rank"])
+                reply["logs"] = [[stream, line] for stream, line in mesh.logs(rank, int(data.get("lines", 30)))]
+                reply["message"] = f"last lines of rank {rank}"
+            else:
+                reply.update(ok=False, message=f"unknown action {action!r}")
+        except Exception as exc:  # noqa: BLE001 - reported to the panel, never raised in the kernel
+            reply.update(ok=False, message=str(exc) or type(exc).__name__)
+        self.comm.send(reply)
+        self.push(force=True)
+
+    def _follow(self) -> None:
+        while not self._closed.wait(UPDATE_INTERVAL_S):
+            try:
+                self.push()
+            except Exception:  # noqa: BLE001 - the comm went away with its kernel
+                return
+
+
+def register(shell: Any, registry: MeshRegistry) -> bool:
+    """Register the comm target in a kernel (no-op elsewhere); True if registered."""
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None:
+        return False
+    from comm import get_comm_manager
+
+    get_comm_manager().register_target(TARGET, lambda comm, _msg: SidebarChannel(comm, registry))
+    return True
+
+
+def unregister(shell: Any) -> None:
+    """Remove the comm target (on %unload_ext)."""
+    if getattr(shell, "kernel", None) is None:
+        return
+    from comm import get_comm_manager
+
+    try:
+        get_comm_manager().unregister_target(TARGET, None)
+    except Exception:  # noqa: BLE001 - never registered
+        pass

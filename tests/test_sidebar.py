@@ -1,0 +1,117 @@
+"""The Meshes sidebar's comm protocol, spoken to a real kernel as JupyterLab would."""
+
+import queue
+import time
+import uuid
+
+import pytest
+
+from kernel_driver import KernelDriver
+
+TARGET = "monarch_kernel.meshes"
+
+
+class Panel:
+    """A frontend end of the comm: opens it, sends requests, collects what the kernel says."""
+
+    def __init__(self, kernel: KernelDriver):
+        self.kernel = kernel
+        self.comm_id = uuid.uuid4().hex
+        self.inbox: list[dict] = []
+        self._send("comm_open", {"comm_id": self.comm_id, "target_name": TARGET, "data": {}})
+
+    def _send(self, msg_type: str, content: dict) -> None:
+        kc = self.kernel.kc
+        kc.shell_channel.send(kc.session.msg(msg_type, content))
+
+    def request(self, data: dict) -> None:
+        self._send("comm_msg", {"comm_id": self.comm_id, "data": data})
+
+    def wait_for(self, predicate, timeout: float = 10):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for data in self.inbox:
+                if predicate(data):
+                    return data
+            try:
+                msg = self.kernel.kc.get_iopub_msg(timeout=0.05)
+            except queue.Empty:
+                continue
+            if msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == self.comm_id:
+                self.inbox.append(msg["content"]["data"])
+        raise TimeoutError(f"nothing matched within {timeout} s; got {self.inbox[-3:]}")
+
+    def close(self) -> None:
+        self._send("comm_close", {"comm_id": self.comm_id, "data": {}})
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = KernelDriver()
+    run = k.execute("%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist none --name side", 120)
+    assert run.status == "ok", run.text()
+    yield k
+    k.shutdown()
+
+
+def meshes_with(predicate):
+    return lambda d: d.get("type") == "meshes" and predicate(d["meshes"])
+
+
+def test_opening_the_comm_lists_the_meshes(kernel):
+    panel = Panel(kernel)
+    try:
+        first = panel.wait_for(lambda d: d.get("type") == "meshes")
+        assert first["version"] == 1
+        (mesh,) = first["meshes"]
+        assert mesh["name"] == "side" and mesh["kind"] == "local" and mesh["shape"] == {"hosts": 1, "gpus": 2}
+        assert mesh["dist"] == "none" and mesh["state"] == "up" and mesh["default"] is True
+        assert [r["rank"] for r in mesh["ranks"]] == [0, 1] and {r["state"] for r in mesh["ranks"]} == {"idle"}
+    finally:
+        panel.close()
+
+
+def test_busy_ranks_are_pushed_and_interrupt_ends_a_background_run(kernel):
+    panel = Panel(kernel)
+    try:
+        panel.wait_for(lambda d: d.get("type") == "meshes")
+        run = kernel.execute("from monarch_kernel.magics import current_mesh\n"
+                             "fut = current_mesh().run_async('import time\\ntime.sleep(60)', name='nap')", 30)
+        assert run.status == "ok", run.text()
+        busy = panel.wait_for(meshes_with(lambda ms: all(r["state"] == "busy" for r in ms[0]["ranks"])), 5)
+        assert busy["meshes"][0]["ranks"][0]["detail"].startswith("nap for")
+        start = time.monotonic()
+        panel.request({"type": "action", "action": "interrupt", "mesh": "side"})
+        result = panel.wait_for(lambda d: d.get("type") == "result" and d.get("action") == "interrupt")
+        assert result["ok"] and "interrupted" in result["message"]
+        panel.wait_for(meshes_with(lambda ms: all(r["state"] == "idle" for r in ms[0]["ranks"])), 5)
+        assert time.monotonic() - start < 5
+        done = kernel.execute("try:\n    fut.get()\nexcept KeyboardInterrupt as e:\n    print('stopped:', type(e).__name__)")
+        assert "stopped: MeshInterrupted" in done.text()
+    finally:
+        panel.close()
+
+
+def test_logs_restart_down_and_bad_requests(kernel):
+    panel = Panel(kernel)
+    try:
+        kernel.execute("%%mesh\nprint('hello from', __import__('os').environ['RANK'])")
+        panel.request({"type": "action", "action": "logs", "mesh": "side", "rank": 1})
+        logs = panel.wait_for(lambda d: d.get("action") == "logs")
+        assert ["stdout", "hello from 1"] in logs["logs"]
+        panel.request({"type": "action", "action": "restart", "mesh": "nope"})
+        bad = panel.wait_for(lambda d: d.get("action") == "restart")
+        assert not bad["ok"] and "nope" in bad["message"]
+        panel.request({"type": "bogus"})
+        assert not panel.wait_for(lambda d: "unknown request" in d.get("message", ""))["ok"]
+        pids = [r["pid"] for r in panel.wait_for(lambda d: d.get("type") == "meshes")["meshes"][0]["ranks"]]
+        panel.request({"type": "action", "action": "restart", "mesh": "side"})
+        assert panel.wait_for(lambda d: d.get("action") == "restart" and d.get("ok"), 30)
+        fresh = panel.wait_for(meshes_with(lambda ms: [r["pid"] for r in ms[0]["ranks"]] != pids
+                                           and all(r["state"] == "idle" for r in ms[0]["ranks"])), 10)
+        assert len(fresh["meshes"][0]["ranks"]) == 2
+        panel.request({"type": "action", "action": "down", "mesh": "side"})
+        assert panel.wait_for(lambda d: d.get("action") == "down")["ok"]
+        panel.wait_for(meshes_with(lambda ms: ms == []), 5)
+    finally:
+        panel.close()
