@@ -45,6 +45,20 @@ def main() -> None:
               f"4 MiB push+pull in {elapsed * 1e3:.1f} ms")
         stats = mesh.run("import torch\ntorch.cuda.memory_allocated()").item(hosts=0, gpus=0)
         check("rank reports GPU memory", stats > 0, f"{stats} bytes allocated")
+        try:
+            import pynvml  # noqa: F401  (pip install monarch-kernel[gpu])
+        except ImportError:
+            print("SKIP  mesh view GPU columns: nvidia-ml-py is not installed", flush=True)
+        else:
+            from monarch_kernel.meshview import mesh_snapshot, snapshot_text
+
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not mesh_snapshot(mesh).has_gpu:
+                time.sleep(0.2)
+            snap = mesh_snapshot(mesh)
+            cell = snap.cells()[0]
+            check("mesh view shows GPU memory and utilization", snap.has_gpu and bool(cell.gpu_total_bytes),
+                  snapshot_text(snap).splitlines()[-1])
     print("gpu smoke: all checks passed")
 
 

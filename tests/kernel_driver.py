@@ -114,3 +114,14 @@ class KernelDriver:
         finally:
             if self.km.is_alive():
                 self.km.shutdown_kernel(now=True)
+
+
+def kernel_with(setup: str):
+    """A started kernel that ran `setup` successfully (a generator for module fixtures)."""
+    kernel = KernelDriver()
+    try:
+        run = kernel.execute(setup, 120)
+        assert run.status == "ok", run.text()
+        yield kernel
+    finally:
+        kernel.shutdown()

@@ -87,6 +87,16 @@ def test_sharding_views_render_their_blocks(page):
     assert (site / "sharding.png").stat().st_size > 1000
 
 
+def test_screenshots_are_kept_as_artifacts(page):
+    _, site = page
+    artifacts = os.path.join(HERE, "artifacts")
+    os.makedirs(artifacts, exist_ok=True)
+    for name in ("mesh.png", "sharding.png"):
+        if (site / name).exists():
+            shutil.copy(site / name, os.path.join(artifacts, f"05_visualize_{name}"))
+    assert os.path.exists(os.path.join(artifacts, "05_visualize_sharding.png"))
+
+
 def test_timing_bars_mark_the_straggler(page):
     tab, _ = page
     rows = tab.locator(".mk-timing-row")

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import pids_alive
-from kernel_driver import KernelDriver
+from kernel_driver import KernelDriver, kernel_with
 
 PIDS = ("from monarch_kernel.magics import current_registry\n"
         "_m = current_registry().get()\n"
@@ -17,11 +17,7 @@ PIDS = ("from monarch_kernel.magics import current_registry\n"
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = KernelDriver()
-    run = k.execute("import json\n%load_ext monarch_kernel\n%mesh up local --gpus 4 --dist gloo", 120)
-    assert run.status == "ok", run.text()
-    yield k
-    k.shutdown()
+    yield from kernel_with("import json\n%load_ext monarch_kernel\n%mesh up local --gpus 4 --dist gloo")
 
 
 def first_output_time(run, needle):

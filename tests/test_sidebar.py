@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from kernel_driver import KernelDriver
+from kernel_driver import KernelDriver, kernel_with
 
 TARGET = "monarch_kernel.meshes"
 
@@ -47,11 +47,7 @@ class Panel:
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = KernelDriver()
-    run = k.execute("%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist none --name side", 120)
-    assert run.status == "ok", run.text()
-    yield k
-    k.shutdown()
+    yield from kernel_with("%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist none --name side")
 
 
 def meshes_with(predicate):
