@@ -12,15 +12,13 @@ actor with a 64 MiB float32 tensor argument (reported as GB/s).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import pickle
 import struct
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import format_seconds, report, run_system, timed  # noqa: E402
+from common import benchmark_main, format_seconds, timed  # noqa: E402
 
 WORKERS = 4
 PIPELINED = 1000
@@ -224,21 +222,9 @@ def _fmt(seconds: float, row: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--only", default="ours,raw,ray,monarch")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(SYSTEMS[args.child](args.quick)), flush=True)
-        os._exit(0)  # do not wait on peers' lingering threads
-    results = {}
-    for name in args.only.split(","):
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        results[name] = run_system(__file__, name, args.quick)
-    print(report(results, ROWS, "actor benchmark (4 workers)", _fmt))
-    print("\n(ratios: our median time divided by the peer's; below 1.00x means we are faster; "
-          "pipelined and 64 MiB rows show throughput, their ratios are still of time)")
+    """Run every system (or --only some) and print the comparison."""
+    benchmark_main(__file__, SYSTEMS, ROWS, 'actor benchmark (4 workers)', _fmt,
+                   "(ratios: our median time divided by the peer's; below 1.00x means we are faster; pipelined and 64 MiB rows show throughput, their ratios are still of time)")
 
 
 if __name__ == "__main__":

@@ -8,14 +8,12 @@ workers, and reports raw timings as JSON; this script prints medians, p99 and ra
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import NullSink, format_seconds, report, run_system, timed  # noqa: E402
+from common import NullSink, benchmark_main, format_seconds, timed  # noqa: E402
 
 WORKERS = 4
 MIB64 = 64 << 20
@@ -253,21 +251,9 @@ def _fmt(seconds: float, row: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--only", default="ours,raw,ipyparallel,monarch")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(SYSTEMS[args.child](args.quick)), flush=True)
-        os._exit(0)  # do not wait on peers' lingering threads
-    results = {}
-    for name in args.only.split(","):
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        results[name] = run_system(__file__, name, args.quick)
-    print(report(results, ROWS, "benchmark (4 workers)", _fmt))
-    print("\n(ratios: our median time divided by the peer's; below 1.00x means we are faster; "
-          "for the 64 MiB rows the figures are throughput)")
+    """Run every system (or --only some) and print the comparison."""
+    benchmark_main(__file__, SYSTEMS, ROWS, 'benchmark (4 workers)', _fmt,
+                   "(ratios: our median time divided by the peer's; below 1.00x means we are faster; for the 64 MiB rows the figures are throughput)")
 
 
 if __name__ == "__main__":

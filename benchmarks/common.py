@@ -78,3 +78,25 @@ def report(results: dict, rows: list[str], title: str, fmt: Callable[[float, str
         if "skipped" in results[name]:
             lines.append(f"{name} skipped: {results[name]['skipped']}")
     return "\n".join(lines)
+
+
+def benchmark_main(script: str, systems: dict[str, Callable[[bool], dict]], rows: list[str], title: str,
+                   fmt: Callable[[float, str], str], footnote: str) -> None:
+    """The command line of a benchmark: `--child NAME` measures one system, else all in turn."""
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--only", default=",".join(systems))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(systems[args.child](args.quick)), flush=True)
+        os._exit(0)  # do not wait on peers' lingering threads
+    results = {}
+    for name in args.only.split(","):
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        results[name] = run_system(script, name, args.quick)
+    print(report(results, rows, title, fmt))
+    print("\n" + footnote)

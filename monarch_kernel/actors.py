@@ -35,6 +35,7 @@ from .errors import (
     RankFailure,
     RemoteError,
 )
+from .futures import raise_for
 from .messages import ActorCall, ActorReply, CancelCall
 from .serialization import release, seal, unseal
 from .shape import Point, Selector, Shape, format_ranks
@@ -364,11 +365,7 @@ def _raise_failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...
     kinds = sorted({f.error_type for f in failures})
     summary = (f"{pending.label} (actor mesh {mesh.name!r}) failed on rank"
                f"{'s' if len(failures) > 1 else ''} {format_ranks([f.rank for f in failures])}: {', '.join(kinds)}")
-    if all(f.kind == "interrupted" for f in failures):
-        raise MeshInterrupted(summary, failures, partial)
-    if any(f.kind == "died" for f in failures):
-        raise ActorDiedError(summary, failures, partial)
-    raise ActorError(summary, failures, partial)
+    raise_for(failures, summary, partial, ActorError, ActorDiedError)
 
 
 def _value(reply: ActorReply) -> Any:

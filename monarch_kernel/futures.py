@@ -187,8 +187,14 @@ def raise_failures(req: Request, runtime: MeshRuntime, partial: object = None) -
     kinds = sorted({f.error_type for f in failures})
     summary = (f"{req.label} failed on {len(failures)} of {len(req.ranks)} ranks "
                f"({format_ranks([f.rank for f in failures])}): {', '.join(kinds)}")
+    raise_for(failures, summary, partial)
+
+
+def raise_for(failures: list[RankFailure], summary: str, partial: object,
+              error: type = RemoteError, died: type = RankDiedError) -> None:
+    """Raise the error that fits these failures: interrupted, a rank died, or an exception."""
     if all(f.kind == "interrupted" for f in failures):
         raise MeshInterrupted(summary, failures, partial)
     if any(f.kind == "died" for f in failures):
-        raise RankDiedError(summary, failures, partial)
-    raise RemoteError(summary, failures, partial)
+        raise died(summary, failures, partial)
+    raise error(summary, failures, partial)
