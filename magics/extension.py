@@ -11,7 +11,7 @@ from monarch_kernel.mesh import Mesh
 from monarch_kernel.live import KernelPublisher, LiveOutput, TerminalOutput, WidgetPublisher
 
 from . import sidebar
-from .mesh_magic import MeshMagics
+from .mesh_magic import TIMING_MIN_S, MeshMagics
 from .registry import MeshRegistry
 
 _state: dict[str, Any] = {}
@@ -61,6 +61,9 @@ class _ActorTiming:
     def __call__(self, label: str, times: list) -> None:
         if not self.magics.timing or len(times) < 2 or threading.current_thread() is not threading.main_thread():
             return
+        slowest = max((sec for _, sec, _ in times if sec is not None), default=None)
+        if slowest is not None and slowest < TIMING_MIN_S and all(ok for _, _, ok in times):
+            return  # instant calls need no bars (they are still in mesh.history())
         from monarch_kernel.timing import RankTime, TimingView
 
         registry = _state.get("registry")

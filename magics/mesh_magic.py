@@ -20,6 +20,8 @@ from monarch_kernel.values import ValueMesh
 from .registry import MeshRegistry
 from monarch_kernel.statusview import status_bundle
 
+TIMING_MIN_S = 0.1  # cells faster than this on every rank (and without failures) show no timing bars
+
 USAGE = """\
 %mesh up local [--gpus N] [--name NAME] [--dist gloo|nccl|none] [--env K=V ...]
 %mesh up ssh HOST [HOST ...] --gpus N [--dist ...] [--python P] [--setup CMD] [--master-addr A]
@@ -160,8 +162,10 @@ class MeshMagics(Magics):
 
     def _show_timing(self, target: Mesh, future: Any) -> None:
         times = future.rank_times() if future.done() else []
-        if not self.timing or len(times) < 2:
-            return
+        slowest = max((sec for _, sec, _ in times if sec is not None), default=None)
+        if not self.timing or len(times) < 2 or (slowest is not None and slowest < TIMING_MIN_S
+                                                  and all(ok for _, _, ok in times)):
+            return  # an instant cell needs no bars (it is still in mesh.history())
         labels = {s.rank: f"{s.host}:{s.local_rank} (rank {s.rank})" for s in target.status()}
         view = TimingView(f"{future.label} per rank", [RankTime(r, labels.get(r, f"rank {r}"), sec, ok)
                                                          for r, sec, ok in times])
