@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
-from common import NullSink, timed  # noqa: E402
+from common import NullSink, format_seconds, report, timed  # noqa: E402
 
 MIB64 = 64 << 20
 
@@ -83,28 +82,14 @@ def main() -> None:
         }
     finally:
         hosts.stop()
-    rows = ["startup", "no-op broadcast", "pull 64 MiB", "push 64 MiB to all"]
-    names = list(results)
-    print(f"{'benchmark':22}" + "".join(f"{n:>20}" for n in names) + "   ratios")
-    for row in rows:
-        cells, med = [], {}
-        for name in names:
-            data = results[name].get(row)
-            if not data:
-                cells.append(f"{'-':>20}")
-                continue
-            med[name] = statistics.median(data)
-            if "64 MiB" in row:
-                cells.append(f"{MIB64 / med[name] / 1e9:>15.2f} GB/s")
-            else:
-                cells.append(f"{med[name] * 1e3:>17.2f} ms")
-        ratio = ""
-        if "ssh 2x2" in med and "local 1x4" in med and "64 MiB" not in row:
-            ratio = f"ssh/local time {med['ssh 2x2'] / med['local 1x4']:.2f}x"
-        if "ssh 2x2" in med and "ssh cat (floor)" in med:
-            ratio = f"ssh mesh at {100 * med['ssh cat (floor)'] / med['ssh 2x2']:.0f}% of the floor's throughput"
-        print(f"{row:22}" + "".join(cells) + "   " + ratio)
+    ours = {"ssh 2x2": results.pop("ssh 2x2")}  # the first column is the one compared
+    print(report({**ours, **results}, ["startup", "no-op broadcast", "pull 64 MiB", "push 64 MiB to all"],
+                 "benchmark", _fmt))
     print("\n(push to all: the time until every rank of the mesh has the tensor; the floor sends it once)")
+
+
+def _fmt(seconds: float, row: str) -> str:
+    return f"{MIB64 / seconds / 1e9:.2f} GB/s" if "64 MiB" in row else format_seconds(seconds)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,24 @@ def accept_lane(listener: socket.socket) -> socket.socket | None:
     return conn
 
 
+def read_available(sock: socket.socket, reader: FrameProtocol, lost: Callable[[Exception | None], None],
+                   closed: Callable[[], bool]) -> None:
+    """Feed every byte already waiting on a non-blocking socket to a frame reader."""
+    while not closed():
+        buf = reader.get_buffer(-1)
+        try:
+            n = sock.recv_into(buf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            lost(exc)
+            return
+        if n == 0:
+            lost(None)
+            return
+        reader.buffer_updated(n)
+
+
 class LaneServer:
     """The rank's end of one lane, served on the rank's event loop.
 
@@ -88,19 +106,7 @@ class LaneServer:
     def _readable(self) -> None:
         self._in_batch = True
         try:
-            while not self.closed:
-                buf = self._reader.get_buffer(-1)
-                try:
-                    n = self.sock.recv_into(buf)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError as exc:
-                    self._lost(exc)
-                    break
-                if n == 0:
-                    self._lost(None)
-                    break
-                self._reader.buffer_updated(n)
+            read_available(self.sock, self._reader, self._lost, lambda: self.closed)
         finally:
             self._in_batch = False
         self._flush()
@@ -199,19 +205,7 @@ class Lane:
 
     def drain(self) -> None:
         """Read and dispatch every reply that is already here (caller holds read_lock)."""
-        while not self.closed:
-            buf = self._reader.get_buffer(-1)
-            try:
-                n = self.sock.recv_into(buf)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self._lost(exc)
-                return
-            if n == 0:
-                self._lost(None)
-                return
-            self._reader.buffer_updated(n)
+        read_available(self.sock, self._reader, self._lost, lambda: self.closed)
 
     def _got(self, msg: Any) -> None:
         self.unanswered = max(0, self.unanswered - 1)

@@ -15,6 +15,32 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .mesh import Mesh
 
+class TextHtmlView:
+    """What the views share: text() and html() as a MIME bundle; in IPython, its widget.
+
+    Subclasses name their widget class in `viewwidgets` (`widget_name`).
+    """
+
+    widget_name = ""
+
+    def text(self) -> str:  # pragma: no cover - every view defines it
+        raise NotImplementedError
+
+    def html(self) -> str:  # pragma: no cover - every view defines it
+        raise NotImplementedError
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
+        return {"text/plain": self.text(), "text/html": self.html()}
+
+    def _ipython_display_(self) -> None:
+        from . import viewwidgets
+
+        viewwidgets.show(self, getattr(viewwidgets, self.widget_name))
+
+    def __repr__(self) -> str:
+        return self.text()
+
+
 STATE_COLOURS = {"idle": "#2e7d32", "busy": "#1565c0", "dead": "#c62828", "unresponsive": "#ef6c00",
                  "starting": "#757575"}
 

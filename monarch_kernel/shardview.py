@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import MeshUsageError
+from .meshview import TextHtmlView
 from .shape import format_ranks
 from .sharding import Block, Placement, TensorLayout, describe_local, layout_from
 
@@ -41,8 +42,10 @@ def _range(r: tuple[int, int]) -> str:
     return f"[{r[0]}:{r[1]}]"
 
 
-class ShardingView:
+class ShardingView(TextHtmlView):
     """A tensor's layout over the mesh; shows as HTML in notebooks and text elsewhere."""
+
+    widget_name = "ShardingWidget"
 
     def __init__(self, layout: TensorLayout, rows: int | None = None, cols: int | None = None):
         self.layout = layout
@@ -176,14 +179,6 @@ class ShardingView:
                 f"style='{hatch}background:{background};color:white;font:11px sans-serif;padding:2px;"
                 f"overflow:hidden'>{text}</div>")
 
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
-        return {"text/plain": self.text(), "text/html": self.html()}
-
-    def _ipython_display_(self) -> None:
-        from .viewwidgets import ShardingWidget, show
-
-        show(self, ShardingWidget)
-
     def __rich__(self) -> Any:
         from rich.console import Group
         from rich.table import Table
@@ -210,9 +205,6 @@ class ShardingView:
         parts += [Text(line) for line in lines[1:] if not line.startswith(("    ", "  at "))]
         return Group(*parts)
 
-    def __repr__(self) -> str:
-        return self.text()
-
 
 @dataclass(frozen=True)
 class ParameterRow:
@@ -229,8 +221,10 @@ class ParameterRow:
         return sum(self.bytes_per_rank.values())
 
 
-class ModuleShardingView:
+class ModuleShardingView(TextHtmlView):
     """A module's parameters over the mesh (an FSDP2 / DTensor-parameter model)."""
+
+    widget_name = "ShardingWidget"
 
     def __init__(self, name: str, rows: list[ParameterRow]):
         self.name = name
@@ -258,17 +252,6 @@ class ModuleShardingView:
         return (f"<div class='mk-sharding'><b>{html.escape(self.text().splitlines()[0])}</b><table><tr>"
                 "<th>parameter</th><th>global shape</th><th>placements</th><th>bytes per rank</th><th>total</th></tr>"
                 f"{rows}</table></div>")
-
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
-        return {"text/plain": self.text(), "text/html": self.html()}
-
-    def _ipython_display_(self) -> None:
-        from .viewwidgets import ShardingWidget, show
-
-        show(self, ShardingWidget)
-
-    def __repr__(self) -> str:
-        return self.text()
 
 
 def visualize_sharding(mesh: Mesh, expr: str, *, rows: int | None = None,

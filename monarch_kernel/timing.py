@@ -11,6 +11,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from .meshview import TextHtmlView
+
 STRAGGLER_FACTOR = 1.5
 MIN_STRAGGLER_GAP_S = 0.02  # a rank must also be this much slower to count as a straggler
 BAR_CHARS = 30
@@ -26,8 +28,10 @@ class RankTime:
     ok: bool
 
 
-class TimingView:
+class TimingView(TextHtmlView):
     """Bars of how long each rank took; text in terminals, HTML in notebooks."""
+
+    widget_name = "TimingWidget"
 
     def __init__(self, title: str, times: list[RankTime], straggler_factor: float = STRAGGLER_FACTOR):
         self.title = title
@@ -84,14 +88,6 @@ class TimingView:
         head = html.escape(self.text().splitlines()[0])
         return f"<div class='mk-timing'><div style='font:11px sans-serif;color:#555'>{head}</div>{''.join(rows)}</div>"
 
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
-        return {"text/plain": self.text(), "text/html": self.html()}
-
-    def _ipython_display_(self) -> None:
-        from .viewwidgets import TimingWidget, show
-
-        show(self, TimingWidget)
-
     def __rich__(self) -> Any:
         from rich.text import Text
 
@@ -101,9 +97,6 @@ class TimingView:
             style = "red" if not t.ok else "yellow" if self.is_straggler(t) else "blue"
             out.append(line + "\n", style=style)
         return out
-
-    def __repr__(self) -> str:
-        return self.text()
 
 
 def _seconds(s: float | None) -> str:

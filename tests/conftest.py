@@ -1,5 +1,6 @@
 import os
 import sys
+import time
 
 import pytest
 
@@ -55,3 +56,13 @@ def pids_alive(pids):
         if state != "Z":
             alive.append(pid)
     return alive
+
+
+def wait_until(predicate, timeout):
+    """Poll predicate until it holds (True) or the timeout passes (its last answer)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()

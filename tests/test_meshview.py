@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from conftest import wait_until
 from monarch_kernel import local_mesh
 from monarch_kernel.meshview import MeshView, mesh_snapshot, snapshot_rich, snapshot_text
 from monarch_kernel.meshwidget import MeshWidget
@@ -18,15 +19,6 @@ def mesh():
     m.shutdown()
 
 
-def wait_for(predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def test_snapshot_grid_has_hosts_down_and_gpus_across(mesh):
     snap = mesh_snapshot(mesh)
     assert snap.col_labels == ("gpus=0", "gpus=1", "gpus=2", "gpus=3") and snap.row_labels == ("hosts=0",)
@@ -37,7 +29,7 @@ def test_snapshot_grid_has_hosts_down_and_gpus_across(mesh):
 
 def test_load_arrives_from_the_host_agent(mesh):
     mesh.run("import time\nend = time.time() + 1.5\nwhile time.time() < end: pass")
-    assert wait_for(lambda: all(c.cpu_percent is not None for c in mesh_snapshot(mesh).cells()), 3)
+    assert wait_until(lambda: all(c.cpu_percent is not None for c in mesh_snapshot(mesh).cells()), 3)
     cells = mesh_snapshot(mesh).cells()
     assert all(c.rss_bytes > 10 << 20 for c in cells)
     assert "cpu " in snapshot_text(mesh_snapshot(mesh)) and "rss " in snapshot_text(mesh_snapshot(mesh))
@@ -72,14 +64,14 @@ def test_widget_follows_busy_idle_and_dead_within_a_second(mesh):
 
         future = mesh.slice(gpus=1).run_async("import time\ntime.sleep(1.5)", name="nap")
         start = time.monotonic()
-        assert wait_for(lambda: state(1) == "busy", 1.0), time.monotonic() - start
+        assert wait_until(lambda: state(1) == "busy", 1.0), time.monotonic() - start
         assert "nap for" in widget.cards[1].value and state(0) == "idle"
         future.get()
-        assert wait_for(lambda: state(1) == "idle", 1.0)
+        assert wait_until(lambda: state(1) == "idle", 1.0)
         widget.show_output(1)
         pid = mesh_snapshot(mesh).rows[0][3].pid
         os.kill(pid, signal.SIGKILL)
-        assert wait_for(lambda: state(3) == "dead", 1.0)
+        assert wait_until(lambda: state(3) == "dead", 1.0)
         assert "killed by SIGKILL" in widget.cards[3].value
         assert "dead" in widget._repr_mimebundle_()["text/plain"]
     finally:
@@ -104,11 +96,11 @@ def test_a_rank_running_an_endpoint_shows_busy_with_its_name(mesh):
     nappers = mesh.spawn("nappers", Napper)
     future = nappers.slice(gpus=2).nap.call_one(2.5)
     try:
-        assert wait_for(lambda: mesh_snapshot(mesh).rows[0][2].state == "busy", 2.0)
+        assert wait_until(lambda: mesh_snapshot(mesh).rows[0][2].state == "busy", 2.0)
         assert "Napper.nap" in mesh_snapshot(mesh).rows[0][2].detail
         assert mesh_snapshot(mesh).rows[0][1].state == "idle"
         future.get(timeout=10)
         # the rank says at once that it is idle again (not at its next load report)
-        assert wait_for(lambda: mesh_snapshot(mesh).rows[0][2].state == "idle", 0.3)
+        assert wait_until(lambda: mesh_snapshot(mesh).rows[0][2].state == "idle", 0.3)
     finally:
         future.get(timeout=10)

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from conftest import wait_until
 from sshhosts import SSHTestHosts, unavailable_reason
 from test_dist import DDP_CELL
 
@@ -31,15 +32,6 @@ def processes(test_hosts):
 def back_to(test_hosts, baseline):
     """A check that nothing beyond `baseline` runs in any test host."""
     return lambda: all(now <= baseline[alias] for alias, now in processes(test_hosts).items())
-
-
-def wait_until(predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 @pytest.fixture(scope="module")
