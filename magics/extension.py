@@ -42,7 +42,8 @@ def load_ipython_extension(ipython) -> None:
     if getattr(ipython, "kernel", None) is not None:  # a mesh as a cell's value: the live view
         ipython.display_formatter.ipython_display_formatter.for_type(Mesh, _display_mesh)
     sinks.set_timing_reporter(_ActorTiming(ipython, magics))
-    sidebar.register(ipython, registry)  # the JupyterLab Meshes panel talks to this comm target
+    if sidebar.register(ipython, registry):  # the JupyterLab Meshes panel talks to this comm target
+        sidebar.announce(ipython)  # an open panel links up now, not at its next look
     atexit.register(registry.shutdown_all)
     _state.update(registry=registry, magics=magics)
 

@@ -9,8 +9,13 @@ Messages (JSON), frontend -> kernel:
   {"type": "action", "action": "logs", "mesh": NAME, "rank": R, "lines": N}
 kernel -> frontend:
   {"type": "meshes", "version": 1, "meshes": [MESH, ...]}   on open, on refresh, and
-      whenever something changes (checked twice a second while the comm is open)
-  {"type": "result", "action": ..., "mesh": NAME, "ok": bool, "message": str, "logs": [...]}
+      whenever a state changes (checked twice a second while the comm is open); changes
+      of load (cpu, rss) and busy detail are sent every 2 s
+  {"type": "result", "action": ..., "mesh": NAME, "ok": bool, "message": str,
+   "rank": R, "logs": [[stream, line], ...]}                 (rank and logs for "logs")
+  {"type": "loaded"}   on a comm the kernel opens itself when the extension loads, so an open
+      panel that found no monarch_kernel there links up at once (it closes that comm)
+"meshes" also carries "colours": {state: CSS colour}, the mesh widget's.
 MESH: {"name", "kind" ("local"|"ssh"), "shape": {dim: size}, "hosts": [...], "dist",
        "state" ("up"|"down"), "default": bool,
        "ranks": [{"rank", "coords", "host", "pid", "state", "detail", "cpu", "rss"}, ...]}
@@ -24,13 +29,14 @@ import json
 import threading
 from typing import Any
 
-from monarch_kernel.meshview import mesh_snapshot
+from monarch_kernel.meshview import STATE_COLOURS, mesh_snapshot
 
 from .registry import MeshRegistry
 
 TARGET = "monarch_kernel.meshes"
 PROTOCOL_VERSION = 1
-UPDATE_INTERVAL_S = 0.5
+UPDATE_INTERVAL_S = 0.5  # state changes reach the panel this fast
+LOADS_INTERVAL_S = 2.0  # load and "busy for N s" changes this fast
 
 
 def describe_meshes(registry: MeshRegistry) -> list[dict[str, Any]]:
@@ -59,22 +65,31 @@ class SidebarChannel:
     def __init__(self, comm: Any, registry: MeshRegistry):
         self.comm = comm
         self.registry = registry
-        self._last = ""
+        self._last = self._last_full = ""
         self._closed = threading.Event()
+        if hasattr(comm, "_reply_subshell_for"):
+            # ipykernel 7.4 routes a frontend's comm messages to the subshell that last published
+            # on the comm; our pushes come from a helper thread, which pins requests to the main
+            # shell, where they wait behind a running cell. JupyterLab sends them on a subshell
+            # of their own (commsOverSubshells): keep that choice, so actions act at once.
+            comm._reply_subshell_for = lambda _data, default: default
         comm.on_msg(self.on_msg)
         comm.on_close(lambda _msg: self._closed.set())
         self.push(force=True)
         threading.Thread(target=self._follow, name="mesh-sidebar", daemon=True).start()
 
-    def push(self, force: bool = False) -> None:
-        """Send the meshes if they changed since the last message (or if forced)."""
+    def push(self, force: bool = False, loads: bool = False) -> None:
+        """Send the meshes if their states changed since the last message (or if forced);
+        with `loads`, changes of load and busy detail count too."""
         meshes = describe_meshes(self.registry)
-        # loads change all the time; the sidebar shows them but they alone are not news
+        # loads and "busy for N s" change all the time: news only every LOADS_INTERVAL_S
         key = json.dumps([{**m, "ranks": [{k: v for k, v in r.items() if k not in ("cpu", "rss", "detail")}
                                            for r in m["ranks"]]} for m in meshes], sort_keys=True)
-        if force or key != self._last:
-            self._last = key
-            self.comm.send({"type": "meshes", "version": PROTOCOL_VERSION, "meshes": meshes})
+        full = json.dumps(meshes, sort_keys=True) if loads else self._last_full
+        if force or key != self._last or full != self._last_full:
+            self._last, self._last_full = key, json.dumps(meshes, sort_keys=True)
+            self.comm.send({"type": "meshes", "version": PROTOCOL_VERSION, "meshes": meshes,
+                            "colours": STATE_COLOURS})
 
     def on_msg(self, msg: dict[str, Any]) -> None:
         """Handle one request from the frontend."""
@@ -101,7 +116,7 @@ class SidebarChannel:
                 self.registry.remove(name).shutdown()
                 reply["message"] = f"mesh {name!r} is down"
             elif action == "logs":
-                rank = int(data["rank"])
+                rank = reply["rank"] = int(data["rank"])
                 reply["logs"] = [[stream, line] for stream, line in mesh.logs(rank, int(data.get("lines", 30)))]
                 reply["message"] = f"last lines of rank {rank}"
             else:
@@ -112,9 +127,11 @@ class SidebarChannel:
         self.push(force=True)
 
     def _follow(self) -> None:
+        ticks = 0
         while not self._closed.wait(UPDATE_INTERVAL_S):
+            ticks += 1
             try:
-                self.push()
+                self.push(loads=ticks % round(LOADS_INTERVAL_S / UPDATE_INTERVAL_S) == 0)
             except Exception:  # noqa: BLE001 - the comm went away with its kernel
                 return
 
@@ -128,6 +145,23 @@ def register(shell: Any, registry: MeshRegistry) -> bool:
 
     get_comm_manager().register_target(TARGET, lambda comm, _msg: SidebarChannel(comm, registry))
     return True
+
+
+def announce(shell: Any) -> None:
+    """Tell frontends of this kernel that the extension just loaded (no-op outside a kernel).
+
+    A frontend without the sidebar closes the comm (or ignores it); the sidebar closes it too,
+    then opens its own to the registered target.
+    """
+    if getattr(shell, "kernel", None) is None:
+        return
+    from comm import create_comm
+
+    try:
+        comm = create_comm(target_name=TARGET, data={"type": "loaded"})
+        comm.on_msg(lambda _msg: None)
+    except Exception:  # noqa: BLE001 - no frontend to tell
+        pass
 
 
 def unregister(shell: Any) -> None:

@@ -74,3 +74,8 @@ def unload_ipython_extension(ipython) -> None:
     from .magics import unload_ipython_extension as _unload
 
     _unload(ipython)
+
+
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    """Where JupyterLab's `labextension develop` finds the built Meshes sidebar."""
+    return [{"src": "labextension", "dest": "monarch-kernel-meshes"}]

@@ -10,7 +10,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client iproute2 chromium >/dev/null
 fi
-bash scripts/setup.sh test
+# The tests need the JupyterLab sidebar built: fail here, not in a test, if npm is missing.
+MONARCH_KERNEL_REQUIRE_LABEXTENSION=1 bash scripts/setup.sh test
 # The widget renderer for notebooks exported to HTML (nbconvert loads it from a CDN by
 # default; the browser test serves it from here, offline).
 if [ ! -f .cache/widgets/node_modules/@jupyter-widgets/html-manager/dist/embed-amd.js ] && command -v npm >/dev/null; then

@@ -10,25 +10,18 @@ import shutil
 
 import pytest
 
+from chromium import artifact, browser, missing
 from test_notebooks import HERE, execute
 
-CHROMIUM = "/usr/bin/chromium"
 WIDGETS = os.path.join(HERE, ".cache", "widgets", "node_modules")
 RENDERER = os.path.join(WIDGETS, "@jupyter-widgets", "html-manager", "dist")
 REQUIRE = os.path.join(WIDGETS, "requirejs", "require.js")
 
 
 def _missing() -> str | None:
-    if not os.path.exists(CHROMIUM):
-        return "Debian's chromium is not installed (scripts/test.sh installs it as root)"
     if not os.path.exists(os.path.join(RENDERER, "embed-amd.js")):
         return "the widget renderer is not installed (scripts/test.sh installs it with npm)"
-    try:
-        import nbconvert  # noqa: F401
-        import playwright  # noqa: F401
-    except ImportError as exc:
-        return f"{exc.name} is not installed (pip install -e .[test])"
-    return None
+    return missing("nbconvert")
 
 
 pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
@@ -37,7 +30,6 @@ pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
     from nbconvert import HTMLExporter
-    from playwright.sync_api import sync_playwright
 
     site = tmp_path_factory.mktemp("site")
     nb = execute("05_visualize.ipynb")
@@ -47,17 +39,11 @@ def page(tmp_path_factory):
     (site / "index.html").write_text(body)
     shutil.copytree(RENDERER, site, dirs_exist_ok=True)
     shutil.copy(REQUIRE, site / "require.js")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run", "--disable-quic"])
-        try:
-            tab = browser.new_page(viewport={"width": 1400, "height": 1000})
-            tab.goto(f"file://{site}/index.html")
-            tab.wait_for_selector(".mk-rank", timeout=60_000)
-            yield tab, site
-        finally:
-            browser.close()
+    with browser() as chromium:
+        tab = chromium.new_page(viewport={"width": 1400, "height": 1000})
+        tab.goto(f"file://{site}/index.html")
+        tab.wait_for_selector(".mk-rank", timeout=60_000)
+        yield tab, site
 
 
 def test_mesh_grid_renders_every_rank(page):
@@ -89,12 +75,10 @@ def test_sharding_views_render_their_blocks(page):
 
 def test_screenshots_are_kept_as_artifacts(page):
     _, site = page
-    artifacts = os.path.join(HERE, "artifacts")
-    os.makedirs(artifacts, exist_ok=True)
     for name in ("mesh.png", "sharding.png"):
         if (site / name).exists():
-            shutil.copy(site / name, os.path.join(artifacts, f"05_visualize_{name}"))
-    assert os.path.exists(os.path.join(artifacts, "05_visualize_sharding.png"))
+            shutil.copy(site / name, artifact(f"05_visualize_{name}"))
+    assert os.path.exists(artifact("05_visualize_sharding.png"))
 
 
 def test_timing_bars_mark_the_straggler(page):

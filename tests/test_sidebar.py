@@ -59,6 +59,7 @@ def test_opening_the_comm_lists_the_meshes(kernel):
     try:
         first = panel.wait_for(lambda d: d.get("type") == "meshes")
         assert first["version"] == 1
+        assert set(first["colours"]) >= {"idle", "busy", "dead", "unresponsive"}  # the mesh widget's
         (mesh,) = first["meshes"]
         assert mesh["name"] == "side" and mesh["kind"] == "local" and mesh["shape"] == {"hosts": 1, "gpus": 2}
         assert mesh["dist"] == "none" and mesh["state"] == "up" and mesh["default"] is True
@@ -75,7 +76,10 @@ def test_busy_ranks_are_pushed_and_interrupt_ends_a_background_run(kernel):
                              "fut = current_mesh().run_async('import time\\ntime.sleep(60)', name='nap')", 30)
         assert run.status == "ok", run.text()
         busy = panel.wait_for(meshes_with(lambda ms: all(r["state"] == "busy" for r in ms[0]["ranks"])), 5)
-        assert busy["meshes"][0]["ranks"][0]["detail"].startswith("nap for")
+        detail = busy["meshes"][0]["ranks"][0]["detail"]
+        assert detail.startswith("nap for")
+        # while busy, "nap for N s" keeps moving (sent with the loads, every 2 s)
+        panel.wait_for(meshes_with(lambda ms: ms[0]["ranks"][0]["detail"] not in (detail, "")), 5)
         start = time.monotonic()
         panel.request({"type": "action", "action": "interrupt", "mesh": "side"})
         result = panel.wait_for(lambda d: d.get("type") == "result" and d.get("action") == "interrupt")
@@ -94,7 +98,7 @@ def test_logs_restart_down_and_bad_requests(kernel):
         kernel.execute("%%mesh\nprint('hello from', __import__('os').environ['RANK'])")
         panel.request({"type": "action", "action": "logs", "mesh": "side", "rank": 1})
         logs = panel.wait_for(lambda d: d.get("action") == "logs")
-        assert ["stdout", "hello from 1"] in logs["logs"]
+        assert logs["rank"] == 1 and ["stdout", "hello from 1"] in logs["logs"]
         panel.request({"type": "action", "action": "restart", "mesh": "nope"})
         bad = panel.wait_for(lambda d: d.get("action") == "restart")
         assert not bad["ok"] and "nope" in bad["message"]
@@ -110,4 +114,17 @@ def test_logs_restart_down_and_bad_requests(kernel):
         assert panel.wait_for(lambda d: d.get("action") == "down")["ok"]
         panel.wait_for(meshes_with(lambda ms: ms == []), 5)
     finally:
+        panel.close()
+
+
+def test_loading_the_extension_announces_itself_to_open_panels():
+    # a panel that found no monarch_kernel in this kernel links up when this comm arrives
+    for kernel in kernel_with("import os"):
+        run = kernel.execute("%load_ext monarch_kernel")
+        assert run.status == "ok", run.text()
+        opens = [m["content"] for _, m in run.messages if m["msg_type"] == "comm_open"]
+        assert [(c["target_name"], c["data"]) for c in opens] == [(TARGET, {"type": "loaded"})]
+        # the panel then opens its own comm: it works, and lists no mesh yet
+        panel = Panel(kernel)
+        assert panel.wait_for(lambda d: d.get("type") == "meshes")["meshes"] == []
         panel.close()

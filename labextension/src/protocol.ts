@@ -1,0 +1,59 @@
+/**
+ * The messages of the `monarch_kernel.meshes` comm (see magics/sidebar.py, the kernel's side).
+ */
+
+/** The comm target the kernel extension registers. */
+export const TARGET = 'monarch_kernel.meshes';
+
+/** One rank of a mesh, as the kernel describes it. */
+export interface IRank {
+  rank: number;
+  coords: Record<string, number>;
+  host: string;
+  pid: number | null;
+  state: string;
+  detail: string;
+  cpu: number | null;
+  rss: number | null;
+}
+
+/** One mesh the kernel holds. */
+export interface IMesh {
+  name: string;
+  kind: 'local' | 'ssh';
+  shape: Record<string, number>;
+  hosts: string[];
+  dist: string;
+  state: 'up' | 'down';
+  default: boolean;
+  ranks: IRank[];
+}
+
+/** kernel -> panel: every mesh, sent on open, on refresh and whenever something changes. */
+export interface IMeshesMessage {
+  type: 'meshes';
+  version: number;
+  meshes: IMesh[];
+  colours?: Record<string, string>;
+}
+
+/** kernel -> panel: the outcome of an action. */
+export interface IResultMessage {
+  type: 'result';
+  action?: string;
+  mesh?: string;
+  rank?: number;
+  ok: boolean;
+  message: string;
+  logs?: [string, string][];
+}
+
+/** kernel -> panel, unasked: the extension was just loaded in this kernel. */
+export interface ILoadedMessage {
+  type: 'loaded';
+}
+
+export type KernelMessage = IMeshesMessage | IResultMessage | ILoadedMessage;
+
+/** The actions the panel can ask for. */
+export type Action = 'interrupt' | 'restart' | 'down' | 'logs';
