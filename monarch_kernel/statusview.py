@@ -5,11 +5,11 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING, Any
 
+from .meshview import STATE_COLOURS
+
 if TYPE_CHECKING:
     from .mesh import Mesh
 
-_COLORS = {"idle": "#2e7d32", "busy": "#1565c0", "dead": "#c62828", "unresponsive": "#ef6c00",
-           "starting": "#757575"}
 
 
 def _detail(s) -> str:
@@ -38,7 +38,7 @@ def status_bundle(mesh: Mesh, *, default: bool = False) -> dict[str, Any]:
     text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
     cells = "".join(
         "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r[:4])
-        + f"<td style='color:{_COLORS.get(r[4], '#000')};font-weight:bold'>{r[4]}</td>"
+        + f"<td style='color:{STATE_COLOURS.get(r[4], '#000')};font-weight:bold'>{r[4]}</td>"
         + f"<td>{html.escape(r[5])}</td></tr>" for r in rows)
     head = "".join(f"<th>{h}</th>" for h in header)
     return {"text/plain": f"{title}\n{text}",
