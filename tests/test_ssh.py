@@ -274,3 +274,20 @@ def test_changed_host_key_is_rejected(hosts, tmp_path):
     options = dict(hosts.connect_options(), known_hosts=str(tmp_path / "known_hosts"))
     with pytest.raises(MeshStartError, match="host-0.*known_hosts.*never accepts unknown keys"):
         ssh_mesh(["host-0"], gpus=1, dist="none", python=sys.executable, connect_options=options)
+
+
+def test_proxyjump_in_the_ssh_config_is_followed(hosts, tmp_path):
+    # "behind" is host-1 reached through host-0, as `ssh behind` would with this config
+    config = tmp_path / "ssh_config"
+    config.write_text(open(hosts.config).read() + f"\nHost behind\n  HostName {hosts.hosts[1].address}\n"
+                      f"  User root\n  IdentityFile {hosts.key}\n  ProxyJump host-0\n")
+    known = tmp_path / "known_hosts"
+    lines = open(hosts.known_hosts).read().splitlines()
+    known.write_text("\n".join(lines + [line.replace("host-1,", "behind,", 1) for line in lines
+                                        if line.startswith("host-1,")]) + "\n")
+    options = {"config": [str(config)], "known_hosts": str(known), "client_keys": [hosts.key]}
+    with ssh_mesh(["behind"], gpus=1, dist="none", python=sys.executable, connect_options=options,
+                  name="jumped") as m:
+        # the agent's SSH connection came from host-0's address, not from this machine's
+        client = m.run("import os\nos.environ['SSH_CONNECTION'].split()[0]").item(hosts=0, gpus=0)
+        assert client == hosts.hosts[0].address
