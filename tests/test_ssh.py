@@ -291,3 +291,25 @@ def test_proxyjump_in_the_ssh_config_is_followed(hosts, tmp_path):
         # the agent's SSH connection came from host-0's address, not from this machine's
         client = m.run("import os\nos.environ['SSH_CONNECTION'].split()[0]").item(hosts=0, gpus=0)
         assert client == hosts.hosts[0].address
+
+
+def _negotiated_cipher(options: dict) -> str:
+    import asyncio
+
+    from monarch_kernel.ssh import SSHTarget, connect
+
+    async def probe() -> str:
+        conn = await connect(SSHTarget("host-0"), options=options, timeout=10)
+        try:
+            return conn.get_extra_info("send_cipher")
+        finally:
+            conn.close()
+
+    return asyncio.run(probe())
+
+
+def test_aes_gcm_is_preferred_unless_the_config_chooses_ciphers(hosts, tmp_path):
+    assert _negotiated_cipher(hosts.connect_options()) == "aes128-gcm@openssh.com"
+    chosen = tmp_path / "ssh_config"
+    chosen.write_text("Host host-0\n  Ciphers aes256-ctr\n" + open(hosts.config).read())
+    assert _negotiated_cipher({**hosts.connect_options(), "config": [str(chosen)]}) == "aes256-ctr"
