@@ -180,6 +180,14 @@ def test_a_rank_turns_busy_and_interrupt_ends_the_cell(page):
     page.wait_for_selector(f'{MESH} .mk-rank[data-rank="1"][data-state="busy"]', timeout=15_000)
     _wait_for_text(page, 1, "napping on rank 1", 15)
     page.locator(PANEL).screenshot(path=artifact("meshes_sidebar_busy.png"))
+    # live updates while busy ("for N s" moves) replace only what changed: the buttons stay
+    # the same elements, so a click is never lost to a re-render
+    button = page.query_selector(f'{MESH} button[data-action="interrupt"]')
+    detail = page.inner_text(f'{MESH} .mk-rank[data-rank="0"] .mk-rank-detail')
+    page.wait_for_function("([sel, old]) => { const el = document.querySelector(sel);"
+                           " return el && el.innerText !== old; }",
+                           arg=[f'{MESH} .mk-rank[data-rank="0"] .mk-rank-detail', detail], timeout=5_000)
+    assert button.evaluate("el => el.isConnected")
     started = time.monotonic()
     page.click(f'{MESH} button[data-action="interrupt"]')
     # the cell ends with the ranks' KeyboardInterrupt, well before its 60 s sleep would

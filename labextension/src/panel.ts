@@ -7,6 +7,7 @@ import { NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { Widget } from '@lumino/widgets';
 
 import { LinkState, MeshLink } from './connection';
+import { IContainer, IPart, patchChildren } from './patch';
 import { IMesh, IRank, IResultMessage } from './protocol';
 
 const LOG_LINES = 40;
@@ -151,48 +152,73 @@ export class MeshesPanel extends Widget {
         '<code>%mesh up local --gpus 2</code>.</p>';
       return;
     }
-    body.innerHTML = link.meshes.map(mesh => this._meshHtml(mesh, link.colours)).join('');
+    patchChildren(body, link.meshes.map(mesh => this._meshParts(mesh, link.colours)));
   }
 
-  private _meshHtml(mesh: IMesh, colours: Record<string, string>): string {
+  private _meshParts(mesh: IMesh, colours: Record<string, string>): IContainer {
     const name = esc(mesh.name);
     const open = !this._collapsed.has(mesh.name);
     const meta = [mesh.kind, shapeText(mesh.shape), mesh.dist === 'none' ? 'no dist' : mesh.dist]
       .map(esc)
       .join(' \u00b7 ');
-    const hosts = mesh.hosts.length ? `<div class="mk-hosts" title="hosts">${mesh.hosts.map(esc).join(', ')}</div>` : '';
     const up = mesh.state === 'up';
     const button = (action: string, label: string, title: string) =>
       `<button class="mk-button" data-action="${action}" data-mesh="${name}" title="${esc(title)}"` +
       `${up ? '' : ' disabled'}>${label}</button>`;
-    let html =
-      `<section class="mk-mesh" data-mesh="${name}" data-state="${esc(mesh.state)}">` +
-      `<div class="mk-mesh-head"><button class="mk-toggle" data-action="toggle" data-mesh="${name}" ` +
-      `aria-expanded="${open}" title="Show or hide the ranks">${open ? '\u25be' : '\u25b8'}</button>` +
-      `<span class="mk-name">${name}</span>${mesh.default ? '<span class="mk-badge">default</span>' : ''}` +
-      `<span class="mk-mesh-state">${esc(mesh.state)}</span></div>` +
-      `<div class="mk-meta">${meta} \u00b7 <span class="mk-counts">${esc(stateCounts(mesh.ranks))}</span></div>` +
-      hosts +
-      '<div class="mk-actions">' +
-      button('interrupt', 'Interrupt', 'Interrupt what runs on every rank') +
-      button('restart', 'Restart', 'A fresh mesh of the same shape (namespaces are lost)') +
-      button('down', 'Down', 'Stop every rank of this mesh') +
-      button('insert', 'Insert cell', `Insert a %%mesh --name ${mesh.name} cell below the active one`) +
-      '</div>';
+    const parts: (IPart | IContainer)[] = [
+      {
+        key: 'head',
+        html:
+          `<div class="mk-mesh-head"><button class="mk-toggle" data-action="toggle" data-mesh="${name}" ` +
+          `aria-expanded="${open}" title="Show or hide the ranks">${open ? '\u25be' : '\u25b8'}</button>` +
+          `<span class="mk-name">${name}</span>${mesh.default ? '<span class="mk-badge">default</span>' : ''}` +
+          `<span class="mk-mesh-state">${esc(mesh.state)}</span></div>`
+      },
+      {
+        key: 'meta',
+        html: `<div class="mk-meta">${meta} \u00b7 <span class="mk-counts">${esc(stateCounts(mesh.ranks))}</span></div>`
+      }
+    ];
+    if (mesh.hosts.length) {
+      parts.push({ key: 'hosts', html: `<div class="mk-hosts" title="hosts">${mesh.hosts.map(esc).join(', ')}</div>` });
+    }
+    parts.push({
+      key: 'actions',
+      html:
+        '<div class="mk-actions">' +
+        button('interrupt', 'Interrupt', 'Interrupt what runs on every rank') +
+        button('restart', 'Restart', 'A fresh mesh of the same shape (namespaces are lost)') +
+        button('down', 'Down', 'Stop every rank of this mesh') +
+        button('insert', 'Insert cell', `Insert a %%mesh --name ${mesh.name} cell below the active one`) +
+        '</div>'
+    });
     if (open && mesh.ranks.length) {
-      html += '<div class="mk-grid">' + mesh.ranks.map(r => this._rankHtml(mesh, r, colours)).join('') + '</div>';
+      parts.push({
+        key: 'grid',
+        tag: 'div',
+        attributes: { class: 'mk-grid' },
+        parts: mesh.ranks.map(r => ({ key: String(r.rank), html: this._rankHtml(mesh, r, colours) }))
+      });
     }
     const logs = this._logs;
     if (logs && logs.mesh === mesh.name) {
       const lines = logs.lines.length
         ? logs.lines.map(([stream, line]) => `<span class="mk-${esc(stream)}">${esc(line)}</span>`).join('\n')
         : '(nothing printed yet)';
-      html +=
-        `<div class="mk-logs" data-rank="${logs.rank}"><div class="mk-logs-head">rank ${logs.rank}: last lines ` +
-        '<button class="mk-button" data-action="close-logs">Close</button></div>' +
-        `<pre>${lines}</pre></div>`;
+      parts.push({
+        key: 'logs',
+        html:
+          `<div class="mk-logs" data-rank="${logs.rank}"><div class="mk-logs-head">rank ${logs.rank}: last lines ` +
+          '<button class="mk-button" data-action="close-logs">Close</button></div>' +
+          `<pre>${lines}</pre></div>`
+      });
     }
-    return html + '</section>';
+    return {
+      key: `mesh:${mesh.name}`,
+      tag: 'section',
+      attributes: { class: 'mk-mesh', 'data-mesh': mesh.name, 'data-state': mesh.state },
+      parts
+    };
   }
 
   private _rankHtml(mesh: IMesh, r: IRank, colours: Record<string, string>): string {
