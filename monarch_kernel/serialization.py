@@ -51,6 +51,17 @@ class Sealed:
         bufs = [b if isinstance(b, ShmRef) else pickle.PickleBuffer(b) for b in self.buffers]
         return (Sealed, (self.data, bufs))
 
+    def parts(self) -> tuple:
+        """(data, buffers) for a flat frame; bytes-like buffers travel out of band."""
+        if not self.buffers:
+            return (self.data, ())
+        return (self.data, tuple(b if isinstance(b, ShmRef) else pickle.PickleBuffer(b) for b in self.buffers))
+
+    @classmethod
+    def from_parts(cls, parts: tuple) -> Sealed:
+        """The Sealed that parts() described."""
+        return cls(parts[0], list(parts[1]))
+
     @property
     def nbytes(self) -> int:
         """Total payload size: pickle stream plus buffers."""

@@ -17,22 +17,28 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .messages import flatten, unflatten
+
 _HEAD = struct.Struct("!II")
 _LEN = struct.Struct("!Q")
+_FLAT = 1 << 31  # flag in the buffer-count field: the pickle is a flat tuple (messages.flatten)
 
 
 def encode(msg: Any) -> list[memoryview | bytes]:
     """Serialize a message into the list of byte chunks that form one frame."""
     buffers: list[pickle.PickleBuffer] = []
-    meta = pickle.dumps(msg, protocol=5, buffer_callback=buffers.append)
+    flat = flatten(msg)
+    meta = pickle.dumps(msg if flat is None else flat, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
-    header = _HEAD.pack(len(meta), len(raws)) + b"".join(_LEN.pack(r.nbytes) for r in raws)
+    count = len(raws) | (0 if flat is None else _FLAT)
+    header = _HEAD.pack(len(meta), count) + b"".join(_LEN.pack(r.nbytes) for r in raws)
     return [header + meta, *raws]
 
 
-def decode(meta: bytes | bytearray, buffers: list[bytearray]) -> Any:
+def decode(meta: bytes | bytearray, buffers: list[bytearray], flat: bool = False) -> Any:
     """Rebuild a message from a frame's pickle and buffers."""
-    return pickle.loads(meta, buffers=buffers)
+    obj = pickle.loads(meta, buffers=buffers)
+    return unflatten(obj) if flat else obj
 
 
 class ConnectionClosed(Exception):
@@ -54,6 +60,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._parts: list[bytearray] = []
         self._target: bytearray | None = None
         self._filled = 0
+        self._flat = False
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport) -> None:  # noqa: D102
@@ -108,19 +115,21 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def _parse_header(self) -> bool:
         if len(self._pending) < _HEAD.size:
             return False
-        meta_len, nbufs = _HEAD.unpack_from(self._pending)
+        meta_len, count = _HEAD.unpack_from(self._pending)
+        nbufs = count & ~_FLAT
         head_len = _HEAD.size + nbufs * _LEN.size
         if len(self._pending) < head_len:
             return False
         sizes = [_LEN.unpack_from(self._pending, _HEAD.size + i * _LEN.size)[0] for i in range(nbufs)]
         del self._pending[:head_len]
         self._want = [meta_len, *sizes]
+        self._flat = bool(count & _FLAT)
         return True
 
     def _frame_done(self) -> None:
         meta, *bufs = self._parts
         self._parts = []
-        self._on_message(decode(meta, bufs))
+        self._on_message(decode(meta, bufs, self._flat))
 
     def data_received(self, data: bytes) -> None:
         """For transports that do not fill our buffers directly (pipes)."""
@@ -223,11 +232,11 @@ class BlockingConnection:
     def recv(self) -> Any:
         """Block until one message arrives."""
         head = self._recv_exact(_HEAD.size)
-        meta_len, nbufs = _HEAD.unpack(head)
-        sizes = [_LEN.unpack(self._recv_exact(_LEN.size))[0] for _ in range(nbufs)]
+        meta_len, count = _HEAD.unpack(head)
+        sizes = [_LEN.unpack(self._recv_exact(_LEN.size))[0] for _ in range(count & ~_FLAT)]
         meta = self._recv_exact(meta_len)
         buffers = [self._recv_exact(n) for n in sizes]
-        return decode(meta, buffers)
+        return decode(meta, buffers, bool(count & _FLAT))
 
     def _recv_exact(self, n: int) -> bytearray:
         buf = bytearray(n)

@@ -49,3 +49,41 @@ def test_async_side_receives_many_frames_in_order():
     assert [m[1] for m in got[:200]] == list(range(200))
     assert torch.equal(unseal(got[-1][1]), torch.ones(500_000))
     assert torch.equal(unseal(reply[1]), torch.arange(10))
+
+
+def test_hot_messages_travel_as_flat_tuples_and_come_back_equal():
+    import pickle
+
+    import torch
+
+    from monarch_kernel import messages as m
+    from monarch_kernel.serialization import seal, unseal
+    from monarch_kernel.transport import _FLAT, _HEAD, decode, encode
+
+    tensor = torch.arange(1 << 16, dtype=torch.float32)  # out of band: a buffer of its own
+    call = m.ActorCall(3, 7, "echo", "ping", seal(((tensor,), {"k": 1})), (0, 2), True)
+    gathered = m.Gathered(9, (m.Result(9, 0, seal("v"), None, 1.0, 2.0),
+                              m.Result(9, 1, None, m.Failure("ValueError", "bad", "tb"), 1.0, 2.0)))
+    for msg in (call, gathered, m.ToRanks((0, 1), m.RunCell(4, "x = 1", "<mesh In[1]>")),
+                m.ToRanks((0,), m.Shutdown())):  # Shutdown itself is not flat: it rides along
+        chunks = encode(msg)
+        head = bytes(memoryview(chunks[0])[:_HEAD.size])
+        meta_len, count = _HEAD.unpack(head)
+        assert count & _FLAT  # sent flat
+        nbufs = count & ~_FLAT
+        start = _HEAD.size + 8 * nbufs
+        meta = bytes(memoryview(chunks[0])[start:start + meta_len])
+        if msg is call:
+            assert b"monarch_kernel" not in meta  # no class names in the frame
+        back = decode(meta, [bytearray(c) for c in chunks[1:]], True)
+        assert type(back) is type(msg)
+        if msg is call:
+            (got,), kwargs = unseal(back.args)
+            assert torch.equal(got, tensor) and kwargs == {"k": 1} and back.ranks == (0, 2)
+            assert len(chunks) == 2  # the tensor's bytes were not copied into the pickle
+        elif msg is gathered:
+            assert unseal(back.results[0].value) == "v" and back.results[1].failure.message == "bad"
+        else:
+            assert back == msg
+    assert not (_HEAD.unpack(bytes(memoryview(encode(m.Shutdown())[0])[:_HEAD.size]))[1] & _FLAT)
+    assert pickle.loads(pickle.dumps(call)).call_id == 7  # plain pickling still works
