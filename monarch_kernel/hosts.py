@@ -46,9 +46,7 @@ class HostConnection:
     async def connect(self, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]):
         """A framed connection to the agent (socketpair, or the SSH channel)."""
         if self.remote is not None:
-            from .ssh import ChannelConnection
-
-            return ChannelConnection(self.remote.process, on_message, on_close)
+            return self.remote.attach(on_message, on_close)
         return await AsyncConnection.from_socket(self.sock, on_message, on_close)
 
     @property
@@ -82,7 +80,7 @@ class HostConnection:
                 self.process.wait()
         if self.remote is not None:
             try:
-                await asyncio.wait_for(self.remote.process.wait_closed(), timeout)
+                await asyncio.wait_for(self.remote.wait_closed(), timeout)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - closing anyway
                 pass
             self.remote.close()

@@ -15,7 +15,7 @@ import os
 import secrets
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import MeshStartError
@@ -53,15 +53,23 @@ class SSHTarget:
 
 @dataclass
 class RemoteAgent:
-    """An agent process started over SSH, and the local socket bridged to it."""
+    """An agent process started over SSH: its channel, and the session reading it."""
 
     target: SSHTarget
     connection: Any  # asyncssh.SSHClientConnection
-    process: Any  # asyncssh.SSHClientProcess
+    channel: Any  # asyncssh.SSHClientChannel running the agent command
+    session: Any  # _AgentSession: stdout frames to the controller, stderr to the host's log
     peer_address: str
     python: str = "python3"
-    pumps: list = field(default_factory=list, repr=False)
-    stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30), repr=False)
+
+    def attach(self, on_message: Callable[[Any], None],
+               on_close: Callable[[Exception | None], None]) -> ChannelConnection:
+        """The framed connection to the agent (call once)."""
+        return ChannelConnection(self.channel, self.session, on_message, on_close)
+
+    async def wait_closed(self) -> None:
+        """Until the agent's channel is closed."""
+        await asyncio.shield(self.session.lost)
 
     def close(self) -> None:
         """Close the SSH connection (the agent exits when its stdin closes)."""
@@ -70,11 +78,11 @@ class RemoteAgent:
     async def explain_exit(self, timeout: float = 3.0) -> str:
         """Why the agent ended: exit status and stderr, with advice for common causes."""
         try:
-            await asyncio.wait_for(asyncio.gather(self.process.wait_closed(), *self.pumps), timeout)
+            await asyncio.wait_for(self.wait_closed(), timeout)
         except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - explain what we have
             pass
-        tail = "\n".join(self.stderr_tail)
-        status = self.process.exit_status
+        tail = "\n".join(self.session.stderr_tail)
+        status = self.channel.get_exit_status()
         if "No module named" in tail and "monarch_kernel" in tail:
             return (f"monarch_kernel is not importable on host {self.target} with {self.python}. Install it "
                     f"there (pip install monarch-kernel), point python= at an environment that has it, or "
@@ -162,38 +170,28 @@ async def start_agent(target: SSHTarget, *, name: str, python: str, setup: str |
     try:
         pythonpath = await _ship_package(conn) if ship_package else None
         command = agent_command(python=python, name=name, setup=setup, env=env, pythonpath=pythonpath)
-        process = await conn.create_process(command, encoding=None)
+        channel, session = await conn.create_session(lambda: _agent_session(stderr_path), command,
+                                                     encoding=None)
         peer = conn.get_extra_info("peername")[0]
-        agent = RemoteAgent(target, conn, process, peer, python=python)
-        agent.pumps = [asyncio.ensure_future(_keep_stderr(process, stderr_path, agent.stderr_tail))]
-        return agent
+        return RemoteAgent(target, conn, channel, session, peer, python=python)
     except BaseException:
         conn.close()
         raise
 
 
 class ChannelConnection:
-    """Framed messages over an SSH process's stdin/stdout (the interface of AsyncConnection)."""
+    """Framed messages over the agent's SSH channel (the interface of AsyncConnection).
 
-    def __init__(self, process, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]):
-        self._process = process
-        self._protocol = FrameProtocol(on_message, on_close)
+    The session hands each packet of the agent's stdout straight to the frame reader (no
+    stream reader task in between: one wake-up less per message).
+    """
+
+    def __init__(self, channel, session, on_message: Callable[[Any], None],
+                 on_close: Callable[[Exception | None], None]):
+        self._channel = channel
+        self._session = session
         self._closed = False
-        self._reader = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        error: Exception | None = None
-        try:
-            while True:
-                data = await self._process.stdout.read(1 << 16)
-                if not data:
-                    break
-                self._protocol.data_received(data)
-        except Exception as exc:  # noqa: BLE001 - the connection is gone, whatever the cause
-            error = exc
-        finally:
-            self._closed = True
-            self._protocol.connection_lost(error)
+        session.attach(FrameProtocol(on_message, on_close))
 
     def send(self, msg: Any) -> None:
         """Queue one message (never blocks; asyncssh buffers and flow-controls)."""
@@ -201,34 +199,69 @@ class ChannelConnection:
 
     def send_chunks(self, chunks: list) -> None:
         """Queue an already encoded frame."""
-        if self._closed:
+        if self.closed:
             raise ConnectionClosed("the SSH channel is closed")
-        self._process.stdin.write(b"".join(chunks) if len(chunks) > 1 else bytes(chunks[0]))
+        self._channel.write(b"".join(chunks) if len(chunks) > 1 else bytes(chunks[0]))
 
     def close(self) -> None:
         """Close the channel (the agent sees end of input and exits)."""
         self._closed = True
-        self._process.close()
+        self._channel.close()
 
     @property
     def closed(self) -> bool:
         """Whether the channel is closed."""
-        return self._closed
+        return self._closed or self._session.lost.done()
 
 
-async def _keep_stderr(process, path: str, tail: collections.deque) -> None:
-    """Append the agent's stderr to its log file and keep the last lines in memory."""
-    with open(path, "ab") as log:
-        while True:
-            try:
-                data = await process.stderr.read(1 << 16)
-            except Exception:  # noqa: BLE001 - connection lost or closed: the pump ends
-                break
-            if not data:
-                break
-            log.write(data)
-            log.flush()
-            tail.extend(line for line in data.decode("utf-8", "replace").splitlines() if line.strip())
+_SESSION_TYPE: Any = None
+
+
+def _agent_session(stderr_path: str) -> Any:
+    """A session for the agent's channel (its class made on first use: asyncssh loads lazily)."""
+    global _SESSION_TYPE
+    if _SESSION_TYPE is None:
+        import asyncssh
+
+        class AgentSession(asyncssh.SSHClientSession):
+            """stdout: frames for the controller; stderr: appended to the host's log."""
+
+            def __init__(self, path: str):
+                self._log = open(path, "ab")
+                self.stderr_tail: collections.deque = collections.deque(maxlen=30)
+                self.lost: asyncio.Future = asyncio.get_running_loop().create_future()
+                self._protocol: FrameProtocol | None = None
+                self._early: list[bytes] = []
+
+            def attach(self, protocol: FrameProtocol) -> None:
+                self._protocol = protocol
+                for data in self._early:
+                    protocol.data_received(data)
+                self._early.clear()
+                if self.lost.done():
+                    protocol.connection_lost(self.lost.result())
+
+            def data_received(self, data: bytes, datatype) -> None:
+                if datatype == asyncssh.EXTENDED_DATA_STDERR:
+                    if not self._log.closed:
+                        self._log.write(data)
+                        self._log.flush()
+                    self.stderr_tail.extend(
+                        line for line in data.decode("utf-8", "replace").splitlines() if line.strip())
+                elif self._protocol is not None:
+                    self._protocol.data_received(data)
+                else:
+                    self._early.append(data)
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                self._log.close()
+                if not self.lost.done():
+                    self.lost.set_result(exc)
+                    if self._protocol is not None:
+                        self._protocol.connection_lost(exc)
+
+        _SESSION_TYPE = AgentSession
+    return _SESSION_TYPE(stderr_path)
 
 
 async def _ship_package(conn) -> str:
