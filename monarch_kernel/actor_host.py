@@ -43,6 +43,18 @@ class _Mailbox:
     point: Point
     queue: deque = field(default_factory=deque)
     busy: bool = False
+    endpoints: dict = field(default_factory=dict)  # name -> (bound method, is async, label)
+
+    def endpoint(self, name: str) -> tuple[Any, bool, str] | None:
+        """The endpoint called `name` (looked up once per name), or None."""
+        found = self.endpoints.get(name)
+        if found is None:
+            method = getattr(self.instance, name, None)
+            if method is None:
+                return None
+            found = self.endpoints[name] = (method, inspect.iscoroutinefunction(method),
+                                            f"{type(self.instance).__name__}.{name}")
+        return found
 
 
 class RankSender:
@@ -190,32 +202,33 @@ class ActorHost:
                 self._reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "",
                                                interrupted=True))
                 continue
-            method = getattr(box.instance, msg.endpoint, None)
-            if method is None:
+            found = box.endpoint(msg.endpoint)
+            if found is None:
                 self._reply(msg, None, Failure(
                     "AttributeError", f"{type(box.instance).__name__} has no endpoint {msg.endpoint!r}", ""))
                 continue
+            method, is_async, label = found
             try:
                 args, kwargs = unseal(msg.args)
             except Exception as exc:  # noqa: BLE001
                 self._reply(msg, None, describe_failure(exc))
                 continue
-            if inspect.iscoroutinefunction(method):
+            if is_async:
                 box.busy = True
-                task = self.loop.create_task(self._serve_async(box, msg, method, args, kwargs),
+                task = self.loop.create_task(self._serve_async(box, msg, method, label, args, kwargs),
                                              context=_context_at(box.point))
                 with self._lock:
                     self._tasks[key] = task
             else:
-                self._serve_sync(box, msg, method, args, kwargs)
+                self._serve_sync(box, msg, method, label, args, kwargs)
 
-    def _serve_sync(self, box: _Mailbox, msg: ActorCall, method, args, kwargs) -> None:
+    def _serve_sync(self, box: _Mailbox, msg: ActorCall, method, label: str, args, kwargs) -> None:
         key = (msg.caller, msg.call_id)
         token = current_point.set(box.point)
         with self._lock:
             self._running_sync = key
         started = time.perf_counter()
-        self._doing[key] = (f"{type(box.instance).__name__}.{msg.endpoint}", time.monotonic())
+        self._doing[key] = (label, time.monotonic())
         try:
             value, failure = self._run_user(method, *args, **kwargs), None
         except BaseException as exc:  # noqa: BLE001 - every endpoint error goes to its caller
@@ -227,10 +240,10 @@ class ActorHost:
             current_point.reset(token)
         self._reply(msg, value, failure, time.perf_counter() - started)
 
-    async def _serve_async(self, box: _Mailbox, msg: ActorCall, method, args, kwargs) -> None:
+    async def _serve_async(self, box: _Mailbox, msg: ActorCall, method, label: str, args, kwargs) -> None:
         started = time.perf_counter()
         key = (msg.caller, msg.call_id)
-        self._doing[key] = (f"{type(box.instance).__name__}.{msg.endpoint}", time.monotonic())
+        self._doing[key] = (label, time.monotonic())
         try:
             value, failure = await method(*args, **kwargs), None
         except asyncio.CancelledError:

@@ -73,18 +73,19 @@ class PendingCall:
         self.replies: dict[int, ActorReply] = {}
         self.arrivals: list[int] = []  # ranks in the order their replies came
         self.on_reply = on_reply
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond: threading.Condition | None = None  # made by the first blocking waiter
         self._wanted: list[int] = []  # reply counts that blocked waiters wait for
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
     def add(self, reply: ActorReply) -> bool:
         """Record one rank's reply (the first one wins); True when it was new."""
-        with self._cond:
+        with self._lock:
             if reply.rank in self.replies or reply.rank not in self.ranks:
                 return False
             self.replies[reply.rank] = reply
             self.arrivals.append(reply.rank)
-            if self._wanted and len(self.replies) >= min(self._wanted):
+            if self._cond is not None and self._wanted and len(self.replies) >= min(self._wanted):
                 self._cond.notify_all()
             waiters = list(self._waiters)
         for loop, fut in waiters:
@@ -96,17 +97,18 @@ class PendingCall:
     @property
     def outstanding(self) -> tuple[int, ...]:
         """Ranks that have not answered yet."""
-        with self._cond:
+        with self._lock:
             return tuple(r for r in self.ranks if r not in self.replies)
 
     def done(self) -> bool:
         """Whether every rank answered."""
-        with self._cond:
-            return len(self.replies) == len(self.ranks)
+        return len(self.replies) == len(self.ranks)
 
     def wait(self, count: int, timeout: float | None) -> bool:
         """Block until at least `count` replies are in (True) or the timeout passes."""
-        with self._cond:
+        with self._lock:
+            if self._cond is None:
+                self._cond = threading.Condition(self._lock)
             self._wanted.append(count)
             try:
                 return self._cond.wait_for(lambda: len(self.replies) >= count, timeout)
@@ -117,7 +119,7 @@ class PendingCall:
         """Wait on the current asyncio loop until at least `count` replies are in."""
         loop = asyncio.get_running_loop()
         while True:
-            with self._cond:
+            with self._lock:
                 if len(self.replies) >= count:
                     return
                 fut = loop.create_future()
@@ -126,7 +128,7 @@ class PendingCall:
             try:
                 await fut
             finally:
-                with self._cond:
+                with self._lock:
                     self._waiters.remove(entry)
 
 

@@ -263,7 +263,12 @@ class BlockingConnection:
 
 def byte_views(chunks: list[memoryview | bytes]) -> list[memoryview]:
     """The non-empty chunks of a frame as byte views, ready for sendmsg()."""
-    return [memoryview(c).cast("B") for c in chunks if memoryview(c).nbytes]
+    views = []
+    for chunk in chunks:
+        view = memoryview(chunk)
+        if view.nbytes:
+            views.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    return views
 
 
 def advance(views: list[memoryview], sent: int) -> None:
