@@ -116,8 +116,10 @@ class ActorFuture(Generic[T]):
         A timeout or Ctrl-C also tells the endpoint to stop (KeyboardInterrupt in a sync
         endpoint, cancellation of an async one), so the actor is free for the next call.
         """
+        if self.done():  # already in (pipelined calls: read along with earlier replies)
+            return self._finish(self._pending)
         sender = self._mesh._sender()
-        if not self.done() and sender.must_not_wait_on(self._pending.outstanding):
+        if sender.must_not_wait_on(self._pending.outstanding):
             raise MeshUsageError(
                 f"{self._pending.label}: this rank would wait on itself (its main thread serves its own actors). "
                 "In an endpoint, make it `async def` and `await` the call; in a %%mesh cell, call the actors "
