@@ -20,7 +20,8 @@ from .shape import format_ranks
 from .sinks import OutputSink
 
 if TYPE_CHECKING:
-    from .controller import MeshRuntime, Request
+    from .controller import MeshRuntime
+    from .runstate import Request
 
 T = TypeVar("T")
 INTERRUPT_GRACE_S = 0.8

@@ -16,7 +16,8 @@ from typing import Any
 from . import messages as m
 from .actors import ActorMesh, spawn
 from .cell import check_syntax
-from .controller import MeshRuntime, RankSnapshot
+from .controller import MeshRuntime
+from .runstate import RankSnapshot
 from .hosts import HostSpec
 from .errors import MeshStartError, MeshUsageError, SerializationError
 from .futures import MeshFuture, raise_failures

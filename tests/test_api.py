@@ -12,7 +12,7 @@ LAYERS = [
     {"errors", "errortext", "shape", "messages", "serialization", "sharding"},  # values
     {"transport", "lanes", "ssh"},  # I/O
     {"cell", "capture", "calls", "actor_host", "load", "dist", "worker", "launcher", "hosts", "agent",
-     "controller"},  # runtime
+     "runstate", "controller"},  # runtime
     {"futures", "sinks", "values", "actors", "mesh"},  # API
     {"output", "live", "statusview", "shardview", "timing", "meshview", "meshwidget",
      "viewwidgets"},  # views
