@@ -42,12 +42,24 @@ def _measure(call_one, call_all, pipelined, tensor_call, quick: bool) -> dict:
     }
 
 
+def _measure_actor_mesh(actors, quick: bool) -> dict:
+    """The four rows for an actor mesh with Monarch's API (ours and Monarch's share it)."""
+    import torch
+
+    one = actors.slice(gpus=0)
+    t = torch.randn(MIB64 // 4)
+    return _measure(
+        lambda: one.ping.call_one(1).get(),
+        lambda: actors.ping.call(1).get(),
+        lambda: [f.get() for f in [one.ping.call_one(i) for i in range(PIPELINED)]],
+        lambda: one.nbytes.call_one(t).get(),
+        quick)
+
+
 # ------------------------------------------------------------------ systems
 
 
 def bench_ours(quick: bool) -> dict:
-    import torch
-
     from monarch_kernel import Actor, endpoint, local_mesh
 
     class Echo(Actor):
@@ -61,15 +73,7 @@ def bench_ours(quick: bool) -> dict:
 
     mesh = local_mesh(gpus=WORKERS, dist="none")
     try:
-        actors = mesh.spawn("echo", Echo)
-        one = actors.slice(gpus=0)
-        t = torch.randn(MIB64 // 4)
-        return _measure(
-            lambda: one.ping.call_one(1).get(),
-            lambda: actors.ping.call(1).get(),
-            lambda: [f.get() for f in [one.ping.call_one(i) for i in range(PIPELINED)]],
-            lambda: one.nbytes.call_one(t).get(),
-            quick)
+        return _measure_actor_mesh(mesh.spawn("echo", Echo), quick)
     finally:
         mesh.shutdown()
 
@@ -103,7 +107,6 @@ def bench_ray(quick: bool) -> dict:
 
 
 def bench_monarch(quick: bool) -> dict:
-    import torch
     from monarch.actor import Actor, endpoint, this_host
 
     class Echo(Actor):
@@ -118,14 +121,7 @@ def bench_monarch(quick: bool) -> dict:
     procs = this_host().spawn_procs(per_host={"gpus": WORKERS})
     actors = procs.spawn("echo", Echo)
     actors.ping.call(0).get()
-    one = actors.slice(gpus=0)
-    t = torch.randn(MIB64 // 4)
-    return _measure(
-        lambda: one.ping.call_one(1).get(),
-        lambda: actors.ping.call(1).get(),
-        lambda: [f.get() for f in [one.ping.call_one(i) for i in range(PIPELINED)]],
-        lambda: one.nbytes.call_one(t).get(),
-        quick)
+    return _measure_actor_mesh(actors, quick)
 
 
 _LEN = struct.Struct("!Q")

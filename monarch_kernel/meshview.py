@@ -9,13 +9,14 @@ row; 3-D meshes get one row per combination of the leading dims).
 from __future__ import annotations
 
 import html
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .mesh import Mesh
 
-class TextHtmlView:
+class TextHtmlView(ABC):
     """What the views share: text() and html() as a MIME bundle; in IPython, its widget.
 
     Subclasses name their widget class in `viewwidgets` (`widget_name`).
@@ -23,11 +24,13 @@ class TextHtmlView:
 
     widget_name = ""
 
-    def text(self) -> str:  # pragma: no cover - every view defines it
-        raise NotImplementedError
+    @abstractmethod
+    def text(self) -> str:
+        """The view as plain text."""
 
-    def html(self) -> str:  # pragma: no cover - every view defines it
-        raise NotImplementedError
+    @abstractmethod
+    def html(self) -> str:
+        """The view as HTML."""
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
         return {"text/plain": self.text(), "text/html": self.html()}
