@@ -280,3 +280,10 @@ def test_restarted_ranks_keep_answering_heartbeats():
         mesh.restart()
         time.sleep(3.5)  # longer than the agent waits before calling a rank unresponsive
         assert [s.state for s in mesh.status()] == ["idle", "idle"]
+
+
+def test_what_ranks_imported_at_start_is_out_of_the_collectors_sight(mesh4, sink):
+    # torch's import-time objects are frozen in the agent before it forks the ranks, so a
+    # full garbage collection on a rank does not walk them (it stalled ranks ~150 ms)
+    frozen = mesh4.run("import gc\ngc.get_freeze_count()", sink=sink)
+    assert all(count > 10_000 for count in frozen.values()), frozen
