@@ -42,6 +42,11 @@ def _range(r: tuple[int, int]) -> str:
     return f"[{r[0]}:{r[1]}]"
 
 
+def _facet_label(facet: dict[int, tuple[int, int]]) -> str:
+    """Where a facet lies in the dims that are not drawn, e.g. `dim 0 [0:3]`."""
+    return ", ".join(f"dim {d} {_range(r)}" for d, r in facet.items())
+
+
 class ShardingView(TextHtmlView):
     """A tensor's layout over the mesh; shows as HTML in notebooks and text elsewhere."""
 
@@ -80,7 +85,7 @@ class ShardingView(TextHtmlView):
                          "they sum to the tensor only after a reduction")
         for facet in lay.facets(self.rows, self.cols):
             if facet:
-                lines.append("  at " + ", ".join(f"dim {d} {_range(r)}" for d, r in facet.items()) + ":")
+                lines.append(f"  at {_facet_label(facet)}:")
             lines.extend(self._grid_text(lay.blocks(self.rows, self.cols, facet)))
         empty = lay.empty_pieces()
         if empty:
@@ -133,7 +138,7 @@ class ShardingView(TextHtmlView):
                 parts.append(f"<div><i>{html.escape(line.strip())}</i></div>")
         for facet in lay.facets(self.rows, self.cols):
             if facet:
-                parts.append("<div>at " + ", ".join(f"dim {d} {_range(r)}" for d, r in facet.items()) + "</div>")
+                parts.append(f"<div>at {html.escape(_facet_label(facet))}</div>")
             parts.append(self._grid_html(lay.blocks(self.rows, self.cols, facet)))
         empty = lay.empty_pieces()
         if empty:
