@@ -182,7 +182,7 @@ class HostAgent:
     def _remember_stderr(self, rank: int, text: str) -> None:
         proc = self.ranks.get(rank)
         if proc is not None:
-            proc.stderr_tail.extend(line for line in text.splitlines() if line.strip())
+            proc.stderr_tail.write("stderr", text)
 
     def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None:
         """Text a rank wrote to its real fd 1/2 (C extensions, crashes)."""
@@ -212,13 +212,13 @@ class HostAgent:
         if proc.ready is not None and not proc.ready.done():
             proc.ready.set_exception(RuntimeError(
                 f"rank {rank} exited during start-up ({_status_text(exit_code, sig)})"
-                + _tail_text(proc.stderr_tail)))
+                + _tail_text(proc.stderr_tail.texts())))
         why = (f"rank {rank} on {self.host} (pid {proc.pid}) died ({_status_text(exit_code, sig)}) "
-               f"before answering" + _tail_text(proc.stderr_tail))
+               f"before answering" + _tail_text(proc.stderr_tail.texts()))
         for caller, call_id in self.calls.owed_by(rank):
             if self.calls.answered(caller, call_id, rank):
                 self._route_reply(death_reply(caller, call_id, rank, why))
-        self._to_controller(m.RankExited(rank, proc.pid, exit_code, sig, tuple(proc.stderr_tail), proc.stopping))
+        self._to_controller(m.RankExited(rank, proc.pid, exit_code, sig, tuple(proc.stderr_tail.texts()), proc.stopping))
         for req_id in list(self.pending):
             self.pending[req_id][0].discard(rank)
             self._maybe_gathered(req_id)

@@ -4,7 +4,8 @@
 flusher thread sends them every few milliseconds, so live output costs one message per
 burst, not per line. `flush()` is called before each reply, so output always arrives
 before the result it belongs to. Output per request is capped; the rest is counted and
-reported as dropped.
+reported as dropped. Progress bars (`\\r` rewrites of a line) send only their latest state
+per burst and do not count against the cap, so a long training loop keeps its bar.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .messages import Display, Output
+from .termtext import compact, progress_chars
 
 FLUSH_DELAY_S = 0.003
 MAX_OUTPUT_PER_REQUEST = 8 << 20  # characters of text per rank per request
@@ -82,17 +84,20 @@ class RankStream(io.TextIOBase):
             self._wake_pending = False
             chunks, self._chunks = self._chunks, []
             for req, text in _merge(chunks):
-                text = self._within_cap(req, text)
+                text = self._within_cap(req, compact(text))
                 if text:
                     self._send(Output(self._rank, req, self.name, text))
 
     def _within_cap(self, req: int | None, text: str) -> str:
+        """Text up to the request's cap; progress-bar rewrites (they replace a line) are free."""
         sent = self._sent_by_request.get(req, 0)
         room = max(0, MAX_OUTPUT_PER_REQUEST - sent)
-        if len(text) > room:
+        cost = len(text) - progress_chars(text) if "\r" in text else len(text)
+        if cost > room:
             self._dropped[req] = self._dropped.get(req, 0) + len(text) - room
             text = text[:room]
-        self._sent_by_request[req] = sent + len(text)
+            cost = room
+        self._sent_by_request[req] = sent + cost
         return text
 
     def finish_request(self, req: int | None) -> None:

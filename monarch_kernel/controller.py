@@ -413,7 +413,7 @@ class MeshRuntime:
         link.answered = True  # until then the agent may still be importing torch
         if isinstance(msg, m.Output):
             self._route(msg.rank, msg.req_id, ("output", msg.rank, msg.stream, msg.text))
-            self.ranks[msg.rank].log.extend((msg.stream, line) for line in msg.text.splitlines())
+            self.ranks[msg.rank].log.write(msg.stream, msg.text)
         elif isinstance(msg, m.Gathered):
             req = self.requests.get(msg.req_id)
             if req is not None:
@@ -562,7 +562,7 @@ class MeshRuntime:
 
     def logs(self, rank: int, lines: int = 50) -> list[tuple[str, str]]:
         """The last lines a rank printed (stream, text)."""
-        return list(self.ranks[rank].log)[-lines:]
+        return self.ranks[rank].log.tail(lines)
 
 
 

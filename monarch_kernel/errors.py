@@ -39,6 +39,10 @@ class CellSyntaxError(MeshError):
         return "".join(traceback.format_exception_only(type(self.error), self.error)).splitlines()
 
 
+class NoTerminalError(MeshError, EOFError):
+    """input() or breakpoint() on a rank: ranks have no terminal to read from."""
+
+
 class SerializationError(MeshError):
     """A value could not be pickled or unpickled to cross to/from the ranks."""
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import signal
 import socket
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from . import messages as m
+from .termtext import LineLog
 from .transport import AsyncConnection
 
 STDERR_TAIL_LINES = 20
@@ -44,7 +44,7 @@ class RankProcess:
     responsive: bool = True
     stopping: bool = False
     activity: str = ""  # what its actors run, from its latest heartbeat answer
-    stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
+    stderr_tail: LineLog = field(default_factory=lambda: LineLog(STDERR_TAIL_LINES))
 
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

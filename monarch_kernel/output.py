@@ -6,7 +6,8 @@ after the rank's previous line (O(1) per line). When the run ends, the groups ar
 rebuilt by aligning the ranks' line sequences (longest common subsequences), so rank-
 specific lines sit next to each other between the shared ones. Both keep each rank's
 order while identical lines collapse into one, tagged with the rank set
-(`[0-3] loss 0.25`).
+(`[0-3] loss 0.25`). Carriage returns rewrite a line as in a terminal, and each rank's
+unfinished line (a progress bar) is shown live after the others.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from difflib import SequenceMatcher
 from dataclasses import dataclass, field
 
 from .shape import format_ranks
+from .termtext import open_line, shown_line
 
 MAX_SHOWN_LINES = 10_000
 MAX_SHOWN_CHARS = 2_000_000
@@ -53,10 +55,14 @@ class OutputGroups:
     def add(self, rank: int, stream: str, text: str) -> None:
         """Add text a rank wrote; complete lines are grouped now, the rest waits."""
         key = (rank, stream)
-        pieces = (self._partial.pop(key, "") + text).split("\n")
+        text = self._partial.pop(key, "") + text
+        pieces = text.split("\n")
         rest = pieces.pop()
         if rest:
-            self._partial[key] = rest
+            self._partial[key] = open_line(rest)
+            self.version += 1  # the rank's unfinished line (a progress bar) is shown as it changes
+        if "\r" in text:
+            pieces = [shown_line(piece) for piece in pieces]
         start = self._follow(rank, stream, pieces) if self.dedupe and stream != "notice" else 0
         add_line = self._add_line
         for line in pieces[start:]:
@@ -94,8 +100,8 @@ class OutputGroups:
         """The rank is done: its unfinished lines count as complete."""
         for stream in ("stdout", "stderr"):
             rest = self._partial.pop((rank, stream), None)
-            if rest is not None:
-                self._add_line(rank, stream, rest)
+            if rest is not None and shown_line(rest):
+                self._add_line(rank, stream, shown_line(rest))
         self._done.add(rank)
 
     def finish(self, *, realign: bool = True) -> None:
@@ -110,6 +116,23 @@ class OutputGroups:
         if realign and self.dedupe and printing > 1 and total <= REALIGN_MAX_LINES:
             self.groups = _align(self._lines)
             self.version += 1
+
+    def open_lines(self) -> list[Group]:
+        """Each rank's unfinished line as it shows now (e.g. a progress bar), grouped like lines."""
+        shown: list[Group] = []
+        by_key: dict[tuple, Group] = {}
+        for (rank, stream), partial in sorted(self._partial.items()):
+            text = shown_line(partial)
+            if not text.strip():
+                continue
+            key = (stream, text) if self.dedupe else (stream, text, rank)
+            group = by_key.get(key)
+            if group is None:
+                group = by_key[key] = Group(stream, text, [rank])
+                shown.append(group)
+            else:
+                group.ranks.append(rank)
+        return shown
 
     def settled(self) -> int:
         """How many leading groups can no longer change (every running rank is past them)."""
@@ -195,8 +218,11 @@ def _dropped_note(model: OutputGroups) -> str:
 
 
 def render_text(model: OutputGroups, start: int = 0, stop: int | None = None, *, tail: bool = True) -> str:
-    """Plain text of groups[start:stop], each line tagged with its ranks."""
-    groups = model.groups[start:stop]
+    """Plain text of groups[start:stop], each line tagged with its ranks.
+
+    With `tail`, unfinished lines (progress bars) and the note on dropped lines follow.
+    """
+    groups = model.groups[start:stop] + (model.open_lines() if tail else [])
     if not groups:
         return _dropped_note(model) if tail else ""
     cache: dict = {}
@@ -217,12 +243,13 @@ _STYLE = {
 
 def render_html(model: OutputGroups) -> str:
     """HTML of all groups: rank tags dimmed, stderr shaded, notices in red."""
-    if not model.groups:
+    groups = model.groups + model.open_lines()
+    if not groups:
         return ""
     cache: dict = {}
-    width = max(len(_tag(g, cache)) for g in model.groups)
+    width = max(len(_tag(g, cache)) for g in groups)
     rows = []
-    for g in model.groups:
+    for g in groups:
         tag = html.escape(_tag(g, cache).ljust(width))
         rows.append(f"<span style='{_STYLE[g.stream]}'><span style='opacity:.55'>{tag}</span> "
                     f"{html.escape(g.text)}</span>")

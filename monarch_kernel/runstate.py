@@ -10,7 +10,6 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from . import messages as m
 from .errors import RankFailure
 from .hosts import HostConnection
+from .termtext import LineLog
 from .transport import AsyncConnection
 
 RANK_LOG_LINES = 500
@@ -65,7 +65,7 @@ class RankState:
     busy_since: float | None = None
     exit_code: int | None = None
     signal: str | None = None
-    log: deque = field(default_factory=lambda: deque(maxlen=RANK_LOG_LINES))
+    log: LineLog = field(default_factory=lambda: LineLog(RANK_LOG_LINES))
     load: Any = None  # the latest RankLoad from its host agent
 
     @property

@@ -26,6 +26,7 @@ from typing import Any
 from .actor_host import ActorHost
 from .capture import DisplayCapture, RankStream
 from .cell import CellRunner, describe_failure
+from .errors import NoTerminalError
 from .messages import ActorCall, ActorReply, Call, CancelCall, Failure, Pull, Push, Result, RunCell
 from .serialization import SerializationError, seal, unseal
 from .lanes import LaneServer, accept_lane, lane_path, listen_lane
@@ -82,8 +83,21 @@ class Worker:
         import builtins
 
         builtins.display = self.displays.display  # type: ignore[attr-defined]
+        builtins.input = self._no_input
+        sys.breakpointhook = self._no_breakpoint
         self.displays.patch_ipython()
         signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _no_input(self, prompt: object = "") -> str:
+        self.stdout.write(str(prompt))
+        raise NoTerminalError(
+            "input() cannot read on a mesh rank: ranks have no terminal. "
+            "Give the ranks the value instead: %mesh push NAME, or mesh.push(name=value)")
+
+    def _no_breakpoint(self, *args: object, **kwargs: object) -> None:
+        raise NoTerminalError(
+            "breakpoint() on a mesh rank: ranks have no terminal for pdb. Inspect "
+            "their state from the notebook instead (%mesh pull EXPR, mesh.pull(...)), or print it")
 
     def _on_sigint(self, signum, frame) -> None:
         if self.in_user_code:

@@ -9,7 +9,7 @@ import monarch_kernel
 
 PKG = os.path.dirname(monarch_kernel.__file__)
 LAYERS = [
-    {"errors", "errortext", "shape", "messages", "serialization", "sharding"},  # values
+    {"errors", "errortext", "shape", "messages", "serialization", "sharding", "termtext"},  # values
     {"transport", "lanes", "ssh"},  # I/O
     {"cell", "capture", "calls", "actor_host", "load", "dist", "worker", "launcher", "hosts", "agent",
      "runstate", "controller"},  # runtime

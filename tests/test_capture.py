@@ -51,3 +51,19 @@ def test_display_builds_mime_bundles():
     assert isinstance(sent[0], Display) and sent[0].data["text/html"] == "<b>hi</b>"
     assert sent[1].data == {"text/plain": "'plain'"}
     assert mime_bundle(3)[0] == {"text/plain": "3"}
+
+
+def test_progress_bars_send_their_latest_state_and_are_not_capped(monkeypatch):
+    monkeypatch.setattr(capture, "MAX_OUTPUT_PER_REQUEST", 1000)
+    sent = []
+    stream = RankStream("stderr", 0, sent.append)
+    stream.request_id = 4
+    for i in range(2000):  # 20,000 characters of progress: twenty times the cap
+        stream.write(f"\rstep {i:4d}")
+        if i % 100 == 99:
+            stream.flush()
+    stream.write("\ndone\n")
+    stream.finish_request(4)
+    text = "".join(m.text for m in sent)
+    assert "\rstep 1999\ndone\n" in text and "dropped" not in text
+    assert text.count("\r") < 500  # one state per burst, not all 2,000 printed

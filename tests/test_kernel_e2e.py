@@ -44,6 +44,21 @@ def test_output_streams_live_into_its_own_cell_deduped(kernel):
     assert "first" not in after.text() and "second" not in after.text()
 
 
+def test_progress_bars_update_in_place_while_the_cell_runs(kernel):
+    code = ("%%mesh\nimport sys, time\nfor i in range(1, 21):\n"
+            "    print(f'\\rtrain {i * 5}%', end='', file=sys.stderr, flush=True)\n    time.sleep(0.1)\n"
+            "print(file=sys.stderr)\nprint('done')")
+    run = kernel.execute(code, 30)
+    assert run.status == "ok"
+    shown = [m["content"]["data"]["text/plain"] for _, m in run.messages
+             if m["msg_type"] in ("display_data", "update_display_data")
+             and "train" in m["content"]["data"].get("text/plain", "")]
+    assert any("train 50%" in text for text in shown[:-1])  # the bar moved while the cell ran
+    assert not any("\r" in text for text in shown)
+    final = run.outputs()[0]["data"]["text/plain"]
+    assert "[0-3]:train 100%" in final and "train 50%" not in final and "[0-3] done" in final
+
+
 def test_values_and_allreduce_as_in_the_readme(kernel):
     run = kernel.execute("%%mesh\nimport torch, torch.distributed as dist\nt = torch.ones(2) * dist.get_rank()\n"
                          "dist.all_reduce(t)\nprint('sum', t.tolist())\ndist.get_rank()", 30)

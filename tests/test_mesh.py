@@ -109,6 +109,16 @@ def test_sys_exit_and_cleared_namespace_leave_ranks_usable(mesh4, sink):
     assert list(mesh4.run("import os\nlen('abc')", sink=sink).values()) == [3] * 4
 
 
+def test_input_and_breakpoint_on_ranks_say_why_they_cannot_work(mesh4, sink):
+    with pytest.raises(RemoteError, match="NoTerminalError") as info:
+        mesh4.run("input('batch size? ')", sink=sink)
+    assert "ranks have no terminal" in str(info.value) and "%mesh push" in str(info.value)
+    assert len(info.value.failures) == 4 and info.value.failures[0].error_type == "NoTerminalError"
+    with pytest.raises(RemoteError, match="breakpoint"):
+        mesh4.run("breakpoint()", sink=sink)
+    assert mesh4.run("try:\n    input()\nexcept EOFError:\n    x = 'default'\nx", sink=sink).item(hosts=0, gpus=0) == "default"
+
+
 def test_huge_output_is_capped(mesh4, sink):
     mesh4.run("import sys\nchunk = 'x' * 1023 + '\\n'\nfor _ in range(20_000): sys.stdout.write(chunk)", sink=sink)
     shown = sum(len(t) for t in sink.text().values())

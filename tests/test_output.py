@@ -93,3 +93,30 @@ def test_html_escapes_and_marks_streams():
     model.notice(0, "rank 0 died")
     out = render_html(model)
     assert "&lt;b&gt;oops&lt;/b&gt;" in out and "rank 0 died" in out
+
+
+def test_carriage_returns_rewrite_a_line_as_in_a_terminal():
+    model = OutputGroups([0, 1])
+    for rank in (0, 1):
+        model.add(rank, "stderr", "\rtrain 10%\rtrain 50%")
+        model.add(rank, "stderr", "\rtrain 100%\n")
+    assert lines(model) == [("stderr", "train 100%", [0, 1])]
+
+
+def test_unfinished_lines_show_live_after_the_others():
+    model = OutputGroups([0, 1, 2])
+    model.add(0, "stdout", "epoch 1\n")
+    before = model.version
+    model.add(0, "stderr", "\rtrain 10%")
+    model.add(1, "stderr", "\rtrain 10%")
+    model.add(2, "stderr", "\rtrain 20%")
+    assert model.version > before  # a live view redraws the bars
+    assert [(g.stream, g.text, g.ranks) for g in model.open_lines()] == [
+        ("stderr", "train 10%", [0, 1]), ("stderr", "train 20%", [2])]
+    assert render_text(model).splitlines() == ["[0]   epoch 1", "[0-1]:train 10%", "[2]  :train 20%"]
+    assert "train 20%" in render_html(model)
+    model.add(2, "stderr", "\rtrain 30%")
+    assert model.open_lines()[-1].text == "train 30%"
+    model.finish()  # unfinished lines become lines, in their last state
+    assert model.open_lines() == []
+    assert [g.text for g in model.groups] == ["epoch 1", "train 10%", "train 30%"]
