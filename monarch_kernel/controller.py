@@ -77,7 +77,12 @@ class MeshRuntime:
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout: float | None = None) -> None:
         """Start agents and ranks; blocks until every rank is ready or raises MeshStartError."""
-        self.controller.run(self._start()).result(timeout or self.start_timeout_s + 10)
+        starting = self.controller.run(self._start())
+        try:
+            starting.result(timeout or self.start_timeout_s + 10)
+        except BaseException:
+            starting.cancel()  # Ctrl-C or a timeout: stop connecting; shutdown() closes what started
+            raise
 
     async def _start(self) -> None:
         self.links = []

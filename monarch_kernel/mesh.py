@@ -19,7 +19,7 @@ from .cell import check_syntax
 from .controller import MeshRuntime
 from .runstate import RankSnapshot
 from .hosts import HostSpec
-from .errors import MeshStartError, MeshUsageError, SerializationError
+from .errors import MeshInterrupted, MeshStartError, MeshUsageError, SerializationError
 from .futures import MeshFuture, raise_failures
 from .serialization import release, seal, unseal
 from .shape import Selector, Shape, format_ranks
@@ -272,7 +272,8 @@ def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, e
         if isinstance(exc, MeshStartError):
             raise
         if isinstance(exc, KeyboardInterrupt):
-            raise
+            raise MeshInterrupted(f"starting mesh {name!r} was interrupted; nothing of it is left running",
+                                  []) from None
         raise MeshStartError(f"mesh {name!r} failed to start: {exc}") from exc
     return Mesh(runtime, Shape.grid(hosts=len(hosts), gpus=gpus))
 

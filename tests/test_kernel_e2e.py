@@ -110,6 +110,29 @@ def test_stop_button_while_waiting_on_an_actor_stops_the_endpoint(kernel):
     assert "all ranks: 'rested'" in after.text()
 
 
+def _descendants(pid):
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(c) for c in children] + [d for c in children for d in _descendants(int(c))]
+
+
+def test_stop_button_during_mesh_up_leaves_nothing_running(kernel):
+    before = set(_descendants(kernel.pid))
+    run = kernel.submit("%mesh up local --gpus 4 --dist gloo --name stopped")
+    kernel.collect(run, 10, until=lambda r: any(m["msg_type"] == "execute_input" for _, m in r.messages))
+    time.sleep(0.7)  # the agent is up and forking ranks
+    kernel.interrupt()
+    kernel.collect(run, 30)
+    assert run.status == "error"
+    assert "starting mesh 'stopped' was interrupted; nothing of it is left running" in run.text()
+    assert "Traceback" not in run.text()
+    deadline = time.monotonic() + 5
+    while pids_alive(set(_descendants(kernel.pid)) - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pids_alive(set(_descendants(kernel.pid)) - before)
+    assert "stopped" not in kernel.execute("%mesh status").text()
+    assert kernel.execute("%%mesh\n1 + 1").status == "ok"  # the default mesh is untouched
+
+
 def test_dead_rank_ends_the_cell_within_a_second_with_fail_fast(kernel):
     start_cell = ("%%mesh --fail-fast\nimport os, sys, time\nif os.environ['RANK'] == '2':\n"
                   "    print('bye', file=sys.stderr, flush=True)\n    time.sleep(0.2)\n    os._exit(3)\ntime.sleep(30)")
