@@ -1,12 +1,14 @@
 """Live, deduplicated output of a run in the notebook cell (or terminal) that started it.
 
 In a Jupyter kernel, the cell's text lives in one display that is updated in place (at
-most every REFRESH_S, and at once for the first line). While the cell waits, updates go
-as display messages addressed to the cell's own request. A background run (`--bg`)
-outlives its cell's request, so its output goes into an ipywidgets Output widget shown
-in that cell: widget updates travel over the widget's comm, which frontends route by
-widget, not by request, so the text keeps landing in the right cell. In a terminal,
-lines are printed once they are settled (no rank can still join them).
+most every REFRESH_S, and at once for the first line; a long output is redrawn less often,
+so a training loop that logs every step sends at most about MAX_BYTES_PER_S). While the
+cell waits, updates go as display messages addressed to the cell's own request. A
+background run (`--bg`) outlives its cell's request, so its output goes into an
+ipywidgets Output widget shown in that cell: widget updates travel over the widget's
+comm, which frontends route by widget, not by request, so the text keeps landing in the
+right cell. In a terminal, lines are printed once they are settled (no rank can still
+join them).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from .output import OutputGroups, render_html, render_text
 
 REFRESH_S = 0.05
+MAX_BYTES_PER_S = 1_000_000  # a long output is redrawn less often: at most ~1 MB/s to the frontend
 
 
 class KernelPublisher:
@@ -96,6 +99,7 @@ class LiveOutput:
         self._display_id: str | None = None
         self._shown_version = 0
         self._last_render = 0.0
+        self._interval = REFRESH_S
         if announcement is not None:  # claim the spot in the cell now, while it still runs
             self._display_id = publisher.show({"text/plain": announcement})
             self._shown_version = -1
@@ -130,13 +134,14 @@ class LiveOutput:
     def _maybe_render(self) -> None:
         if self._model.version == self._shown_version:
             return
-        if self._display_id is None or time.monotonic() - self._last_render >= REFRESH_S:
+        if self._display_id is None or time.monotonic() - self._last_render >= self._interval:
             self._render()
 
     def _render(self) -> None:
         if self._model.version == self._shown_version:
             return
         bundle = {"text/plain": render_text(self._model), "text/html": render_html(self._model)}
+        self._interval = max(REFRESH_S, (len(bundle["text/plain"]) + len(bundle["text/html"])) / MAX_BYTES_PER_S)
         if self._display_id is None:
             self._display_id = self._publisher.show(bundle)
         else:

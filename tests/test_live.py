@@ -88,3 +88,27 @@ def test_terminal_prints_only_settled_lines_once():
 def test_label_bundle_keeps_other_mimetypes():
     bundle = label_bundle(3, {"text/plain": "x", "application/json": {"a": 1}})
     assert bundle["application/json"] == {"a": 1} and bundle["text/plain"] == "[rank 3] x"
+
+
+def test_long_outputs_are_redrawn_less_often(monkeypatch):
+    import monarch_kernel.live as live_module
+
+    clock = [0.0]
+    monkeypatch.setattr(live_module.time, "monotonic", lambda: clock[0])
+    class Counting(Publisher):
+        sent = 0
+
+        def update(self, display_id, bundle):
+            super().update(display_id, bundle)
+            self.sent += len(bundle["text/plain"]) + len(bundle["text/html"])
+
+    pub = Counting()
+    live = LiveOutput((0, 1), dedupe=True, publisher=pub)
+    for i in range(20_000):  # a training loop logging every step, one step per millisecond
+        clock[0] += 0.001
+        live.output(i % 2, "stdout", f"step {i // 2} loss {i * 0.37 % 1:.4f} rank {i % 2}\n")
+    sent = pub.sent
+    assert pub.updates > 10  # still live
+    assert sent / clock[0] < 2 * 1_000_000  # bounded bandwidth (about MAX_BYTES_PER_S), not 20 redraws a second
+    live.close()
+    assert "10,000 more lines" in pub.shown["d0"]["text/plain"]  # the cap on shown lines still holds
