@@ -98,7 +98,9 @@ class ActorHost:
                  shm_dir: str | None):
         self.rank = rank
         self.instances: dict[str, Any] = {}  # what `actors[...]` shows in %%mesh cells
-        self._mailboxes: dict[str, _Mailbox] = {}
+        self._mailboxes: dict[str, _Mailbox] = {}  # by spawn key ("name#N")
+        self._keys: dict[str, str] = {}  # actor mesh name -> key of its current spawn
+        self._retired: dict[str, str] = {}  # keys of replaced spawns -> their name
         self._send = send
         self._run_user = run_user  # runs a function with interrupts enabled
         self._shm_dir = shm_dir
@@ -115,11 +117,14 @@ class ActorHost:
         set_default_sender(self.sender)
 
     # ------------------------------------------------------------ spawning
-    def spawn(self, name: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
+    def spawn(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
               sources: dict[str, list[str]]) -> str:
-        """Create this rank's instance of actor mesh `name` (runs in user-code context)."""
-        if name in self._mailboxes:
-            raise ValueError(f"an actor mesh named {name!r} already lives on rank {self.rank}")
+        """Create this rank's instance of actor mesh `name` (runs in user-code context).
+
+        `key` identifies this spawn in calls. An earlier actor mesh of the same name on
+        this rank is replaced, as re-running a notebook cell expects: its queued calls
+        fail, and calls through its old handle say that it was spawned again.
+        """
         for filename, lines in sources.items():
             linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
         point = next(p for p in shape.points() if p.rank == self.rank)
@@ -128,17 +133,26 @@ class ActorHost:
             instance = cls(*args, **kwargs)
         finally:
             current_point.reset(token)
+        self.stop(name, replaced=True)
         self.instances[name] = instance
-        self._mailboxes[name] = _Mailbox(name, instance, shape, point)
+        self._keys[name] = key
+        self._mailboxes[key] = _Mailbox(name, instance, shape, point)
         return f"{cls.__name__} on rank {self.rank}"
 
-    def stop(self, name: str) -> None:
-        """Forget actor mesh `name` on this rank (queued calls fail)."""
-        box = self._mailboxes.pop(name, None)
+    def stop(self, name: str, *, replaced: bool = False) -> None:
+        """Forget actor mesh `name` on this rank (its queued calls fail)."""
+        key = self._keys.pop(name, None)
+        box = self._mailboxes.pop(key, None) if key is not None else None
         self.instances.pop(name, None)
-        if box is not None:
-            while box.queue:
-                self._reply(box.queue.popleft(), None, Failure("ActorStopped", f"actor mesh {name!r} was stopped", ""))
+        if box is None:
+            return
+        self._retired[key] = name
+        while len(self._retired) > MAX_REMEMBERED_CANCELS:
+            del self._retired[next(iter(self._retired))]
+        why = ("ActorReplaced", f"actor mesh {name!r} was spawned again") if replaced else \
+              ("ActorStopped", f"actor mesh {name!r} was stopped")
+        while box.queue:
+            self._reply(box.queue.popleft(), None, Failure(*why, ""))
 
     # ------------------------------------------------------------ reader thread side
     def cancel(self, msg: CancelCall) -> None:
@@ -183,14 +197,20 @@ class ActorHost:
             self._reply_via[(msg.caller, msg.call_id)] = reply_via
         box = self._mailboxes.get(msg.actor)
         if box is None:
-            known = ", ".join(sorted(self._mailboxes)) or "none"
-            self._reply(msg, None, Failure(
-                "ActorNotFound", f"no actor mesh {msg.actor!r} on rank {self.rank} (actor meshes here: {known}); "
-                "it was never spawned here, or the mesh restarted", ""))
+            self._reply(msg, None, self._not_found(msg.actor))
             return
         box.queue.append(msg)
         if not box.busy:
             self._drain(box)
+
+    def _not_found(self, key: str) -> Failure:
+        name = self._retired.get(key)
+        if name is not None:
+            return Failure("ActorReplaced", f"actor mesh {name!r} was spawned again on rank {self.rank}; this "
+                           "handle still points at the old actors: use the one the new spawn() returned", "")
+        known = ", ".join(sorted(self._keys)) or "none"
+        return Failure("ActorNotFound", f"no actor mesh {key.split('#')[0]!r} on rank {self.rank} (actor meshes "
+                       f"here: {known}); it was never spawned here, or the mesh restarted", "")
 
     def _drain(self, box: _Mailbox) -> None:
         while box.queue and not box.busy:

@@ -180,9 +180,11 @@ class ActorMesh:
 
     _choices = itertools.count()
 
-    def __init__(self, mesh_name: str, actor: str, class_name: str, endpoints: frozenset[str], shape: Shape):
+    def __init__(self, mesh_name: str, actor: str, class_name: str, endpoints: frozenset[str], shape: Shape,
+                 key: str | None = None):
         self.mesh_name = mesh_name
         self.name = actor
+        self.key = key or actor  # which spawn of `actor` this handle calls (name#N)
         self.class_name = class_name
         self.endpoints = endpoints
         self.shape = shape
@@ -201,7 +203,8 @@ class ActorMesh:
 
     def slice(self, **selectors: Selector | None) -> ActorMesh:
         """The actors on a slice: `trainers.slice(hosts=0, gpus=slice(0, 2))`."""
-        return ActorMesh(self.mesh_name, self.name, self.class_name, self.endpoints, self.shape.slice(**selectors))
+        return ActorMesh(self.mesh_name, self.name, self.class_name, self.endpoints, self.shape.slice(**selectors),
+                         self.key)
 
     def on_failure(self, callback: Callable[[ActorFailureEvent], None]) -> None:
         """Call callback(ActorFailureEvent) on a helper thread when a rank of this actor mesh dies."""
@@ -212,7 +215,7 @@ class ActorMesh:
         watch(self.ranks, lambda rank, why: callback(ActorFailureEvent(self.name, rank, why)))
 
     def __reduce__(self):
-        return (ActorMesh, (self.mesh_name, self.name, self.class_name, self.endpoints, self.shape))
+        return (ActorMesh, (self.mesh_name, self.name, self.class_name, self.endpoints, self.shape, self.key))
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self.name!r} of {self.class_name} on {self.shape} (ranks {format_ranks(self.ranks)})>"
@@ -240,7 +243,7 @@ class ActorMesh:
                     release(sealed)
 
             pending.on_reply = replied
-        sender.send_call(ActorCall(sender.caller_id, pending.call_id, self.name, endpoint_name, sealed,
+        sender.send_call(ActorCall(sender.caller_id, pending.call_id, self.key, endpoint_name, sealed,
                                    ranks, want_value))
         return pending
 
@@ -396,25 +399,29 @@ def _single(pending: PendingCall, mesh: ActorMesh, rank: int | None = None) -> A
 # ------------------------------------------------------------------ spawning
 
 
+_spawns = itertools.count(1)
+
+
 def spawn(mesh: Mesh, name: str, cls: type, args: tuple, kwargs: dict) -> ActorMesh:
-    """Create one `cls(*args, **kwargs)` per rank of `mesh`; see Mesh.spawn."""
+    """Create one `cls(*args, **kwargs)` per rank of `mesh`; see Mesh.spawn.
+
+    Spawning a name again replaces that actor mesh on these ranks (re-running a cell).
+    """
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise MeshUsageError(f"spawn() needs a subclass of monarch_kernel.Actor, got {cls!r}")
     if not name or not isinstance(name, str):
         raise MeshUsageError("spawn() needs a name for the actor mesh, e.g. mesh.spawn('trainers', Trainer)")
     shape = mesh.shape
     spawned = mesh._runtime.actor_meshes
-    if set(spawned.get(name, ())) & set(shape.ranks):
-        raise MeshUsageError(f"an actor mesh named {name!r} already lives on ranks "
-                             f"{format_ranks(sorted(set(spawned[name]) & set(shape.ranks)))}; pick another name")
     sources = notebook_sources(cls)
+    key = f"{name}#{next(_spawns)}"
 
     def create(worker: Any) -> str:
-        return worker.actors.spawn(name, cls, args, kwargs, shape, sources)
+        return worker.actors.spawn(name, key, cls, args, kwargs, shape, sources)
 
     mesh._call_in_worker(create, f"spawn({name!r}, {cls.__name__})")
     spawned[name] = tuple(sorted(set(spawned.get(name, ())) | set(shape.ranks)))
-    return ActorMesh(mesh.name, name, cls.__name__, cls._endpoints, shape)
+    return ActorMesh(mesh.name, name, cls.__name__, cls._endpoints, shape, key)
 
 
 def notebook_sources(cls: type) -> dict[str, list[str]]:

@@ -184,7 +184,8 @@ class Mesh:
         """One `actor_class(*args, **kwargs)` per rank, as actor mesh `name`.
 
         Returns an ActorMesh: `trainers.step.call(x).get()` and friends. Each rank's
-        instance is also `actors[name]` in `%%mesh` cells.
+        instance is also `actors[name]` in `%%mesh` cells. Spawning a name again replaces
+        those actors on these ranks (as re-running a notebook cell expects).
         """
         return spawn(self, name, actor_class, args, kwargs)
 

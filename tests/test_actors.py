@@ -1,6 +1,7 @@
 """Actors on local meshes: every way to call them, ordering, errors, death, cancellation."""
 
 import asyncio
+import io
 import os
 import signal
 import sys
@@ -23,6 +24,7 @@ from monarch_kernel import (
     endpoint,
     local_mesh,
 )
+from monarch_kernel.sinks import PlainSink
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import this file
 
@@ -208,8 +210,28 @@ def test_unknown_endpoint_and_bad_spawn(mesh, counters):
         counters.nope
     with pytest.raises(MeshUsageError, match="subclass of monarch_kernel.Actor"):
         mesh.spawn("x", dict)
-    with pytest.raises(MeshUsageError, match="already lives on ranks 0-3"):
-        mesh.spawn("counters", Counter)
+
+
+def test_spawning_a_name_again_replaces_it_as_rerunning_a_cell_expects(mesh):
+    first = mesh.spawn("rerun", Counter, 1)
+    assert list(first.add.call(0).get().values()) == [1] * 4
+    second = mesh.spawn("rerun", Counter, 100)  # the cell ran again (maybe with an edited class)
+    assert list(second.add.call(0).get().values()) == [100] * 4
+    assert list(mesh.run("actors['rerun'].value", sink=PlainSink(stream=io.StringIO())).values()) == [100] * 4
+    with pytest.raises(ActorError, match="spawned again") as info:
+        first.add.call(1).get()
+    assert "use the one the new spawn() returned" in str(info.value)
+    # a spawn over part of the ranks replaces only those; the old handle's others still serve
+    third = mesh.slice(gpus=slice(0, 2)).spawn("rerun", Counter, 7)
+    assert list(third.add.call(0).get().values()) == [7, 7]
+    assert list(second.slice(gpus=slice(2, 4)).add.call(0).get().values()) == [100, 100]
+    with pytest.raises(ActorError, match="spawned again"):
+        second.slice(gpus=0).add.call_one(0).get()
+
+
+def test_actor_meshes_of_one_name_on_disjoint_slices_live_side_by_side(mesh):
+    parts = [mesh.slice(gpus=r).spawn("per-rank", Counter, r * 10) for r in range(4)]
+    assert [p.add.call_one(1).get() for p in parts] == [1, 11, 21, 31]
 
 
 def test_a_failing_constructor_is_a_readable_error(mesh):
