@@ -11,6 +11,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from monarch_kernel.errors import CellSyntaxError, MeshError, RemoteError
 from monarch_kernel.mesh import BACKENDS, Mesh, local_mesh, ssh_mesh
+from monarch_kernel.rankshell import to_mesh_python
 from monarch_kernel.shape import format_ranks, parse_spec
 from monarch_kernel.shardview import visualize_sharding
 from monarch_kernel.meshview import mesh_snapshot, snapshot_rich
@@ -148,7 +149,7 @@ class MeshMagics(Magics):
         count = getattr(self.shell, "execution_count", None)
         name = f"In[{count}]" if count is not None else None
         try:
-            future = target.run_async(cell, timeout=args.timeout, fail_fast=args.fail_fast,
+            future = target.run_async(_ipython_to_python(cell), timeout=args.timeout, fail_fast=args.fail_fast,
                                       dedupe=not args.no_dedupe, name=name, background=args.bg)
         except SyntaxError as exc:
             raise CellSyntaxError(exc) from None  # shown like a local SyntaxError
@@ -316,6 +317,21 @@ class MeshMagics(Magics):
         if not first or first.lstrip().startswith(("%mesh", "%%mesh", "%load_ext", "%unload_ext")):
             return lines
         return [f"%%mesh --name {self._auto}\n", *lines]
+
+
+def _ipython_to_python(cell: str) -> str:
+    """A cell's IPython syntax (`!cmd`, `x = !cmd`, `%magic`) as calls on the ranks' shell.
+
+    A fresh transformer manager: the shell's own would route the body to the mesh again
+    while `%mesh on` is active.
+    """
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    try:
+        python = TransformerManager().transform_cell(cell)
+    except Exception:  # noqa: BLE001 - leave it to the syntax check to explain
+        return cell
+    return cell if python.rstrip("\n") == cell.rstrip("\n") else to_mesh_python(python)
 
 
 def _keep_dim(spec):

@@ -30,6 +30,7 @@ from .errors import NoTerminalError
 from .messages import ActorCall, ActorReply, Call, CancelCall, Failure, Pull, Push, Result, RunCell
 from .serialization import SerializationError, seal, unseal
 from .lanes import LaneServer, accept_lane, lane_path, listen_lane
+from .rankshell import RankShell
 from .transport import BlockingConnection, ConnectionClosed
 
 READY_REQ = 0  # req_id of the rank's start-up reply
@@ -67,6 +68,7 @@ class Worker:
         self.namespace = module.__dict__
         self.namespace["__builtins__"] = __builtins__
         self.runner = CellRunner(self.namespace)
+        self.shell = RankShell(self.namespace, self.runner.run)  # `!cmd` and magics of mesh cells
         self.stdout = RankStream("stdout", config.rank, self._send)
         self.stderr = RankStream("stderr", config.rank, self._send)
         self.displays = DisplayCapture(config.rank, self._send, lambda: self.current_req, self.flush_streams)
@@ -187,6 +189,8 @@ class Worker:
 
     def _dispatch(self, msg: Any) -> Any:
         if isinstance(msg, RunCell):
+            if "_mesh_shell" in msg.code:
+                self.namespace["_mesh_shell"] = self.shell  # even after a cell cleared its globals
             return self._user(self.runner.run, msg.code, msg.filename)
         if isinstance(msg, Pull):
             return self._user(self.runner.evaluate, msg.expr)

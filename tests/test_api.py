@@ -11,7 +11,7 @@ PKG = os.path.dirname(monarch_kernel.__file__)
 LAYERS = [
     {"errors", "errortext", "shape", "messages", "serialization", "sharding", "termtext"},  # values
     {"transport", "lanes", "ssh"},  # I/O
-    {"cell", "capture", "calls", "actor_host", "load", "dist", "worker", "launcher", "hosts", "agent",
+    {"cell", "capture", "calls", "actor_host", "load", "dist", "rankshell", "worker", "launcher", "hosts", "agent",
      "runstate", "controller"},  # runtime
     {"futures", "sinks", "values", "actors", "mesh"},  # API
     {"output", "live", "statusview", "shardview", "timing", "meshview", "meshwidget",

@@ -99,6 +99,29 @@ def test_on_off_routes_every_cell(ip):
     assert result.result == 42
 
 
+def test_ipython_syntax_runs_on_every_rank(ip, tmp_path):
+    result, text = run(ip, "%%mesh\nx = 21\n!echo rank $RANK got {x * 2}\nlines = !printf 'a\\nb\\n'\nlines")
+    assert result.success, text
+    assert all(f"[{r}] rank {r} got 42" in text for r in range(4))
+    assert list(result.result.values()) == [["a", "b"]] * 4
+    result, text = run(ip, "%%mesh\n!exit 3\n_exit_code")
+    assert list(result.result.values()) == [3] * 4
+    result, text = run(ip, f"%%mesh\n%%writefile {tmp_path}/rank_{{os.environ['RANK']}}.txt\nhello\n")
+    assert result.success, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank_{r}.txt" for r in range(4)]
+    assert (tmp_path / "rank_2.txt").read_text() == "hello\n"
+    result, text = run(ip, "%%mesh\n%%bash\necho from bash $((RANK * 10))")
+    assert "[0] from bash 0" in text and "[3] from bash 30" in text
+    result, text = run(ip, "%%mesh\n%%time\nsum(range(10))")
+    assert text.count("wall time") == 4 and list(result.result.values()) == [45] * 4
+    result, text = run(ip, "%%mesh\n%timeit pass")
+    assert not result.success and "%timeit is not available in mesh cells" in text and "%pip" in text
+    run(ip, "%mesh on")
+    result, text = run(ip, "!echo routed $RANK")
+    run(ip, "%mesh off")
+    assert "[2] routed 2" in text
+
+
 def test_two_meshes_use_and_down(ip):
     result, text = run(ip, "%mesh up local --gpus 1 --dist none --name small")
     assert result.success, text

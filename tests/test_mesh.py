@@ -2,6 +2,7 @@
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -117,6 +118,25 @@ def test_input_and_breakpoint_on_ranks_say_why_they_cannot_work(mesh4, sink):
     with pytest.raises(RemoteError, match="breakpoint"):
         mesh4.run("breakpoint()", sink=sink)
     assert mesh4.run("try:\n    input()\nexcept EOFError:\n    x = 'default'\nx", sink=sink).item(hosts=0, gpus=0) == "default"
+
+
+def test_interrupting_a_shell_command_stops_it_and_what_it_started(mesh4, sink):
+    tag = f"{os.getpid() % 1000}.{time.time_ns() % 10_000:04d}"  # a unique sleep argument to find
+
+    def sleeping():
+        found = subprocess.run(["pgrep", "-f", f"^sleep {tag}"], capture_output=True, text=True).stdout.split()
+        return pids_alive([int(p) for p in found])
+
+    future = mesh4.run_async(f"_mesh_shell.system('sleep {tag} & sleep {tag}; echo never')", sink=sink)
+    deadline = time.monotonic() + 10
+    while len(sleeping()) < 8 and time.monotonic() < deadline:  # two sleeps on each of 4 ranks
+        time.sleep(0.05)
+    assert len(sleeping()) == 8
+    mesh4.interrupt()
+    with pytest.raises(MeshInterrupted):
+        future.get(timeout=10)
+    assert sleeping() == [] and "never" not in str(sink.text())
+    assert list(mesh4.run("1", sink=sink).values()) == [1] * 4
 
 
 def test_huge_output_is_capped(mesh4, sink):

@@ -36,6 +36,8 @@ def cell_with(nb, snippet):
 def test_quickstart_runs_and_shows_real_output():
     nb = execute("01_quickstart.ipynb")
     assert "[0-3] sum [6.0, 6.0]" in texts(cell_with(nb, "dist.all_reduce(t)"))
+    shell = texts(cell_with(nb, "!echo"))
+    assert "[0-3] torch 2." in shell and "rank 3 of 4 on" in shell
     odd = texts(cell_with(nb, "odd rank"))
     assert "ValueError: odd rank 1" in odd and "ValueError: odd rank 3" in odd and "<mesh In[" in odd
     assert "0       1       4       9" in texts(cell_with(nb, "await fut"))
