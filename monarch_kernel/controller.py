@@ -4,7 +4,7 @@ It owns the connections to host agents, the table of ranks and their states, and
 requests in flight. Everything here runs on the loop thread; callers in the notebook's
 thread hand work over with `ControllerLoop.call` and get results through
 concurrent futures and per-request event queues, so the notebook's own event loop is
-never blocked by mesh traffic.
+never blocked by mesh traffic. Actor calls go through the mesh's `callrouter.ControllerSender`.
 """
 
 from __future__ import annotations
@@ -17,21 +17,18 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any
 
 from . import messages as m
-from .calls import CallTable, CallTracker, PendingCall, death_reply, register_sender
+from .callrouter import ControllerSender
+from .calls import register_sender
 from .errors import MeshNotRunningError, MeshStartError, MeshUsageError, RankFailure
 from .hosts import HostSpec, open_host
-from .lanes import Lane, LanePool
 from .runstate import ControllerLoop, HostLink, RankSnapshot, RankState, Request, TimingRecord
-from .transport import ConnectionClosed, encode
 
 HISTORY_RECORDS = 50_000
 PING_INTERVAL_S = 1.0
@@ -62,16 +59,12 @@ class MeshRuntime:
         self.run_dir = tempfile.mkdtemp(prefix=f"monarch-{name}-")
         self.shm_dir = _private_shm_dir(name)
         self.closed = False
-        self.caller_id = m.CONTROLLER
-        self.calls = CallTable()  # actor calls made from this process
-        self.routed = CallTracker()  # actor calls routed through here, failed if a rank dies
         self.history: deque[TimingRecord] = deque(maxlen=HISTORY_RECORDS)
         self.idle_output = IdleOutput()  # what ranks print outside cells (actor endpoints)
         self._local_ranks: tuple[list, frozenset[int]] = ([], frozenset())
-        self.lanes = LanePool(self.shm_dir, self.controller.loop, self._on_lane_message)
+        self.sender = ControllerSender(self)  # actor calls made from (or routed through) here
         self.actor_meshes: dict[str, tuple[int, ...]] = {}  # spawned actor meshes: name -> ranks
-        self.failure_watchers: list[tuple[frozenset[int], Callable[[int, str], None]]] = []
-        register_sender(name, self)
+        register_sender(name, self.sender)
         MeshRuntime._open.add(self)
 
     # ------------------------------------------------------------ lifecycle
@@ -150,7 +143,7 @@ class MeshRuntime:
 
     def restart(self, timeout: float | None = None) -> None:
         """Replace every rank with a fresh one (same shape); namespaces are lost."""
-        self._require_open()
+        self.require_open()
         self.controller.run(self._restart()).result(timeout or self.start_timeout_s + 10)
 
     async def _restart(self) -> None:
@@ -217,7 +210,8 @@ class MeshRuntime:
             self._local_ranks = (self.links, local)
         return self.shm_dir if local.issuperset(ranks) else None
 
-    def _require_open(self) -> None:
+    def require_open(self) -> None:
+        """Raise MeshNotRunningError if the mesh was shut down."""
         if self.closed:
             raise MeshNotRunningError(
                 f"mesh {self.name!r} is shut down; start a new one with %mesh up or local_mesh()")
@@ -226,7 +220,7 @@ class MeshRuntime:
     def submit(self, ranks: Iterable[int], make_body: Callable[[int], Any], *, label: str,
                fail_fast: bool = False, on_done: Callable[[], None] | None = None) -> Request:
         """Send a request (body built from its req_id) to ranks; thread-safe."""
-        self._require_open()
+        self.require_open()
         req = Request(next(self._req_ids), frozenset(ranks), label, fail_fast, on_done=on_done)
         body = make_body(req.req_id)
         self.controller.call(self._send_request, req, body)
@@ -238,7 +232,7 @@ class MeshRuntime:
         for rank in sorted(req.ranks):
             state = self.ranks[rank]
             if not state.alive:
-                req.failures[rank] = self._death_failure(state, "was already dead")
+                req.failures[rank] = self.death_failure(state, "was already dead")
                 continue
             if not state.inflight:
                 state.busy_since = now
@@ -276,12 +270,6 @@ class MeshRuntime:
         req.events.put(("done", None))
         req.future.set_result(req)
 
-    def record_timing(self, label: str, times: list[tuple[int, float | None, bool]]) -> None:
-        """Keep per-rank durations of an actor call in the history; thread-safe."""
-        now = time.time()
-        for rank, seconds, ok in times:
-            self.history.append(TimingRecord(label, rank, self.ranks[rank].host, seconds, ok, now))
-
     def _record_timing(self, req: Request) -> None:
         now = time.time()
         for rank in sorted(req.ranks):
@@ -294,123 +282,13 @@ class MeshRuntime:
                 self.history.append(TimingRecord(req.label, rank, host, None, False, now))
 
     def _fail_all(self, why: str) -> None:
-        self.lanes.close()
+        self.sender.fail_all(why)
         self.actor_meshes.clear()  # the ranks that held them are gone
-        for call in self.calls.pending():
-            for rank in call.outstanding:
-                self.calls.deliver(death_reply(m.CONTROLLER, call.call_id, rank, why, "MeshRestarted"))
-        self.routed = CallTracker()
         for req in list(self.requests.values()):
             for rank in req.outstanding:
                 state = self.ranks[rank]
                 req.failures[rank] = RankFailure(rank, state.host, "lost", "MeshRestarted", why)
             self._maybe_complete(req)
-
-    # ------------------------------------------------------------ actor calls
-    def send_call(self, msg: m.ActorCall) -> None:
-        """Send an actor call; thread-safe.
-
-        Ranks on this machine get it straight from the calling thread over their direct
-        lane; the others through the controller loop and their host agent.
-        """
-        self._require_open()
-        away = []
-        chunks = None
-        for rank in msg.ranks:
-            lane = self._lane(rank)
-            if lane is None:
-                away.append(rank)
-                continue
-            if chunks is None:
-                chunks = encode(msg)
-            try:
-                self.lanes.send(lane, chunks)
-            except ConnectionClosed:
-                away.append(rank)  # the rank is going away: the agent reports how
-        if away:
-            self.controller.call(self._route_call, msg if len(away) == len(msg.ranks)
-                                 else replace(msg, ranks=tuple(away)))
-
-    def _lane(self, rank: int) -> Lane | None:
-        state = self.ranks.get(rank)
-        if state is None or not state.alive or self.shm_dir_for((rank,)) is None:
-            return None
-        return self.lanes.get(rank)
-
-    def _on_lane_message(self, msg: Any) -> None:
-        if isinstance(msg, m.ActorReply):
-            self.calls.deliver(msg)
-
-    def flush_calls(self) -> None:
-        """Write calls queued on direct lanes now (a caller is about to wait)."""
-        self.lanes.flush()
-
-    def wait_for_replies(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
-        """Block until `count` replies are in; local replies are read on this thread."""
-        self.lanes.flush()
-        done = self.lanes.wait(pending.outstanding, lambda: len(pending.replies) >= count, timeout)
-        return pending.wait(count, timeout) if done is None else done
-
-    def send_cancel(self, msg: m.CancelCall) -> None:
-        """Ask the ranks of a call to stop it; thread-safe."""
-        if not self.closed:
-            self.controller.call(self._route_cancel, msg)
-
-    def must_not_wait_on(self, ranks: tuple[int, ...]) -> bool:
-        """The notebook's thread may always wait (replies arrive on the loop thread)."""
-        return False
-
-    def host_of(self, rank: int) -> str:
-        """The host a rank runs on."""
-        state = self.ranks.get(rank)
-        return state.host if state is not None else ""
-
-    def is_alive(self, rank: int) -> bool:
-        """Whether a rank is running (as last reported)."""
-        state = self.ranks.get(rank)
-        return state is not None and state.alive
-
-    def watch_failures(self, ranks: Iterable[int], callback: Callable[[int, str], None]) -> None:
-        """Call callback(rank, why) (on a helper thread) when one of these ranks dies."""
-        self.failure_watchers.append((frozenset(ranks), callback))
-
-    def _route_call(self, msg: m.ActorCall) -> None:
-        for link in self.links:
-            local = tuple(r for r in link.ranks if r in msg.ranks)
-            if not local:
-                continue
-            alive = tuple(r for r in local if self.ranks[r].alive and link.conn is not None and not link.conn.closed)
-            for rank in local:
-                if rank not in alive:
-                    state = self.ranks[rank]
-                    self._deliver_reply(death_reply(msg.caller, msg.call_id, rank, self._death_failure(
-                        state, "is dead").message))
-            if alive:
-                self.routed.add(msg.caller, msg.call_id, alive)
-                link.conn.send(msg if alive == msg.ranks else replace(msg, ranks=alive))
-
-    def _route_cancel(self, msg: m.CancelCall) -> None:
-        for link in self.links:
-            local = tuple(r for r in link.ranks if r in msg.ranks)
-            if local and link.conn is not None and not link.conn.closed:
-                link.conn.send(replace(msg, ranks=local))
-
-    def _deliver_reply(self, reply: m.ActorReply) -> None:
-        if reply.caller == m.CONTROLLER:
-            self.calls.deliver(reply)
-            return
-        for link in self.links:
-            if reply.caller in link.ranks and link.conn is not None and not link.conn.closed:
-                link.conn.send(reply)
-
-    def _fail_calls_on(self, rank: int, why: str) -> None:
-        self.calls.fail_rank(rank, why)  # calls sent over its direct lane
-        for caller, call_id in self.routed.owed_by(rank):
-            if self.routed.answered(caller, call_id, rank):
-                self._deliver_reply(death_reply(caller, call_id, rank, why))
-        for ranks, callback in self.failure_watchers:
-            if rank in ranks:
-                threading.Thread(target=callback, args=(rank, why), name="mesh-supervision", daemon=True).start()
 
     # ------------------------------------------------------------ messages from agents
     def _on_message(self, link: HostLink, msg: Any) -> None:
@@ -437,12 +315,11 @@ class MeshRuntime:
             if link.started is not None and not link.started.done():
                 link.started.set_result(msg.ranks)
         elif isinstance(msg, m.ActorReply):
-            if self.routed.answered(msg.caller, msg.call_id, msg.rank):
-                self._deliver_reply(msg)
+            self.sender.routed_reply(msg)
         elif isinstance(msg, m.ActorCall):
-            self._route_call(msg)
+            self.sender.route_call(msg)
         elif isinstance(msg, m.CancelCall):
-            self._route_cancel(msg)
+            self.sender.route_cancel(msg)
         elif isinstance(msg, m.HostLoad):
             for load in msg.loads:
                 state = self.ranks.get(load.rank)
@@ -468,7 +345,8 @@ class MeshRuntime:
         elif event[0] == "output":
             self.idle_output.write(rank, event[2], event[3])
 
-    def _death_failure(self, state: RankState, how: str) -> RankFailure:
+    def death_failure(self, state: RankState, how: str) -> RankFailure:
+        """The failure of work on a dead rank: pid, exit code or signal, stderr tail, what to do."""
         if state.signal == HOST_LOST:
             status = f"its host {state.host} was lost"
         else:
@@ -490,8 +368,8 @@ class MeshRuntime:
                 state.log.append(("stderr", line))
         if msg.expected:
             return
-        failure = self._death_failure(state, "died")
-        self._fail_calls_on(msg.rank, failure.message)
+        failure = self.death_failure(state, "died")
+        self.sender.rank_died(msg.rank, failure.message)
         failure = RankFailure(**{**failure.__dict__, "stderr_tail": msg.stderr_tail or failure.stderr_tail})
         for req_id in list(state.inflight):
             req = self.requests.get(req_id)

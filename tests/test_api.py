@@ -12,6 +12,7 @@ LAYERS = [
     {"errors", "errortext", "shape", "messages", "serialization", "sharding", "termtext"},  # values
     {"transport", "lanes", "ssh"},  # I/O
     {"cell", "capture", "calls", "actor_host", "load", "dist", "rankshell", "worker", "launcher", "hosts", "agent",
+     "callrouter",
      "runstate", "controller"},  # runtime
     {"futures", "sinks", "values", "actors", "mesh"},  # API
     {"output", "live", "statusview", "shardview", "timing", "meshview", "meshwidget",
