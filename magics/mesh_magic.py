@@ -34,6 +34,15 @@ USAGE = """\
        [--fail-fast] [--no-dedupe] [--bg]
 SPEC is an int (2), a list (0,2) or a slice (0:4, ::2)."""
 
+HELP = f"""\
+%mesh / %%mesh: run notebook cells on a mesh of worker processes (ranks), one per GPU.
+
+{USAGE}
+
+In %%mesh cells, !cmd, out = !cmd and %pip, %env, %cd, %pwd, %time, %%time, %%bash,
+%%sh, %%writefile run on every rank's host. The same from Python: local_mesh(),
+ssh_mesh(), mesh.run / push / pull / spawn (see the README)."""
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse that raises UsageError (one line, no traceback) instead of exiting."""
@@ -133,6 +142,9 @@ class MeshMagics(Magics):
         %mesh status | use | down | restart | interrupt | push | pull | logs | on | off
         %mesh sharding x                        how DTensor x lies on the mesh
         """
+        if {"-h", "--help"} & set(line.split()) or line.split()[:1] == ["help"]:
+            print(HELP)  # asked for help: not an error, and the cell does not run
+            return None
         try:
             if cell is None:
                 return self._line_magic(line)

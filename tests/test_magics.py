@@ -33,6 +33,13 @@ def test_bad_input_gives_a_short_message_not_a_traceback(ip, line):
     assert "UsageError" in text and "Traceback" not in text and "monarch_kernel/" not in text
 
 
+@pytest.mark.parametrize("line", ["%mesh --help", "%mesh help", "%mesh up --help", "%%mesh -h\nraise SystemExit"])
+def test_help_is_help_not_an_error(ip, line):
+    result, text = run(ip, line)
+    assert result.success and "UsageError" not in text
+    assert "%mesh up local" in text and "%%mesh [--name NAME]" in text and "!cmd" in text
+
+
 def test_a_session_of_magics(ip):
     result, text = run(ip, "%mesh up local --gpus 4 --dist gloo --name main --env MY_FLAG=on")
     assert result.success, text
