@@ -67,7 +67,7 @@ class HostAgent:
             self._deliver_call(msg, msg.ranks)
         elif isinstance(msg, m.ActorReply):
             self._route_reply(msg)
-        elif isinstance(msg, m.CancelCall):
+        elif isinstance(msg, (m.CancelCall, m.InputReply)):
             self._deliver_to_ranks(msg, msg.ranks)
         elif isinstance(msg, m.Ping):
             self._to_controller(m.Pong(msg.seq))

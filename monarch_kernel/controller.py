@@ -243,6 +243,16 @@ class MeshRuntime:
                 link.conn.send(m.ToRanks(local, body))
         self._maybe_complete(req)
 
+    def send_input(self, ranks: Iterable[int], text: str, error: str | None = None) -> None:
+        """Answer the input() of these ranks (error: why there is no answer); thread-safe."""
+        self.controller.call(self._send_input, frozenset(ranks), text, error)
+
+    def _send_input(self, ranks: frozenset[int], text: str, error: str | None) -> None:
+        for link in self.links:
+            local = tuple(r for r in link.ranks if r in ranks)
+            if local and link.conn is not None and not link.conn.closed:
+                link.conn.send(m.InputReply(local, text, error))
+
     def interrupt(self, ranks: Iterable[int] | None = None) -> None:
         """SIGINT the given ranks (default: every busy rank); thread-safe."""
         chosen = None if ranks is None else frozenset(ranks)
@@ -307,6 +317,12 @@ class MeshRuntime:
                 self._maybe_complete(req)
         elif isinstance(msg, m.Display):
             self._route(msg.rank, msg.req_id, ("display", msg.rank, msg.data, msg.metadata))
+        elif isinstance(msg, m.InputRequest):
+            req = self.requests.get(msg.req_id)
+            if req is None:
+                link.conn.send(m.InputReply((msg.rank,), "", "its cell is no longer waiting"))
+            else:
+                req.events.put(("input", msg.rank, msg.prompt))
         elif isinstance(msg, m.RankExited):
             self._on_rank_exit(msg)
         elif isinstance(msg, m.RankHealth):

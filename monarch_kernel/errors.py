@@ -40,7 +40,7 @@ class CellSyntaxError(MeshError):
 
 
 class NoTerminalError(MeshError, EOFError):
-    """input() or breakpoint() on a rank: ranks have no terminal to read from."""
+    """input() on a rank got no line: nothing could ask the notebook (or it could not answer)."""
 
 
 class SerializationError(MeshError):

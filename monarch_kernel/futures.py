@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 INTERRUPT_GRACE_S = 0.8
 PUMP_INTERVAL_S = 0.05
+INPUT_GATHER_S = 0.2  # ranks asking for input within this share one question
 
 
 class MeshFuture(Generic[T]):
@@ -41,6 +42,8 @@ class MeshFuture(Generic[T]):
         self._lock = threading.Lock()
         self._outcome: tuple[bool, Any] | None = None
         self._created = time.monotonic()
+        self._background = False
+        self._stopping = False
 
     @property
     def label(self) -> str:
@@ -86,6 +89,7 @@ class MeshFuture(Generic[T]):
 
     def pump_in_background(self) -> None:
         """Deliver live output from a daemon thread (for runs nobody waits on)."""
+        self._background = True
         threading.Thread(target=self._bg_wait, name=f"mesh-pump-{self.label}", daemon=True).start()
 
     def _bg_wait(self) -> None:
@@ -125,6 +129,9 @@ class MeshFuture(Generic[T]):
                 continue
             if event[0] == "done":
                 return True
+            if event[0] == "input":
+                self._answer_input(event)
+                continue
             self._dispatch(event)
 
     def _dispatch(self, event: tuple) -> None:
@@ -139,9 +146,54 @@ class MeshFuture(Generic[T]):
             for rank in event[1]:
                 self._sink.rank_done(rank)
 
+    def _answer_input(self, first: tuple) -> None:
+        """Ranks called input() (or pdb did): ask the notebook, once per distinct prompt.
+
+        SPMD code asks on every rank at about the same moment: requests that come within
+        INPUT_GATHER_S with the same prompt share one question, and its answer goes to
+        all of them (e.g. one `(Pdb)` box drives the debugger on every rank).
+        """
+        asking = {first[1]: first[2]}
+        events, deadline = self._request.events, time.monotonic() + INPUT_GATHER_S
+        while len(asking) < len(self._request.ranks) and (left := deadline - time.monotonic()) > 0:
+            try:
+                event = events.get(timeout=left)
+            except queue.Empty:
+                break
+            if event[0] == "input":
+                asking[event[1]] = event[2]
+            elif event[0] == "done":
+                events.put(event)
+                break
+            else:
+                self._dispatch(event)
+        prompts: dict[str, list[int]] = {}
+        for rank, prompt in sorted(asking.items()):
+            prompts.setdefault(prompt, []).append(rank)
+        for prompt, ranks in prompts.items():
+            new_block = getattr(self._sink, "new_block", None)
+            if new_block is not None:
+                new_block()  # what came before stays above the question, what follows goes below
+            try:
+                text, error = self._read_line(f"[{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}] "
+                                              f"{prompt}"), None
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the ranks hear why, and the cell goes on
+                text, error = "", f"the notebook could not read a line ({type(exc).__name__}: {exc})"
+            self._runtime.send_input(ranks, text, error)
+
+    def _read_line(self, prompt: str) -> str:
+        if self._background:
+            raise RuntimeError("background runs (--bg) cannot ask for input")
+        if self._stopping:
+            raise RuntimeError("the run is being stopped")
+        return input(prompt)
+
     def _stop(self, why: str, error_type: type) -> BaseException:
         """Interrupt the ranks still running, collect their tracebacks, build the error."""
         req = self._request
+        self._stopping = True
         self._runtime.interrupt(req.outstanding)
         try:
             self._pump(time.monotonic() + INTERRUPT_GRACE_S)

@@ -117,10 +117,14 @@ class LiveOutput:
         self._maybe_render()
 
     def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:  # noqa: D102
+        self.new_block()
+        self._publisher.show(label_bundle(rank, data), metadata, live=False)
+
+    def new_block(self) -> None:
+        """Freeze the text so far; what comes next goes below whatever is shown now (a display, a prompt)."""
         self._model.finish()
         self._render()
-        self._publisher.show(label_bundle(rank, data), metadata, live=False)
-        self._model = OutputGroups(self._ranks, dedupe=self._dedupe)  # text after it goes below it
+        self._model = OutputGroups(self._ranks, dedupe=self._dedupe)
         self._display_id = None
         self._shown_version = 0
 
@@ -179,6 +183,14 @@ class TerminalOutput:
 
     def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:  # noqa: D102
         self._stream.write(f"[rank {rank}] {data.get('text/plain', '<display>')}\n")
+
+    def new_block(self) -> None:
+        """Print everything so far (a prompt follows)."""
+        self._model.finish(realign=False)
+        self._emit(len(self._model.groups))
+        self._stream.flush()
+        self._model = OutputGroups(self._model.all_ranks, dedupe=self._model.dedupe)
+        self._printed = 0
 
     def tick(self) -> None:  # noqa: D102
         pass

@@ -83,6 +83,24 @@ class Output:
 
 
 @dataclass(frozen=True)
+class InputRequest:
+    """A cell on a rank called input() (pdb too): ask the notebook for a line."""
+
+    rank: int
+    req_id: int
+    prompt: str
+
+
+@dataclass(frozen=True)
+class InputReply:
+    """The line the notebook typed for these ranks' input(), or why there is none."""
+
+    ranks: tuple[int, ...]
+    text: str
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Display:
     """A rich display (MIME bundle) produced on a rank."""
 

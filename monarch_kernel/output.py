@@ -114,7 +114,7 @@ class OutputGroups:
         if all(len(g.ranks) == printing for g in self.groups):
             return  # every rank printed the same lines: the live grouping is already aligned
         if realign and self.dedupe and printing > 1 and total <= REALIGN_MAX_LINES:
-            self.groups = _align(self._lines)
+            self.groups = _align(dict(sorted(self._lines.items())))  # rank-specific lines in rank order
             self.version += 1
 
     def open_lines(self) -> list[Group]:

@@ -33,6 +33,9 @@ class OutputSink(Protocol):
     def close(self) -> None:
         """The run is over: show everything that is left."""
 
+    # Optional: `new_block()`, called before the notebook asks for input on the ranks'
+    # behalf, so that text so far stays above the question and later text goes below.
+
 
 class PlainSink:
     """Prints each line as `[rank] text` to a stream, as it arrives."""

@@ -1,8 +1,8 @@
 """The rank runtime: one process per rank, serving requests from its host agent.
 
 A reader thread takes every message off the agent's connection: replies to this rank's
-own actor calls and cancellations are handled right there, everything else is handed
-to the main thread's event loop. The main thread runs cells and sync endpoints one at a
+own actor calls, cancellations and the notebook's answers to input() (and so to pdb) are
+handled right there, everything else is handed to the main thread's event loop. The main thread runs cells and sync endpoints one at a
 time (so SIGINT from the agent interrupts user code as KeyboardInterrupt, exactly as in
 a local kernel) and async endpoints as tasks. A daemon thread answers heartbeats, so a
 frozen process is noticed. Never imports IPython, rich
@@ -27,7 +27,8 @@ from .actor_host import ActorHost
 from .capture import DisplayCapture, RankStream
 from .cell import CellRunner, describe_failure
 from .errors import NoTerminalError
-from .messages import ActorCall, ActorReply, Call, CancelCall, Failure, Pull, Push, Result, RunCell
+from .messages import (ActorCall, ActorReply, Call, CancelCall, Failure, InputReply, InputRequest, Pull, Push,
+                       Result, RunCell)
 from .serialization import SerializationError, seal, unseal
 from .lanes import LaneServer, accept_lane, lane_path, listen_lane
 from .rankshell import RankShell
@@ -75,6 +76,9 @@ class Worker:
         self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir)
         self.lane_listener = listen_lane(lane_path(config.shm_dir, config.rank)) if config.shm_dir else None
         self.namespace["actors"] = self.actors.instances
+        self._input_lock = threading.Lock()
+        self._input_ready = threading.Event()
+        self._input_answer: tuple[str, str | None] = ("", None)
 
     def _send(self, msg: Any) -> None:
         self.conn.send(msg)
@@ -85,21 +89,32 @@ class Worker:
         import builtins
 
         builtins.display = self.displays.display  # type: ignore[attr-defined]
-        builtins.input = self._no_input
-        sys.breakpointhook = self._no_breakpoint
+        builtins.input = self._input  # pdb (breakpoint()) reads its commands with input() too
+        sys.breakpointhook = _breakpoint
         self.displays.patch_ipython()
         signal.signal(signal.SIGINT, self._on_sigint)
 
-    def _no_input(self, prompt: object = "") -> str:
-        self.stdout.write(str(prompt))
-        raise NoTerminalError(
-            "input() cannot read on a mesh rank: ranks have no terminal. "
-            "Give the ranks the value instead: %mesh push NAME, or mesh.push(name=value)")
+    def _input(self, prompt: object = "") -> str:
+        """input() on a rank: the notebook asks for the line (ranks asking alike share one box)."""
+        req = self.current_req
+        if req is None or threading.current_thread() is not threading.main_thread():
+            raise NoTerminalError(
+                "input() on a rank reaches the notebook only from a %%mesh cell's own code; pass values "
+                "in instead: %mesh push NAME, mesh.push(name=value), or an endpoint argument")
+        self.flush_streams()  # what the cell printed comes before the question
+        with self._input_lock:
+            self._input_ready.clear()
+            self._send(InputRequest(self.config.rank, req, str(prompt)))
+            self._input_ready.wait()  # Ctrl-C (SIGINT from the agent) interrupts the wait
+            text, error = self._input_answer
+        if error is not None:
+            raise NoTerminalError(f"input() on rank {self.config.rank} got no line: {error}. Pass values in "
+                                  "instead: %mesh push NAME, or mesh.push(name=value)")
+        return text
 
-    def _no_breakpoint(self, *args: object, **kwargs: object) -> None:
-        raise NoTerminalError(
-            "breakpoint() on a mesh rank: ranks have no terminal for pdb. Inspect "
-            "their state from the notebook instead (%mesh pull EXPR, mesh.pull(...)), or print it")
+    def _on_input_reply(self, msg: InputReply) -> None:
+        self._input_answer = (msg.text, msg.error)
+        self._input_ready.set()
 
     def _on_sigint(self, signum, frame) -> None:
         if self.in_user_code:
@@ -135,6 +150,8 @@ class Worker:
                 self.actors.sender.calls.deliver(msg)
             elif isinstance(msg, CancelCall):
                 self.actors.cancel(msg)
+            elif isinstance(msg, InputReply):
+                self._on_input_reply(msg)
             elif isinstance(msg, ActorCall):
                 loop.call_soon_threadsafe(self.actors.deliver, msg)
             else:
@@ -185,6 +202,8 @@ class Worker:
         self.stdout.finish_request(msg.req_id)
         self.stderr.finish_request(msg.req_id)
         self._set_request(None)
+        if signal.getsignal(signal.SIGINT) != self._on_sigint:
+            signal.signal(signal.SIGINT, self._on_sigint)  # the cell installed its own: stop must work next time
         self._send(Result(msg.req_id, self.config.rank, sealed, failure, started, time.time()))
 
     def _dispatch(self, msg: Any) -> Any:
@@ -219,6 +238,17 @@ class Worker:
                 stand_in = UnpicklableValue(type(value).__name__, text, str(exc.__cause__), self.config.rank)
                 return seal(stand_in, shm_dir=self.config.shm_dir), None
             return None, Failure("SerializationError", str(exc), "")
+
+
+def _breakpoint(*args: Any, **kwargs: Any) -> Any:
+    """breakpoint() on a rank: pdb, talking to the notebook through input(), and leaving
+    SIGINT alone (pdb would take it over, and the notebook's stop button must stop)."""
+    if os.environ.get("PYTHONBREAKPOINT", "pdb.set_trace") not in ("", "pdb.set_trace"):
+        return sys.__breakpointhook__(*args, **kwargs)
+    import pdb
+
+    pdb.Pdb(nosigint=True).set_trace(sys._getframe(1))
+    return None
 
 
 def _short_repr(value: Any, limit: int = 200) -> str:

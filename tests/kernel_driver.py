@@ -19,6 +19,7 @@ class CellRun:
     started: float
     reply: dict | None = None
     messages: list[tuple[float, dict]] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)  # input boxes the cell opened
     displays: dict[str, dict] = field(default_factory=dict)  # display_id -> latest data
 
     def outputs(self) -> list[dict]:
@@ -73,10 +74,16 @@ class KernelDriver:
         """Send an execute request; returns at once."""
         return CellRun(self.kc.execute(code), time.monotonic())
 
-    def collect(self, run: CellRun, timeout: float = 60, until=None) -> CellRun:
-        """Gather iopub messages of the run until idle (or until(run) is true)."""
+    def collect(self, run: CellRun, timeout: float = 60, until=None, answers: list[str] | None = None) -> CellRun:
+        """Gather iopub messages of the run until idle (or until(run) is true).
+
+        `answers` are typed, in order, into the input boxes the cell opens (input(), pdb);
+        their prompts are kept in run.prompts.
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if answers is not None:
+                self._answer_input(run, answers)
             try:
                 msg = self.kc.get_iopub_msg(timeout=0.05)
             except queue.Empty:
@@ -95,9 +102,18 @@ class KernelDriver:
                 return run
         raise TimeoutError(f"cell did not finish within {timeout} s; got:\n{run.text()}")
 
-    def execute(self, code: str, timeout: float = 60) -> CellRun:
-        """Run a cell to completion."""
-        return self.collect(self.submit(code), timeout)
+    def execute(self, code: str, timeout: float = 60, answers: list[str] | None = None) -> CellRun:
+        """Run a cell to completion (typing `answers` into the input boxes it opens)."""
+        return self.collect(self.submit(code), timeout, answers=answers)
+
+    def _answer_input(self, run: CellRun, answers: list[str]) -> None:
+        try:
+            msg = self.kc.get_stdin_msg(timeout=0)
+        except queue.Empty:
+            return
+        if msg["msg_type"] == "input_request":
+            run.prompts.append(msg["content"]["prompt"])
+            self.kc.input(answers.pop(0) if answers else "")
 
     def interrupt(self) -> None:
         """What the notebook's stop button does."""

@@ -59,6 +59,24 @@ def test_progress_bars_update_in_place_while_the_cell_runs(kernel):
     assert "[0-3]:train 100%" in final and "train 50%" not in final and "[0-3] done" in final
 
 
+def test_input_on_the_ranks_is_asked_once_in_the_notebook(kernel):
+    run = kernel.execute("%%mesh\nname = input('your name? ')\nname.upper()", 30, answers=["ada"])
+    assert run.status == "ok" and run.prompts == ["[ranks 0-3] your name? "]
+    assert "all ranks: 'ADA'" in run.text()
+
+
+def test_breakpoint_gives_pdb_on_the_ranks_in_the_notebook(kernel):
+    code = "%%mesh\nimport os\nr = int(os.environ['RANK'])\nbreakpoint()\nr * 10"
+    run = kernel.execute(code, 30, answers=["p r * 100", "c"])
+    assert run.status == "ok", run.text()
+    assert run.prompts == ["[ranks 0-3] (Pdb) "] * 2  # one box drives the debugger on every rank
+    text = run.text()
+    assert all(f"[{r}] {r * 100}" in text for r in range(4))
+    assert text.index("[1] 100") < text.index("[2] 200")  # rank-specific lines in rank order
+    single = kernel.execute("%%mesh --ranks 2\nx = 41\nbreakpoint()\nx += 1\nx", 30, answers=["p x", "c"])
+    assert single.prompts == ["[rank 2] (Pdb) "] * 2 and "[2] 41" in single.text() and "42" in single.text()
+
+
 def test_values_and_allreduce_as_in_the_readme(kernel):
     run = kernel.execute("%%mesh\nimport torch, torch.distributed as dist\nt = torch.ones(2) * dist.get_rank()\n"
                          "dist.all_reduce(t)\nprint('sum', t.tolist())\ndist.get_rank()", 30)

@@ -112,3 +112,18 @@ def test_long_outputs_are_redrawn_less_often(monkeypatch):
     assert sent / clock[0] < 2 * 1_000_000  # bounded bandwidth (about MAX_BYTES_PER_S), not 20 redraws a second
     live.close()
     assert "10,000 more lines" in pub.shown["d0"]["text/plain"]  # the cap on shown lines still holds
+
+
+def test_a_new_block_keeps_earlier_text_above_what_follows():
+    pub = Publisher()
+    live = LiveOutput((0, 1), dedupe=True, publisher=pub)
+    live.output(0, "stdout", "before\n")
+    live.new_block()  # e.g. the notebook asks for input here
+    live.output(1, "stdout", "after\n")
+    live.close()
+    assert [pub.shown[d]["text/plain"] for d in pub.order] == ["[0] before", "[1] after"]
+    out = io.StringIO()
+    term = TerminalOutput((0,), dedupe=True, stream=out)
+    term.output(0, "stdout", "partial line")
+    term.new_block()
+    assert out.getvalue() == "[0] partial line\n"

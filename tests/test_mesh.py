@@ -110,14 +110,27 @@ def test_sys_exit_and_cleared_namespace_leave_ranks_usable(mesh4, sink):
     assert list(mesh4.run("import os\nlen('abc')", sink=sink).values()) == [3] * 4
 
 
-def test_input_and_breakpoint_on_ranks_say_why_they_cannot_work(mesh4, sink):
+def test_input_on_ranks_asks_once_per_prompt_and_answers_every_rank(mesh4, sink, monkeypatch):
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or f"line {len(asked)}")
+    values = mesh4.run("import os\nr = int(os.environ['RANK'])\ninput('odd? ' if r % 2 else 'even? ')", sink=sink)
+    assert sorted(asked) == ["[ranks 0,2] even? ", "[ranks 1,3] odd? "]
+    by_prompt = {prompt: f"line {i + 1}" for i, prompt in enumerate(asked)}
+    assert values.by_rank() == {r: by_prompt["[ranks 1,3] odd? " if r % 2 else "[ranks 0,2] even? "] for r in range(4)}
+
+
+def test_input_on_ranks_without_a_notebook_to_ask_says_why(mesh4, sink):
+    # pytest's stdin cannot be read: the ranks hear why, and the cell ends (no hang)
     with pytest.raises(RemoteError, match="NoTerminalError") as info:
         mesh4.run("input('batch size? ')", sink=sink)
-    assert "ranks have no terminal" in str(info.value) and "%mesh push" in str(info.value)
-    assert len(info.value.failures) == 4 and info.value.failures[0].error_type == "NoTerminalError"
-    with pytest.raises(RemoteError, match="breakpoint"):
-        mesh4.run("breakpoint()", sink=sink)
+    assert "got no line" in str(info.value) and "%mesh push" in str(info.value)
+    assert len(info.value.failures) == 4
     assert mesh4.run("try:\n    input()\nexcept EOFError:\n    x = 'default'\nx", sink=sink).item(hosts=0, gpus=0) == "default"
+    with pytest.raises(RemoteError, match="BdbQuit"):  # pdb read EOF and quit
+        mesh4.run("breakpoint()\n1", sink=sink)
+    background = mesh4.run_async("input('?')", sink=sink, background=True)
+    with pytest.raises(RemoteError, match="background runs"):
+        background.get(timeout=30)
 
 
 def test_interrupting_a_shell_command_stops_it_and_what_it_started(mesh4, sink):

@@ -87,6 +87,13 @@ def test_actors_across_hosts(mesh):
     assert relay.ask.call_one().get() == ([(2, 11), (3, 12)], (1, 101))
 
 
+def test_input_on_remote_ranks_is_answered_from_the_notebook(mesh, sink, monkeypatch):
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "typed")
+    values = mesh.run("input('go? ') + '!'", sink=sink)
+    assert list(values.values()) == ["typed!"] * 4 and asked == ["[ranks 0-3] go? "]
+
+
 def test_push_and_pull_to_remote_hosts_carry_the_bytes(mesh):
     import torch
 
