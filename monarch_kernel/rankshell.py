@@ -87,7 +87,7 @@ class RankShell:
             return self._timed(cell, "<mesh %%time>")
         line = self._expand(line)
         if name in ("bash", "sh"):
-            self._ns["_exit_code"] = run_streaming(SHELL if name == "bash" else "/bin/sh", stdin=cell)
+            self._ns["_exit_code"] = run_streaming([SHELL if name == "bash" else "/bin/sh", "-c", cell])
             return None
         if name == "writefile":
             args = shlex.split(line)
@@ -111,18 +111,14 @@ class RankShell:
                   f"wall time: {_duration(time.perf_counter() - started)}")
 
 
-def run_streaming(cmd: str, stdin: str | None = None) -> int:
-    """Run a shell command, copying its output to sys.stdout as it comes; its exit code.
-
-    Ctrl-C (SIGINT on the rank) stops the command and everything it started.
+def run_streaming(cmd: str | list[str]) -> int:
+    """Run a command (a string goes to the shell), copying its output to sys.stdout as it
+    comes; returns its exit code. Ctrl-C (SIGINT on the rank) stops it and all it started.
     """
-    proc = subprocess.Popen(cmd, shell=stdin is None, executable=SHELL if stdin is None else None,
-                            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+    shell = isinstance(cmd, str)
+    proc = subprocess.Popen(cmd, shell=shell, executable=SHELL if shell else None, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        if stdin is not None:
-            proc.stdin.write(stdin.encode())
-            proc.stdin.close()
         fd = proc.stdout.fileno()
         while chunk := os.read(fd, 1 << 16):
             sys.stdout.write(chunk.decode("utf-8", "replace"))
