@@ -29,6 +29,7 @@ USAGE = """\
              [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]
 %mesh status [NAME] | use NAME | down [NAME] | restart [NAME] | interrupt [NAME]
 %mesh push VAR [VAR ...] | pull EXPR | logs [HOST] [--rank R] [--lines N] | on | off
+%mesh debug [--ranks SPEC]   pdb at the error of the last failed cell, on the ranks, in the notebook
 %mesh sharding EXPR [--rows DIM] [--cols DIM] [--name NAME] | config timing on|off
 %%mesh [--name NAME] [--hosts SPEC] [--gpus SPEC] [--ranks SPEC] [--timeout S]
        [--fail-fast] [--no-dedupe] [--bg]
@@ -91,6 +92,9 @@ def _line_parser() -> _Parser:
     logs.add_argument("--rank", type=int, default=None)
     logs.add_argument("--lines", type=int, default=30)
     logs.add_argument("--name", dest="mesh", default=None)
+    debug = sub.add_parser("debug", add_help=False)
+    debug.add_argument("--name", dest="mesh", default=None)
+    debug.add_argument("--ranks", default=None)
     sub.add_parser("on", add_help=False).add_argument("--name", dest="mesh", default=None)
     sub.add_parser("off", add_help=False)
     return p
@@ -189,12 +193,7 @@ class MeshMagics(Magics):
         if args.ranks is not None:
             if args.hosts is not None or args.gpus is not None:
                 raise UsageError("--ranks cannot be combined with --hosts/--gpus")
-            spec = parse_spec(args.ranks)
-            ranks = [spec] if isinstance(spec, int) else (
-                list(mesh.ranks)[spec] if isinstance(spec, slice) else spec)
-            if not ranks:
-                raise UsageError(f"--ranks {args.ranks} selects no rank of {format_ranks(mesh.ranks)}")
-            return mesh.select_ranks(ranks)
+            return mesh.select_ranks(_spec_ranks(args.ranks, mesh))
         selectors = {}
         for dim in ("hosts", "gpus"):
             value = getattr(args, dim)
@@ -306,6 +305,16 @@ class MeshMagics(Magics):
             for stream, text in mesh.logs(rank, args.lines):
                 print(("! " if stream == "stderr" else "  ") + text)
 
+    def _do_debug(self, args) -> None:
+        """Post-mortem pdb on the ranks whose last cell failed (like %debug), in the notebook."""
+        mesh = self.registry.get(args.mesh)
+        target = mesh.select_ranks(_spec_ranks(args.ranks, mesh)) if args.ranks else mesh
+        from monarch_kernel.worker import post_mortem
+
+        debugged = target.call(post_mortem)
+        if not any(debugged.values()):
+            print(f"no rank of mesh {mesh.name!r} has a failed cell to debug")
+
     def _do_on(self, args) -> None:
         mesh = self.registry.get(args.mesh)
         self._set_auto(mesh.name)
@@ -329,6 +338,15 @@ class MeshMagics(Magics):
         if not first or first.lstrip().startswith(("%mesh", "%%mesh", "%load_ext", "%unload_ext")):
             return lines
         return [f"%%mesh --name {self._auto}\n", *lines]
+
+
+def _spec_ranks(text: str, mesh: Mesh) -> list[int]:
+    """The global ranks a --ranks SPEC picks out of a mesh."""
+    spec = parse_spec(text)
+    ranks = [spec] if isinstance(spec, int) else (list(mesh.ranks)[spec] if isinstance(spec, slice) else spec)
+    if not ranks:
+        raise UsageError(f"--ranks {text} selects no rank of {format_ranks(mesh.ranks)}")
+    return ranks
 
 
 def _ipython_to_python(cell: str) -> str:

@@ -35,6 +35,7 @@ from .rankshell import RankShell
 from .transport import BlockingConnection, ConnectionClosed
 
 READY_REQ = 0  # req_id of the rank's start-up reply
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
@@ -190,6 +191,8 @@ class Worker:
             value = self._dispatch(msg)
         except BaseException as exc:  # noqa: BLE001 - every user error is reported
             failure = describe_failure(exc)
+            if not isinstance(exc, SystemExit):  # for post-mortem debugging (%mesh debug), as IPython keeps it
+                sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, _user_frames(exc.__traceback__)
         finally:
             self.in_user_code = False
         sealed = None
@@ -208,6 +211,7 @@ class Worker:
 
     def _dispatch(self, msg: Any) -> Any:
         if isinstance(msg, RunCell):
+            sys.last_type = sys.last_value = sys.last_traceback = None  # %mesh debug: this cell's error only
             if "_mesh_shell" in msg.code:
                 self.namespace["_mesh_shell"] = self.shell  # even after a cell cleared its globals
             return self._user(self.runner.run, msg.code, msg.filename)
@@ -238,6 +242,26 @@ class Worker:
                 stand_in = UnpicklableValue(type(value).__name__, text, str(exc.__cause__), self.config.rank)
                 return seal(stand_in, shm_dir=self.config.shm_dir), None
             return None, Failure("SerializationError", str(exc), "")
+
+
+def post_mortem() -> bool:
+    """pdb at the error of this rank's last failed cell (False if it had none); for %mesh debug."""
+    tb = getattr(sys, "last_traceback", None)
+    if tb is None:
+        return False
+    import pdb
+
+    debugger = pdb.Pdb(nosigint=True)
+    debugger.reset()
+    debugger.interaction(None, tb)
+    return True
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback from the first frame that is not monarch_kernel's own (the cell's)."""
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return tb
 
 
 def _breakpoint(*args: Any, **kwargs: Any) -> Any:

@@ -77,6 +77,18 @@ def test_breakpoint_gives_pdb_on_the_ranks_in_the_notebook(kernel):
     assert single.prompts == ["[rank 2] (Pdb) "] * 2 and "[2] 41" in single.text() and "42" in single.text()
 
 
+def test_mesh_debug_opens_pdb_where_the_last_cell_failed(kernel):
+    failing = kernel.execute("%%mesh\nimport os\ndef step(r):\n    scale = r * 7\n    if r % 2:\n"
+                             "        raise ValueError('bad rank')\n    return scale\nstep(int(os.environ['RANK']))", 30)
+    assert failing.status == "error"
+    run = kernel.execute("%mesh debug", 30, answers=["p scale", "q"])
+    assert run.status == "ok", run.text()
+    assert run.prompts == ["[ranks 1,3] (Pdb) "] * 2  # only the ranks that failed, at the raise
+    assert "[1] 7" in run.text() and "[3] 21" in run.text()
+    kernel.execute("%%mesh\npass")
+    assert "no rank of mesh" in kernel.execute("%mesh debug", 30).text()
+
+
 def test_values_and_allreduce_as_in_the_readme(kernel):
     run = kernel.execute("%%mesh\nimport torch, torch.distributed as dist\nt = torch.ones(2) * dist.get_rank()\n"
                          "dist.all_reduce(t)\nprint('sum', t.tolist())\ndist.get_rank()", 30)
