@@ -77,6 +77,17 @@ def test_breakpoint_gives_pdb_on_the_ranks_in_the_notebook(kernel):
     assert single.prompts == ["[rank 2] (Pdb) "] * 2 and "[2] 41" in single.text() and "42" in single.text()
 
 
+def test_stop_while_the_ranks_wait_for_input_ends_the_cell(kernel):
+    run = kernel.submit("%%mesh\ninput('never answered? ')")
+    request = kernel.kc.get_stdin_msg(timeout=20)
+    assert request["content"]["prompt"] == "[ranks 0-3] never answered? "
+    stopped = time.monotonic()
+    kernel.interrupt()
+    kernel.collect(run, 15)
+    assert run.status == "error" and time.monotonic() - stopped < 5
+    assert kernel.execute("%%mesh\n1 + 1").status == "ok"
+
+
 def test_mesh_debug_opens_pdb_where_the_last_cell_failed(kernel):
     failing = kernel.execute("%%mesh\nimport os\ndef step(r):\n    scale = r * 7\n    if r % 2:\n"
                              "        raise ValueError('bad rank')\n    return scale\nstep(int(os.environ['RANK']))", 30)
