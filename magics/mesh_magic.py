@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 from typing import Any
 
@@ -349,12 +350,18 @@ def _spec_ranks(text: str, mesh: Mesh) -> list[int]:
     return ranks
 
 
+# where IPython syntax can be: !cmd and %magic lines, `x = !cmd`, `obj?`, pasted >>> prompts
+_MAYBE_IPYTHON = re.compile(r"^\s*(?:[!%]|>>>)|=\s*[!%]|\?\s*$", re.MULTILINE)
+
+
 def _ipython_to_python(cell: str) -> str:
     """A cell's IPython syntax (`!cmd`, `x = !cmd`, `%magic`) as calls on the ranks' shell.
 
     A fresh transformer manager: the shell's own would route the body to the mesh again
     while `%mesh on` is active.
     """
+    if not _MAYBE_IPYTHON.search(cell):
+        return cell  # plain Python (most cells): no need to tokenize it
     from IPython.core.inputtransformer2 import TransformerManager
 
     try:
