@@ -243,15 +243,15 @@ class MeshRuntime:
                 link.conn.send(m.ToRanks(local, body))
         self._maybe_complete(req)
 
-    def send_input(self, ranks: Iterable[int], text: str, error: str | None = None) -> None:
-        """Answer the input() of these ranks (error: why there is no answer); thread-safe."""
-        self.controller.call(self._send_input, frozenset(ranks), text, error)
+    def send_input(self, ranks: Iterable[int], req_id: int, text: str, error: str | None = None) -> None:
+        """Answer the input() of these ranks in a request (error: why there is no answer); thread-safe."""
+        self.controller.call(self._send_input, frozenset(ranks), req_id, text, error)
 
-    def _send_input(self, ranks: frozenset[int], text: str, error: str | None) -> None:
+    def _send_input(self, ranks: frozenset[int], req_id: int, text: str, error: str | None) -> None:
         for link in self.links:
             local = tuple(r for r in link.ranks if r in ranks)
             if local and link.conn is not None and not link.conn.closed:
-                link.conn.send(m.InputReply(local, text, error))
+                link.conn.send(m.InputReply(local, req_id, text, error))
 
     def interrupt(self, ranks: Iterable[int] | None = None) -> None:
         """SIGINT the given ranks (default: every busy rank); thread-safe."""
@@ -320,7 +320,7 @@ class MeshRuntime:
         elif isinstance(msg, m.InputRequest):
             req = self.requests.get(msg.req_id)
             if req is None:
-                link.conn.send(m.InputReply((msg.rank,), "", "its cell is no longer waiting"))
+                link.conn.send(m.InputReply((msg.rank,), msg.req_id, "", "its cell is no longer waiting"))
             else:
                 req.events.put(("input", msg.rank, msg.prompt))
         elif isinstance(msg, m.RankExited):

@@ -181,7 +181,7 @@ class MeshFuture(Generic[T]):
                 raise
             except Exception as exc:  # noqa: BLE001 - the ranks hear why, and the cell goes on
                 text, error = "", f"the notebook could not read a line ({type(exc).__name__}: {exc})"
-            self._runtime.send_input(ranks, text, error)
+            self._runtime.send_input(ranks, self._request.req_id, text, error)
 
     def _read_line(self, prompt: str) -> str:
         if self._background:

@@ -93,9 +93,10 @@ class InputRequest:
 
 @dataclass(frozen=True)
 class InputReply:
-    """The line the notebook typed for these ranks' input(), or why there is none."""
+    """The line the notebook typed for these ranks' input() in request req_id, or why there is none."""
 
     ranks: tuple[int, ...]
+    req_id: int
     text: str
     error: str | None = None
 

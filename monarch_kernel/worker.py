@@ -114,6 +114,8 @@ class Worker:
         return text
 
     def _on_input_reply(self, msg: InputReply) -> None:
+        if msg.req_id != self.current_req:
+            return  # for an input() that was interrupted, in a request that is over
         self._input_answer = (msg.text, msg.error)
         self._input_ready.set()
 
