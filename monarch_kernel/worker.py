@@ -2,11 +2,11 @@
 
 A reader thread takes every message off the agent's connection: replies to this rank's
 own actor calls, cancellations and the notebook's answers to input() (and so to pdb) are
-handled right there, everything else is handed to the main thread's event loop. The main thread runs cells and sync endpoints one at a
-time (so SIGINT from the agent interrupts user code as KeyboardInterrupt, exactly as in
-a local kernel) and async endpoints as tasks. A daemon thread answers heartbeats, so a
-frozen process is noticed. Never imports IPython, rich
-or ipywidgets: ranks start light.
+handled right there; everything else is handed to the main thread's event loop. The main
+thread runs cells and sync endpoints one at a time (so SIGINT from the agent interrupts
+user code as KeyboardInterrupt, exactly as in a local kernel) and async endpoints as
+tasks. A daemon thread answers heartbeats, so a frozen process is noticed. Never imports
+IPython, rich or ipywidgets: ranks start light.
 """
 
 from __future__ import annotations
