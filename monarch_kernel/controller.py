@@ -322,7 +322,7 @@ class MeshRuntime:
             if req is None:
                 link.conn.send(m.InputReply((msg.rank,), msg.req_id, "", "its cell is no longer waiting"))
             else:
-                req.events.put(("input", msg.rank, msg.prompt))
+                req.events.put(("input", msg.rank, msg.prompt, msg.password))
         elif isinstance(msg, m.RankExited):
             self._on_rank_exit(msg)
         elif isinstance(msg, m.RankHealth):

@@ -147,13 +147,13 @@ class MeshFuture(Generic[T]):
                 self._sink.rank_done(rank)
 
     def _answer_input(self, first: tuple) -> None:
-        """Ranks called input() (or pdb did): ask the notebook, once per distinct prompt.
+        """Ranks called input() (or pdb, or getpass): ask the notebook, once per distinct prompt.
 
         SPMD code asks on every rank at about the same moment: requests that come within
         INPUT_GATHER_S with the same prompt share one question, and its answer goes to
         all of them (e.g. one `(Pdb)` box drives the debugger on every rank).
         """
-        asking = {first[1]: first[2]}
+        asking = {first[1]: first[2:]}  # rank -> (prompt, password)
         events, deadline = self._request.events, time.monotonic() + INPUT_GATHER_S
         while len(asking) < len(self._request.ranks) and (left := deadline - time.monotonic()) > 0:
             try:
@@ -161,33 +161,37 @@ class MeshFuture(Generic[T]):
             except queue.Empty:
                 break
             if event[0] == "input":
-                asking[event[1]] = event[2]
+                asking[event[1]] = event[2:]
             elif event[0] == "done":
                 events.put(event)
                 break
             else:
                 self._dispatch(event)
-        prompts: dict[str, list[int]] = {}
-        for rank, prompt in sorted(asking.items()):
-            prompts.setdefault(prompt, []).append(rank)
-        for prompt, ranks in prompts.items():
+        prompts: dict[tuple[str, bool], list[int]] = {}
+        for rank, question in sorted(asking.items()):
+            prompts.setdefault(question, []).append(rank)
+        for (prompt, password), ranks in prompts.items():
             new_block = getattr(self._sink, "new_block", None)
             if new_block is not None:
                 new_block()  # what came before stays above the question, what follows goes below
             try:
                 text, error = self._read_line(f"[{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}] "
-                                              f"{prompt}"), None
+                                              f"{prompt}", password), None
             except KeyboardInterrupt:
                 raise
             except Exception as exc:  # noqa: BLE001 - the ranks hear why, and the cell goes on
                 text, error = "", f"the notebook could not read a line ({type(exc).__name__}: {exc})"
             self._runtime.send_input(ranks, self._request.req_id, text, error)
 
-    def _read_line(self, prompt: str) -> str:
+    def _read_line(self, prompt: str, password: bool) -> str:
         if self._background:
             raise RuntimeError("background runs (--bg) cannot ask for input")
         if self._stopping:
             raise RuntimeError("the run is being stopped")
+        if password:
+            import getpass
+
+            return getpass.getpass(prompt)  # the notebook shows a masked box (ipykernel's getpass)
         return input(prompt)
 
     def _stop(self, why: str, error_type: type) -> BaseException:

@@ -84,11 +84,12 @@ class Output:
 
 @dataclass(frozen=True)
 class InputRequest:
-    """A cell on a rank called input() (pdb too): ask the notebook for a line."""
+    """A cell on a rank called input() (pdb too) or getpass(): ask the notebook for a line."""
 
     rank: int
     req_id: int
     prompt: str
+    password: bool = False
 
 
 @dataclass(frozen=True)

@@ -91,11 +91,18 @@ class Worker:
 
         builtins.display = self.displays.display  # type: ignore[attr-defined]
         builtins.input = self._input  # pdb (breakpoint()) reads its commands with input() too
+        import getpass
+
+        getpass.getpass = self._getpass
         sys.breakpointhook = _breakpoint
         self.displays.patch_ipython()
         signal.signal(signal.SIGINT, self._on_sigint)
 
-    def _input(self, prompt: object = "") -> str:
+    def _getpass(self, prompt: str = "Password: ", stream: Any = None) -> str:
+        """getpass() on a rank: a masked box in the notebook (a login token, say)."""
+        return self._input(prompt, password=True)
+
+    def _input(self, prompt: object = "", *, password: bool = False) -> str:
         """input() on a rank: the notebook asks for the line (ranks asking alike share one box)."""
         req = self.current_req
         if req is None or threading.current_thread() is not threading.main_thread():
@@ -105,7 +112,7 @@ class Worker:
         self.flush_streams()  # what the cell printed comes before the question
         with self._input_lock:
             self._input_ready.clear()
-            self._send(InputRequest(self.config.rank, req, str(prompt)))
+            self._send(InputRequest(self.config.rank, req, str(prompt), password))
             self._input_ready.wait()  # Ctrl-C (SIGINT from the agent) interrupts the wait
             text, error = self._input_answer
         if error is not None:

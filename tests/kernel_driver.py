@@ -20,6 +20,7 @@ class CellRun:
     reply: dict | None = None
     messages: list[tuple[float, dict]] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)  # input boxes the cell opened
+    masked: list[str] = field(default_factory=list)  # ... of which password boxes
     displays: dict[str, dict] = field(default_factory=dict)  # display_id -> latest data
 
     def outputs(self) -> list[dict]:
@@ -113,6 +114,8 @@ class KernelDriver:
             return
         if msg["msg_type"] == "input_request":
             run.prompts.append(msg["content"]["prompt"])
+            if msg["content"].get("password"):
+                run.masked.append(msg["content"]["prompt"])
             self.kc.input(answers.pop(0) if answers else "")
 
     def interrupt(self) -> None:

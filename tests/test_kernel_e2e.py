@@ -62,7 +62,10 @@ def test_progress_bars_update_in_place_while_the_cell_runs(kernel):
 def test_input_on_the_ranks_is_asked_once_in_the_notebook(kernel):
     run = kernel.execute("%%mesh\nname = input('your name? ')\nname.upper()", 30, answers=["ada"])
     assert run.status == "ok" and run.prompts == ["[ranks 0-3] your name? "]
-    assert "all ranks: 'ADA'" in run.text()
+    assert "all ranks: 'ADA'" in run.text() and run.masked == []
+    secret = kernel.execute("%%mesh\nimport getpass\nlen(getpass.getpass('token? '))", 30, answers=["s3cret"])
+    assert secret.masked == ["[ranks 0-3] token? "] and "all ranks: 6" in secret.text()
+    assert "s3cret" not in secret.text()
 
 
 def test_breakpoint_gives_pdb_on_the_ranks_in_the_notebook(kernel):

@@ -38,7 +38,9 @@ def test_push_and_pull_tensors_and_numpy(mesh4, sink):
     big = torch.randn(1 << 19)  # 2 MiB: goes through shared memory
     mesh4.push(big=big, arr=np.arange(5), k=3)
     sums = mesh4.pull("float(big.sum()) + int(arr.sum()) * k")
-    assert all(v == pytest.approx(float(big.sum()) + 30) for v in sums.values())
+    # float32 sums differ in the last bits with the thread count (ranks run 1 thread): compare loosely;
+    # the exact bytes are checked below
+    assert all(v == pytest.approx(float(big.sum()) + 30, abs=1e-2) for v in sums.values())
     back = mesh4.slice(gpus=1).pull("big * 2")
     assert torch.equal(back.item(hosts=0), big * 2)
 
