@@ -220,7 +220,8 @@ def _fmt(seconds: float, row: str) -> str:
 def main() -> None:
     """Run every system (or --only some) and print the comparison."""
     benchmark_main(__file__, SYSTEMS, ROWS, 'actor benchmark (4 workers)', _fmt,
-                   "(ratios: our median time divided by the peer's; below 1.00x means we are faster; pipelined and 64 MiB rows show throughput, their ratios are still of time)")
+                   "(ratios: our median time divided by the peer's; below 1.00x means we are faster; "
+                   "pipelined and 64 MiB rows show throughput, their ratios are still of time)")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def bench_ours(quick: bool) -> dict:
     import torch
 
     import monarch_kernel
-    from monarch_kernel.output import OutputGroups, render_text
+    from monarch_kernel.views.output import OutputGroups, render_text
 
     class TextSink(NullSink):
         """Groups lines as the notebook view does and renders the final text."""
@@ -63,7 +63,7 @@ def bench_ours(quick: bool) -> dict:
     from monarch_kernel.magics import current_registry
 
     current_registry().add(mesh)
-    import monarch_kernel.sinks as sinks
+    import monarch_kernel.api.sinks as sinks
 
     sinks.set_default_sink_factory(lambda options: NullSink())
     res["no-op broadcast (magic)"] = timed(lambda: ip.run_cell_magic("mesh", "", "pass"), n, 20)
@@ -253,7 +253,8 @@ def _fmt(seconds: float, row: str) -> str:
 def main() -> None:
     """Run every system (or --only some) and print the comparison."""
     benchmark_main(__file__, SYSTEMS, ROWS, 'benchmark (4 workers)', _fmt,
-                   "(ratios: our median time divided by the peer's; below 1.00x means we are faster; for the 64 MiB rows the figures are throughput)")
+                   "(ratios: our median time divided by the peer's; below 1.00x means we are faster; "
+                   "for the 64 MiB rows the figures are throughput)")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def main() -> None:
         except ImportError:
             print("SKIP  mesh view GPU columns: nvidia-ml-py is not installed", flush=True)
         else:
-            from monarch_kernel.meshview import mesh_snapshot, snapshot_text
+            from monarch_kernel.views.meshview import mesh_snapshot, snapshot_text
 
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and not mesh_snapshot(mesh).has_gpu:

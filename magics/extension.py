@@ -6,12 +6,17 @@ import atexit
 import threading
 from typing import Any
 
-from monarch_kernel import sinks
-from monarch_kernel.mesh import Mesh
-from monarch_kernel.live import KernelPublisher, LiveOutput, TerminalOutput, WidgetPublisher
+from monarch_kernel.api import sinks
+from monarch_kernel.api.mesh import Mesh
+from monarch_kernel.core.failures import set_traceback_rewriter
+from monarch_kernel.views.base import TextHtmlView
+from monarch_kernel.views.display import rank_labels, show, show_mesh, widget_for
+from monarch_kernel.views.errortext import ipython_cell_names
+from monarch_kernel.views.live import KernelPublisher, LiveOutput, TerminalOutput, WidgetPublisher
+from monarch_kernel.views.timing import run_timing_view
 
 from . import sidebar
-from .mesh_magic import TIMING_MIN_S, MeshMagics
+from .mesh_magic import MeshMagics
 from .registry import MeshRegistry
 
 _state: dict[str, Any] = {}
@@ -41,7 +46,9 @@ def load_ipython_extension(ipython) -> None:
     sinks.set_default_sink_factory(_sink_factory(ipython))
     if getattr(ipython, "kernel", None) is not None:  # a mesh as a cell's value: the live view
         ipython.display_formatter.ipython_display_formatter.for_type(Mesh, _display_mesh)
+    ipython.display_formatter.ipython_display_formatter.for_type(TextHtmlView, show)  # widgets, or rich
     sinks.set_timing_reporter(_ActorTiming(ipython, magics))
+    set_traceback_rewriter(ipython_cell_names(ipython))  # remote tracebacks name cells "Cell In[3]"
     if sidebar.register(ipython, registry):  # the JupyterLab Meshes panel talks to this comm target
         sidebar.announce(ipython)  # an open panel links up now, not at its next look
     atexit.register(registry.shutdown_all)
@@ -60,31 +67,21 @@ class _ActorTiming:
         self._widget: Any = None
 
     def __call__(self, label: str, times: list) -> None:
-        if not self.magics.timing or len(times) < 2 or threading.current_thread() is not threading.main_thread():
+        if not self.magics.timing or threading.current_thread() is not threading.main_thread():
             return
-        slowest = max((sec for _, sec, _ in times if sec is not None), default=None)
-        if slowest is not None and slowest < TIMING_MIN_S and all(ok for _, _, ok in times):
-            return  # instant calls need no bars (they are still in mesh.history())
-        from monarch_kernel.timing import RankTime, TimingView
-
         registry = _state.get("registry")
-        labels = {}
-        if registry is not None:
-            for name in registry.names():
-                mesh = registry.get(name)
-                labels.update({s.rank: f"{s.host}:{s.local_rank} (rank {s.rank})" for s in mesh.status()})
-        view = TimingView(f"{label} per rank", [RankTime(r, labels.get(r, f"rank {r}"), sec, ok)
-                                                for r, sec, ok in times])
+        meshes = [registry.get(name) for name in registry.names()] if registry is not None else []
+        view = run_timing_view(label, times, rank_labels(meshes))
+        if view is None:
+            return
         cell = getattr(self.shell, "execution_count", None)
         if getattr(self.shell, "kernel", None) is None:
-            view._ipython_display_()
+            show(view)
             return
-        from monarch_kernel.viewwidgets import TimingWidget
-
         if cell != self._cell or self._widget is None:
             from IPython.display import display
 
-            self._cell, self._widget = cell, TimingWidget(view)
+            self._cell, self._widget = cell, widget_for(view)
             display(self._widget)
         else:
             self._widget.fallback_text = view.text()
@@ -92,11 +89,7 @@ class _ActorTiming:
 
 
 def _display_mesh(mesh: Mesh) -> None:
-    from IPython.display import display
-
-    from monarch_kernel.meshwidget import MeshWidget
-
-    display(MeshWidget(mesh))
+    show_mesh(mesh)
 
 
 def unload_ipython_extension(ipython) -> None:
@@ -111,6 +104,9 @@ def unload_ipython_extension(ipython) -> None:
     atexit.unregister(registry.shutdown_all)
     sinks.set_default_sink_factory(None)
     sinks.set_timing_reporter(None)
+    set_traceback_rewriter(None)
+    for shown in (Mesh, TextHtmlView):
+        ipython.display_formatter.ipython_display_formatter.pop(shown, None)
     sidebar.unregister(ipython)
 
 
@@ -123,7 +119,7 @@ def current_mesh(name: str | None = None):
     """The mesh that `%mesh` commands act on (or the named one), for use from Python."""
     registry = current_registry()
     if registry is None:
-        from monarch_kernel.errors import MeshNotRunningError
+        from monarch_kernel.core.errors import MeshNotRunningError
 
         raise MeshNotRunningError("the extension is not loaded: run %load_ext monarch_kernel first")
     return registry.get(name)

@@ -10,108 +10,17 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from monarch_kernel.errors import CellSyntaxError, MeshError, RemoteError
-from monarch_kernel.mesh import BACKENDS, Mesh, local_mesh, ssh_mesh
-from monarch_kernel.rankshell import to_mesh_python
-from monarch_kernel.shape import format_ranks, parse_spec
-from monarch_kernel.shardview import visualize_sharding
-from monarch_kernel.meshview import mesh_snapshot, snapshot_rich
-from monarch_kernel.timing import RankTime, TimingView
-from monarch_kernel.values import ValueMesh
+from monarch_kernel.api.mesh import Mesh, local_mesh, ssh_mesh
+from monarch_kernel.core.errors import CellSyntaxError, MeshError, RemoteError
+from monarch_kernel.core.ranksets import format_ranks
+from monarch_kernel.core.shape import parse_spec
+from monarch_kernel.core.values import ValueMesh
+from monarch_kernel.rank.rankshell import to_mesh_python
+from monarch_kernel.views.display import show_mesh, show_run_timing
+from monarch_kernel.views.shardview import visualize_sharding
 
+from .commands import HELP, USAGE, cell_parser, line_parser
 from .registry import MeshRegistry
-from monarch_kernel.statusview import status_bundle
-
-TIMING_MIN_S = 0.1  # cells faster than this on every rank (and without failures) show no timing bars
-
-USAGE = """\
-%mesh up local [--gpus N] [--name NAME] [--dist gloo|nccl|none] [--env K=V ...]
-%mesh up ssh HOST [HOST ...] --gpus N [--dist ...] [--python P] [--setup CMD] [--master-addr A]
-             [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]
-%mesh status [NAME] | use NAME | down [NAME] | restart [NAME] | interrupt [NAME]
-%mesh push VAR [VAR ...] | pull EXPR | logs [HOST] [--rank R] [--lines N] | on | off
-%mesh debug [--ranks SPEC]   pdb at the error of the last failed cell, on the ranks, in the notebook
-%mesh sharding EXPR [--rows DIM] [--cols DIM] [--name NAME] | config timing on|off
-%%mesh [--name NAME] [--hosts SPEC] [--gpus SPEC] [--ranks SPEC] [--timeout S]
-       [--fail-fast] [--no-dedupe] [--bg]
-SPEC is an int (2), a list (0,2) or a slice (0:4, ::2)."""
-
-HELP = f"""\
-%mesh / %%mesh: run notebook cells on a mesh of worker processes (ranks), one per GPU.
-
-{USAGE}
-
-In %%mesh cells, !cmd, out = !cmd and %pip, %env, %cd, %pwd, %time, %%time, %%bash,
-%%sh, %%writefile run on every rank's host. The same from Python: local_mesh(),
-ssh_mesh(), mesh.run / push / pull / spawn (see the README)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError (one line, no traceback) instead of exiting."""
-
-    def error(self, message: str):  # noqa: D102
-        raise UsageError(f"{message}\nusage:\n{USAGE}")
-
-    def exit(self, status: int = 0, message: str | None = None):  # noqa: D102
-        raise UsageError(message or USAGE)
-
-
-def _line_parser() -> _Parser:
-    p = _Parser(prog="%mesh", add_help=False)
-    sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    up = sub.add_parser("up", add_help=False)
-    up.add_argument("kind", choices=["local", "ssh"], help="where ranks run")
-    up.add_argument("hosts", nargs="*", help="SSH hosts (ssh only)")
-    up.add_argument("--gpus", type=int, default=None)
-    up.add_argument("--name", default=None)
-    up.add_argument("--dist", choices=BACKENDS, default=None)
-    up.add_argument("--env", nargs="*", default=[], metavar="K=V")
-    up.add_argument("--timeout", type=float, default=None)
-    up.add_argument("--python", default="python3")
-    up.add_argument("--setup", default=None)
-    up.add_argument("--master-addr", default=None)
-    up.add_argument("--connect-timeout", type=float, default=30.0)
-    up.add_argument("--ship", action="store_true", help="copy this package's source to the hosts")
-    for name in ("status", "down", "restart", "interrupt"):
-        sub.add_parser(name, add_help=False).add_argument("name", nargs="?")
-    sub.add_parser("use", add_help=False).add_argument("name")
-    push = sub.add_parser("push", add_help=False)
-    push.add_argument("vars", nargs="+")
-    push.add_argument("--name", dest="mesh", default=None)
-    pull = sub.add_parser("pull", add_help=False)
-    pull.add_argument("expr", nargs=argparse.REMAINDER)
-    config = sub.add_parser("config", add_help=False)
-    config.add_argument("setting", choices=["timing"])
-    config.add_argument("value", choices=["on", "off"])
-    sharding = sub.add_parser("sharding", add_help=False)
-    sharding.add_argument("expr")
-    sharding.add_argument("--rows", type=int, default=None)
-    sharding.add_argument("--cols", type=int, default=None)
-    sharding.add_argument("--name", dest="mesh", default=None)
-    logs = sub.add_parser("logs", add_help=False)
-    logs.add_argument("host", nargs="?", default=None, help="show this host agent's log")
-    logs.add_argument("--rank", type=int, default=None)
-    logs.add_argument("--lines", type=int, default=30)
-    logs.add_argument("--name", dest="mesh", default=None)
-    debug = sub.add_parser("debug", add_help=False)
-    debug.add_argument("--name", dest="mesh", default=None)
-    debug.add_argument("--ranks", default=None)
-    sub.add_parser("on", add_help=False).add_argument("--name", dest="mesh", default=None)
-    sub.add_parser("off", add_help=False)
-    return p
-
-
-def _cell_parser() -> _Parser:
-    p = _Parser(prog="%%mesh", add_help=False)
-    p.add_argument("--name", default=None)
-    p.add_argument("--hosts", default=None)
-    p.add_argument("--gpus", default=None)
-    p.add_argument("--ranks", default=None)
-    p.add_argument("--timeout", type=float, default=None)
-    p.add_argument("--fail-fast", action="store_true")
-    p.add_argument("--no-dedupe", action="store_true")
-    p.add_argument("--bg", action="store_true")
-    return p
 
 
 def _parse_env(pairs: list[str]) -> dict[str, str]:
@@ -128,11 +37,13 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
 class MeshMagics(Magics):
     """The %mesh line magic and %%mesh cell magic."""
 
+    shell: Any  # IPython's InteractiveShell (never None once registered)
+
     def __init__(self, shell, registry: MeshRegistry):
         super().__init__(shell)
         self.registry = registry
-        self._line = _line_parser()
-        self._cell = _cell_parser()
+        self._line = line_parser()
+        self._cell = cell_parser()
         self._auto: str | None = None  # "%mesh on": the mesh every cell goes to
         self.timing = True  # per-rank timing bars after each %%mesh cell
 
@@ -179,15 +90,8 @@ class MeshMagics(Magics):
         return result if _has_values(result) else None
 
     def _show_timing(self, target: Mesh, future: Any) -> None:
-        times = future.rank_times() if future.done() else []
-        slowest = max((sec for _, sec, _ in times if sec is not None), default=None)
-        if not self.timing or len(times) < 2 or (slowest is not None and slowest < TIMING_MIN_S
-                                                  and all(ok for _, _, ok in times)):
-            return  # an instant cell needs no bars (it is still in mesh.history())
-        labels = {s.rank: f"{s.host}:{s.local_rank} (rank {s.rank})" for s in target.status()}
-        view = TimingView(f"{future.label} per rank", [RankTime(r, labels.get(r, f"rank {r}"), sec, ok)
-                                                         for r, sec, ok in times])
-        view._ipython_display_()
+        if self.timing and future.done():
+            show_run_timing(future.label, future.rank_times(), [target])
 
     def _target(self, args: argparse.Namespace) -> Mesh:
         mesh = self.registry.get(args.name)
@@ -236,20 +140,7 @@ class MeshMagics(Magics):
         self._show_status(self.registry.get(args.name))
 
     def _show_status(self, mesh: Mesh) -> None:
-        """A live widget in a notebook, a rich grid in a terminal, the text table elsewhere."""
-        from IPython.display import display
-
-        default = mesh.name == self.registry.current
-        if getattr(self.shell, "kernel", None) is not None and not mesh.closed:
-            from monarch_kernel.meshwidget import MeshWidget
-
-            display(MeshWidget(mesh, title_suffix=" (default)" if default else ""))
-        elif not mesh.closed:
-            from rich.console import Console
-
-            Console().print(snapshot_rich(mesh_snapshot(mesh, title_suffix=" (default)" if default else "")))
-        else:
-            display(status_bundle(mesh, default=default), raw=True)
+        show_mesh(mesh, default=mesh.name == self.registry.current)
 
     def _do_use(self, args) -> None:
         self.registry.use(args.name)
@@ -310,10 +201,7 @@ class MeshMagics(Magics):
         """Post-mortem pdb on the ranks whose last cell failed (like %debug), in the notebook."""
         mesh = self.registry.get(args.mesh)
         target = mesh.select_ranks(_spec_ranks(args.ranks, mesh)) if args.ranks else mesh
-        from monarch_kernel.worker import post_mortem
-
-        debugged = target.call(post_mortem)
-        if not any(debugged.values()):
+        if not target.debug():
             print(f"no rank of mesh {mesh.name!r} has a failed cell to debug")
 
     def _do_on(self, args) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from monarch_kernel.errors import MeshNotRunningError, MeshUsageError
-from monarch_kernel.mesh import Mesh
+from monarch_kernel.api.mesh import Mesh
+from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
 
 
 class MeshRegistry:

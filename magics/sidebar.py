@@ -29,7 +29,7 @@ import json
 import threading
 from typing import Any
 
-from monarch_kernel.meshview import STATE_COLOURS, mesh_snapshot
+from monarch_kernel.views.meshview import STATE_COLOURS, mesh_snapshot
 
 from .registry import MeshRegistry
 
@@ -44,15 +44,14 @@ def describe_meshes(registry: MeshRegistry) -> list[dict[str, Any]]:
     out = []
     for name in registry.names():
         mesh = registry.get(name)
-        runtime = mesh._runtime
         entry: dict[str, Any] = {
-            "name": name, "kind": "ssh" if any(h.kind == "ssh" for h in runtime.hosts) else "local",
-            "shape": mesh.shape.sizes, "hosts": [h.name for h in runtime.hosts], "dist": mesh.backend,
+            "name": name, "kind": str(mesh.kind),
+            "shape": mesh.shape.sizes, "hosts": mesh.hosts, "dist": mesh.backend,
             "state": "down" if mesh.closed else "up", "default": name == registry.current, "ranks": [],
         }
         if not mesh.closed:
             entry["ranks"] = [
-                {"rank": c.rank, "coords": dict(c.coords), "host": c.host, "pid": c.pid, "state": c.state,
+                {"rank": c.rank, "coords": dict(c.coords), "host": c.host, "pid": c.pid, "state": str(c.state),
                  "detail": c.detail, "cpu": c.cpu_percent, "rss": c.rss_bytes}
                 for c in mesh_snapshot(mesh).cells()]
         out.append(entry)
@@ -113,7 +112,7 @@ class SidebarChannel:
                 mesh.restart()
                 reply["message"] = f"mesh {name!r} restarted"
             elif action == "down":
-                self.registry.remove(name).shutdown()
+                self.registry.remove(mesh.name).shutdown()
                 reply["message"] = f"mesh {name!r} is down"
             elif action == "logs":
                 rank = reply["rank"] = int(data["rank"])
@@ -143,7 +142,10 @@ def register(shell: Any, registry: MeshRegistry) -> bool:
         return False
     from comm import get_comm_manager
 
-    get_comm_manager().register_target(TARGET, lambda comm, _msg: SidebarChannel(comm, registry))
+    def opened(comm: Any, _msg: dict[str, Any]) -> None:
+        SidebarChannel(comm, registry)  # it keeps itself alive through the comm's callbacks
+
+    get_comm_manager().register_target(TARGET, opened)
     return True
 
 
@@ -171,6 +173,6 @@ def unregister(shell: Any) -> None:
     from comm import get_comm_manager
 
     try:
-        get_comm_manager().unregister_target(TARGET, None)
+        get_comm_manager().unregister_target(TARGET, None)  # type: ignore[arg-type]  # the name is what counts
     except Exception:  # noqa: BLE001 - never registered
         pass

@@ -5,29 +5,48 @@
 >>> mesh.run("import torch.distributed as dist; dist.get_rank()")
 
 In IPython/Jupyter: `%load_ext monarch_kernel`, then `%mesh up local --gpus 4` and `%%mesh`.
+
+The public names load lazily (PEP 562), so that a rank or a host agent, which import
+this package too, never load the notebook-side modules (controller, API, views).
 """
 
-from .actors import Actor, ActorDiedError, ActorError, ActorFailureEvent, ActorFuture, ActorMesh, current_rank, endpoint
-from .errors import (
-    CellSyntaxError,
-    MeshError,
-    MeshInterrupted,
-    MeshNotRunningError,
-    MeshStartError,
-    MeshTimeoutError,
-    MeshUsageError,
-    RankDiedError,
-    RankFailure,
-    RemoteError,
-    SerializationError,
-)
-from .futures import MeshFuture
-from .mesh import Mesh, local_mesh, ssh_mesh
-from .shape import Point, Shape
-from .shardview import visualize_sharding
-from .values import ValueMesh
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "Actor": "monarch_kernel.actors.base",
+    "current_rank": "monarch_kernel.actors.base",
+    "endpoint": "monarch_kernel.actors.base",
+    "ActorFailureEvent": "monarch_kernel.actors.client",
+    "ActorFuture": "monarch_kernel.actors.client",
+    "ActorMesh": "monarch_kernel.actors.client",
+    "ActorDiedError": "monarch_kernel.core.errors",
+    "ActorError": "monarch_kernel.core.errors",
+    "CellSyntaxError": "monarch_kernel.core.errors",
+    "MeshError": "monarch_kernel.core.errors",
+    "MeshInterrupted": "monarch_kernel.core.errors",
+    "MeshNotRunningError": "monarch_kernel.core.errors",
+    "MeshStartError": "monarch_kernel.core.errors",
+    "MeshTimeoutError": "monarch_kernel.core.errors",
+    "MeshUsageError": "monarch_kernel.core.errors",
+    "RankDiedError": "monarch_kernel.core.errors",
+    "RemoteError": "monarch_kernel.core.errors",
+    "SerializationError": "monarch_kernel.core.errors",
+    "RankFailure": "monarch_kernel.core.failures",
+    "Point": "monarch_kernel.core.shape",
+    "Shape": "monarch_kernel.core.shape",
+    "ValueMesh": "monarch_kernel.core.values",
+    "MeshFuture": "monarch_kernel.api.futures",
+    "Mesh": "monarch_kernel.api.mesh",
+    "local_mesh": "monarch_kernel.api.mesh",
+    "ssh_mesh": "monarch_kernel.api.mesh",
+    "visualize_sharding": "monarch_kernel.views.shardview",
+}
 
 __all__ = [
     "Actor",
@@ -61,17 +80,55 @@ __all__ = [
     "visualize_sharding",
 ]
 
+if TYPE_CHECKING:
+    from monarch_kernel.actors.base import Actor, current_rank, endpoint
+    from monarch_kernel.actors.client import ActorFailureEvent, ActorFuture, ActorMesh
+    from monarch_kernel.api.futures import MeshFuture
+    from monarch_kernel.api.mesh import Mesh, local_mesh, ssh_mesh
+    from monarch_kernel.core.errors import (
+        ActorDiedError,
+        ActorError,
+        CellSyntaxError,
+        MeshError,
+        MeshInterrupted,
+        MeshNotRunningError,
+        MeshStartError,
+        MeshTimeoutError,
+        MeshUsageError,
+        RankDiedError,
+        RemoteError,
+        SerializationError,
+    )
+    from monarch_kernel.core.failures import RankFailure
+    from monarch_kernel.core.shape import Point, Shape
+    from monarch_kernel.core.values import ValueMesh
+    from monarch_kernel.views.shardview import visualize_sharding
 
-def load_ipython_extension(ipython) -> None:
+
+def __getattr__(name: str) -> Any:
+    """Load a public name's module on first use."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'monarch_kernel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+def load_ipython_extension(ipython: Any) -> None:
     """`%load_ext monarch_kernel`: register the %mesh magics and the live output view."""
-    from .magics import load_ipython_extension as _load
+    from monarch_kernel.magics import load_ipython_extension as _load
 
     _load(ipython)
 
 
-def unload_ipython_extension(ipython) -> None:
+def unload_ipython_extension(ipython: Any) -> None:
     """`%unload_ext monarch_kernel`: shut down meshes started from magics."""
-    from .magics import unload_ipython_extension as _unload
+    from monarch_kernel.magics import unload_ipython_extension as _unload
 
     _unload(ipython)
 

@@ -18,4 +18,7 @@ if [ ! -f .cache/widgets/node_modules/@jupyter-widgets/html-manager/dist/embed-a
   mkdir -p .cache/widgets
   (cd .cache/widgets && npm install --silent --no-audit --no-fund @jupyter-widgets/html-manager@1 requirejs@2 >/dev/null)
 fi
+# Lint (with import order) and types before the tests: both must pass.
+.venv/bin/ruff check .
+.venv/bin/mypy
 .venv/bin/python -m pytest tests "$@"

@@ -7,7 +7,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from monarch_kernel import local_mesh  # noqa: E402
-from monarch_kernel.sinks import PlainSink  # noqa: E402
+from monarch_kernel.api.sinks import PlainSink  # noqa: E402
 
 
 class RecordingSink(PlainSink):

@@ -24,7 +24,7 @@ from monarch_kernel import (
     endpoint,
     local_mesh,
 )
-from monarch_kernel.sinks import PlainSink
+from monarch_kernel.api.sinks import PlainSink
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import this file
 
@@ -207,7 +207,7 @@ def test_errors_name_actor_rank_endpoint_and_show_source(counters):
 
 def test_unknown_endpoint_and_bad_spawn(mesh, counters):
     with pytest.raises(AttributeError, match="no endpoint 'nope'"):
-        counters.nope
+        _ = counters.nope
     with pytest.raises(MeshUsageError, match="subclass of monarch_kernel.Actor"):
         mesh.spawn("x", dict)
 
@@ -254,9 +254,9 @@ def test_large_tensor_argument(counters):
 
 
 def mesh_shm_dir(actor_mesh):
-    from monarch_kernel.calls import find_sender
+    from monarch_kernel.wire.calls import find_sender
 
-    return find_sender(actor_mesh.mesh_name).shm_dir
+    return find_sender(actor_mesh.mesh_name).shm_dir_for(actor_mesh.ranks)
 
 
 def test_an_awaiting_actor_does_not_hold_up_others_but_holds_its_own_queue(mesh, counters):

@@ -9,7 +9,6 @@ import os
 import shutil
 
 import pytest
-
 from chromium import artifact, browser, missing
 from test_notebooks import HERE, execute
 
@@ -24,7 +23,7 @@ def _missing() -> str | None:
     return missing("nbconvert")
 
 
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
 
 
 @pytest.fixture(scope="module")

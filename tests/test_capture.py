@@ -1,8 +1,8 @@
 import time
 
-from monarch_kernel import capture
-from monarch_kernel.capture import DisplayCapture, RankStream, mime_bundle
-from monarch_kernel.messages import Display, Output
+from monarch_kernel.rank import capture
+from monarch_kernel.rank.capture import DisplayCapture, RankStream, mime_bundle
+from monarch_kernel.wire.messages import Display, Output
 
 
 def test_stream_batches_writes_and_tags_requests():

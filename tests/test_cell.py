@@ -1,6 +1,7 @@
 import pytest
 
-from monarch_kernel.cell import CellRunner, check_syntax, describe_failure
+from monarch_kernel.core.source import check_syntax
+from monarch_kernel.rank.cell import CellRunner, describe_failure
 
 
 def run(code, ns=None):

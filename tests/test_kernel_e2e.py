@@ -6,9 +6,10 @@ import sys
 import time
 
 import pytest
-
 from conftest import pids_alive
 from kernel_driver import KernelDriver, kernel_with
+
+pytestmark = pytest.mark.slow
 
 PIDS = ("from monarch_kernel.magics import current_registry\n"
         "_m = current_registry().get()\n"

@@ -18,7 +18,6 @@ import urllib.request
 
 import nbformat
 import pytest
-
 from chromium import artifact, browser, missing
 
 PANEL = "#monarch-kernel-meshes"
@@ -37,7 +36,7 @@ def _why_not() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))]
 
 
 def _free_port() -> int:
@@ -79,9 +78,9 @@ def server(tmp_path_factory):
                 with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2) as r:
                     json.load(r)
                 break
-            except OSError:
+            except OSError as exc:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("JupyterLab did not start:\n" + (home / "server.log").read_text()[-3000:])
+                    raise RuntimeError("JupyterLab did not start:\n" + (home / "server.log").read_text()[-3000:]) from exc
                 time.sleep(0.3)
         yield base, token
     finally:

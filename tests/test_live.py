@@ -2,7 +2,7 @@
 
 import io
 
-from monarch_kernel.live import LiveOutput, TerminalOutput, label_bundle
+from monarch_kernel.views.live import LiveOutput, TerminalOutput, label_bundle
 
 
 class Publisher:
@@ -91,7 +91,7 @@ def test_label_bundle_keeps_other_mimetypes():
 
 
 def test_long_outputs_are_redrawn_less_often(monkeypatch):
-    import monarch_kernel.live as live_module
+    import monarch_kernel.views.live as live_module
 
     clock = [0.0]
     monkeypatch.setattr(live_module.time, "monotonic", lambda: clock[0])

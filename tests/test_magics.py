@@ -6,8 +6,8 @@ import pytest
 from IPython.testing.globalipapp import get_ipython
 from IPython.utils.capture import capture_output
 
+from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.magics import current_registry
-from monarch_kernel.values import ValueMesh
 
 
 @pytest.fixture(scope="module")

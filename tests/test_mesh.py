@@ -9,10 +9,19 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from conftest import pids_alive
-from monarch_kernel import (MeshInterrupted, MeshNotRunningError, MeshStartError, MeshTimeoutError, MeshUsageError,
-                            RemoteError, SerializationError, ValueMesh, local_mesh)
+
+from monarch_kernel import (
+    MeshInterrupted,
+    MeshNotRunningError,
+    MeshStartError,
+    MeshTimeoutError,
+    MeshUsageError,
+    RemoteError,
+    SerializationError,
+    ValueMesh,
+    local_mesh,
+)
 
 
 def test_run_returns_a_value_mesh_and_output_is_captured(mesh4, sink):

@@ -5,11 +5,11 @@ import signal
 import time
 
 import pytest
-
 from conftest import wait_until
+
 from monarch_kernel import local_mesh
-from monarch_kernel.meshview import MeshView, mesh_snapshot, snapshot_rich, snapshot_text
-from monarch_kernel.meshwidget import MeshWidget
+from monarch_kernel.views.meshview import MeshView, mesh_snapshot, snapshot_rich, snapshot_text
+from monarch_kernel.views.widgets import MeshWidget
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,8 @@ def test_one_dim_and_three_dim_shapes(mesh):
     line = mesh.select_ranks([0, 2, 3])
     snap = mesh_snapshot(line)
     assert snap.col_labels == ("ranks=0", "ranks=1", "ranks=2") and len(snap.rows) == 1
-    from monarch_kernel.mesh import Mesh
-    from monarch_kernel.shape import Shape
+    from monarch_kernel.api.mesh import Mesh
+    from monarch_kernel.core.shape import Shape
 
     cube = Mesh(mesh._runtime, Shape((("a", 2), ("b", 1), ("c", 2)), (0, 1, 2, 3)))
     snap = mesh_snapshot(cube)

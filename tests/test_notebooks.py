@@ -4,7 +4,10 @@ import ast
 import os
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

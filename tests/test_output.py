@@ -1,4 +1,4 @@
-from monarch_kernel.output import MAX_SHOWN_LINES, OutputGroups, render_html, render_text
+from monarch_kernel.views.output import MAX_SHOWN_LINES, OutputGroups, render_html, render_text
 
 
 def lines(model):

@@ -1,7 +1,7 @@
 import pytest
 
+from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
 from monarch_kernel.magics.registry import MeshRegistry
-from monarch_kernel.errors import MeshNotRunningError, MeshUsageError
 
 
 class FakeMesh:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from monarch_kernel.errors import SerializationError
-from monarch_kernel.serialization import SHM_THRESHOLD, Sealed, ShmRef, release, seal, unseal
+from monarch_kernel.core.errors import SerializationError
+from monarch_kernel.wire.serialization import SHM_THRESHOLD, Sealed, ShmRef, release, seal, unseal
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64,

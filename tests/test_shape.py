@@ -1,7 +1,8 @@
 import pytest
 
-from monarch_kernel.errors import MeshUsageError
-from monarch_kernel.shape import Shape, format_ranks, parse_spec
+from monarch_kernel.core.errors import MeshUsageError
+from monarch_kernel.core.ranksets import format_ranks
+from monarch_kernel.core.shape import Shape, parse_spec
 
 
 def test_grid_points_are_row_major():

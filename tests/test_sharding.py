@@ -6,7 +6,7 @@ import re
 import pytest
 
 from monarch_kernel import local_mesh, visualize_sharding
-from monarch_kernel.sharding import LocalPiece, Placement, TensorLayout
+from monarch_kernel.core.sharding import LocalPiece, Placement, TensorLayout
 
 SETUP = """
 import os, torch
@@ -125,7 +125,7 @@ def test_layout_model_without_a_mesh():
 
 
 def test_the_widget_redraws_other_dims_without_asking_the_ranks(mesh):
-    from monarch_kernel.viewwidgets import ShardingWidget
+    from monarch_kernel.views.widgets import ShardingWidget
 
     widget = ShardingWidget(visualize_sharding(mesh, "cube"))
     assert widget._repr_mimebundle_()["text/plain"].startswith("DTensor cube")

@@ -5,7 +5,6 @@ import time
 import uuid
 
 import pytest
-
 from kernel_driver import KernelDriver, kernel_with
 
 TARGET = "monarch_kernel.meshes"

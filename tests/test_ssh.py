@@ -5,14 +5,13 @@ import sys
 import time
 
 import pytest
-
 from conftest import wait_until
 from sshhosts import SSHTestHosts, unavailable_reason
 from test_dist import DDP_CELL
 
 from monarch_kernel import MeshStartError, RemoteError, ssh_mesh
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +97,7 @@ def test_push_and_pull_to_remote_hosts_carry_the_bytes(mesh):
     import torch
 
     # remote ranks cannot map the controller's shared memory: the bytes travel over SSH
-    assert mesh._runtime.shm_dir_for(mesh.ranks) is None
+    assert mesh._runtime.state.shm_dir_for(mesh.ranks) is None
     x = torch.randn(1 << 19)
     mesh.push(x=x)
     assert all(torch.equal(v, x * 2) for v in mesh.pull("x * 2").values())
@@ -303,7 +302,7 @@ def test_proxyjump_in_the_ssh_config_is_followed(hosts, tmp_path):
 def _negotiated_cipher(options: dict) -> str:
     import asyncio
 
-    from monarch_kernel.ssh import SSHTarget, connect
+    from monarch_kernel.controller.ssh import SSHTarget, connect
 
     async def probe() -> str:
         conn = await connect(SSHTarget("host-0"), options=options, timeout=10)

@@ -1,4 +1,4 @@
-from monarch_kernel.termtext import LineLog, compact, open_line, progress_chars, shown_line
+from monarch_kernel.core.termtext import LineLog, compact, open_line, progress_chars, shown_line
 
 
 def test_a_line_shows_what_follows_its_last_carriage_return():

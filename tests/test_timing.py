@@ -1,6 +1,6 @@
 """The per-rank timing view: bars, stragglers, failures."""
 
-from monarch_kernel.timing import RankTime, TimingView
+from monarch_kernel.views.timing import RankTime, TimingView
 
 
 def test_stragglers_and_failures_are_marked():

@@ -4,8 +4,8 @@ import threading
 
 import torch
 
-from monarch_kernel.serialization import seal, unseal
-from monarch_kernel.transport import AsyncConnection, BlockingConnection, ConnectionClosed
+from monarch_kernel.wire.serialization import seal, unseal
+from monarch_kernel.wire.transport import AsyncConnection, BlockingConnection, ConnectionClosed
 
 
 def test_blocking_round_trip_with_big_buffers():
@@ -36,8 +36,11 @@ def test_async_side_receives_many_frames_in_order():
         conn = await AsyncConnection.from_socket(a, got.append, lambda exc: closed.set_result(exc))
         writer = threading.Thread(target=lambda: [blocking.send(m) for m in messages] and None)
         writer.start()
-        while len(got) < len(messages):
-            await asyncio.sleep(0.01)
+        async def all_in():
+            while len(got) < len(messages):
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(all_in(), 30)  # a lost frame fails here, not at the suite's timeout
         writer.join()
         conn.send(("reply", seal(torch.arange(10))))
         reply = await asyncio.to_thread(blocking.recv)
@@ -56,9 +59,9 @@ def test_hot_messages_travel_as_flat_tuples_and_come_back_equal():
 
     import torch
 
-    from monarch_kernel import messages as m
-    from monarch_kernel.serialization import seal, unseal
-    from monarch_kernel.transport import _FLAT, _HEAD, decode, encode
+    from monarch_kernel.wire import messages as m
+    from monarch_kernel.wire.serialization import seal, unseal
+    from monarch_kernel.wire.transport import _FLAT, _HEAD, decode, encode
 
     tensor = torch.arange(1 << 16, dtype=torch.float32)  # out of band: a buffer of its own
     call = m.ActorCall(3, 7, "echo", "ping", seal(((tensor,), {"k": 1})), (0, 2), True)
@@ -74,7 +77,7 @@ def test_hot_messages_travel_as_flat_tuples_and_come_back_equal():
         start = _HEAD.size + 8 * nbufs
         meta = bytes(memoryview(chunks[0])[start:start + meta_len])
         if msg is call:
-            assert b"monarch_kernel.messages" not in meta  # no message class names in the frame
+            assert b"monarch_kernel.wire.messages" not in meta  # no message class names in the frame
         back = decode(meta, [bytearray(c) for c in chunks[1:]], True)
         assert type(back) is type(msg)
         if msg is call:

@@ -1,8 +1,8 @@
 import pytest
 
-from monarch_kernel.errors import MeshUsageError
-from monarch_kernel.shape import Shape
-from monarch_kernel.values import ValueMesh
+from monarch_kernel.core.errors import MeshUsageError
+from monarch_kernel.core.shape import Shape
+from monarch_kernel.core.values import ValueMesh
 
 
 def test_item_values_items():

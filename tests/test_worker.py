@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from monarch_kernel.messages import Call, Output, Pull, Push, Result, RunCell
-from monarch_kernel.serialization import seal, unseal
-from monarch_kernel.transport import BlockingConnection
-from monarch_kernel.worker import Worker, WorkerConfig
+from monarch_kernel.rank.worker import Worker, WorkerConfig
+from monarch_kernel.wire.messages import Call, Output, Pull, Push, Result, RunCell
+from monarch_kernel.wire.serialization import seal, unseal
+from monarch_kernel.wire.transport import BlockingConnection
 
 
 @pytest.fixture

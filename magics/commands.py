@@ -1,0 +1,127 @@
+"""The `%mesh` subcommands and `%%mesh` options, in one table: parsers, usage and help come from it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from IPython.core.error import UsageError
+
+from monarch_kernel.api.mesh import BACKENDS
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument of a subcommand: argparse's flags and keywords."""
+
+    flags: tuple[str, ...]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def arg(*flags: str, **options: Any) -> Arg:
+    """An argument, written as for argparse's add_argument."""
+    return Arg(flags, options)
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """`%mesh NAME ...`: its arguments as typed, what it does, and its argparse arguments."""
+
+    name: str
+    synopsis: str
+    summary: str
+    args: tuple[Arg, ...] = ()
+
+
+_MESH_NAME = arg("--name", dest="mesh", default=None)
+
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand("up", "local [--gpus N] [--name NAME] [--dist gloo|nccl|none] [--env K=V ...]\n"
+               "%mesh up ssh HOST [HOST ...] --gpus N [--dist ...] [--python P] [--setup CMD] [--master-addr A]\n"
+               "             [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]",
+               "start a mesh on this machine or on SSH hosts (the newest is the default)", (
+                   arg("kind", choices=["local", "ssh"], help="where ranks run"),
+                   arg("hosts", nargs="*", help="SSH hosts (ssh only)"),
+                   arg("--gpus", type=int, default=None),
+                   arg("--name", default=None),
+                   arg("--dist", choices=BACKENDS, default=None),
+                   arg("--env", nargs="*", default=[], metavar="K=V"),
+                   arg("--timeout", type=float, default=None),
+                   arg("--python", default="python3"),
+                   arg("--setup", default=None),
+                   arg("--master-addr", default=None),
+                   arg("--connect-timeout", type=float, default=30.0),
+                   arg("--ship", action="store_true", help="copy this package's source to the hosts"))),
+    Subcommand("status", "[NAME]", "each rank's host, pid, state and load", (arg("name", nargs="?"),)),
+    Subcommand("use", "NAME", "make NAME the default mesh", (arg("name"),)),
+    Subcommand("down", "[NAME]", "stop a mesh: every rank and agent ends", (arg("name", nargs="?"),)),
+    Subcommand("restart", "[NAME]", "replace the ranks with fresh ones (same shape)", (arg("name", nargs="?"),)),
+    Subcommand("interrupt", "[NAME]", "KeyboardInterrupt on whatever the ranks run", (arg("name", nargs="?"),)),
+    Subcommand("push", "VAR [VAR ...] [--name NAME]", "copy notebook variables to every rank",
+               (arg("vars", nargs="+"), _MESH_NAME)),
+    Subcommand("pull", "EXPR", "evaluate EXPR on every rank and bring the values back",
+               (arg("expr", nargs=argparse.REMAINDER),)),
+    Subcommand("logs", "[HOST] [--rank R] [--lines N] [--name NAME]", "what ranks (or a host agent) printed lately", (
+        arg("host", nargs="?", default=None, help="show this host agent's log"),
+        arg("--rank", type=int, default=None), arg("--lines", type=int, default=30), _MESH_NAME)),
+    Subcommand("debug", "[--ranks SPEC] [--name NAME]",
+               "pdb at the error of the last failed cell, on the ranks, in the notebook",
+               (_MESH_NAME, arg("--ranks", default=None))),
+    Subcommand("sharding", "EXPR [--rows DIM] [--cols DIM] [--name NAME]", "how a DTensor (or module) lies on the mesh",
+               (arg("expr"), arg("--rows", type=int, default=None), arg("--cols", type=int, default=None), _MESH_NAME)),
+    Subcommand("config", "timing on|off", "per-rank timing bars after each %%mesh cell",
+               (arg("setting", choices=["timing"]), arg("value", choices=["on", "off"]))),
+    Subcommand("on", "[--name NAME]", "send every following cell to the mesh", (_MESH_NAME,)),
+    Subcommand("off", "", "cells run locally again"),
+)
+
+CELL_OPTIONS: tuple[Arg, ...] = (
+    arg("--name", default=None), arg("--hosts", default=None), arg("--gpus", default=None),
+    arg("--ranks", default=None), arg("--timeout", type=float, default=None),
+    arg("--fail-fast", action="store_true"), arg("--no-dedupe", action="store_true"), arg("--bg", action="store_true"),
+)
+CELL_SYNOPSIS = ("%%mesh [--name NAME] [--hosts SPEC] [--gpus SPEC] [--ranks SPEC] [--timeout S]\n"
+                 "       [--fail-fast] [--no-dedupe] [--bg]")
+
+USAGE = "\n".join([*(f"%mesh {c.name} {c.synopsis}".rstrip() for c in SUBCOMMANDS), CELL_SYNOPSIS,
+                   "SPEC is an int (2), a list (0,2) or a slice (0:4, ::2)."])
+
+HELP = "\n".join([
+    "%mesh / %%mesh: run notebook cells on a mesh of worker processes (ranks), one per GPU.", "",
+    *(f"  {c.name:<10} {c.summary}" for c in SUBCOMMANDS), "",
+    USAGE, "",
+    "In %%mesh cells, !cmd, out = !cmd and %pip, %env, %cd, %pwd, %time, %%time, %%bash,",
+    "%%sh, %%writefile run on every rank's host. The same from Python: local_mesh(),",
+    "ssh_mesh(), mesh.run / push / pull / spawn (see the README)."])
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one line, no traceback) instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        """Raise UsageError instead of exiting."""
+        raise UsageError(f"{message}\nusage:\n{USAGE}")
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        """Raise UsageError instead of exiting (e.g. after --help)."""
+        raise UsageError(message or USAGE)
+
+
+def line_parser() -> Parser:
+    """The parser of `%mesh SUBCOMMAND ...`, built from SUBCOMMANDS."""
+    parser = Parser(prog="%mesh", add_help=False)
+    sub = parser.add_subparsers(dest="command", parser_class=Parser)
+    for command in SUBCOMMANDS:
+        p = sub.add_parser(command.name, add_help=False, help=command.summary)
+        for a in command.args:
+            p.add_argument(*a.flags, **a.options)
+    return parser
+
+
+def cell_parser() -> Parser:
+    """The parser of the `%%mesh` line, built from CELL_OPTIONS."""
+    parser = Parser(prog="%%mesh", add_help=False)
+    for a in CELL_OPTIONS:
+        parser.add_argument(*a.flags, **a.options)
+    return parser

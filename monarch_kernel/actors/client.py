@@ -1,0 +1,314 @@
+"""Handles on actor meshes, in the style of PyTorch Monarch: calls, futures, replies.
+
+>>> trainers = mesh.spawn("trainers", Trainer, lr=1e-3)   # one Trainer per rank
+>>> trainers.step.call(batch).get()      # ValueMesh of every rank's reply
+>>> trainers.slice(gpus=0).step.call_one(batch).get()
+
+Handles work wherever they are used: in the notebook, and on ranks (an actor mesh passed
+to other actors). Each sends through the `CallSender` of the process it lives in. Calls
+travel as one message per host; each actor serves its messages one at a time in each
+sender's order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from monarch_kernel.core.errors import (
+    ActorDiedError,
+    ActorError,
+    MeshNotRunningError,
+    MeshUsageError,
+    raise_for,
+)
+from monarch_kernel.core.failures import FailureKind, RankFailure
+from monarch_kernel.core.future import Future
+from monarch_kernel.core.ranksets import format_ranks
+from monarch_kernel.core.shape import Selector, Shape
+from monarch_kernel.core.values import ValueMesh
+from monarch_kernel.wire.calls import CallSender, PendingCall, find_sender
+from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall
+from monarch_kernel.wire.serialization import release, seal, unseal
+
+T = TypeVar("T")
+
+# error types that replies carry for failures the router made (not the endpoint)
+_KIND_OF_ERROR = {"RankDied": FailureKind.DIED, "MeshRestarted": FailureKind.LOST}
+
+
+class ActorFuture(Future[T]):
+    """The reply (or replies) of an actor call: `.get(timeout)` or `await` it.
+
+    A timeout or Ctrl-C also tells the endpoint to stop (KeyboardInterrupt in a sync
+    endpoint, cancellation of an async one), so the actor is free for the next call.
+    """
+
+    def __init__(self, mesh: ActorMesh, pending: PendingCall, finish: Callable[[PendingCall], T],
+                 count: int | None = None):
+        super().__init__()
+        self._mesh = mesh
+        self._pending = pending
+        self._make_result = finish
+        self._count = len(pending.ranks) if count is None else count
+
+    def done(self) -> bool:
+        """Whether the replies are in."""
+        return len(self._pending.replies) >= self._count
+
+    def get(self, timeout: float | None = None) -> T:
+        """Wait for the replies; raises ActorError, MeshTimeoutError or MeshInterrupted."""
+        if self._outcome is None and self.done():  # pipelined calls: read along with earlier replies
+            return self._make_result(self._pending)
+        return super().get(timeout)
+
+    def _wait(self, timeout: float | None) -> bool:
+        if self.done():
+            return True
+        sender = self._mesh._sender()
+        if sender.must_not_wait_on(self._pending.outstanding):
+            raise MeshUsageError(
+                f"{self._pending.label}: this rank would wait on itself (its main thread serves its own actors). "
+                "In an endpoint, make it `async def` and `await` the call; in a %%mesh cell, call the actors "
+                "of other ranks (or call from the notebook)")
+        return sender.wait_for_replies(self._pending, self._count, timeout)
+
+    async def _wait_async(self) -> None:
+        self._mesh._sender().flush_calls()
+        await self._pending.wait_async(self._count)
+
+    def _cancel(self) -> None:
+        self._mesh._cancel(self._pending)
+        self._count = len(self._pending.ranks)  # the grace period waits for every rank's word
+
+    def _finish(self) -> T:
+        return self._make_result(self._pending)
+
+    def _stopped(self, why: str, error_type: type[BaseException]) -> BaseException:
+        failures = _failures(self._pending, self._mesh)
+        return error_type(f"{self._pending.label} {why} on ranks {format_ranks(self._pending.ranks)}; "
+                          "the endpoint was told to stop", failures)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else f"waiting on ranks {format_ranks(self._pending.outstanding)}"
+        return f"<ActorFuture {self._pending.label}: {state}>"
+
+
+@dataclass(frozen=True)
+class ActorFailureEvent:
+    """What an on_failure callback receives: which actor lost which rank, and why."""
+
+    actor: str
+    rank: int
+    reason: str
+
+
+class ActorMesh:
+    """One actor per rank of a mesh (or slice): `actors.endpoint.call(...)` and friends."""
+
+    _choices = itertools.count()
+
+    def __init__(self, mesh_name: str, actor: str, class_name: str, endpoints: frozenset[str], shape: Shape,
+                 key: str | None = None):
+        self.mesh_name = mesh_name
+        self.name = actor
+        self.key = key or actor  # which spawn of `actor` this handle calls (name#N)
+        self.class_name = class_name
+        self.endpoints = endpoints
+        self.shape = shape
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks of the actors in this (sliced) mesh."""
+        return self.shape.ranks
+
+    def __getattr__(self, name: str) -> EndpointHandle:
+        if name.startswith("_") or name not in self.__dict__.get("endpoints", ()):
+            known = ", ".join(sorted(self.__dict__.get("endpoints", ()))) or "none"
+            raise AttributeError(f"{self.__dict__.get('class_name', 'actor')} has no endpoint {name!r} "
+                                 f"(endpoints: {known}; mark methods with @endpoint)")
+        return EndpointHandle(self, name)
+
+    def slice(self, **selectors: Selector | None) -> ActorMesh:
+        """The actors on a slice: `trainers.slice(hosts=0, gpus=slice(0, 2))`."""
+        return ActorMesh(self.mesh_name, self.name, self.class_name, self.endpoints, self.shape.slice(**selectors),
+                         self.key)
+
+    def on_failure(self, callback: Callable[[ActorFailureEvent], None]) -> None:
+        """Call callback(ActorFailureEvent) on a helper thread when a rank of this actor mesh dies."""
+        self._sender().watch_failures(self.ranks, lambda rank, why: callback(ActorFailureEvent(self.name, rank, why)))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ActorMesh, (self.mesh_name, self.name, self.class_name, self.endpoints, self.shape, self.key))
+
+    def __repr__(self) -> str:
+        return f"<ActorMesh {self.name!r} of {self.class_name} on {self.shape} (ranks {format_ranks(self.ranks)})>"
+
+    # ------------------------------------------------------------ plumbing
+    def _sender(self) -> CallSender:
+        sender = find_sender(self.mesh_name)
+        if sender is None:
+            raise MeshNotRunningError(f"actor mesh {self.name!r}: mesh {self.mesh_name!r} is shut down or not "
+                                      "reachable from here; spawn the actors on a running mesh")
+        return sender
+
+    def _send(self, endpoint_name: str, ranks: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any],
+              want_value: bool = True, on_reply: Callable[[ActorReply], None] | None = None) -> PendingCall:
+        sender = self._sender()
+        sealed = seal((args, kwargs), shm_dir=sender.shm_dir_for(ranks), shared=True)
+        label = f"{self.class_name}.{endpoint_name}"
+
+        pending = sender.calls.new(ranks, label, on_reply)
+        if sealed.shm_paths():  # shared-memory arguments: remove them once every rank answered
+
+            def replied(reply: ActorReply) -> None:
+                if on_reply is not None:
+                    on_reply(reply)
+                if pending.done():
+                    release(sealed)
+
+            pending.on_reply = replied
+        sender.send_call(ActorCall(sender.caller_id, pending.call_id, self.key, endpoint_name, sealed,
+                                   ranks, want_value))
+        return pending
+
+    def _cancel(self, pending: PendingCall) -> None:
+        outstanding = pending.outstanding
+        if outstanding:
+            sender = self._sender()
+            sender.send_cancel(CancelCall(sender.caller_id, pending.call_id, outstanding))
+
+
+class EndpointHandle:
+    """`actors.step`: the ways to call one endpoint on an actor mesh."""
+
+    def __init__(self, mesh: ActorMesh, name: str):
+        self._mesh = mesh
+        self._name = name
+
+    def call(self, *args: Any, **kwargs: Any) -> ActorFuture[ValueMesh[Any]]:
+        """Call on every actor; the future gives a ValueMesh of their replies."""
+        mesh = self._mesh
+        pending = mesh._send(self._name, mesh.ranks, args, kwargs)
+        return ActorFuture(mesh, pending, lambda p: _value_mesh(p, mesh))
+
+    def call_one(self, *args: Any, **kwargs: Any) -> ActorFuture[Any]:
+        """Call the one actor of a one-rank slice; the future gives its reply."""
+        mesh = self._mesh
+        if len(mesh.ranks) != 1:
+            raise MeshUsageError(f"call_one() needs a one-actor slice, but {mesh.name!r} here spans "
+                                 f"{len(mesh.ranks)} ranks; slice it first (e.g. .slice(gpus=0)) or use call()")
+        pending = mesh._send(self._name, mesh.ranks, args, kwargs)
+        return ActorFuture(mesh, pending, lambda p: _single(p, mesh))
+
+    def choose(self, *args: Any, **kwargs: Any) -> ActorFuture[Any]:
+        """Call any one actor (round robin over the live ones); the future gives its reply."""
+        mesh = self._mesh
+        sender = mesh._sender()
+        candidates = [r for r in mesh.ranks if sender.is_alive(r)] or list(mesh.ranks)
+        rank = candidates[next(ActorMesh._choices) % len(candidates)]
+        pending = mesh._send(self._name, (rank,), args, kwargs)
+        return ActorFuture(mesh, pending, lambda p: _single(p, mesh))
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> None:
+        """Call every actor without waiting; failures are printed when they come back."""
+        mesh = self._mesh
+        label = f"{mesh.class_name}.{self._name}"
+
+        def report(reply: ActorReply) -> None:
+            if reply.failure is not None:
+                print(f"monarch_kernel: broadcast {label} failed on rank {reply.rank}: "
+                      f"{reply.failure.message}\n{reply.failure.traceback}", file=sys.stderr, flush=True)
+
+        mesh._send(self._name, mesh.ranks, args, kwargs, want_value=False, on_reply=report)
+
+    def stream(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Iterator[ReplyFuture]:
+        """Call every actor; yield each reply (a done future with .rank) as it arrives."""
+        mesh = self._mesh
+        pending = mesh._send(self._name, mesh.ranks, args, kwargs)
+        for count in range(1, len(pending.ranks) + 1):
+            ActorFuture(mesh, pending, lambda p: None, count).get(timeout)
+            yield ReplyFuture(mesh, pending, pending.arrivals[count - 1])
+
+    def __repr__(self) -> str:
+        return f"<endpoint {self._mesh.class_name}.{self._name} on ranks {format_ranks(self._mesh.ranks)}>"
+
+
+class ReplyFuture(Future[Any]):
+    """One rank's reply from `stream()`: already done; `.get()` returns it or raises."""
+
+    def __init__(self, mesh: ActorMesh, pending: PendingCall, rank: int):
+        super().__init__()
+        self._mesh, self._pending, self.rank = mesh, pending, rank
+        self.point = next(p for p in mesh.shape.points() if p.rank == rank)
+
+    def done(self) -> bool:
+        """Always True."""
+        return True
+
+    def _wait(self, timeout: float | None) -> bool:
+        return True
+
+    async def _wait_async(self) -> None:
+        return None
+
+    def _cancel(self) -> None:
+        return None
+
+    def _finish(self) -> Any:
+        return _single(self._pending, self._mesh, self.rank)
+
+    def _stopped(self, why: str, error_type: type[BaseException]) -> BaseException:
+        return error_type(why)
+
+    def __repr__(self) -> str:
+        return f"<reply of {self._pending.label} from rank {self.rank}>"
+
+
+# ------------------------------------------------------------------ results
+
+
+def _failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...] | None = None) -> list[RankFailure]:
+    found = []
+    sender = mesh._sender()
+    for rank in ranks if ranks is not None else pending.ranks:
+        reply = pending.replies.get(rank)
+        if reply is None or reply.failure is None:
+            continue
+        f = reply.failure
+        kind = _KIND_OF_ERROR.get(f.error_type, FailureKind.INTERRUPTED if f.interrupted else FailureKind.EXCEPTION)
+        message = f"{pending.label} (actor mesh {mesh.name!r}) on rank {rank}: {f.message}"
+        found.append(RankFailure(rank, sender.host_of(rank), kind, f.error_type, message, f.traceback))
+    return found
+
+
+def _raise_failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...], partial: object) -> None:
+    failures = _failures(pending, mesh, ranks)
+    if not failures:
+        return
+    kinds = sorted({f.error_type for f in failures})
+    summary = (f"{pending.label} (actor mesh {mesh.name!r}) failed on rank"
+               f"{'s' if len(failures) > 1 else ''} {format_ranks([f.rank for f in failures])}: {', '.join(kinds)}")
+    raise_for(failures, summary, partial, ActorError, ActorDiedError)
+
+
+def _value(reply: ActorReply) -> Any:
+    return None if reply.value is None else unseal(reply.value)
+
+
+def _value_mesh(pending: PendingCall, mesh: ActorMesh) -> ValueMesh[Any]:
+    times = [(r, pending.replies[r].seconds, pending.replies[r].failure is None) for r in mesh.ranks]
+    mesh._sender().record_timing(pending.label, f"{pending.label} (actor mesh {mesh.name!r})", times)
+    values = [_value(pending.replies[r]) if pending.replies[r].failure is None else None for r in mesh.ranks]
+    vm = ValueMesh(mesh.shape, values)
+    _raise_failures(pending, mesh, mesh.ranks, vm)
+    return vm
+
+
+def _single(pending: PendingCall, mesh: ActorMesh, rank: int | None = None) -> Any:
+    rank = pending.ranks[0] if rank is None else rank
+    _raise_failures(pending, mesh, (rank,), None)
+    return _value(pending.replies[rank])

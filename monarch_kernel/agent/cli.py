@@ -1,0 +1,86 @@
+"""The agent's command line: `python -m monarch_kernel.agent (--fd N | --stdio) --host NAME`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import signal
+import socket
+import sys
+from functools import partial
+
+from monarch_kernel.agent.host_agent import HostAgent
+from monarch_kernel.wire.transport import AsyncConnection
+
+
+def _warm_imports() -> None:
+    """Import what ranks need before forking them, so each starts ready."""
+    try:
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+    except ImportError:
+        pass
+    import cloudpickle  # noqa: F401
+
+    from monarch_kernel.rank import capture, cell, dist, worker  # noqa: F401
+
+    # What torch made at import lives as long as the process: out of the garbage
+    # collector's sight, a full collection on a rank takes a millisecond instead of
+    # stalling whatever runs then (a print, an endpoint) for ~150 ms; and forked ranks
+    # share those pages instead of copying them when the collector touches them.
+    gc.collect()
+    gc.freeze()
+
+
+def _on_signal(agent: HostAgent, signum: int) -> None:
+    asyncio.get_running_loop().create_task(agent.shutdown(signal.Signals(signum).name))
+
+
+async def _amain(args: argparse.Namespace) -> None:
+    agent = HostAgent(args.host)
+    loop = asyncio.get_running_loop()
+    if args.stdio:
+        # The SSH channel is our stdin/stdout: keep it on private descriptors and point
+        # fds 0/1 elsewhere, so nothing a library prints can corrupt the stream.
+        read_fd, write_fd = os.dup(0), os.dup(1)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(2, 1)
+        agent.connected(await AsyncConnection.from_pipes(
+            read_fd, write_fd, agent.on_controller_message, agent.on_controller_closed))
+    else:
+        sock = socket.socket(fileno=args.fd)
+        agent.connected(await AsyncConnection.from_socket(
+            sock, agent.on_controller_message, agent.on_controller_closed))
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, partial(_on_signal, agent, sig))
+    watchers = [loop.create_task(agent.watch_ranks()), loop.create_task(agent.watch_controller())]
+    await agent.done
+    for task in watchers:
+        task.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Agent entry point."""
+    parser = argparse.ArgumentParser(description="monarch_kernel host agent")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--fd", type=int, help="inherited socket to the controller")
+    where.add_argument("--stdio", action="store_true", help="talk to the controller on stdin/stdout (SSH)")
+    parser.add_argument("--host", default=socket.gethostname())
+    parser.add_argument("--cleanup", default=None, help="a folder to remove when the agent exits")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts come as messages, not signals
+    from monarch_kernel.rank.worker import die_with_parent
+
+    die_with_parent()
+    _warm_imports()
+    try:
+        asyncio.run(_amain(args))
+    finally:
+        if args.cleanup:
+            import shutil
+
+            shutil.rmtree(args.cleanup, ignore_errors=True)
+    sys.exit(0)

@@ -1,0 +1,218 @@
+"""The host agent: one per host, between the controller and that host's ranks.
+
+It routes each request to its local ranks with one encoding and gathers their replies
+into one message, routes actor calls between ranks (those of this host directly, the
+rest through the controller), relays output, and watches the controller: if it falls
+silent, every rank is stopped rather than left behind. The ranks themselves (fork,
+reap, heartbeats, load) are kept by its `RankSet`.
+
+Run as `python -m monarch_kernel.agent --fd N --host NAME` with the controller's end of
+a socketpair inherited as fd N (or `--stdio` over SSH, on stdin/stdout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from monarch_kernel.agent.launcher import RankProcess
+from monarch_kernel.agent.rank_set import RankSet, tail_text
+from monarch_kernel.core.failures import exit_text
+from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.routing import CallRouter, Send
+from monarch_kernel.wire.transport import AsyncConnection, encode
+
+
+class HostAgent:
+    """Routes between one controller connection and this host's ranks."""
+
+    def __init__(self, host: str):
+        self.host = host
+        self.ranks = RankSet(host, self)
+        self.pending: dict[int, tuple[set[int], list[m.Result]]] = {}  # req_id -> (waiting ranks, results)
+        self.controller: AsyncConnection | None = None
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.last_heard = time.monotonic()
+        self._outbox: list[Any] = []
+        self._last_load = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.router = CallRouter(next_hop=self._hop, serves=lambda rank: rank in self.ranks.local_ranks,
+                                 why_dead=lambda rank: f"rank {rank} on {host} is not running",
+                                 upstream=self._to_controller)
+        self._from_controller: dict[type, Callable[[Any], None]] = {
+            m.ToRanks: self._fan_out,
+            m.SignalRanks: lambda msg: self.ranks.signal(msg.ranks, msg.signum),
+            m.ActorCall: lambda msg: self.router.call(msg, from_above=True),
+            m.ActorReply: self.router.reply,
+            m.CancelCall: lambda msg: self.router.cancel(msg, from_above=True),
+            m.InputReply: self._deliver,
+            m.Ping: lambda msg: self._to_controller(m.Pong(msg.seq)),
+            m.BindStore: lambda msg: self._bind_store(msg.addr),
+            m.StartRanks: lambda msg: self._spawn(self._start(msg)),
+            m.Shutdown: lambda msg: self._spawn(self.shutdown("the controller asked")),
+        }
+        self._from_rank: dict[type, Callable[[int, Any], None]] = {
+            m.Result: self._result,
+            m.ActorReply: lambda rank, msg: self.router.reply(msg, owed=True),
+            m.ActorCall: lambda rank, msg: self.router.call(msg),
+            m.CancelCall: lambda rank, msg: self.router.cancel(msg),
+        }
+
+    # ------------------------------------------------------------ the controller
+    def connected(self, conn: AsyncConnection) -> None:
+        """The controller connection is ready: send what was queued meanwhile."""
+        self.controller = conn
+        for msg in self._outbox:
+            conn.send(msg)
+        self._outbox.clear()
+
+    def on_controller_message(self, msg: Any) -> None:
+        """Dispatch one message from the controller."""
+        self.last_heard = time.monotonic()
+        handler = self._from_controller.get(type(msg))
+        if handler is not None:
+            handler(msg)
+
+    def on_controller_closed(self, exc: Exception | None) -> None:
+        """The controller is gone (kernel died, SSH dropped): take every rank down."""
+        self._spawn(self.shutdown(f"the controller connection closed ({exc})"))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run a coroutine on the agent's loop (kept referenced until it ends)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _to_controller(self, msg: Any) -> None:
+        if self.controller is None:
+            self._outbox.append(msg)  # the connection is still being set up
+        elif not self.controller.closed:
+            self.controller.send(msg)
+
+    def _fan_out(self, msg: m.ToRanks) -> None:
+        req_id = msg.body.req_id
+        chunks = encode(msg.body)
+        waiting = {rank for rank in msg.ranks if self.ranks.send(rank, chunks)}  # dead ones: already known
+        self.pending[req_id] = (waiting, [])
+        self._maybe_gathered(req_id)
+
+    def _deliver(self, msg: m.InputReply) -> None:
+        chunks = encode(msg)
+        for rank in msg.ranks:
+            self.ranks.send(rank, chunks)
+
+    def _maybe_gathered(self, req_id: int) -> None:
+        waiting, results = self.pending[req_id]
+        if not waiting:
+            del self.pending[req_id]
+            self._to_controller(m.Gathered(req_id, tuple(results)))
+
+    def _hop(self, rank: int) -> Send | None:
+        proc = self.ranks.procs.get(rank)
+        if proc is None or proc.conn is None or proc.conn.closed:
+            return None
+        return proc.conn.send
+
+    # ------------------------------------------------------------ the ranks (RankListener)
+    def on_rank_message(self, rank: int, msg: Any) -> None:
+        """Route one message from a rank."""
+        handler = self._from_rank.get(type(msg))
+        if handler is not None:
+            handler(rank, msg)
+            return
+        if isinstance(msg, m.Output) and msg.stream == "stderr":
+            self.ranks.remember_stderr(rank, msg.text)
+        self._to_controller(msg)
+
+    def _result(self, rank: int, msg: m.Result) -> None:
+        entry = self.pending.get(msg.req_id)
+        if entry is not None:
+            entry[0].discard(rank)
+            entry[1].append(msg)
+            self._maybe_gathered(msg.req_id)
+
+    def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None:
+        """Text a rank wrote to its real fd 1/2 (C extensions, crashes)."""
+        self._to_controller(m.Output(rank, None, stream, data.decode("utf-8", "replace")))
+
+    def on_rank_gone(self, rank: int, proc: RankProcess, exit_code: int | None, signal_name: str | None) -> None:
+        """A rank's process ended: fail what it owed, tell the controller, release its waits."""
+        self.router.rank_died(rank, f"rank {rank} on {self.host} (pid {proc.pid}) died "
+                                    f"({exit_text(exit_code, signal_name)}) before answering" + tail_text(proc))
+        self._to_controller(m.RankExited(rank, proc.pid, exit_code, signal_name, tuple(proc.stderr_tail.texts()),
+                                         proc.stopping))
+        for req_id in list(self.pending):
+            self.pending[req_id][0].discard(rank)
+            self._maybe_gathered(req_id)
+
+    def on_rank_health(self, rank: int, responsive: bool) -> None:
+        """A rank stopped (or resumed) answering heartbeats."""
+        self._to_controller(m.RankHealth(rank, responsive))
+
+    def on_went_idle(self) -> None:
+        """A rank stopped being busy: say so now, not at the next load sample."""
+        self._send_loads()
+
+    # ------------------------------------------------------------ lifecycle
+    async def _start(self, msg: m.StartRanks) -> None:
+        try:
+            infos = await self.ranks.start(msg)
+        except Exception as exc:  # noqa: BLE001 - reported to the controller
+            await self.ranks.stop_all(0.5)
+            self._to_controller(m.RanksFailed(f"{self.host}: {exc}"))
+            return
+        self._to_controller(m.RanksStarted(infos))
+
+    def _bind_store(self, addr: str) -> None:
+        try:
+            port = self.ranks.bind_store(addr)
+        except OSError as exc:
+            self._to_controller(m.RanksFailed(
+                f"{self.host}: cannot listen on MASTER_ADDR {addr} for the rendezvous store ({exc}); "
+                "pass an address of this host (master_addr=...)"))
+            return
+        self._to_controller(m.StoreBound(port))
+
+    async def shutdown(self, why: str) -> None:
+        """Stop all ranks and end the agent."""
+        if self.done.done():
+            return
+        print(f"monarch_kernel agent on {self.host}: shutting down: {why}", file=sys.stderr, flush=True)
+        try:
+            await asyncio.wait_for(self.ranks.stop_all(0.5), timeout=3)
+        finally:
+            self.ranks.kill_all()
+            if self.controller is not None:
+                self.controller.close()
+            if not self.done.done():
+                self.done.set_result(None)
+
+    async def watch_ranks(self) -> None:
+        """Ping every rank; send loads about once a second while the controller answers."""
+        while True:
+            await asyncio.sleep(self.ranks.health.heartbeat_interval_s)
+            now = time.monotonic()
+            # loads only while the controller answers: a link gone quiet gets no traffic from
+            # us, so the SSH server's own keepalive can notice it and end the session
+            every = self.ranks.health.ping_interval_s
+            if now - self._last_load >= every and now - self.last_heard < 2 * every:
+                self._send_loads()
+            self.ranks.ping(now)
+
+    async def watch_controller(self) -> None:
+        """If the controller falls silent (its host lost the network, the kernel froze), stop every rank."""
+        while True:
+            await asyncio.sleep(self.ranks.health.heartbeat_interval_s)
+            silent = time.monotonic() - self.last_heard
+            if silent > self.ranks.health.controller_silence_s:
+                await self.shutdown(f"no message from the controller for {silent:.1f} s")
+                return
+
+    def _send_loads(self) -> None:
+        self._last_load = time.monotonic()
+        loads = self.ranks.loads()
+        if loads:
+            self._to_controller(m.HostLoad(tuple(loads)))

@@ -1,0 +1,140 @@
+"""Forking a rank from the (warm) host agent, and what the child does to become one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Protocol
+
+from monarch_kernel.core.termtext import LineLog
+from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.transport import AsyncConnection
+
+STDERR_TAIL_LINES = 20
+
+
+class RankSupervisor(Protocol):
+    """What a forked rank reports to (the agent's RankSet)."""
+
+    host: str
+
+    def on_rank_message(self, rank: int, msg: Any) -> None:
+        """A message from the rank."""
+
+    def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None:
+        """Bytes the rank wrote to its real fd 1 or 2."""
+
+    def on_rank_exit(self, rank: int) -> None:
+        """The rank's pidfd became readable: it exited."""
+
+    def on_pong(self, rank: int) -> None:
+        """The rank answered a heartbeat."""
+
+
+@dataclass
+class RankProcess:
+    """The agent's view of one forked rank."""
+
+    spec: m.RankSpec
+    pid: int
+    pidfd: int
+    hb_sock: socket.socket
+    conn: AsyncConnection | None = None
+    ready: asyncio.Future[m.Result] | None = None
+    last_pong: float = field(default_factory=time.monotonic)
+    responsive: bool = True
+    stopping: bool = False
+    activity: str = ""  # what its actors run, from its latest heartbeat answer
+    stderr_tail: LineLog = field(default_factory=lambda: LineLog(STDERR_TAIL_LINES))
+
+async def fork_rank(agent: RankSupervisor, spec: m.RankSpec, start: m.StartRanks,
+                    store_fd: int | None, master_port: int) -> RankProcess:
+    """Fork one rank from the (warm) agent process and wire it to the agent's loop."""
+    parent_conn, child_conn = socket.socketpair()
+    parent_hb, child_hb = socket.socketpair()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns from here
+        try:
+            parent_conn.close()
+            parent_hb.close()
+            _become_rank(spec, start, child_conn, child_hb, out_w, err_w, store_fd, master_port, agent.host)
+        finally:
+            os._exit(70)
+    for fd in (out_w, err_w):
+        os.close(fd)
+    child_conn.close()
+    child_hb.close()
+    loop = asyncio.get_running_loop()
+    proc = RankProcess(spec, pid, os.pidfd_open(pid), parent_hb, ready=loop.create_future())
+    parent_hb.setblocking(False)
+    loop.add_reader(proc.pidfd, agent.on_rank_exit, spec.rank)
+    loop.add_reader(parent_hb.fileno(), agent.on_pong, spec.rank)
+    for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, _pump_fd, loop, fd, agent, spec.rank, stream)
+    proc.conn = await AsyncConnection.from_socket(
+        parent_conn,
+        partial(agent.on_rank_message, spec.rank),
+        lambda exc: None,  # the pidfd reports the exit, with its status
+    )
+    return proc
+
+
+def _pump_fd(loop: asyncio.AbstractEventLoop, fd: int, agent: RankSupervisor, rank: int, stream: str) -> None:
+    try:
+        data = os.read(fd, 65536)
+    except BlockingIOError:
+        return
+    except OSError:
+        data = b""
+    if not data:
+        loop.remove_reader(fd)
+        os.close(fd)
+        return
+    agent.on_rank_fd_output(rank, stream, data)
+
+
+def _become_rank(spec: m.RankSpec, start: m.StartRanks, conn: socket.socket, hb: socket.socket,
+                 out_w: int, err_w: int, store_fd: int | None, master_port: int, host: str) -> None:
+    """In the forked child: detach from the agent's state, set up, and serve forever."""
+    os.setpgid(0, 0)
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    keep = {0, 1, 2, conn.fileno(), hb.fileno()} | ({store_fd} if store_fd is not None else set())
+    _close_fds_except(keep)
+    from monarch_kernel.rank.dist import init_process_group, limit_threads, rank_environment
+    from monarch_kernel.rank.worker import WorkerConfig, run_rank
+
+    os.environ.update(start.env)
+    os.environ.update(rank_environment(spec, start.dist, master_port, start.node_rank))
+    if "torch" in sys.modules:
+        limit_threads(spec.local_world_size)
+
+    def setup() -> str:
+        return init_process_group(spec, start.dist, master_port, store_fd)
+
+    run_rank(conn, hb, WorkerConfig(spec.rank, host, start.shm_dir), setup)
+    os._exit(0)
+
+
+def _close_fds_except(keep: set[int]) -> None:
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

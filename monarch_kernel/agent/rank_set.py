@@ -1,0 +1,225 @@
+"""The ranks of one host, as its agent keeps them: fork, watch, reap, stop, sample.
+
+`RankSet` forks each rank from the warm agent process, learns of its exit through a
+pidfd (with its status), pings it for liveness, samples its load, and stops the whole
+process group of each rank when told to. What ranks send and what becomes of them is
+reported to a `RankListener` (the agent's router).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from typing import Any, Protocol
+
+from monarch_kernel.agent.launcher import RankProcess, fork_rank
+from monarch_kernel.agent.load import LoadSampler
+from monarch_kernel.core.failures import exit_text
+from monarch_kernel.wire import messages as m
+
+
+class RankListener(Protocol):
+    """Who hears what the ranks of a RankSet say and do (the host agent)."""
+
+    def on_rank_message(self, rank: int, msg: Any) -> None:
+        """A message from a rank."""
+
+    def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None:
+        """Bytes a rank wrote to its real fd 1 or 2."""
+
+    def on_rank_gone(self, rank: int, proc: RankProcess, exit_code: int | None, signal_name: str | None) -> None:
+        """A rank's process ended and was reaped."""
+
+    def on_rank_health(self, rank: int, responsive: bool) -> None:
+        """A rank stopped (or resumed) answering heartbeats."""
+
+    def on_went_idle(self) -> None:
+        """A rank that ran actor endpoints is idle now."""
+
+
+class RankSet:
+    """This host's rank processes."""
+
+    def __init__(self, host: str, listener: RankListener):
+        self.host = host
+        self.listener = listener
+        self.procs: dict[int, RankProcess] = {}
+        self.local_ranks: set[int] = set()  # every rank of this host, alive or not
+        self.health = m.HealthTimings()
+        self._store_sock: socket.socket | None = None
+        self._sampler = LoadSampler()
+
+    # ------------------------------------------------------------ sending
+    def send(self, rank: int, chunks: list[Any]) -> bool:
+        """Send an encoded frame to a rank if it is running; False if it is not."""
+        proc = self.procs.get(rank)
+        if proc is None or proc.conn is None or proc.conn.closed:
+            return False
+        proc.conn.send_chunks(chunks)
+        return True
+
+    def signal(self, ranks: tuple[int, ...], signum: int) -> None:
+        """Send a signal to these ranks' processes."""
+        for rank in ranks:
+            proc = self.procs.get(rank)
+            if proc is not None:
+                _kill(proc.pid, signum)
+
+    # ------------------------------------------------------------ starting
+    def bind_store(self, addr: str) -> int:
+        """Listen for rank 0's rendezvous store on addr; the port (raises OSError)."""
+        from monarch_kernel.rank.dist import bind_store_socket
+
+        if self._store_sock is not None:
+            self._store_sock.close()
+            self._store_sock = None
+        self._store_sock = bind_store_socket(addr)
+        return int(self._store_sock.getsockname()[1])
+
+    async def start(self, msg: m.StartRanks) -> tuple[m.RankInfo, ...]:
+        """Stop the ranks running, then fork and await the ones `msg` asks for (raises if they fail)."""
+        await self.stop_all(1.0)
+        self.health = msg.health
+        self.local_ranks = {spec.rank for spec in msg.ranks}
+        port = msg.master_port
+        store_fd = None
+        if any(spec.rank == 0 for spec in msg.ranks) and msg.dist.backend != "none":
+            if self._store_sock is None:
+                self.bind_store(msg.dist.master_addr)
+            assert self._store_sock is not None
+            store_fd, port = self._store_sock.fileno(), self._store_sock.getsockname()[1]
+        for spec in msg.ranks:
+            self.procs[spec.rank] = await fork_rank(self, spec, msg, store_fd if spec.rank == 0 else None, port)
+        procs = dict(self.procs)  # a rank that fails also exits, and leaves self.procs
+        replies = await asyncio.wait_for(asyncio.gather(*(p.ready for p in procs.values() if p.ready)),
+                                         timeout=msg.dist.timeout_s)
+        for rank, reply in zip(procs, replies):
+            if reply.failure is not None:
+                raise RuntimeError(f"rank {rank} failed to start:\n{reply.failure.traceback or reply.failure.message}")
+        gone = sorted(set(procs) - set(self.procs))
+        if gone:
+            raise RuntimeError(f"ranks {gone} exited right after start-up")
+        return tuple(m.RankInfo(r, p.pid, self.host) for r, p in sorted(procs.items()))
+
+    async def stop_all(self, grace_s: float) -> None:
+        """SIGTERM every rank's process group, SIGKILL what is left after grace_s."""
+        for proc in list(self.procs.values()):
+            proc.stopping = True
+            _kill_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.procs and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.kill_all()
+        while self.procs:
+            await asyncio.sleep(0.01)
+
+    def kill_all(self) -> None:
+        """SIGKILL every rank's process group now."""
+        for proc in list(self.procs.values()):
+            _kill_group(proc.pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------ the launcher's callbacks
+    def on_rank_message(self, rank: int, msg: Any) -> None:
+        """A rank's message (its start-up reply is kept here; the rest go to the listener)."""
+        proc = self.procs.get(rank)
+        if isinstance(msg, m.Result) and msg.req_id == 0 and proc is not None and proc.ready is not None:
+            if not proc.ready.done():
+                proc.ready.set_result(msg)
+            return
+        self.listener.on_rank_message(rank, msg)
+
+    def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None:
+        """Bytes a rank wrote to its real fd 1/2 (C extensions, crashes)."""
+        if stream == "stderr":
+            self.remember_stderr(rank, data.decode("utf-8", "replace"))
+        self.listener.on_rank_fd_output(rank, stream, data)
+
+    def remember_stderr(self, rank: int, text: str) -> None:
+        """Keep the tail of what a rank wrote to stderr, for its crash report."""
+        proc = self.procs.get(rank)
+        if proc is not None:
+            proc.stderr_tail.write("stderr", text)
+
+    def on_rank_exit(self, rank: int) -> None:
+        """A rank's process ended: reap it, release its descriptors, tell the listener."""
+        proc = self.procs.pop(rank, None)
+        if proc is None:
+            return
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(proc.pidfd)
+        os.close(proc.pidfd)
+        # unregister before closing: a stale registration would swallow the next rank's
+        # heartbeats (its socket may reuse the same descriptor number)
+        loop.remove_reader(proc.hb_sock.fileno())
+        proc.hb_sock.close()
+        _, status = os.waitpid(proc.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        exit_code, sig = (code, None) if code >= 0 else (None, signal.Signals(-code).name)
+        _kill_group(proc.pid, signal.SIGKILL)  # anything the rank left behind
+        if proc.conn is not None:
+            proc.conn.close()
+        if proc.ready is not None and not proc.ready.done():
+            proc.ready.set_exception(RuntimeError(
+                f"rank {rank} exited during start-up ({exit_text(exit_code, sig)})" + tail_text(proc)))
+        self.listener.on_rank_gone(rank, proc, exit_code, sig)
+
+    def on_pong(self, rank: int) -> None:
+        """A heartbeat answer arrived from a rank (with what its actors are doing)."""
+        proc = self.procs.get(rank)
+        if proc is None:
+            return
+        try:
+            data = proc.hb_sock.recv(4096)
+        except OSError:
+            return
+        answers = data.split(b"\n")
+        if len(answers) > 1:  # the latest complete answer says what the rank is doing
+            activity = answers[-2].lstrip(b".").decode("utf-8", "replace")
+            went_idle = bool(proc.activity) and not activity
+            proc.activity = activity
+            if went_idle:
+                self.listener.on_went_idle()
+        proc.last_pong = time.monotonic()
+        if not proc.responsive:
+            proc.responsive = True
+            self.listener.on_rank_health(rank, True)
+
+    # ------------------------------------------------------------ watching
+    def ping(self, now: float) -> None:
+        """Ping every rank; report those silent for longer than unresponsive_after_s."""
+        for rank, proc in list(self.procs.items()):
+            try:
+                proc.hb_sock.send(b".")
+            except OSError:
+                continue
+            if proc.responsive and now - proc.last_pong > self.health.unresponsive_after_s:
+                proc.responsive = False
+                self.listener.on_rank_health(rank, False)
+
+    def loads(self) -> list[Any]:
+        """Each rank's CPU, memory and GPU load now."""
+        return self._sampler.sample({r: (p.pid, p.spec.local_rank) for r, p in self.procs.items()},
+                                    {r: p.activity for r, p in self.procs.items()})
+
+
+def tail_text(proc: RankProcess) -> str:
+    """A rank's last stderr lines, for a report."""
+    tail = proc.stderr_tail.texts()
+    return ("\nlast stderr lines:\n  " + "\n  ".join(tail)) if tail else ""
+
+
+def _kill(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        _kill(pid, signum)

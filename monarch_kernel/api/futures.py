@@ -1,0 +1,224 @@
+"""MeshFuture: the result of work on the mesh, to `.get(timeout)` or `await`.
+
+While a caller waits, the future pumps the request's live events into its output sink
+on the caller's own thread, so output lands in the cell that is waiting. Ctrl-C (the
+notebook's stop button) interrupts the ranks, waits briefly for their tracebacks and
+raises MeshInterrupted; a timeout does the same and raises MeshTimeoutError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+from monarch_kernel.controller.events import (
+    DisplayEvent,
+    DoneEvent,
+    InputEvent,
+    NoticeEvent,
+    OutputEvent,
+    RanksDoneEvent,
+    RequestEvent,
+)
+from monarch_kernel.core.errors import raise_for
+from monarch_kernel.core.failures import FailureKind, RankFailure
+from monarch_kernel.core.future import INTERRUPT_GRACE_S, Future
+from monarch_kernel.core.ranksets import format_ranks
+
+if TYPE_CHECKING:
+    from monarch_kernel.api.sinks import OutputSink
+    from monarch_kernel.controller.runtime import MeshRuntime
+    from monarch_kernel.controller.state import Request
+
+T = TypeVar("T")
+PUMP_INTERVAL_S = 0.05
+INPUT_GATHER_S = 0.2  # ranks asking for input within this share one question
+
+
+class MeshFuture(Future[T]):
+    """Work in flight on some ranks. `get()` blocks (interruptibly); `await` works too."""
+
+    def __init__(self, runtime: MeshRuntime, request: Request, sink: OutputSink,
+                 finish: Callable[[Request], T], *, timeout: float | None = None):
+        super().__init__(timeout)
+        self._runtime = runtime
+        self._request = request
+        self._sink = sink
+        self._make_result = finish
+        self._created = time.monotonic()
+        self._background = False
+        self._stopping = False
+
+    @property
+    def label(self) -> str:
+        """What this future runs (e.g. the cell name)."""
+        return self._request.label
+
+    def done(self) -> bool:
+        """Whether every rank has answered (or failed)."""
+        return self._request.future.done()
+
+    def rank_times(self) -> list[tuple[int, float | None, bool]]:
+        """(rank, seconds, ok) for each rank of a finished run; seconds None if it died."""
+        req = self._request
+        out: list[tuple[int, float | None, bool]] = []
+        for rank in sorted(req.ranks):
+            result = req.results.get(rank)
+            if result is None:
+                out.append((rank, None, False))
+            else:
+                out.append((rank, result.finished - result.started, result.failure is None))
+        return out
+
+    def pump_in_background(self) -> None:
+        """Deliver live output from a daemon thread (for runs nobody waits on)."""
+        self._background = True
+        threading.Thread(target=self._bg_wait, name=f"mesh-pump-{self.label}", daemon=True).start()
+
+    def _bg_wait(self) -> None:
+        try:
+            self.get()
+        except BaseException:  # noqa: BLE001 - kept in the outcome for whoever asks
+            pass
+
+    # ------------------------------------------------------------ Future
+    def _wait(self, timeout: float | None) -> bool:
+        """Dispatch events until done (True) or the timeout passes (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        events = self._request.events
+        while True:
+            wait = PUMP_INTERVAL_S
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    return False
+            try:
+                event = events.get(timeout=wait)
+            except queue.Empty:
+                self._sink.tick()
+                continue
+            if isinstance(event, DoneEvent):
+                return True
+            if isinstance(event, InputEvent):
+                self._answer_input(event)
+            else:
+                self._dispatch(event)
+
+    async def _wait_async(self) -> None:
+        await asyncio.wrap_future(self._request.future)
+
+    def _cancel(self) -> None:
+        self._stopping = True
+        self._runtime.requests.interrupt(self._request.outstanding)
+
+    def _finish(self) -> T:
+        self._sink.close()
+        return self._make_result(self._request)
+
+    def _stopped(self, why: str, error_type: type[BaseException]) -> BaseException:
+        req = self._request
+        self._sink.close()
+        failures = collect_failures(req, self._runtime)
+        still = sorted(req.outstanding)
+        for rank in still:
+            failures.append(RankFailure(
+                rank, self._runtime.state.host_of(rank), FailureKind.INTERRUPTED, "StillRunning",
+                f"rank {rank} did not stop within {INTERRUPT_GRACE_S:g} s (it may be inside native "
+                "code such as a collective); interrupt again, or %mesh restart"))
+        summary = f"{req.label} {why} on ranks {format_ranks(req.ranks)}"
+        if still:
+            summary += f"; ranks {format_ranks(still)} are still busy"
+        return error_type(summary, failures)
+
+    # ------------------------------------------------------------ events
+    def _dispatch(self, event: RequestEvent) -> None:
+        match event:
+            case OutputEvent(rank, stream, text):
+                self._sink.output(rank, stream, text)
+            case DisplayEvent(rank, data, metadata):
+                self._sink.display(rank, data, metadata)
+            case NoticeEvent(rank, text):
+                self._sink.notice(rank, text)
+            case RanksDoneEvent(ranks):
+                for rank in ranks:
+                    self._sink.rank_done(rank)
+
+    def _answer_input(self, first: InputEvent) -> None:
+        """Ranks called input() (or pdb, or getpass): ask the notebook, once per distinct prompt.
+
+        SPMD code asks on every rank at about the same moment: requests that come within
+        INPUT_GATHER_S with the same prompt share one question, and its answer goes to
+        all of them (e.g. one `(Pdb)` box drives the debugger on every rank).
+        """
+        asking = {first.rank: (first.prompt, first.password)}
+        events, deadline = self._request.events, time.monotonic() + INPUT_GATHER_S
+        while len(asking) < len(self._request.ranks) and (left := deadline - time.monotonic()) > 0:
+            try:
+                event = events.get(timeout=left)
+            except queue.Empty:
+                break
+            if isinstance(event, InputEvent):
+                asking[event.rank] = (event.prompt, event.password)
+            elif isinstance(event, DoneEvent):
+                events.put(event)
+                break
+            else:
+                self._dispatch(event)
+        prompts: dict[tuple[str, bool], list[int]] = {}
+        for rank, question in sorted(asking.items()):
+            prompts.setdefault(question, []).append(rank)
+        for (prompt, password), ranks in prompts.items():
+            new_block = getattr(self._sink, "new_block", None)  # optional in OutputSink
+            if new_block is not None:
+                new_block()  # what came before stays above the question, what follows goes below
+            try:
+                text, error = self._read_line(f"[{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}] "
+                                              f"{prompt}", password), None
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the ranks hear why, and the cell goes on
+                text, error = "", f"the notebook could not read a line ({type(exc).__name__}: {exc})"
+            self._runtime.requests.send_input(ranks, self._request.req_id, text, error)
+
+    def _read_line(self, prompt: str, password: bool) -> str:
+        if self._background:
+            raise RuntimeError("background runs (--bg) cannot ask for input")
+        if self._stopping:
+            raise RuntimeError("the run is being stopped")
+        if password:
+            import getpass
+
+            return getpass.getpass(prompt)  # the notebook shows a masked box (ipykernel's getpass)
+        return input(prompt)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else f"running for {time.monotonic() - self._created:.1f} s"
+        return f"<MeshFuture {self.label} on ranks {format_ranks(self._request.ranks)}: {state}>"
+
+
+def collect_failures(req: Request, runtime: MeshRuntime) -> list[RankFailure]:
+    """Every failure of a finished (or stopped) request, one per rank, sorted by rank."""
+    failures = dict(req.failures)
+    for rank, result in req.results.items():
+        f = result.failure
+        if f is None:
+            continue
+        state = runtime.ranks[rank]
+        kind = FailureKind.INTERRUPTED if f.interrupted else FailureKind.EXCEPTION
+        failures[rank] = RankFailure(rank, state.host, kind, f.error_type, f.message, f.traceback, pid=state.pid)
+    return [failures[r] for r in sorted(failures)]
+
+
+def raise_failures(req: Request, runtime: MeshRuntime, partial: object = None) -> None:
+    """Raise RemoteError if any rank failed the request."""
+    failures = collect_failures(req, runtime)
+    if not failures:
+        return
+    kinds = sorted({f.error_type for f in failures})
+    summary = (f"{req.label} failed on {len(failures)} of {len(req.ranks)} ranks "
+               f"({format_ranks([f.rank for f in failures])}): {', '.join(kinds)}")
+    raise_for(failures, summary, partial)

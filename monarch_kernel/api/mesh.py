@@ -1,0 +1,358 @@
+"""Mesh: the user's handle on a set of ranks (a whole mesh or a slice of one).
+
+>>> mesh = local_mesh(gpus=4, dist="gloo")
+>>> mesh.run("import torch.distributed as dist; dist.get_rank()")
+>>> mesh.slice(gpus=slice(0, 2)).push(lr=1e-3)
+>>> mesh.pull("lr")
+"""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+import os
+from collections.abc import Callable
+from typing import Any
+
+from monarch_kernel.actors.base import Actor
+from monarch_kernel.actors.client import ActorMesh
+from monarch_kernel.api.futures import MeshFuture, raise_failures
+from monarch_kernel.api.sinks import IdleOutput, OutputSink, default_sink, report_timing
+from monarch_kernel.controller.hosts import HostKind, HostSpec
+from monarch_kernel.controller.runtime import MeshRuntime
+from monarch_kernel.controller.state import RankSnapshot, Request
+from monarch_kernel.core.errors import MeshInterrupted, MeshStartError, MeshUsageError, SerializationError
+from monarch_kernel.core.ranksets import format_ranks
+from monarch_kernel.core.shape import Selector, Shape
+from monarch_kernel.core.source import check_syntax
+from monarch_kernel.core.values import ValueMesh
+from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.messages import HealthTimings
+from monarch_kernel.wire.serialization import Sealed, release, seal, unseal
+
+_cell_numbers = itertools.count(1)
+_mesh_numbers = itertools.count(0)
+_spawns = itertools.count(1)
+BACKENDS = ("gloo", "nccl", "none")
+
+
+class Mesh:
+    """Ranks you can run code on, push values to and pull values from."""
+
+    def __init__(self, runtime: MeshRuntime, shape: Shape):
+        self._runtime = runtime
+        self._shape = shape
+
+    # ------------------------------------------------------------ description
+    @property
+    def name(self) -> str:
+        """The mesh's name (as used by `%mesh use NAME`)."""
+        return self._runtime.name
+
+    @property
+    def shape(self) -> Shape:
+        """Named dims and their sizes, e.g. {hosts: 1, gpus: 4}; `.sizes` gives a dict."""
+        return self._shape
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks in this mesh or slice, row-major."""
+        return self._shape.ranks
+
+    @property
+    def backend(self) -> str:
+        """The torch.distributed backend the ranks were started with."""
+        return self._runtime.backend
+
+    @property
+    def closed(self) -> bool:
+        """Whether the mesh was shut down."""
+        return self._runtime.closed
+
+    @property
+    def kind(self) -> str:
+        """Where its ranks run: "local" (this machine) or "ssh"."""
+        return HostKind.SSH if any(h.kind == HostKind.SSH for h in self._runtime.hosts) else HostKind.LOCAL
+
+    @property
+    def hosts(self) -> list[str]:
+        """The names of its hosts, in host order."""
+        return [h.name for h in self._runtime.hosts]
+
+    @property
+    def health(self) -> HealthTimings:
+        """How soon silence counts as failure (ping, host-lost, heartbeat, unresponsive timings)."""
+        return self._runtime.health
+
+    def status(self) -> list[RankSnapshot]:
+        """Each rank's state: idle, busy, dead or unresponsive, with host and pid."""
+        chosen = set(self.ranks)
+        return [s for s in self._runtime.snapshot() if s.rank in chosen]
+
+    def logs(self, rank: int, lines: int = 50) -> list[tuple[str, str]]:
+        """The last (stream, line) pairs a rank printed, including between cells."""
+        if rank not in self._runtime.ranks:
+            raise MeshUsageError(f"mesh {self.name!r} has no rank {rank}")
+        return self._runtime.logs(rank, lines)
+
+    def agent_log(self, host: int | str, lines: int = 50) -> str:
+        """The last lines of a host agent's log (its stderr): start-up problems, crashes."""
+        return self._runtime.agent_log(host, lines)
+
+    # ------------------------------------------------------------ slicing
+    def slice(self, **selectors: Selector | None) -> Mesh:
+        """A sub-mesh: `mesh.slice(hosts=0, gpus=slice(0, 2))`; ints drop the dim."""
+        return Mesh(self._runtime, self._shape.slice(**selectors))
+
+    def select_ranks(self, ranks: list[int]) -> Mesh:
+        """A 1-D sub-mesh over the given global ranks."""
+        return Mesh(self._runtime, self._shape.select_ranks(ranks))
+
+    # ------------------------------------------------------------ work
+    def run(self, code: str, *, timeout: float | None = None, fail_fast: bool = False,
+            sink: OutputSink | None = None, dedupe: bool = True, name: str | None = None) -> ValueMesh:
+        """Run code on every rank; returns each rank's last-expression value.
+
+        Output streams live to `sink` (default: the notebook's live view). Raises
+        SyntaxError before sending, RemoteError if any rank fails.
+        """
+        return self.run_async(code, timeout=timeout, fail_fast=fail_fast, sink=sink,
+                              dedupe=dedupe, name=name).get()
+
+    def run_async(self, code: str, *, timeout: float | None = None, fail_fast: bool = False,
+                  sink: OutputSink | None = None, dedupe: bool = True, name: str | None = None,
+                  background: bool = False) -> MeshFuture:
+        """Start code on every rank and return at once with a MeshFuture.
+
+        With background=True, live output is delivered from a helper thread (to the
+        cell that started the run) even if nobody calls get().
+        """
+        filename = f"<mesh {name or f'cell {next(_cell_numbers)}'}>"
+        check_syntax(code, filename)
+        label = name or filename.strip("<>")
+        future = self._submit(lambda rid: m.RunCell(rid, code, filename), label=label, timeout=timeout,
+                              fail_fast=fail_fast, sink=sink, dedupe=dedupe, finish=self._values,
+                              background=background)
+        if background:
+            future.pump_in_background()
+        return future
+
+    def push(self, **values: Any) -> None:
+        """Assign variables in each rank's namespace: `mesh.push(lr=0.1, model=net)`."""
+        self.push_async(**values).get()
+
+    def push_async(self, **values: Any) -> MeshFuture:
+        """Start a push; returns a MeshFuture."""
+        if not values:
+            raise MeshUsageError("push() needs at least one name=value")
+        sealed = _seal_named(values, self._runtime.state.shm_dir_for(self.ranks))
+        names = ", ".join(values)
+        return self._submit(lambda rid: m.Push(rid, sealed), label=f"push({names})",
+                            on_done=lambda: release(sealed), finish=lambda req: raise_failures(req, self._runtime))
+
+    def pull(self, expr: str, *, timeout: float | None = None) -> ValueMesh:
+        """Evaluate an expression on every rank and bring the values back."""
+        check_syntax(expr, "<mesh pull>")
+        return self._submit(lambda rid: m.Pull(rid, expr), label=f"pull({expr!r})",
+                            timeout=timeout, finish=self._values).get()
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> ValueMesh:
+        """Call fn(*args, **kwargs) on every rank (it travels by cloudpickle)."""
+        return self._call_in_worker(lambda worker: fn(*args, **kwargs), f"call({getattr(fn, '__name__', 'fn')})",
+                                    timeout)
+
+    def _call_in_worker(self, fn: Callable[[Any], Any], label: str, timeout: float | None = None) -> ValueMesh:
+        """Run fn(worker) on every rank (internal operations such as spawning actors)."""
+        sealed = seal(fn, shm_dir=self._runtime.state.shm_dir_for(self.ranks), shared=True)
+        return self._submit(lambda rid: m.Call(rid, sealed), label=label, timeout=timeout,
+                            on_done=lambda: release(sealed), finish=self._values).get()
+
+    def _submit(self, make_body: Callable[[int], Any], *, label: str, finish: Callable[[Request], Any],
+                timeout: float | None = None, fail_fast: bool = False, sink: OutputSink | None = None,
+                dedupe: bool = True, on_done: Callable[[], None] | None = None,
+                background: bool = False) -> MeshFuture[Any]:
+        if sink is None:
+            sink = default_sink(ranks=self.ranks, dedupe=dedupe, label=label, background=background)
+        req = self._runtime.requests.submit(self.ranks, make_body, label=label, fail_fast=fail_fast, on_done=on_done)
+        return MeshFuture(self._runtime, req, sink, finish, timeout=timeout)
+
+    def _values(self, req: Request) -> ValueMesh[Any]:
+        values = []
+        for rank in self.ranks:
+            result = req.results.get(rank)
+            values.append(None if result is None or result.value is None else unseal(result.value))
+        vm = ValueMesh(self._shape, values)
+        raise_failures(req, self._runtime, partial=vm)
+        return vm
+
+    def history(self, last: int | None = None) -> Any:
+        """How long each rank took for each cell, push, pull and call (oldest first).
+
+        A pandas DataFrame when pandas is installed, else a list of dicts with keys
+        label, rank, host, seconds, ok, finished_at. `last` keeps the newest N records.
+        """
+        chosen = set(self.ranks)
+        records = [r.__dict__.copy() for r in list(self._runtime.state.history) if r.rank in chosen]
+        if last is not None:
+            records = records[-last:]
+        try:
+            import pandas
+        except ImportError:
+            return records
+        return pandas.DataFrame.from_records(records, columns=["label", "rank", "host", "seconds", "ok", "finished_at"])
+
+    def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> ActorMesh:
+        """One `actor_class(*args, **kwargs)` per rank, as actor mesh `name`.
+
+        Returns an ActorMesh: `trainers.step.call(x).get()` and friends. Each rank's
+        instance is also `actors[name]` in `%%mesh` cells. Spawning a name again replaces
+        those actors on these ranks (as re-running a notebook cell expects).
+        """
+        if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
+            raise MeshUsageError(f"spawn() needs a subclass of monarch_kernel.Actor, got {actor_class!r}")
+        if not name or not isinstance(name, str):
+            raise MeshUsageError("spawn() needs a name for the actor mesh, e.g. mesh.spawn('trainers', Trainer)")
+        shape, sources, key = self._shape, notebook_sources(actor_class), f"{name}#{next(_spawns)}"
+
+        def create(worker: Any) -> str:
+            return str(worker.actors.spawn(name, key, actor_class, args, kwargs, shape, sources))
+
+        self._call_in_worker(create, f"spawn({name!r}, {actor_class.__name__})")
+        return ActorMesh(self.name, name, actor_class.__name__, actor_class._endpoints, shape, key)
+
+    def describe(self, expr: str) -> ValueMesh[Any]:
+        """What `expr` is on each rank (tensor, DTensor or module), as metadata: shapes, placements, bytes.
+
+        No tensor data crosses the wire; `visualize_sharding` draws these.
+        """
+        check_syntax(expr, "<mesh describe>")
+        return self._call_in_worker(lambda worker: worker.describe(expr), f"describe({expr!r})")
+
+    def debug(self) -> bool:
+        """Post-mortem pdb (like `%debug`) on the ranks of this mesh whose last cell failed.
+
+        The debugger's prompts come to the notebook (one box for the ranks that ask alike).
+        False if no rank had a failed cell.
+        """
+        return any(self._call_in_worker(lambda worker: worker.post_mortem(), "debug").values())
+
+    # ------------------------------------------------------------ control
+    def interrupt(self) -> None:
+        """Send KeyboardInterrupt to whatever the ranks of this mesh are running."""
+        self._runtime.requests.interrupt(self.ranks)
+
+    def restart(self) -> None:
+        """Replace all ranks of the whole mesh with fresh ones (namespaces are reset)."""
+        self._runtime.restart()
+
+    def shutdown(self) -> None:
+        """Stop the whole mesh: every rank and agent process ends."""
+        self._runtime.shutdown()
+
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        states: dict[str, list[int]] = {}
+        for s in self.status():
+            states.setdefault(s.state, []).append(s.rank)
+        text = ", ".join(f"{k} {format_ranks(v)}" for k, v in sorted(states.items()))
+        return f"<Mesh {self.name!r} {self._shape} dist={self.backend}: {text}>"
+
+
+def notebook_sources(cls: type) -> dict[str, list[str]]:
+    """Source lines of the cells that define cls (and its bases), for remote tracebacks."""
+    sources: dict[str, list[str]] = {}
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            fn = getattr(value, "__func__", value)
+            code = getattr(fn, "__code__", None)
+            if code is None or code.co_filename in sources or os.path.exists(code.co_filename):
+                continue
+            lines = linecache.getlines(code.co_filename)
+            if lines:
+                sources[code.co_filename] = lines
+    return sources
+
+
+def _seal_named(values: dict[str, Any], shm_dir: str | None) -> Sealed:
+    try:
+        return seal(values, shm_dir=shm_dir, shared=True)
+    except SerializationError:
+        for key, value in values.items():  # find which variable is the problem
+            seal(value, name=key)
+        raise
+
+
+def local_mesh(gpus: int | None = None, *, dist: str = "gloo", name: str | None = None,
+               env: dict[str, str] | None = None, timeout: float = 120.0,
+               health: HealthTimings | None = None) -> Mesh:
+    """Start `gpus` ranks on this machine, shape {hosts: 1, gpus: N}.
+
+    `gpus` defaults to the number of CUDA devices (or 2 without any). `dist` is the
+    torch.distributed backend: "gloo", "nccl" or "none". `health` sets how soon silent
+    ranks and hosts count as failed (the defaults suit most uses).
+    """
+    if gpus is None:
+        gpus = _cuda_count() or 2
+    return _start_mesh([HostSpec("localhost")], gpus, dist, name, env, timeout, None, health)
+
+
+def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "python3",
+             setup: str | None = None, env: dict[str, str] | None = None, name: str | None = None,
+             connect_options: dict[str, Any] | None = None, connect_timeout: float = 30.0,
+             master_addr: str | None = None, ship_package: bool = False, timeout: float = 180.0,
+             health: HealthTimings | None = None) -> Mesh:
+    """Start `gpus` ranks on each SSH host, shape {hosts: len(hosts), gpus: N}.
+
+    Hosts are `host`, `user@host` or `user@host:port`, resolved through ~/.ssh/config;
+    host keys must be in known_hosts. Every host is connected and started in parallel.
+    `python` is the remote interpreter (monarch_kernel must be importable there, or
+    pass ship_package=True to copy this package's source to a temporary folder);
+    `setup` is a shell snippet run first (e.g. "source ~/env.sh"); `master_addr` is
+    host 0's address as the other hosts reach it (default: the one we connected to).
+    """
+    if not hosts:
+        raise MeshUsageError("ssh_mesh() needs at least one host, e.g. ssh_mesh(['gpu-a'], gpus=8)")
+    specs = [HostSpec(h, HostKind.SSH, target=h, python=python, setup=setup, options=dict(connect_options or {}),
+                      connect_timeout_s=connect_timeout, ship_package=ship_package)
+             for h in hosts]
+    return _start_mesh(specs, gpus, dist, name, env, timeout, master_addr, health)
+
+
+def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, env: dict[str, str] | None,
+                timeout: float, master_addr: str | None, health: HealthTimings | None) -> Mesh:
+    if not isinstance(gpus, int) or gpus < 1:
+        raise MeshUsageError(f"gpus={gpus!r}: give a positive number of ranks per host, e.g. gpus=4")
+    if dist not in BACKENDS:
+        raise MeshUsageError(f"dist={dist!r}: expected one of {', '.join(BACKENDS)}")
+    name = name or f"mesh{next(_mesh_numbers)}"
+    runtime = MeshRuntime(name, hosts, gpus, dist, dict(env or {}), start_timeout_s=timeout,
+                          master_addr=master_addr, health=health, idle_output=IdleOutput().write,
+                          report_timing=report_timing)
+    try:
+        runtime.start()
+    except BaseException as exc:
+        runtime.shutdown()
+        if isinstance(exc, MeshStartError):
+            raise
+        if isinstance(exc, KeyboardInterrupt):
+            raise MeshInterrupted(f"starting mesh {name!r} was interrupted; nothing of it is left running",
+                                  []) from None
+        raise MeshStartError(f"mesh {name!r} failed to start: {exc}") from exc
+    return Mesh(runtime, Shape.grid(hosts=len(hosts), gpus=gpus))
+
+
+def _cuda_count() -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0

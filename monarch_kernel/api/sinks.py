@@ -1,0 +1,136 @@
+"""Where a run's live output goes: the OutputSink protocol and the plain-text default.
+
+The controller queues output events per request; the thread that waits for the result
+pumps them into a sink. The IPython extension installs a richer default (live, deduped
+cell output); without it, lines are printed with their rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class OutputSink(Protocol):
+    """Receives a run's output events, in order, on one thread."""
+
+    def output(self, rank: int, stream: str, text: str) -> None:
+        """Text a rank printed."""
+
+    def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        """A rich display made on a rank."""
+
+    def notice(self, rank: int, text: str) -> None:
+        """News about a rank (it died, stopped answering...)."""
+
+    def rank_done(self, rank: int) -> None:
+        """A rank finished this run."""
+
+    def tick(self) -> None:
+        """Called regularly while waiting: a chance to refresh a live view."""
+
+    def close(self) -> None:
+        """The run is over: show everything that is left."""
+
+    # Optional: `new_block()`, called before the notebook asks for input on the ranks'
+    # behalf, so that text so far stays above the question and later text goes below.
+
+
+class PlainSink:
+    """Prints each line as `[rank] text` to a stream, as it arrives."""
+
+    def __init__(self, stream=None):
+        self._stream = stream
+        self._partial: dict[tuple[int, str], str] = {}
+
+    @property
+    def stream(self):
+        """The stream written to (sys.stdout at the time of writing by default)."""
+        return self._stream or sys.stdout
+
+    def output(self, rank: int, stream: str, text: str) -> None:
+        """Print each complete line as `[rank] text`."""
+        key = (rank, stream)
+        lines = (self._partial.pop(key, "") + text).split("\n")
+        self._partial[key] = lines.pop()
+        for line in lines:
+            self.stream.write(f"[{rank}] {line}\n")
+
+    def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        """Print the display's plain-text form."""
+        self.stream.write(f"[{rank}] {data.get('text/plain', '<display>')}\n")
+
+    def notice(self, rank: int, text: str) -> None:
+        """Print the notice, marked with `!`."""
+        self.stream.write(f"[{rank}] ! {text}\n")
+
+    def rank_done(self, rank: int) -> None:
+        """Print what is left of the rank's unfinished lines."""
+        for stream in ("stdout", "stderr"):
+            rest = self._partial.pop((rank, stream), "")
+            if rest:
+                self.stream.write(f"[{rank}] {rest}\n")
+
+    def tick(self) -> None:
+        """Nothing to refresh: lines are printed as they come."""
+
+    def close(self) -> None:
+        """Print every unfinished line."""
+        for (rank, _), rest in sorted(self._partial.items()):
+            if rest:
+                self.stream.write(f"[{rank}] {rest}\n")
+        self._partial.clear()
+        self.stream.flush()
+
+
+class IdleOutput:
+    """Text ranks print outside any cell (actor endpoints, their threads), shown as it comes.
+
+    Whole lines go to this process's stdout/stderr, tagged with the rank; in a notebook
+    they appear in the cell that is running (or the last one that ran).
+    """
+
+    def __init__(self) -> None:
+        self._partial: dict[tuple[int, str], str] = {}
+
+    def write(self, rank: int, stream: str, text: str) -> None:
+        """Show the complete lines of `text`; keep a trailing partial line for later."""
+        text = self._partial.pop((rank, stream), "") + text
+        *lines, rest = text.split("\n")
+        if rest:
+            self._partial[(rank, stream)] = rest
+        if lines:
+            out = sys.stderr if stream == "stderr" else sys.stdout
+            out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+            out.flush()
+
+
+SinkFactory = Callable[[dict[str, Any]], OutputSink]
+_default_factory: SinkFactory = lambda options: PlainSink()  # noqa: E731
+
+
+def set_default_sink_factory(factory: SinkFactory | None) -> None:
+    """Install the sink used when a run is not given one (None restores plain text)."""
+    global _default_factory
+    _default_factory = factory or (lambda options: PlainSink())
+
+
+def default_sink(**options: Any) -> OutputSink:
+    """A new sink from the installed factory; options: ranks, dedupe, label..."""
+    return _default_factory(options)
+
+
+TimingReporter = Callable[[str, list[tuple[int, "float | None", bool]]], None]
+_timing_reporter: list[TimingReporter] = []
+
+
+def set_timing_reporter(reporter: TimingReporter | None) -> None:
+    """Where per-rank timings of actor calls are shown (the notebook sets one)."""
+    _timing_reporter[:] = [reporter] if reporter is not None else []
+
+
+def report_timing(label: str, times: list[tuple[int, float | None, bool]]) -> None:
+    """Show how long each rank took for a call, if someone shows such things."""
+    for reporter in _timing_reporter:
+        reporter(label, times)

@@ -1,0 +1,130 @@
+"""Hosts of a mesh: what they are (HostSpec) and how the controller reaches their agent.
+
+A local host's agent is a child process on a socketpair; a remote host's agent is
+started over SSH and speaks on the SSH channel (see `ssh`). Either way the controller
+talks the same framed protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from monarch_kernel.core.package import PACKAGE_PARENT
+from monarch_kernel.wire.transport import AsyncConnection
+
+
+class HostKind(enum.StrEnum):
+    """How the controller reaches a host's agent."""
+
+    LOCAL = "local"  # a child process of the notebook's kernel
+    SSH = "ssh"  # started over SSH
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """A host to run ranks on: this machine, or an SSH target."""
+
+    name: str
+    kind: HostKind = HostKind.LOCAL
+    target: str | None = None  # for ssh: host, user@host, host:port or user@host:port
+    python: str = "python3"
+    setup: str | None = None
+    options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    connect_timeout_s: float = 30.0
+    ship_package: bool = False
+
+
+@dataclass
+class HostConnection:
+    """A started agent: how to talk to it and how to end it."""
+
+    sock: socket.socket | None  # local agents: our end of the socketpair
+    address: str  # the address the controller reached the host at
+    process: subprocess.Popen | None = None  # local agents
+    remote: Any = None  # ssh.RemoteAgent for remote ones
+
+    async def connect(self, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]) -> Any:
+        """A framed connection to the agent (socketpair, or the SSH channel)."""
+        if self.remote is not None:
+            return self.remote.attach(on_message, on_close)
+        assert self.sock is not None  # a local agent has its socketpair
+        return await AsyncConnection.from_socket(self.sock, on_message, on_close)
+
+    @property
+    def pid(self) -> int | None:
+        """The local agent's pid (None for a remote agent)."""
+        return self.process.pid if self.process is not None else None
+
+    async def explain_exit(self, log_path: str) -> str:
+        """Why the agent is gone (for start-up failures)."""
+        if self.remote is not None:
+            return await self.remote.explain_exit()
+        try:
+            with open(log_path, encoding="utf-8", errors="replace") as f:
+                tail = "".join(f.readlines()[-20:])
+        except OSError:
+            tail = ""
+        code = self.process.poll() if self.process is not None else None
+        return f"the local agent exited (status {code})" + (f":\n{tail}" if tail else "")
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Wait for the agent to exit (after Shutdown was sent); force it if it does not."""
+        if self.process is not None:
+            deadline = asyncio.get_running_loop().time() + timeout
+            while self.process.poll() is None and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            if self.process.poll() is None:
+                try:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.process.wait()
+        if self.remote is not None:
+            try:
+                await asyncio.wait_for(self.remote.wait_closed(), timeout)
+            except (TimeoutError, Exception):  # noqa: BLE001 - closing anyway
+                pass
+            self.remote.close()
+
+
+def spawn_local_agent(host: str, log_path: str, python: str | None = None) -> tuple[subprocess.Popen, socket.socket]:
+    """Start a host agent on this machine, connected by a private socketpair.
+
+    The agent gets its own session, so the kernel's SIGINT does not reach it; it dies
+    with the thread that started it (PR_SET_PDEATHSIG) or when the socket closes.
+    """
+    ours, theirs = socket.socketpair()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+    env.setdefault("MPLBACKEND", "Agg")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [python or sys.executable, "-m", "monarch_kernel.agent", "--fd", str(theirs.fileno()), "--host", host],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True, env=env, close_fds=True,
+        )
+    theirs.close()
+    return proc, ours
+
+
+async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str]) -> HostConnection:
+    """Start the agent of one host; raises MeshStartError with a per-host reason."""
+    if spec.kind == HostKind.LOCAL:
+        proc, sock = spawn_local_agent(spec.name, log_path, python=None)
+        return HostConnection(sock, "127.0.0.1", process=proc)
+    from monarch_kernel.controller import ssh
+
+    remote = await ssh.start_agent(
+        ssh.SSHTarget.parse(spec.target or spec.name), name=spec.name, python=spec.python,
+        setup=spec.setup, env=env, options=spec.options, timeout=spec.connect_timeout_s,
+        stderr_path=log_path, ship_package=spec.ship_package)
+    return HostConnection(None, remote.peer_address, remote=remote)

@@ -1,0 +1,140 @@
+"""Actor calls made from the notebook, and calls between ranks that pass through the controller.
+
+`ControllerSender` is the CallSender that actor meshes in the notebook's process use.
+Calls to ranks on this machine go straight down each rank's direct lane from the calling
+thread, and the waiting thread reads the replies itself; calls to ranks on other hosts,
+and calls between ranks of different hosts, go through the controller loop and the host
+agents (on the loop thread), routed by a `CallRouter`. A rank that dies fails every call
+still owed by it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+from monarch_kernel.controller.loop import ControllerLoop
+from monarch_kernel.controller.state import MeshState
+from monarch_kernel.core.errors import ConnectionClosed
+from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.calls import CallTable, PendingCall, death_reply
+from monarch_kernel.wire.lane_client import Lane, LanePool
+from monarch_kernel.wire.routing import CallRouter, Send
+from monarch_kernel.wire.transport import encode
+
+TimingReporter = Callable[[str, list[tuple[int, float | None, bool]]], None]
+
+
+class ControllerSender:
+    """Routes the actor calls of one mesh for the notebook's process (thread-safe entry points)."""
+
+    caller_id = m.CONTROLLER
+
+    def __init__(self, state: MeshState, loop: ControllerLoop, report_timing: TimingReporter | None = None):
+        self._state = state
+        self._loop = loop
+        self._report_timing = report_timing
+        self.calls = CallTable()  # calls made from this process
+        self.router = CallRouter(next_hop=self._hop, serves=lambda rank: rank in state.ranks,
+                                 why_dead=self._why_dead, deliver_here=self.calls.deliver, here_id=m.CONTROLLER)
+        self.lanes = LanePool(state.shm_dir, loop.loop, self._on_lane_message)
+        self._watchers: list[tuple[frozenset[int], Callable[[int, str], None]]] = []
+
+    def _hop(self, rank: int) -> Send | None:
+        link = self._state.link_of(rank)
+        if link is None or not link.is_open or not self._state.is_alive(rank):
+            return None
+        return link.send
+
+    def _why_dead(self, rank: int) -> str:
+        state = self._state.ranks[rank]
+        return self._state.death_failure(state, "is dead").message
+
+    # ------------------------------------------------------------ from any thread
+    def send_call(self, msg: m.ActorCall) -> None:
+        """Send an actor call: local ranks over their lanes, the rest via the loop and agents."""
+        self._state.require_open()
+        away = []
+        chunks = None
+        for rank in msg.ranks:
+            lane = self._lane(rank)
+            if lane is None:
+                away.append(rank)
+                continue
+            if chunks is None:
+                chunks = encode(msg)
+            try:
+                self.lanes.send(lane, chunks)
+            except ConnectionClosed:
+                away.append(rank)  # the rank is going away: the agent reports how
+        if away:
+            self._loop.call(self.router.call, msg if len(away) == len(msg.ranks) else replace(msg, ranks=tuple(away)))
+
+    def _lane(self, rank: int) -> Lane | None:
+        if not self._state.is_alive(rank) or self._state.shm_dir_for((rank,)) is None:
+            return None
+        return self.lanes.get(rank)
+
+    def _on_lane_message(self, msg: Any) -> None:
+        if isinstance(msg, m.ActorReply):
+            self.calls.deliver(msg)
+
+    def flush_calls(self) -> None:
+        """Write calls queued on direct lanes now (a caller is about to wait)."""
+        self.lanes.flush()
+
+    def wait_for_replies(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
+        """Block until `count` replies are in; local replies are read on this thread."""
+        self.lanes.flush()
+        done = self.lanes.wait(pending.outstanding, lambda: len(pending.replies) >= count, timeout)
+        return pending.wait(count, timeout) if done is None else done
+
+    def send_cancel(self, msg: m.CancelCall) -> None:
+        """Ask the ranks of a call to stop it."""
+        if not self._state.closed:
+            self._loop.call(self.router.cancel, msg)
+
+    def shm_dir_for(self, ranks: Iterable[int]) -> str | None:
+        """The shared-memory folder, if every one of these ranks runs on this machine."""
+        return self._state.shm_dir_for(ranks)
+
+    def must_not_wait_on(self, ranks: tuple[int, ...]) -> bool:
+        """The notebook's thread may always wait (replies arrive on the loop thread)."""
+        return False
+
+    def host_of(self, rank: int) -> str:
+        """The host a rank runs on."""
+        return self._state.host_of(rank)
+
+    def is_alive(self, rank: int) -> bool:
+        """Whether a rank is running (as last reported)."""
+        return self._state.is_alive(rank)
+
+    def watch_failures(self, ranks: Iterable[int], callback: Callable[[int, str], None]) -> None:
+        """Call callback(rank, why) (on a helper thread) when one of these ranks dies."""
+        self._watchers.append((frozenset(ranks), callback))
+
+    def record_timing(self, label: str, title: str, times: list[tuple[int, float | None, bool]]) -> None:
+        """Keep per-rank durations of an actor call in the mesh's history, and show them."""
+        self._state.record_timing(label, times)
+        if self._report_timing is not None:
+            self._report_timing(title, times)
+
+    # ------------------------------------------------------------ on the loop thread
+    def rank_died(self, rank: int, why: str) -> None:
+        """Fail every call owed by a dead rank, and tell whoever watches it."""
+        self.calls.fail_rank(rank, why)  # calls sent over its direct lane
+        self.router.rank_died(rank, why)
+        for ranks, callback in self._watchers:
+            if rank in ranks:
+                threading.Thread(target=callback, args=(rank, why), name="mesh-supervision", daemon=True).start()
+
+    def fail_all(self, why: str) -> None:
+        """The mesh restarted or shut down: every call in flight fails."""
+        self.lanes.close()
+        for call in self.calls.pending():
+            for rank in call.outstanding:
+                self.calls.deliver(death_reply(m.CONTROLLER, call.call_id, rank, why, "MeshRestarted"))
+        self.router.forget()

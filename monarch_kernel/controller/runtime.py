@@ -1,0 +1,315 @@
+"""MeshRuntime: the life of one mesh on the controller's loop: start, watch, restart, shut down.
+
+It connects to each host's agent, starts the ranks, pings the agents, and dispatches
+what they send (by message type) to the request book, the call router or itself. The
+notebook's thread calls the public methods; they hand the work to the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import shutil
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, ClassVar
+
+from monarch_kernel.controller.hosts import HostConnection, HostSpec, open_host
+from monarch_kernel.controller.loop import ControllerLoop
+from monarch_kernel.controller.requests import IdleOutput, RequestBook
+from monarch_kernel.controller.router import ControllerSender, TimingReporter
+from monarch_kernel.controller.state import HostLink, MeshState, RankSnapshot, RankState
+from monarch_kernel.core.errors import MeshStartError, MeshUsageError
+from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.calls import register_sender, unregister_sender
+
+Handler = Callable[[HostLink, Any], None]
+HostOpener = Callable[..., Awaitable[HostConnection]]  # (spec, *, log_path, env) -> a started agent
+
+
+class MeshRuntime:
+    """Controller-side life of one mesh: its hosts, ranks and requests in flight."""
+
+    _open: ClassVar[weakref.WeakSet[MeshRuntime]] = weakref.WeakSet()  # shut down at interpreter exit
+
+    def __init__(self, name: str, hosts: list[HostSpec], gpus: int, backend: str, env: dict[str, str],
+                 start_timeout_s: float = 120.0, master_addr: str | None = None, *,
+                 health: m.HealthTimings | None = None, idle_output: IdleOutput | None = None,
+                 report_timing: TimingReporter | None = None, opener: HostOpener = open_host,
+                 clock: Callable[[], float] = time.monotonic):
+        self.name = name
+        self.hosts = hosts
+        self.gpus = gpus
+        self.backend = backend
+        self.env = env
+        self.master_addr = master_addr
+        self.start_timeout_s = start_timeout_s
+        self.health = health or m.HealthTimings()
+        self._open_host = opener  # how a host's agent is started (tests give an in-memory one)
+        self._clock = clock  # what "now" is when judging a host's silence
+        self.controller = ControllerLoop.get()
+        self.state = MeshState(name)
+        self.sender = ControllerSender(self.state, self.controller, report_timing)  # actor calls
+        self.requests = RequestBook(self.state, self.controller, self.sender, idle_output or (lambda *_: None))
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._handlers: dict[type, Handler] = {
+            m.Output: lambda link, msg: self.requests.output(msg),
+            m.Gathered: lambda link, msg: self.requests.gathered(msg),
+            m.Display: lambda link, msg: self.requests.display(msg),
+            m.InputRequest: lambda link, msg: self.requests.input_request(link.send, msg),
+            m.RankExited: lambda link, msg: self.requests.rank_exited(
+                msg.rank, msg.exit_code, msg.signal, msg.stderr_tail, expected=msg.expected),
+            m.RankHealth: lambda link, msg: self.requests.health(msg),
+            m.ActorReply: lambda link, msg: self.sender.router.reply(msg, owed=True),
+            m.ActorCall: lambda link, msg: self.sender.router.call(msg),
+            m.CancelCall: lambda link, msg: self.sender.router.cancel(msg),
+            m.HostLoad: self._on_load,
+            m.Pong: lambda link, msg: None,  # any message counts as a sign of life
+            m.RanksStarted: self._on_started,
+            m.StoreBound: self._on_store_bound,
+            m.RanksFailed: self._on_ranks_failed,
+        }
+        register_sender(name, self.sender)
+        MeshRuntime._open.add(self)
+
+    # ------------------------------------------------------------ views of the state
+    @property
+    def closed(self) -> bool:
+        """Whether the mesh was shut down."""
+        return self.state.closed
+
+    @property
+    def ranks(self) -> dict[int, RankState]:
+        """Every rank's state, by global rank."""
+        return self.state.ranks
+
+    @property
+    def links(self) -> list[HostLink]:
+        """The links to the host agents, in host order."""
+        return self.state.links
+
+    def snapshot(self) -> list[RankSnapshot]:
+        """Frozen states of all ranks."""
+        return self.state.snapshot()
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, timeout: float | None = None) -> None:
+        """Start agents and ranks; blocks until every rank is ready or raises MeshStartError."""
+        starting = self.controller.run(self._start())
+        try:
+            starting.result(timeout or self.start_timeout_s + 10)
+        except BaseException:
+            starting.cancel()  # Ctrl-C or a timeout: stop connecting; shutdown() closes what started
+            raise
+
+    async def _start(self) -> None:
+        state = self.state
+        state.links = []
+        loop = asyncio.get_running_loop()
+        if self._heartbeat is None or self._heartbeat.done():  # each agent is pinged once connected
+            self._heartbeat = loop.create_task(self._ping_hosts())
+        for index, host in enumerate(self.hosts):
+            ranks = list(range(index * self.gpus, (index + 1) * self.gpus))
+            link = HostLink(index, host.name, ranks, log_path=os.path.join(state.run_dir, f"agent-{index}.log"),
+                            started=_quiet_future(loop))
+            state.links.append(link)
+            for local, rank in enumerate(ranks):
+                state.ranks[rank] = RankState(rank, host.name, local)
+        results = await asyncio.gather(*(self._connect(link, spec) for link, spec in zip(state.links, self.hosts)),
+                                       return_exceptions=True)
+        failed = [(link, exc) for link, exc in zip(state.links, results) if isinstance(exc, BaseException)]
+        if failed:
+            await self._close_links()  # leave nothing running on the hosts that did start
+            report = "\n".join(f"  {link.name}: {_reason(exc)}" for link, exc in failed)
+            raise MeshStartError(f"mesh {self.name!r} could not start on {len(failed)} of "
+                                 f"{len(state.links)} hosts:\n{report}")
+        await self._start_ranks()
+
+    async def _connect(self, link: HostLink, spec: HostSpec) -> None:
+        host = link.host = await self._open_host(spec, log_path=link.log_path, env=self.env)
+        link.last_pong = self._clock()
+        link.conn = await host.connect(partial(self._on_message, link), partial(self._on_lost, link))
+
+    async def _start_ranks(self) -> None:
+        links = self.state.links
+        hosts = [link.host for link in links if link.host is not None]
+        assert len(hosts) == len(links), "every host is connected before its ranks start"
+        master = self.master_addr or hosts[0].address
+        dist = m.DistConfig(self.backend, master, len(links) * self.gpus)
+        loop = asyncio.get_running_loop()
+        started = []
+        for link in links:
+            if link.started is None or link.started.done():
+                link.started = _quiet_future(loop)  # fails if the agent is lost meanwhile
+            started.append(link.started)
+        port = await self._bind_store(links[0], started[0], master) if self.backend != "none" else 0
+        for link, host in zip(links, hosts):
+            specs = tuple(m.RankSpec(r, i, self.gpus) for i, r in enumerate(link.ranks))
+            link.send(m.StartRanks(ranks=specs, dist=dist, env=dict(self.env),
+                                   shm_dir=self.state.shm_dir if host.process else None,
+                                   node_rank=link.index, master_port=port, health=self.health))
+        try:
+            infos = await asyncio.wait_for(asyncio.gather(*started), self.start_timeout_s)
+        except TimeoutError:
+            raise MeshStartError(
+                f"mesh {self.name!r} did not start within {self.start_timeout_s:.0f} s; "
+                f"see the agent log in {self.state.run_dir}") from None
+        for batch in infos:
+            for info in batch:
+                self.state.ranks[info.rank].started(info.pid)
+
+    async def _bind_store(self, first: HostLink, started: asyncio.Future[Any], master: str) -> int:
+        """Have host 0's agent bind the rendezvous store; its port."""
+        port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        first.store_port = port
+        first.send(m.BindStore(master))
+        await asyncio.wait([port, started], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        if not port.done():
+            if started.done():
+                started.result()  # raises why the host failed
+            raise MeshStartError(f"mesh {self.name!r}: host {first.name} did not bind the rendezvous store")
+        return port.result()
+
+    def restart(self, timeout: float | None = None) -> None:
+        """Replace every rank with a fresh one (same shape); namespaces are lost."""
+        self.state.require_open()
+        self.controller.run(self._restart()).result(timeout or self.start_timeout_s + 10)
+
+    async def _restart(self) -> None:
+        self.requests.fail_all("the mesh was restarted")
+        if any(not link.is_open for link in self.state.links):
+            await self._close_links()
+            await self._start()
+            return
+        for rank_state in self.state.ranks.values():
+            rank_state.alive = False
+            rank_state.inflight.clear()
+        await self._start_ranks()
+
+    def shutdown(self) -> None:
+        """Stop every rank and agent and remove temporary files (idempotent)."""
+        if self.state.closed:
+            return
+        self.state.closed = True
+        unregister_sender(self.name, self.sender)
+        try:
+            self.controller.run(self._shutdown()).result(15)
+        finally:
+            shutil.rmtree(self.state.run_dir, ignore_errors=True)
+            shutil.rmtree(self.state.shm_dir, ignore_errors=True)
+
+    async def _shutdown(self) -> None:
+        self.requests.fail_all(f"mesh {self.name!r} was shut down")
+        await self._close_links()
+        for rank_state in self.state.ranks.values():
+            rank_state.alive = False
+
+    async def _close_links(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        links = self.state.links
+        for link in links:
+            link.send(m.Shutdown())
+        await asyncio.gather(*(link.host.close() for link in links if link.host is not None))
+        for link in links:
+            link.close()
+
+    async def _ping_hosts(self) -> None:
+        """Ping every agent regularly; a host silent for host_lost_after_s is lost."""
+        seq = 0
+        while not self.state.closed:
+            await asyncio.sleep(self.health.ping_interval_s)
+            seq += 1
+            now = self._clock()
+            for link in self.state.links:
+                if not link.is_open:
+                    continue
+                if link.answered and now - link.last_pong > self.health.host_lost_after_s:
+                    self._on_lost(link, TimeoutError(f"no heartbeat for {now - link.last_pong:.1f} s"))
+                    link.close()
+                    continue
+                link.send(m.Ping(seq))
+
+    # ------------------------------------------------------------ messages from agents
+    def _on_message(self, link: HostLink, msg: Any) -> None:
+        link.last_pong = self._clock()
+        link.answered = True  # until then the agent may still be importing torch
+        handler = self._handlers.get(type(msg))
+        if handler is not None:
+            handler(link, msg)
+
+    def _on_load(self, link: HostLink, msg: m.HostLoad) -> None:
+        for load in msg.loads:
+            rank_state = self.state.ranks.get(load.rank)
+            if rank_state is not None:
+                rank_state.load = load
+
+    def _on_started(self, link: HostLink, msg: m.RanksStarted) -> None:
+        if link.started is not None and not link.started.done():
+            link.started.set_result(msg.ranks)
+
+    def _on_store_bound(self, link: HostLink, msg: m.StoreBound) -> None:
+        if link.store_port is not None and not link.store_port.done():
+            link.store_port.set_result(msg.port)
+
+    def _on_ranks_failed(self, link: HostLink, msg: m.RanksFailed) -> None:
+        if link.started is not None and not link.started.done():
+            link.started.set_exception(MeshStartError(
+                f"mesh {self.name!r}: ranks on host {link.name} failed to start:\n{msg.text}"))
+
+    def _on_lost(self, link: HostLink, exc: Exception | None) -> None:
+        if self.state.closed:
+            return
+        why = f"lost the connection to host {link.name}" + (f" ({exc})" if exc else "")
+        for rank in link.ranks:
+            if self.state.ranks[rank].alive:
+                self.requests.rank_exited(rank, None, None, (why,), expected=False, host_lost=True)
+        if link.started is not None and not link.started.done():
+            asyncio.get_running_loop().create_task(self._fail_start(link))
+
+    async def _fail_start(self, link: HostLink) -> None:
+        why = await link.host.explain_exit(link.log_path) if link.host is not None else "its agent exited"
+        if link.started is not None and not link.started.done():
+            link.started.set_exception(MeshStartError(f"mesh {self.name!r}: host {link.name}: {why}"))
+
+    # ------------------------------------------------------------ logs
+    def agent_log(self, host: int | str, lines: int = 50) -> str:
+        """The last lines of the log of a host agent, by host index or name."""
+        for link in self.state.links:
+            if host in (link.index, link.name):
+                try:
+                    with open(link.log_path, encoding="utf-8", errors="replace") as f:
+                        return "".join(f.readlines()[-lines:])
+                except OSError:
+                    return ""
+        names = ", ".join(link.name for link in self.state.links)
+        raise MeshUsageError(f"mesh {self.name!r} has no host {host!r} (hosts: {names})")
+
+    def logs(self, rank: int, lines: int = 50) -> list[tuple[str, str]]:
+        """The last lines a rank printed (stream, text)."""
+        return self.state.ranks[rank].log.tail(lines)
+
+
+@atexit.register
+def _shutdown_open_meshes() -> None:
+    """Meshes the user never shut down: stop their processes and remove their files."""
+    for runtime in list(MeshRuntime._open):
+        try:
+            runtime.shutdown()
+        except Exception:  # noqa: BLE001 - best effort while the interpreter exits
+            pass
+
+
+def _quiet_future(loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
+    """A future whose failure may go unawaited (a host failing while the start is aborted)."""
+    future = loop.create_future()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    return text.split(": ", 1)[1] if text.startswith("host ") and ": " in text else (text or type(exc).__name__)

@@ -1,0 +1,262 @@
+"""What the controller knows of one mesh: its host links, ranks, requests and history.
+
+`MeshState` is shared by the runtime (lifecycle, requests) and the call router; it is
+read and changed on the controller's loop thread only, except where a method says so.
+Its `by_link` helper is the one place that fans out to ranks, host by host, over the
+links that are open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import queue
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from monarch_kernel.controller.events import RequestEvent
+from monarch_kernel.core.errors import MeshNotRunningError
+from monarch_kernel.core.failures import FailureKind, RankFailure, exit_text
+from monarch_kernel.core.status import RankStatus
+from monarch_kernel.core.termtext import LineLog
+from monarch_kernel.wire import messages as m
+
+if TYPE_CHECKING:
+    from monarch_kernel.controller.hosts import HostConnection
+    from monarch_kernel.wire.transport import AsyncConnection
+
+RANK_LOG_LINES = 500
+HISTORY_RECORDS = 50_000
+
+
+@dataclass
+class RankState:
+    """What the controller knows about one rank (mutable, loop thread only)."""
+
+    rank: int
+    host: str
+    local_rank: int
+    pid: int | None = None
+    alive: bool = False
+    responsive: bool = True
+    inflight: list[int] = field(default_factory=list)
+    busy_since: float | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    host_lost: bool = False  # it died with its host (no exit status)
+    log: LineLog = field(default_factory=lambda: LineLog(RANK_LOG_LINES))
+    load: Any = None  # the latest RankLoad from its host agent
+
+    @property
+    def state(self) -> RankStatus:
+        """Idle, busy, dead, unresponsive or starting."""
+        if not self.alive:
+            return RankStatus.DEAD if self.pid is not None else RankStatus.STARTING
+        if not self.responsive:
+            return RankStatus.UNRESPONSIVE
+        busy = self.inflight or (self.load is not None and self.load.activity)
+        return RankStatus.BUSY if busy else RankStatus.IDLE
+
+    def exit_text(self) -> str:
+        """How it ended: "killed by SIGKILL", "exit code 3", or "its host h was lost"."""
+        return f"its host {self.host} was lost" if self.host_lost else exit_text(self.exit_code, self.signal)
+
+    def started(self, pid: int) -> None:
+        """A fresh process now serves this rank."""
+        self.pid, self.alive, self.responsive = pid, True, True
+        self.exit_code = self.signal = None
+        self.host_lost = False
+
+
+@dataclass(frozen=True)
+class RankSnapshot:
+    """A frozen view of a rank's state, safe to hand to other threads."""
+
+    rank: int
+    host: str
+    local_rank: int
+    pid: int | None
+    state: RankStatus
+    busy_for_s: float | None
+    exit_code: int | None
+    signal: str | None
+    busy_with: str | None = None  # the label of what it runs (e.g. "In[3]")
+    load: Any = None  # RankLoad: CPU %, RSS, GPU memory and utilization
+    exit_text: str = ""  # for dead ranks: how it ended
+
+
+@dataclass
+class Request:
+    """One request in flight over some ranks, and what came back so far."""
+
+    req_id: int
+    ranks: frozenset[int]
+    label: str
+    fail_fast: bool
+    events: queue.SimpleQueue[RequestEvent] = field(default_factory=queue.SimpleQueue)
+    results: dict[int, m.Result] = field(default_factory=dict)
+    failures: dict[int, RankFailure] = field(default_factory=dict)
+    future: concurrent.futures.Future[Request] = field(default_factory=concurrent.futures.Future)
+    on_done: Callable[[], None] | None = None
+
+    @property
+    def outstanding(self) -> set[int]:
+        """Ranks that have neither answered nor failed."""
+        return set(self.ranks) - set(self.results) - set(self.failures)
+
+
+@dataclass(frozen=True)
+class TimingRecord:
+    """How long one rank took for one request (None: it died or was lost)."""
+
+    label: str
+    rank: int
+    host: str
+    seconds: float | None
+    ok: bool
+    finished_at: float
+
+
+@dataclass
+class HostLink:
+    """The controller's end of one host agent."""
+
+    index: int
+    name: str
+    ranks: list[int]
+    host: HostConnection | None = None
+    conn: AsyncConnection | None = None
+    started: asyncio.Future[tuple[m.RankInfo, ...]] | None = None
+    store_port: asyncio.Future[int] | None = None
+    last_pong: float = 0.0
+    answered: bool = False
+    log_path: str = ""
+
+    @property
+    def is_open(self) -> bool:
+        """Whether messages can be sent to the agent."""
+        return self.conn is not None and not self.conn.closed
+
+    def close(self) -> None:
+        """Close the connection to the agent (it exits when its input ends)."""
+        if self.conn is not None:
+            self.conn.close()
+
+    def send(self, msg: Any) -> bool:
+        """Send if the link is open; False if it is not."""
+        if self.conn is None or self.conn.closed:
+            return False
+        self.conn.send(msg)
+        return True
+
+
+class MeshState:
+    """The ranks, host links, requests and timing history of one mesh."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.links: list[HostLink] = []
+        self.ranks: dict[int, RankState] = {}
+        self.requests: dict[int, Request] = {}
+        self.history: deque[TimingRecord] = deque(maxlen=HISTORY_RECORDS)
+        self.closed = False
+        self.run_dir = tempfile.mkdtemp(prefix=f"monarch-{name}-")
+        self.shm_dir = _private_shm_dir(name)
+        self._local_ranks: tuple[list[HostLink], frozenset[int]] = ([], frozenset())
+
+    def by_link(self, ranks: Iterable[int] | None) -> Iterator[tuple[HostLink, tuple[int, ...]]]:
+        """(link, its ranks among `ranks`) for each open link holding some (None: all ranks)."""
+        chosen = None if ranks is None else frozenset(ranks)
+        for link in self.links:
+            if not link.is_open:
+                continue
+            local = tuple(link.ranks) if chosen is None else tuple(r for r in link.ranks if r in chosen)
+            if local:
+                yield link, local
+
+    def send_to_ranks(self, ranks: Iterable[int] | None, make: Callable[[tuple[int, ...]], Any]) -> None:
+        """Send make(local ranks) to the agent of each host holding some of `ranks`."""
+        for link, local in self.by_link(ranks):
+            link.send(make(local))
+
+    def link_of(self, rank: int) -> HostLink | None:
+        """The link of the host a rank runs on."""
+        for link in self.links:
+            if rank in link.ranks:
+                return link
+        return None
+
+    def host_of(self, rank: int) -> str:
+        """The host a rank runs on ("" if unknown)."""
+        state = self.ranks.get(rank)
+        return state.host if state is not None else ""
+
+    def is_alive(self, rank: int) -> bool:
+        """Whether a rank is running (as last reported)."""
+        state = self.ranks.get(rank)
+        return state is not None and state.alive
+
+    def shm_dir_for(self, ranks: Iterable[int]) -> str | None:
+        """The shared-memory folder, if every one of these ranks runs on this machine (any thread)."""
+        links, local = self._local_ranks
+        if links is not self.links or len(local) == 0:  # hosts were (re)connected
+            local = frozenset(r for link in self.links if link.host is not None and link.host.process is not None
+                              for r in link.ranks)
+            self._local_ranks = (self.links, local)
+        return self.shm_dir if local.issuperset(ranks) else None
+
+    def require_open(self) -> None:
+        """Raise MeshNotRunningError if the mesh was shut down."""
+        if self.closed:
+            raise MeshNotRunningError(
+                f"mesh {self.name!r} is shut down; start a new one with %mesh up or local_mesh()")
+
+    def death_failure(self, state: RankState, how: str) -> RankFailure:
+        """The failure of work on a dead rank: pid, exit code or signal, stderr tail, what to do."""
+        tail = tuple(text for stream, text in state.log if stream == "stderr")[-10:]
+        return RankFailure(
+            state.rank, state.host, FailureKind.DIED, "RankDied",
+            f"rank {state.rank} (host {state.host}, pid {state.pid}) {how}: {state.exit_text()}. "
+            f"Run %mesh restart (or mesh.restart()) for a fresh mesh.",
+            pid=state.pid, exit_code=state.exit_code, signal=state.signal, stderr_tail=tail,
+        )
+
+    def record_timing(self, label: str, times: Iterable[tuple[int, float | None, bool]],
+                      finished_at: float | None = None) -> None:
+        """Keep per-rank durations (None: it died) of a request or call in the history (any thread)."""
+        now = time.time() if finished_at is None else finished_at
+        for rank, seconds, ok in times:
+            self.history.append(TimingRecord(label, rank, self.host_of(rank), seconds, ok, now))
+
+    def snapshot(self) -> list[RankSnapshot]:
+        """Frozen states of all ranks (any thread: copies of fields the loop replaces whole)."""
+        now = time.time()
+        out = []
+        for s in sorted(list(self.ranks.values()), key=lambda s: s.rank):
+            inflight = list(s.inflight)
+            busy_with = self._label_of(inflight) or (s.load.activity if s.load is not None else None) or None
+            out.append(RankSnapshot(
+                s.rank, s.host, s.local_rank, s.pid, s.state,
+                (now - s.busy_since) if s.busy_since and inflight else None,
+                s.exit_code, s.signal, busy_with, s.load if s.alive else None,
+                s.exit_text() if not s.alive and s.pid is not None else ""))
+        return out
+
+    def _label_of(self, inflight: list[int]) -> str | None:
+        for req_id in inflight:
+            req = self.requests.get(req_id)
+            if req is not None:
+                return req.label
+        return None
+
+
+def _private_shm_dir(name: str) -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    path = tempfile.mkdtemp(prefix=f"monarch-{name}-", dir=base)
+    os.chmod(path, 0o700)
+    return path

@@ -1,0 +1,103 @@
+"""Future: the one shape of "work in flight on ranks" (cells, pushes, actor calls).
+
+`.get(timeout)` blocks and can be interrupted; `await` works too. A timeout or an
+interrupt tells the remote work to stop, waits INTERRUPT_GRACE_S for the ranks to
+confirm, and raises MeshTimeoutError or MeshInterrupted with what each rank said.
+The outcome is kept: a second `get()` returns (or raises) the same thing.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Generator
+from typing import Any, Generic, TypeVar
+
+from monarch_kernel.core.errors import MeshInterrupted, MeshTimeoutError
+
+T = TypeVar("T")
+INTERRUPT_GRACE_S = 0.8  # how long a stopped run waits for the ranks' tracebacks
+
+
+class Future(ABC, Generic[T]):
+    """Work in flight: `.get(timeout)` (interruptible), `.result()`, `await`, `.done()`."""
+
+    def __init__(self, timeout: float | None = None) -> None:
+        self._default_timeout = timeout
+        self._lock = threading.Lock()
+        self._outcome: tuple[bool, Any] | None = None
+
+    # ------------------------------------------------------------ what each kind provides
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether every rank has answered (or failed)."""
+
+    @abstractmethod
+    def _wait(self, timeout: float | None) -> bool:
+        """Block until done (True) or the timeout passes (False); Ctrl-C raises KeyboardInterrupt.
+
+        Called even when the work is already done (to deliver what is still queued).
+        """
+
+    @abstractmethod
+    async def _wait_async(self) -> None:
+        """Wait on the running asyncio loop until done."""
+
+    @abstractmethod
+    def _cancel(self) -> None:
+        """Tell the ranks still working to stop."""
+
+    @abstractmethod
+    def _finish(self) -> T:
+        """The result of a finished run (raises the ranks' errors)."""
+
+    @abstractmethod
+    def _stopped(self, why: str, error_type: type[BaseException]) -> BaseException:
+        """The error of a run stopped by a timeout or interrupt, after the grace period."""
+
+    # ------------------------------------------------------------ shared behaviour
+    def get(self, timeout: float | None = None) -> T:
+        """Wait for the result; raises the ranks' error, MeshInterrupted or MeshTimeoutError."""
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = self._settle(self._default_timeout if timeout is None else timeout)
+        ok, value = self._outcome
+        if ok:
+            return value  # type: ignore[no-any-return]
+        raise value
+
+    def result(self, timeout: float | None = None) -> T:
+        """Alias of get()."""
+        return self.get(timeout)
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self._await().__await__()
+
+    async def _await(self) -> T:
+        if not self.done():
+            try:
+                await self._wait_async()
+            except BaseException:  # cancelled: stop the remote work too
+                self._cancel()
+                raise
+        return self.get()
+
+    def _settle(self, timeout: float | None) -> tuple[bool, Any]:
+        try:
+            finished = self._wait(timeout)
+        except KeyboardInterrupt:
+            return False, self._stop("was interrupted", MeshInterrupted)
+        if not finished:
+            return False, self._stop(f"timed out after {timeout:g} s", MeshTimeoutError)
+        try:
+            return True, self._finish()
+        except BaseException as exc:  # noqa: BLE001 - kept, and raised by get()
+            return False, exc
+
+    def _stop(self, why: str, error_type: type[BaseException]) -> BaseException:
+        self._cancel()
+        try:
+            self._wait(INTERRUPT_GRACE_S)
+        except KeyboardInterrupt:
+            pass  # a second Ctrl-C: stop waiting for tracebacks
+        return self._stopped(why, error_type)

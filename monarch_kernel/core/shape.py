@@ -1,0 +1,189 @@
+"""Mesh shapes: named dimensions over global ranks, slicing, and rank-set text.
+
+A Shape is an ordered set of named dims (e.g. hosts=2, gpus=4) laid row-major over a
+list of global ranks. Slicing with an int drops the dim (as in Monarch); a Python
+slice or a list keeps it, renumbered from 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from monarch_kernel.core.errors import MeshUsageError
+from monarch_kernel.core.ranksets import format_ranks
+
+Selector = int | slice | Sequence[int]
+
+
+@dataclass(frozen=True)
+class Point(Mapping[str, int]):
+    """A position in a Shape: its coordinates by dim name, and its global rank."""
+
+    coords: tuple[tuple[str, int], ...]
+    rank: int
+
+    def __getitem__(self, dim: str) -> int:
+        for name, value in self.coords:
+            if name == dim:
+                return value
+        raise KeyError(dim)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self.coords)
+
+    def __len__(self) -> int:
+        return len(self.coords)
+
+    def __hash__(self) -> int:
+        return hash((self.coords, self.rank))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.coords)
+        return f"Point({inner}, rank={self.rank})"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Named dims (in order) with sizes, over the given global ranks (row-major)."""
+
+    dims: tuple[tuple[str, int], ...]
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        size = 1
+        for _, n in self.dims:
+            size *= n
+        if size != len(self.ranks):
+            raise ValueError(f"shape {self.dims} holds {size} points, got {len(self.ranks)} ranks")
+
+    @classmethod
+    def grid(cls, **sizes: int) -> Shape:
+        """A full shape over ranks 0..N-1, e.g. Shape.grid(hosts=2, gpus=4)."""
+        total = 1
+        for n in sizes.values():
+            total *= n
+        return cls(tuple(sizes.items()), tuple(range(total)))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Dim names in order."""
+        return tuple(name for name, _ in self.dims)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Dim sizes by name, e.g. {'hosts': 1, 'gpus': 4}."""
+        return dict(self.dims)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def points(self) -> Iterator[Point]:
+        """Every point, row-major."""
+        ranges = [range(n) for _, n in self.dims]
+        for idx, coords in enumerate(itertools.product(*ranges)):
+            yield Point(tuple(zip(self.names, coords)), self.ranks[idx])
+
+    def index_of(self, **coords: int) -> int:
+        """Row-major position of the point with these coordinates (all dims required)."""
+        missing = [n for n in self.names if n not in coords]
+        extra = [k for k in coords if k not in self.names]
+        if missing or extra:
+            raise MeshUsageError(
+                f"coordinates {coords} do not match dims {self.names}: give exactly one "
+                f"integer per dim, e.g. {', '.join(f'{n}=0' for n in self.names)}"
+            )
+        pos = 0
+        for name, size in self.dims:
+            value = coords[name]
+            if not 0 <= value < size:
+                raise MeshUsageError(f"{name}={value} is out of range: {name} has size {size}")
+            pos = pos * size + value
+        return pos
+
+    def slice(self, **selectors: Selector | None) -> Shape:
+        """Select along named dims: an int drops the dim, a slice or list keeps it."""
+        for name in selectors:
+            if name not in self.names:
+                raise MeshUsageError(f"no dim named {name!r}; this mesh has dims {self.names}")
+        per_dim: list[list[int]] = []
+        keep: list[bool] = []
+        for name, size in self.dims:
+            sel = selectors.get(name)
+            indices, kept = _select(name, size, sel)
+            per_dim.append(indices)
+            keep.append(kept)
+        strides = _strides([n for _, n in self.dims])
+        ranks = tuple(
+            self.ranks[sum(i * s for i, s in zip(combo, strides))]
+            for combo in itertools.product(*per_dim)
+        )
+        dims = tuple(
+            (name, len(idx)) for (name, _), idx, kept in zip(self.dims, per_dim, keep) if kept
+        )
+        return Shape(dims, ranks)
+
+    def select_ranks(self, ranks: Sequence[int]) -> Shape:
+        """A 1-D shape {ranks: n} over the given global ranks (each must be in this shape)."""
+        unknown = [r for r in ranks if r not in self.ranks]
+        if unknown:
+            raise MeshUsageError(f"ranks {unknown} are not in this mesh (ranks {format_ranks(self.ranks)})")
+        return Shape((("ranks", len(ranks)),), tuple(ranks))
+
+    def __str__(self) -> str:
+        return "{" + ", ".join(f"{k}: {v}" for k, v in self.dims) + "}"
+
+
+def _strides(sizes: list[int]) -> list[int]:
+    strides = [1] * len(sizes)
+    for i in range(len(sizes) - 2, -1, -1):
+        strides[i] = strides[i + 1] * sizes[i + 1]
+    return strides
+
+
+def _select(name: str, size: int, sel: Selector | None) -> tuple[list[int], bool]:
+    if sel is None:
+        return list(range(size)), True
+    if isinstance(sel, bool):
+        raise MeshUsageError(f"{name}={sel!r}: expected an int, a slice or a list of ints")
+    if isinstance(sel, int):
+        if not -size <= sel < size:
+            raise MeshUsageError(f"{name}={sel} is out of range: {name} has size {size} (0..{size - 1})")
+        return [sel % size], False
+    if isinstance(sel, slice):
+        indices = list(range(size))[sel]
+        if not indices:
+            raise MeshUsageError(f"{name}={_slice_text(sel)} selects nothing: {name} has size {size}")
+        return indices, True
+    indices = list(sel)
+    for i in indices:
+        if not isinstance(i, int) or not 0 <= i < size:
+            raise MeshUsageError(f"{name}={indices}: {i!r} is out of range: {name} has size {size}")
+    if not indices:
+        raise MeshUsageError(f"{name}=[] selects nothing")
+    return indices, True
+
+
+def _slice_text(s: slice) -> str:
+    parts = ["" if v is None else str(v) for v in (s.start, s.stop, s.step)]
+    return ":".join(parts[:2]) + (f":{parts[2]}" if s.step is not None else "")
+
+
+def parse_spec(text: str) -> int | slice | list[int]:
+    """Parse a selector as typed in a magic: `2`, `0,2`, `0:4`, `::2`."""
+    text = text.strip()
+    try:
+        if ":" in text:
+            parts = text.split(":")
+            if len(parts) > 3:
+                raise ValueError
+            nums = [int(p) if p.strip() else None for p in parts]
+            return slice(*nums)
+        if "," in text:
+            return [int(p) for p in text.split(",") if p.strip()]
+        return int(text)
+    except ValueError:
+        raise MeshUsageError(
+            f"bad selector {text!r}: use an int (2), a list (0,2) or a slice (0:4, ::2)"
+        ) from None

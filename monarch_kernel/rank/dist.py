@@ -1,0 +1,117 @@
+"""torch.distributed on the ranks: the torchrun environment and the process group.
+
+Rank 0 hosts the TCPStore on a socket its host agent already bound (to MASTER_ADDR,
+never to all interfaces), so there is no port race and nothing listens publicly.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+from monarch_kernel.wire.messages import DistConfig, RankSpec
+
+
+def bind_store_socket(addr: str) -> socket.socket:
+    """A listening socket for rank 0's TCPStore, bound to addr on a free port."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, 0))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def rank_environment(spec: RankSpec, dist: DistConfig, master_port: int, node_rank: int) -> dict[str, str]:
+    """The variables torchrun would set for this rank."""
+    env = {
+        "RANK": str(spec.rank),
+        "WORLD_SIZE": str(dist.world_size),
+        "LOCAL_RANK": str(spec.local_rank),
+        "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+        "GROUP_RANK": str(node_rank),
+        "MASTER_ADDR": dist.master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RUN_ID": "monarch_kernel",
+    }
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        iface = interface_towards(dist.master_addr)
+        if iface:  # gloo binds its pair sockets on the interface that reaches rank 0's host
+            env["GLOO_SOCKET_IFNAME"] = iface
+    return env
+
+
+def interface_towards(addr: str) -> str | None:
+    """Name of the local network interface used to reach addr (lo for loopback)."""
+    if addr in ("127.0.0.1", "localhost", "::1"):
+        return "lo"
+    try:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((addr, 9))  # UDP connect sends nothing; it only picks a route
+            local = probe.getsockname()[0]
+        return _interface_with_address(local)
+    except OSError:
+        return None
+
+
+def _interface_with_address(address: str) -> str | None:
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def limit_threads(local_world_size: int) -> None:
+    """Share the CPU cores among a host's ranks (torchrun sets OMP_NUM_THREADS likewise)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        threads = int(os.environ["OMP_NUM_THREADS"])
+    else:
+        threads = max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def init_process_group(spec: RankSpec, dist: DistConfig, master_port: int, store_fd: int | None) -> str:
+    """Set the rank's device and initialize the default process group; returns a summary."""
+    import torch
+    import torch.distributed as tdist
+
+    device = None
+    if torch.cuda.is_available() and torch.cuda.device_count() > spec.local_rank:
+        device = torch.device("cuda", spec.local_rank)
+        torch.cuda.set_device(device)
+    if dist.backend == "none":
+        return f"rank {spec.rank}: no process group" + (f", device {device}" if device else "")
+    if dist.backend == "nccl" and device is None:
+        raise RuntimeError(
+            f"--dist nccl needs a CUDA GPU for local rank {spec.local_rank}, but this host has "
+            f"{torch.cuda.device_count()}; use --dist gloo on CPU-only hosts"
+        )
+    timeout = timedelta(seconds=dist.timeout_s)
+    if store_fd is not None:
+        store = tdist.TCPStore(dist.master_addr, master_port, dist.world_size, True, timeout,
+                               wait_for_workers=False, master_listen_fd=store_fd)
+    else:
+        store = tdist.TCPStore(dist.master_addr, master_port, dist.world_size, False, timeout)
+    kwargs: dict[str, Any] = {}
+    if dist.backend == "nccl":
+        kwargs["device_id"] = device
+    tdist.init_process_group(dist.backend, store=store, rank=spec.rank,
+                             world_size=dist.world_size, timeout=timeout, **kwargs)
+    return f"rank {spec.rank}: {dist.backend} process group of {dist.world_size}" + (
+        f", device {device}" if device else "")

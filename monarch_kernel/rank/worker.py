@@ -1,0 +1,376 @@
+"""The rank runtime: one process per rank, serving requests from its host agent.
+
+A reader thread takes every message off the agent's connection: replies to this rank's
+own actor calls, cancellations and the notebook's answers to input() (and so to pdb) are
+handled right there; everything else is handed to the main thread's event loop. The main
+thread runs cells and sync endpoints one at a time (so SIGINT from the agent interrupts
+user code as KeyboardInterrupt, exactly as in a local kernel) and async endpoints as
+tasks. A daemon thread answers heartbeats, so a frozen process is noticed. Never imports
+IPython, rich or ipywidgets: ranks start light.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass
+from typing import Any
+
+from monarch_kernel.core.errors import ConnectionClosed, NoTerminalError, SerializationError
+from monarch_kernel.core.package import PACKAGE_DIR
+from monarch_kernel.rank.actor_host import ActorHost
+from monarch_kernel.rank.capture import DisplayCapture, RankStream
+from monarch_kernel.rank.cell import CellRunner, describe_failure
+from monarch_kernel.rank.rankshell import RankShell
+from monarch_kernel.wire.lane_server import LaneServer, accept_lane, listen_lane
+from monarch_kernel.wire.lanes import lane_path
+from monarch_kernel.wire.messages import (
+    ActorCall,
+    ActorReply,
+    Call,
+    CancelCall,
+    Failure,
+    InputReply,
+    InputRequest,
+    Pull,
+    Push,
+    Result,
+    RunCell,
+)
+from monarch_kernel.wire.serialization import seal, unseal
+from monarch_kernel.wire.transport import BlockingConnection
+
+READY_REQ = 0  # req_id of the rank's start-up reply
+
+
+@dataclass
+class WorkerConfig:
+    """What a forked rank needs to know."""
+
+    rank: int
+    host: str
+    shm_dir: str | None
+
+
+class UnpicklableValue:
+    """Stands in for a cell value that could not be sent back; shows what it was."""
+
+    def __init__(self, type_name: str, text: str, error: str, rank: int):
+        self.type_name, self.text, self.error, self.rank = type_name, text, error, rank
+
+    def __repr__(self) -> str:
+        return (f"<unpicklable {self.type_name} on rank {self.rank}: {self.text} "
+                f"({self.error}); keep it on the ranks, or return something picklable>")
+
+
+class Worker:
+    """Serves one rank: runs cells, pushes, pulls and calls in its namespace."""
+
+    def __init__(self, conn: BlockingConnection, config: WorkerConfig):
+        self.conn = conn
+        self.config = config
+        self.current_req: int | None = None
+        self.in_user_code = False
+        module = types.ModuleType("__mesh__", "namespace of the cells run on this rank")
+        self.namespace = module.__dict__
+        self.namespace["__builtins__"] = __builtins__
+        self.runner = CellRunner(self.namespace)
+        self.shell = RankShell(self.namespace, self.runner.run)  # `!cmd` and magics of mesh cells
+        self.stdout = RankStream("stdout", config.rank, self._send)
+        self.stderr = RankStream("stderr", config.rank, self._send)
+        self.displays = DisplayCapture(config.rank, self._send, lambda: self.current_req, self.flush_streams)
+        self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir)
+        self.lane_listener = listen_lane(lane_path(config.shm_dir, config.rank)) if config.shm_dir else None
+        self.namespace["actors"] = self.actors.instances
+        self._input_lock = threading.Lock()
+        self._input_ready = threading.Event()
+        self._input_answer: tuple[str, str | None] = ("", None)
+
+    def _send(self, msg: Any) -> None:
+        self.conn.send(msg)
+
+    def install(self) -> None:
+        """Take over stdout/stderr, display() and SIGINT for this process."""
+        sys.stdout, sys.stderr = self.stdout, self.stderr
+        import builtins
+
+        builtins.display = self.displays.display  # type: ignore[attr-defined]
+        builtins.input = self._input  # pdb (breakpoint()) reads its commands with input() too
+        import getpass
+
+        getpass.getpass = self._getpass
+        sys.breakpointhook = _breakpoint
+        self.displays.patch_ipython()
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _getpass(self, prompt: str = "Password: ", stream: Any = None) -> str:
+        """getpass() on a rank: a masked box in the notebook (a login token, say)."""
+        return self._input(prompt, password=True)
+
+    def _input(self, prompt: object = "", *, password: bool = False) -> str:
+        """input() on a rank: the notebook asks for the line (ranks asking alike share one box)."""
+        req = self.current_req
+        if req is None or threading.current_thread() is not threading.main_thread():
+            raise NoTerminalError(
+                "input() on a rank reaches the notebook only from a %%mesh cell's own code; pass values "
+                "in instead: %mesh push NAME, mesh.push(name=value), or an endpoint argument")
+        self.flush_streams()  # what the cell printed comes before the question
+        with self._input_lock:
+            self._input_ready.clear()
+            self._send(InputRequest(self.config.rank, req, str(prompt), password))
+            self._input_ready.wait()  # Ctrl-C (SIGINT from the agent) interrupts the wait
+            text, error = self._input_answer
+        if error is not None:
+            raise NoTerminalError(f"input() on rank {self.config.rank} got no line: {error}. Pass values in "
+                                  "instead: %mesh push NAME, or mesh.push(name=value)")
+        return text
+
+    def _on_input_reply(self, msg: InputReply) -> None:
+        if msg.req_id != self.current_req:
+            return  # for an input() that was interrupted, in a request that is over
+        self._input_answer = (msg.text, msg.error)
+        self._input_ready.set()
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.in_user_code:
+            raise KeyboardInterrupt
+        # idle or in our own code: an interrupt that came too late is ignored
+
+    def flush_streams(self) -> None:
+        """Send pending stdout/stderr text now."""
+        self.stdout.flush()
+        self.stderr.flush()
+
+    def serve(self) -> None:
+        """Handle requests until the agent goes away."""
+        loop = asyncio.new_event_loop()
+        self.actors.loop = loop
+        threading.Thread(target=self._read, args=(loop,), name="rank-reader", daemon=True).start()
+        if self.lane_listener is not None:
+            loop.add_reader(self.lane_listener.fileno(), self._accept_lane)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The reader thread: replies and cancellations here, the rest to the loop."""
+        while True:
+            try:
+                msg = self.conn.recv()
+            except ConnectionClosed:
+                loop.call_soon_threadsafe(loop.stop)
+                return
+            if isinstance(msg, ActorReply):
+                self.actors.sender.calls.deliver(msg)
+            elif isinstance(msg, CancelCall):
+                self.actors.cancel(msg)
+            elif isinstance(msg, InputReply):
+                self._on_input_reply(msg)
+            elif isinstance(msg, ActorCall):
+                loop.call_soon_threadsafe(self.actors.deliver, msg)
+            else:
+                loop.call_soon_threadsafe(self._handle_request, msg)
+
+    def _accept_lane(self) -> None:
+        if self.lane_listener is None:
+            return
+        sock = accept_lane(self.lane_listener)
+        if sock is None:
+            return
+        lane: list[LaneServer] = []
+
+        def on_message(msg: Any) -> None:
+            if isinstance(msg, ActorCall):
+                self.actors.deliver(msg, lane[0].send)
+
+        lane.append(LaneServer(sock, asyncio.get_running_loop(), on_message))
+
+    def _handle_request(self, msg: Any) -> None:
+        # A cell runs as plain code, as in a fresh interpreter: it may call asyncio.run().
+        loop = asyncio.get_running_loop()
+        asyncio._set_running_loop(None)
+        try:
+            self.handle(msg)
+        finally:
+            asyncio._set_running_loop(loop)
+
+    def _set_request(self, req_id: int | None) -> None:
+        self.current_req = self.stdout.request_id = self.stderr.request_id = req_id
+
+    def handle(self, msg: Any) -> None:
+        """Run one request and send its Result."""
+        self._set_request(msg.req_id)
+        started = time.time()
+        value, failure = None, None
+        try:
+            value = self._dispatch(msg)
+        except BaseException as exc:  # noqa: BLE001 - every user error is reported
+            failure = describe_failure(exc)
+            if not isinstance(exc, SystemExit):  # for post-mortem debugging (%mesh debug), as IPython keeps it
+                sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, _user_frames(exc.__traceback__)
+        finally:
+            self.in_user_code = False
+        sealed = None
+        if failure is None:
+            sealed, failure = self._seal_value(msg, value)
+        try:
+            self.displays.flush_figures()
+        except Exception as exc:  # noqa: BLE001
+            print(f"monarch_kernel: could not render figures: {exc}", file=self.stderr)
+        self.stdout.finish_request(msg.req_id)
+        self.stderr.finish_request(msg.req_id)
+        self._set_request(None)
+        if signal.getsignal(signal.SIGINT) != self._on_sigint:
+            signal.signal(signal.SIGINT, self._on_sigint)  # the cell installed its own: stop must work next time
+        self._send(Result(msg.req_id, self.config.rank, sealed, failure, started, time.time()))
+
+    def _dispatch(self, msg: Any) -> Any:
+        if isinstance(msg, RunCell):
+            sys.last_type = sys.last_value = sys.last_traceback = None  # %mesh debug: this cell's error only
+            if "_mesh_shell" in msg.code:
+                self.namespace["_mesh_shell"] = self.shell  # even after a cell cleared its globals
+            return self._user(self.runner.run, msg.code, msg.filename)
+        if isinstance(msg, Pull):
+            return self._user(self.runner.evaluate, msg.expr)
+        if isinstance(msg, Push):
+            values = unseal(msg.values)
+            self.namespace.update(values)
+            return None
+        if isinstance(msg, Call):
+            fn = unseal(msg.fn)
+            return self._user(fn, self)
+        raise TypeError(f"unknown request {type(msg).__name__}")
+
+    def _user(self, fn, *args, **kwargs) -> Any:
+        self.in_user_code = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.in_user_code = False
+
+    def describe(self, expr: str) -> Any:
+        """Metadata of what `expr` is here (tensor, DTensor or module): `Mesh.describe()`."""
+        from monarch_kernel.rank.tensorinfo import describe
+
+        return describe(self.runner.evaluate(expr), self.config.rank)
+
+    def post_mortem(self) -> bool:
+        """pdb at the error of this rank's last failed cell (False if it had none): `Mesh.debug()`."""
+        return post_mortem()
+
+    def _seal_value(self, msg: Any, value: Any) -> tuple[Any, Failure | None]:
+        try:
+            return seal(value, shm_dir=self.config.shm_dir), None
+        except SerializationError as exc:
+            if isinstance(msg, RunCell):
+                text = _short_repr(value)
+                stand_in = UnpicklableValue(type(value).__name__, text, str(exc.__cause__), self.config.rank)
+                return seal(stand_in, shm_dir=self.config.shm_dir), None
+            return None, Failure("SerializationError", str(exc), "")
+
+
+def post_mortem() -> bool:
+    """pdb at the error of this rank's last failed cell (False if it had none); for %mesh debug."""
+    tb = getattr(sys, "last_traceback", None)
+    if tb is None:
+        return False
+    import pdb
+
+    debugger = pdb.Pdb(nosigint=True)
+    debugger.reset()
+    debugger.interaction(None, tb)
+    return True
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback from the first frame that is not monarch_kernel's own (the cell's)."""
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
+        tb = tb.tb_next
+    return tb
+
+
+def _breakpoint(*args: Any, **kwargs: Any) -> Any:
+    """breakpoint() on a rank: pdb, talking to the notebook through input(), and leaving
+    SIGINT alone (pdb would take it over, and the notebook's stop button must stop)."""
+    if os.environ.get("PYTHONBREAKPOINT", "pdb.set_trace") not in ("", "pdb.set_trace"):
+        return sys.__breakpointhook__(*args, **kwargs)
+    import pdb
+
+    pdb.Pdb(nosigint=True).set_trace(sys._getframe(1))
+    return None
+
+
+def _short_repr(value: Any, limit: int = 200) -> str:
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001
+        text = f"<repr failed: {exc}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _heartbeat(sock: socket.socket, activity) -> None:
+    """Answer every ping of the agent with what this rank is doing ("" when idle)."""
+    while True:
+        try:
+            data = sock.recv(64)
+        except OSError:
+            return
+        if not data or not _tell(sock, activity()):
+            return
+
+
+def _tell(sock: socket.socket, activity: str) -> bool:
+    """One heartbeat answer (also sent unasked when the rank stops being busy)."""
+    try:
+        sock.sendall(b"." + activity.encode("utf-8", "replace")[:200] + b"\n")
+    except OSError:
+        return False
+    return True
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the host agent) dies."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_rank(conn_sock: socket.socket, hb_sock: socket.socket, config: WorkerConfig, setup) -> None:
+    """Entry point of a freshly forked rank. `setup()` initializes torch.distributed."""
+    parent = os.getppid()
+    die_with_parent()
+    if os.getppid() != parent:
+        os._exit(1)
+    faulthandler.enable(file=sys.__stderr__ or sys.stderr, all_threads=True)
+    conn = BlockingConnection(conn_sock)
+    worker = Worker(conn, config)
+    worker.install()
+    threading.Thread(target=_heartbeat, args=(hb_sock, worker.actors.activity), name="heartbeat",
+                     daemon=True).start()
+    worker.actors.on_idle = lambda: None if _tell(hb_sock, worker.actors.activity()) else None
+    started = time.time()
+    failure = None
+    try:
+        worker.in_user_code = True
+        summary = setup()
+    except BaseException as exc:  # noqa: BLE001
+        failure = describe_failure(exc)
+        summary = None
+    finally:
+        worker.in_user_code = False
+    worker.flush_streams()
+    conn.send(Result(READY_REQ, config.rank, seal(summary), failure, started, time.time()))
+    if failure is None:
+        worker.serve()

@@ -1,0 +1,1 @@
+"""How meshes, output, errors, timings and shardings look: text, HTML, rich and widgets."""

@@ -1,0 +1,185 @@
+"""The mesh at a glance: a grid of ranks with state and load, as text, HTML and rich.
+
+`mesh_snapshot(mesh)` is the model (what to draw); `snapshot_text`, `snapshot_html` and
+`snapshot_rich` draw it, `MeshView` holds one for display, and the live widget
+(`widgets.MeshWidget`) draws the same cells.
+The grid puts the last mesh dim across and every other dim down (1-D meshes are one
+row; 3-D meshes get one row per combination of the leading dims).
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from monarch_kernel.core.ranksets import rank_label
+from monarch_kernel.core.status import RankStatus
+from monarch_kernel.core.texttable import text_table
+from monarch_kernel.views.base import TextHtmlView
+
+if TYPE_CHECKING:
+    from monarch_kernel.api.mesh import Mesh
+
+STATE_COLOURS: dict[str, str] = {RankStatus.IDLE: "#2e7d32", RankStatus.BUSY: "#1565c0", RankStatus.DEAD: "#c62828",
+                 RankStatus.UNRESPONSIVE: "#ef6c00", RankStatus.STARTING: "#757575"}
+
+
+@dataclass(frozen=True)
+class RankCell:
+    """Everything one rank's cell shows."""
+
+    rank: int
+    coords: tuple[tuple[str, int], ...]
+    host: str
+    local_rank: int
+    pid: int | None
+    state: str
+    detail: str
+    cpu_percent: float | None = None
+    rss_bytes: int | None = None
+    gpu_used_bytes: int | None = None
+    gpu_total_bytes: int | None = None
+    gpu_util_percent: float | None = None
+
+    @property
+    def label(self) -> str:
+        """`host:gpu (rank r)`."""
+        return rank_label(self.host, self.local_rank, self.rank)
+
+    def load_text(self, with_gpu: bool) -> str:
+        """CPU, memory and (when there is a GPU) GPU memory and utilization."""
+        if self.cpu_percent is None:
+            return ""
+        parts = [f"cpu {self.cpu_percent:.0f}%", f"rss {_mib(self.rss_bytes)}"]
+        if with_gpu and self.gpu_total_bytes:
+            parts.append(f"gpu {_mib(self.gpu_used_bytes)}/{_mib(self.gpu_total_bytes)} "
+                         f"{self.gpu_util_percent or 0:.0f}%")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class MeshSnapshot:
+    """The grid to draw: row labels, column labels, and the cells row by row."""
+
+    title: str
+    row_labels: tuple[str, ...]
+    col_labels: tuple[str, ...]
+    rows: tuple[tuple[RankCell, ...], ...]
+    has_gpu: bool
+
+    def cells(self) -> list[RankCell]:
+        """Every cell, row-major."""
+        return [c for row in self.rows for c in row]
+
+
+def _mib(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / (1 << 30):.1f} GiB" if n >= (1 << 30) else f"{n / (1 << 20):.0f} MiB"
+
+
+def _detail(s: Any) -> str:
+    if s.state == RankStatus.DEAD:
+        return str(s.exit_text)
+    if s.state == RankStatus.BUSY:
+        what = s.busy_with or "work"
+        return f"{what} for {s.busy_for_s:.1f} s" if s.busy_for_s is not None else what
+    if s.state == RankStatus.UNRESPONSIVE:
+        return "no heartbeat"
+    return ""
+
+
+def mesh_snapshot(mesh: Mesh, title_suffix: str = "") -> MeshSnapshot:
+    """The model of the view, from the mesh's current rank states and loads."""
+    status = {s.rank: s for s in mesh.status()}
+    dims = list(mesh.shape.dims)
+    points = list(mesh.shape.points())
+    cols = dims[-1][1] if dims else 1
+    cells = []
+    for point in points:
+        s = status[point.rank]
+        load = s.load
+        cells.append(RankCell(
+            point.rank, tuple(point.items()), s.host, s.local_rank, s.pid, s.state, _detail(s),
+            *((load.cpu_percent, load.rss_bytes, load.gpu_used_bytes, load.gpu_total_bytes, load.gpu_util_percent)
+              if load is not None else ())))
+    rows = tuple(tuple(cells[i:i + cols]) for i in range(0, len(cells), cols))
+    leading = dims[:-1]
+    row_labels = tuple(", ".join(f"{name}={value}" for (name, _), (_, value) in zip(leading, row[0].coords))
+                       for row in rows) if leading else ("",) * len(rows)
+    col_labels = tuple(f"{dims[-1][0]}={i}" for i in range(cols)) if dims else ("",)
+    title = (f"mesh {mesh.name!r} {mesh.shape} dist={mesh.backend}" + title_suffix
+             + (": shut down" if mesh.closed else ""))
+    return MeshSnapshot(title, row_labels, col_labels, rows, any(c.gpu_total_bytes for c in cells))
+
+
+def snapshot_text(snap: MeshSnapshot) -> str:
+    """One line per rank: label, coordinates, pid, state, detail, load."""
+    lines = [snap.title]
+    table = [("rank", "coords", "pid", "state", "detail", "load")]
+    for c in snap.cells():
+        table.append((c.label, ", ".join(f"{k}={v}" for k, v in c.coords), str(c.pid or "-"),
+                      c.state, c.detail, c.load_text(snap.has_gpu)))
+    return "\n".join(lines + text_table(table))
+
+
+def cell_html(c: RankCell, has_gpu: bool) -> str:
+    """One rank's cell: a coloured card."""
+    colour = STATE_COLOURS.get(c.state, "#000")
+    detail = html.escape(c.detail)
+    load = html.escape(c.load_text(has_gpu))
+    return (f"<div class='mk-rank' data-rank='{c.rank}' data-state='{c.state}' "
+            f"style='border-left:6px solid {colour};padding:3px 6px;font:11px sans-serif;background:#f7f7f7'>"
+            f"<b>{html.escape(c.label)}</b> <span style='color:{colour};font-weight:bold'>{c.state}</span><br>"
+            f"pid {c.pid or '-'} {detail}<br><span style='color:#555'>{load}</span></div>")
+
+
+def snapshot_html(snap: MeshSnapshot) -> str:
+    """The grid as HTML: one card per rank, coloured by state."""
+    head = "<th></th>" + "".join(f"<th>{html.escape(x)}</th>" for x in snap.col_labels)
+    body = "".join(
+        f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{cell_html(c, snap.has_gpu)}</td>" for c in row) + "</tr>"
+        for label, row in zip(snap.row_labels, snap.rows))
+    return f"<div class='mk-mesh'><b>{html.escape(snap.title)}</b><table>{head}{body}</table></div>"
+
+
+def snapshot_rich(snap: MeshSnapshot) -> Any:
+    """The grid as a rich Table (terminals)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(show_lines=True)
+    table.add_column("")
+    for label in snap.col_labels:
+        table.add_column(label)
+    for label, row in zip(snap.row_labels, snap.rows):
+        cells = []
+        for c in row:
+            text = Text(c.label + "\n", style="bold")
+            text.append(c.state, style=f"bold {STATE_COLOURS.get(c.state, 'white')}")
+            text.append(f"  pid {c.pid or '-'} {c.detail}\n{c.load_text(snap.has_gpu)}")
+            cells.append(text)
+        table.add_row(label, *cells)
+    return Group(Text(snap.title, style="bold"), table)  # the title never wraps into the table
+
+
+class MeshView(TextHtmlView):
+    """A static picture of the mesh (text, HTML, rich); the live one is `widgets.MeshWidget`."""
+
+    def __init__(self, mesh: Mesh, title_suffix: str = ""):
+        self.mesh = mesh
+        self.title_suffix = title_suffix
+        self.snapshot = mesh_snapshot(mesh, title_suffix)
+
+    def text(self) -> str:
+        """One line per rank."""
+        return snapshot_text(self.snapshot)
+
+    def html(self) -> str:
+        """The grid of rank cards."""
+        return snapshot_html(self.snapshot)
+
+    def __rich__(self) -> Any:
+        return snapshot_rich(self.snapshot)

@@ -1,0 +1,304 @@
+"""Drawing tensor layouts: text for terminals and logs, HTML for notebooks.
+
+`visualize_sharding(mesh, "x")` describes `x` on every rank (metadata only), then shows
+how it is laid out: for a DTensor, the two drawn dims cut at every shard boundary with
+the ranks holding each block (each rank keeps one colour everywhere), partial blocks
+marked as unreduced, empty shards listed; for a plain tensor, each rank's shape, dtype,
+device and whether the values are identical; for a module, a table of its parameters.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from monarch_kernel.core.errors import MeshUsageError
+from monarch_kernel.core.ranksets import format_ranks, rank_label
+from monarch_kernel.core.sharding import Block, Placement, TensorLayout, layout_from
+from monarch_kernel.core.texttable import text_table
+from monarch_kernel.views.base import TextHtmlView
+
+if TYPE_CHECKING:
+    from monarch_kernel.api.mesh import Mesh
+
+PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
+           "#9c755f", "#bab0ac", "#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf"]
+
+
+def rank_colour(rank: int) -> str:
+    """The colour of a rank in every view."""
+    return PALETTE[rank % len(PALETTE)]
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _range(r: tuple[int, int]) -> str:
+    return f"[{r[0]}:{r[1]}]"
+
+
+def _facet_label(facet: dict[int, tuple[int, int]]) -> str:
+    """Where a facet lies in the dims that are not drawn, e.g. `dim 0 [0:3]`."""
+    return ", ".join(f"dim {d} {_range(r)}" for d, r in facet.items())
+
+
+class ShardingView(TextHtmlView):
+    """A tensor's layout over the mesh; shows as HTML in notebooks and text elsewhere."""
+
+    def __init__(self, layout: TensorLayout, rows: int | None = None, cols: int | None = None):
+        self.layout = layout
+        ndim = len(layout.global_shape)
+        self.rows = rows if rows is not None else (0 if ndim >= 1 else None)
+        self.cols = cols if cols is not None else (1 if ndim >= 2 else None)
+        for dim in (self.rows, self.cols):
+            if dim is not None and not 0 <= dim < ndim:
+                raise MeshUsageError(f"dim {dim} is out of range for the {ndim}-D tensor {layout.name}; "
+                                     f"pick rows/cols among 0..{ndim - 1}")
+
+    def label(self, rank: int) -> str:
+        """`host:gpu (rank r)`."""
+        return self.layout.labels.get(rank, f"rank {rank}")
+
+    def drawable_dims(self) -> list[tuple[str, int]]:
+        """(label, dim) of the tensor dims that can be drawn down or across."""
+        shape = self.layout.global_shape
+        return [(f"dim {d} ({shape[d]})", d) for d in range(len(shape))] if self.layout.is_dtensor else []
+
+    def redrawn(self, rows: int, cols: int) -> ShardingView:
+        """The same layout with other dims drawn."""
+        return ShardingView(self.layout, rows, cols)
+
+    def title(self) -> str:
+        """The first line: what the tensor is and how it is placed."""
+        lay = self.layout
+        if not lay.is_dtensor:
+            sums = {p.checksum for p in lay.pieces}
+            shapes = {p.local_shape for p in lay.pieces}
+            same = "identical on every rank" if len(sums) == 1 and len(shapes) == 1 else "different across ranks"
+            return f"tensor {lay.name} on {len(lay.pieces)} ranks: values {same} (by checksum)"
+        mesh = ", ".join(f"{n}={s}" for n, s in zip(lay.mesh_dim_names or
+                                                       [f"dim{i}" for i in range(len(lay.mesh_shape))],
+                                                       lay.mesh_shape))
+        return (f"DTensor {lay.name}: {lay.dtype} {list(lay.global_shape)} over DeviceMesh ({mesh}), "
+                f"placements ({', '.join(map(str, lay.placements))})")
+
+    def notes(self) -> list[str]:
+        """What to know before reading the blocks (strided or partial placements)."""
+        lay = self.layout
+        notes = []
+        if any(p.kind == "strided_shard" for p in lay.placements):
+            notes.append("strided sharding: each rank's rows are interleaved, not one range; "
+                         "below are the ranges as if contiguous")
+        if lay.partial:
+            notes.append(f"partial: blocks hold unreduced values ({', '.join(str(p) for p in lay.partial)}); "
+                         "they sum to the tensor only after a reduction")
+        return notes
+
+    def _piece_lines(self) -> list[str]:
+        return [f"{self.label(p.rank)}: {list(p.local_shape)} {p.dtype} on {p.device}, "
+                f"{_bytes(p.nbytes)}, checksum {p.checksum:.6g}" for p in self.layout.pieces]
+
+    def _footer(self) -> list[str]:
+        lay = self.layout
+        lines = []
+        empty = lay.empty_pieces()
+        if empty:
+            lines.append("empty shards (no elements): " + ", ".join(self.label(p.rank) for p in empty))
+        lines.append("bytes per rank: " + ", ".join(f"{p.rank}: {_bytes(p.nbytes)}" for p in lay.pieces))
+        return lines
+
+    # ------------------------------------------------------------ text
+    def text(self) -> str:
+        """The plain-text view."""
+        lay = self.layout
+        if not lay.is_dtensor:
+            return "\n".join([self.title(), *("  " + line for line in self._piece_lines())])
+        lines = [self.title(), *("  " + note for note in self.notes())]
+        for facet in lay.facets(self.rows, self.cols):
+            if facet:
+                lines.append(f"  at {_facet_label(facet)}:")
+            lines.extend(self._grid_text(lay.blocks(self.rows, self.cols, facet)))
+        lines += ["  " + line for line in self._footer()]
+        return "\n".join(lines)
+
+    def _grid_text(self, grid: list[list[Block]]) -> list[str]:
+        partial = " partial" if self.layout.partial else ""
+        head = [f"dim {self.cols} {_range(b.cols)}" if self.cols is not None else "" for b in grid[0]]
+        body = [[f"dim {self.rows} {_range(line[0].rows)}" if self.rows is not None else ""]
+                + [self._holders(b) + partial for b in line] for line in grid]
+        return text_table([[""] + head] + body, indent="    ")
+
+    def _holders(self, block: Block) -> str:
+        if not block.ranks:
+            return "(nobody)"
+        if len(block.ranks) == 1:
+            return self.label(block.ranks[0])
+        return f"ranks {format_ranks(block.ranks)} (replicated)"
+
+    # ------------------------------------------------------------ HTML
+    def html(self) -> str:
+        """The HTML view: blocks sized by their extents, coloured by rank."""
+        lay = self.layout
+        if not lay.is_dtensor:
+            rows = "".join(
+                f"<tr><td style='color:{rank_colour(p.rank)}'>&#9632; {html.escape(self.label(p.rank))}</td>"
+                f"<td>{list(p.local_shape)}</td><td>{p.dtype}</td><td>{html.escape(p.device)}</td>"
+                f"<td>{_bytes(p.nbytes)}</td><td>{p.checksum:.6g}</td></tr>" for p in lay.pieces)
+            caption = html.escape(self.title())
+            return (f"<div class='mk-sharding'><b>{caption}</b><table><tr><th>rank</th><th>shape</th>"
+                    f"<th>dtype</th><th>device</th><th>bytes</th><th>checksum</th></tr>{rows}</table></div>")
+        parts = [f"<div class='mk-sharding'><b>{html.escape(self.title())}</b>"]
+        parts += [f"<div><i>{html.escape(note)}</i></div>" for note in self.notes()]
+        for facet in lay.facets(self.rows, self.cols):
+            if facet:
+                parts.append(f"<div>at {html.escape(_facet_label(facet))}</div>")
+            parts.append(self._grid_html(lay.blocks(self.rows, self.cols, facet)))
+        empty = lay.empty_pieces()
+        if empty:
+            parts.append("<div class='mk-empty'>empty shards (no elements): " + ", ".join(
+                f"<span style='color:{rank_colour(p.rank)}'>{html.escape(self.label(p.rank))}</span>"
+                for p in empty) + "</div>")
+        parts.append("<div>bytes per rank: " + ", ".join(
+            f"<span style='color:{rank_colour(p.rank)}'>{p.rank}: {_bytes(p.nbytes)}</span>" for p in lay.pieces)
+            + "</div></div>")
+        return "".join(parts)
+
+    def _grid_html(self, grid: list[list[Block]]) -> str:
+        total_w = sum(b.cols[1] - b.cols[0] for b in grid[0]) or 1
+        total_h = sum(line[0].rows[1] - line[0].rows[0] for line in grid) or 1
+        cols = " ".join(f"{max(1, round(360 * (b.cols[1] - b.cols[0]) / total_w))}px" for b in grid[0])
+        rows = " ".join(f"{max(24, round(200 * (line[0].rows[1] - line[0].rows[0]) / total_h))}px" for line in grid)
+        label = "font:10px monospace;color:#555;align-self:center"
+        cells = ["<div></div>"] + [
+            f"<div style='{label};text-align:center'>{f'dim {self.cols} {_range(b.cols)}' if self.cols is not None else ''}</div>"
+            for b in grid[0]]
+        for line in grid:
+            row_label = f"dim {self.rows} {_range(line[0].rows)}" if self.rows is not None else ""
+            cells.append(f"<div style='{label};text-align:right;padding-right:4px'>{row_label}</div>")
+            cells.extend(self._block_html(b) for b in line)
+        return (f"<div class='mk-grid' style='display:grid;justify-content:start;grid-template-columns:max-content {cols};"
+                f"grid-template-rows:auto {rows};gap:2px;margin:4px 0'>{''.join(cells)}</div>")
+
+    def _block_html(self, b: Block) -> str:
+        colours = [rank_colour(r) for r in b.ranks] or ["#ddd"]
+        if len(colours) == 1:
+            background = colours[0]
+        else:
+            step = 100 / len(colours)
+            stops = ", ".join(f"{c} {i * step:.0f}% {(i + 1) * step:.0f}%" for i, c in enumerate(colours))
+            background = f"linear-gradient(135deg, {stops})"
+        partial = bool(self.layout.partial)
+        hatch = ("background-image:repeating-linear-gradient(45deg, rgba(255,255,255,.35) 0 6px, transparent 6px 12px),"
+                 if partial else "")
+        title = f"rows {_range(b.rows)} cols {_range(b.cols)}: {self._holders(b)}" + (" (unreduced)" if partial else "")
+        text = self._holders(b) + (" &Sigma; partial" if partial else "")
+        return (f"<div class='mk-block' data-ranks='{','.join(map(str, b.ranks))}' "
+                f"data-rows='{b.rows[0]}:{b.rows[1]}' data-cols='{b.cols[0]}:{b.cols[1]}' title='{html.escape(title)}' "
+                f"style='{hatch}background:{background};color:white;font:11px sans-serif;padding:2px;"
+                f"overflow:hidden'>{text}</div>")
+
+    def __rich__(self) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        parts: list[Any] = [Text(self.title(), style="bold")]
+        if not self.layout.is_dtensor:
+            parts += [Text("  " + line) for line in self._piece_lines()]
+            return Group(*parts)
+        parts += [Text("  " + note) for note in self.notes()]
+        for facet in self.layout.facets(self.rows, self.cols):
+            grid = self.layout.blocks(self.rows, self.cols, facet)
+            title = ("at " + ", ".join(f"dim {d} {_range(r)}" for d, r in facet.items())) if facet else None
+            table = Table(title=title, show_lines=True)
+            table.add_column("")
+            for b in grid[0]:
+                table.add_column(f"dim {self.cols} {_range(b.cols)}" if self.cols is not None else "")
+            for line in grid:
+                label = f"dim {self.rows} {_range(line[0].rows)}" if self.rows is not None else ""
+                cells = [Text(self._holders(b) + (" partial" if self.layout.partial else ""),
+                              style=rank_colour(b.ranks[0]) if len(b.ranks) == 1 else "bold") for b in line]
+                table.add_row(label, *cells)
+            parts.append(table)
+        parts += [Text("  " + line) for line in self._footer()]
+        return Group(*parts)
+
+
+@dataclass(frozen=True)
+class ParameterRow:
+    """One parameter of a module: how it is placed and what each rank holds."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    placements: str
+    bytes_per_rank: dict[int, int]
+
+    @property
+    def total(self) -> int:
+        """Bytes over all ranks."""
+        return sum(self.bytes_per_rank.values())
+
+
+class ModuleShardingView(TextHtmlView):
+    """A module's parameters over the mesh (an FSDP2 / DTensor-parameter model)."""
+
+    def __init__(self, name: str, rows: list[ParameterRow]):
+        self.name = name
+        self.rows = rows
+
+    def drawable_dims(self) -> list[tuple[str, int]]:
+        """A table of parameters has no dims to pick."""
+        return []
+
+    def title(self) -> str:
+        """How many parameters, and their bytes."""
+        return (f"module {self.name}: {len(self.rows)} parameters, "
+                f"{_bytes(sum(r.total for r in self.rows))} over all ranks")
+
+    def text(self) -> str:
+        """The plain-text table."""
+        head = ["parameter", "global shape", "placements", "bytes per rank", "total"]
+        body = [[r.name, str(list(r.global_shape)), r.placements,
+                 ", ".join(f"{k}: {_bytes(v)}" for k, v in sorted(r.bytes_per_rank.items())), _bytes(r.total)]
+                for r in self.rows]
+        return "\n".join([self.title(), *text_table([head] + body, indent="  ")])
+
+    def html(self) -> str:
+        """The HTML table."""
+        rows = "".join(
+            f"<tr><td>{html.escape(r.name)}</td><td>{list(r.global_shape)}</td><td>{html.escape(r.placements)}</td>"
+            f"<td>{', '.join(_bytes(v) for _, v in sorted(r.bytes_per_rank.items()))}</td><td>{_bytes(r.total)}</td></tr>"
+            for r in self.rows)
+        return (f"<div class='mk-sharding'><b>{html.escape(self.title())}</b><table><tr>"
+                "<th>parameter</th><th>global shape</th><th>placements</th><th>bytes per rank</th><th>total</th></tr>"
+                f"{rows}</table></div>")
+
+
+def visualize_sharding(mesh: Mesh, expr: str, *, rows: int | None = None,
+                       cols: int | None = None) -> ShardingView | ModuleShardingView:
+    """Show how `expr` (evaluated on every rank: a DTensor, a tensor or a module) lies on the mesh.
+
+    Only metadata crosses the wire; `rows`/`cols` pick the two tensor dims to draw.
+    """
+    described = list(mesh.describe(expr).values())
+    labels = {s.rank: rank_label(s.host, s.local_rank, s.rank) for s in mesh.status()}
+    if described and isinstance(described[0], list):
+        return _module_view(expr, described)
+    return ShardingView(layout_from(expr, described, labels), rows, cols)
+
+
+def _module_view(name: str, described: list[list[tuple[str, dict]]]) -> ModuleShardingView:
+    rows = []
+    for i, (pname, first) in enumerate(described[0]):
+        per_rank = {d[i][1]["rank"]: d[i][1]["nbytes"] for d in described}
+        placements = (", ".join(str(Placement(*p)) for p in first["placements"])
+                      if first["kind"] == "dtensor" else "local tensor")
+        rows.append(ParameterRow(pname, tuple(first["global_shape"]), placements, per_rank))
+    return ModuleShardingView(name, rows)
+

@@ -1,0 +1,144 @@
+"""The live widgets of the views (ipywidgets; the notebook's process only).
+
+`MeshWidget` is the mesh grid that updates while cells run; `ShardingWidget` and
+`TimingWidget` keep a view's picture in the widget model, so a notebook saved with widget
+state shows them again, and a frontend without widgets shows the text view instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import ipywidgets as widgets
+
+from monarch_kernel.views.meshview import cell_html, mesh_snapshot, snapshot_text
+
+if TYPE_CHECKING:
+    from monarch_kernel.api.mesh import Mesh
+
+REFRESH_S = 0.5
+MAX_LIVE = 4  # older views stop updating (each live view takes a snapshot twice a second)
+
+
+class MeshWidget(widgets.VBox):
+    """A mesh's ranks in a grid (hosts down, gpus across), live."""
+
+    _live: list[MeshWidget] = []
+
+    def __init__(self, mesh: Mesh, refresh_s: float = REFRESH_S, log_lines: int = 20, title_suffix: str = ""):
+        self._mesh = mesh
+        self._log_lines = log_lines
+        self._suffix = title_suffix
+        snap = mesh_snapshot(mesh, title_suffix)
+        self._has_gpu = snap.has_gpu
+        self._title = widgets.HTML(f"<b>{snap.title}</b>")
+        self.cards: dict[int, widgets.HTML] = {}
+        children: list[widgets.Widget] = [widgets.HTML("")]
+        children += [widgets.HTML(f"<b>{label}</b>") for label in snap.col_labels]
+        for label, row in zip(snap.row_labels, snap.rows):
+            children.append(widgets.HTML(f"<b>{label}</b>"))
+            for cell in row:
+                card = widgets.HTML(cell_html(cell, snap.has_gpu))
+                button = widgets.Button(description="output", tooltip=f"what rank {cell.rank} printed lately",
+                                        layout=widgets.Layout(width="70px", height="22px"))
+                button.on_click(lambda _b, rank=cell.rank: self.show_output(rank))
+                self.cards[cell.rank] = card
+                children.append(widgets.VBox([card, button]))
+        grid = widgets.GridBox(children, layout=widgets.Layout(
+            grid_template_columns=f"auto repeat({len(snap.col_labels)}, minmax(190px, 1fr))", grid_gap="4px"))
+        self.output = widgets.Output()
+        super().__init__([self._title, grid, self.output])
+        self._text = snapshot_text(snap)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, args=(refresh_s,), name="mesh-widget", daemon=True)
+        self._thread.start()
+        MeshWidget._live.append(self)
+        while len(MeshWidget._live) > MAX_LIVE:
+            MeshWidget._live.pop(0)._stop.set()
+
+    def refresh(self) -> int:
+        """Take a snapshot and update the cards that changed; returns how many did."""
+        snap = mesh_snapshot(self._mesh, self._suffix)
+        self._text = snapshot_text(snap)
+        changed = 0
+        for cell in snap.cells():
+            card = self.cards.get(cell.rank)
+            value = cell_html(cell, self._has_gpu or snap.has_gpu)
+            if card is not None and card.value != value:
+                card.value = value
+                changed += 1
+        if self._title.value != f"<b>{snap.title}</b>":
+            self._title.value = f"<b>{snap.title}</b>"
+        return changed
+
+    def show_output(self, rank: int) -> None:
+        """Show the last lines rank `rank` printed, below the grid."""
+        self.output.clear_output()
+        with self.output:
+            print(f"rank {rank}, last {self._log_lines} lines:")
+            for stream, line in self._mesh.logs(rank, self._log_lines):
+                print(("! " if stream == "stderr" else "  ") + line)
+
+    def _follow(self, refresh_s: float) -> None:
+        while not self._stop.wait(refresh_s):
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - a closed comm or a mesh going away ends the view
+                return
+            if self._mesh.closed:
+                return
+
+    def close(self) -> None:
+        """Stop updating and close the widget."""
+        self._stop.set()
+        super().close()
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle = super()._repr_mimebundle_(**kwargs) or {}
+        bundle["text/plain"] = self._text  # what a frontend without widgets shows
+        return bundle
+
+
+class _TextFallback:
+    """Mixin: a frontend without widgets shows this text."""
+
+    fallback_text = ""
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle = super()._repr_mimebundle_(**kwargs) or {}  # type: ignore[misc]
+        bundle["text/plain"] = self.fallback_text
+        return bundle
+
+
+class ShardingWidget(_TextFallback, widgets.VBox):
+    """A DTensor's layout; dropdowns pick the two tensor dims to draw (no round trip to ranks)."""
+
+    def __init__(self, view: Any):
+        self.view = view
+        self.picture = widgets.HTML(view.html())
+        self.fallback_text = view.text()
+        children: list[widgets.Widget] = []
+        dims = view.drawable_dims()  # (label, dim) of each tensor dim the view can draw down or across
+        if len(dims) >= 2:
+            self.rows = widgets.Dropdown(options=dims, value=view.rows, description="rows")
+            self.cols = widgets.Dropdown(options=dims, value=view.cols, description="cols")
+            self.rows.observe(self._redraw, "value")
+            self.cols.observe(self._redraw, "value")
+            children.append(widgets.HBox([self.rows, self.cols]))
+        super().__init__([*children, self.picture])
+
+    def _redraw(self, _change: Any) -> None:
+        if self.rows.value == self.cols.value:
+            return
+        self.view = self.view.redrawn(self.rows.value, self.cols.value)
+        self.picture.value = self.view.html()
+        self.fallback_text = self.view.text()
+
+
+class TimingWidget(_TextFallback, widgets.HTML):
+    """Per-rank timing bars of one run."""
+
+    def __init__(self, view: Any):
+        self.fallback_text = view.text()
+        super().__init__(view.html())

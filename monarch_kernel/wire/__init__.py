@@ -1,0 +1,1 @@
+"""What crosses between processes: messages, serialization, framing, lanes, call bookkeeping."""

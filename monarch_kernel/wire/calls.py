@@ -1,0 +1,239 @@
+"""Bookkeeping of actor calls, shared by every process that sends or routes them.
+
+`CallTracker` is the router's view (agent, controller): which ranks still owe an
+answer to which call, so that a rank's death turns into prompt failure replies.
+`CallTable` is the caller's view (notebook or rank): one `PendingCall` per call,
+filled in by replies from any thread and waited on by threads or asyncio tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply, CancelCall, Failure
+
+CallKey = tuple[int, int]  # (caller, call_id)
+
+
+class CallTracker:
+    """Which ranks owe a reply to which routed call."""
+
+    def __init__(self) -> None:
+        self._owed: dict[CallKey, set[int]] = {}
+        self._by_rank: dict[int, set[CallKey]] = {}
+
+    def add(self, caller: int, call_id: int, ranks: Iterable[int]) -> None:
+        """A call was routed to these ranks."""
+        key = (caller, call_id)
+        owed = self._owed.setdefault(key, set())
+        for rank in ranks:
+            owed.add(rank)
+            self._by_rank.setdefault(rank, set()).add(key)
+
+    def answered(self, caller: int, call_id: int, rank: int) -> bool:
+        """A rank answered; False if that answer was not owed (a duplicate or late one)."""
+        key = (caller, call_id)
+        owed = self._owed.get(key)
+        if owed is None or rank not in owed:
+            return False
+        owed.discard(rank)
+        if not owed:
+            del self._owed[key]
+        keys = self._by_rank.get(rank)
+        if keys is not None:
+            keys.discard(key)
+        return True
+
+    def owed_by(self, rank: int) -> list[CallKey]:
+        """Every call still waiting on this rank (e.g. because it just died)."""
+        return sorted(self._by_rank.get(rank, ()))
+
+
+def death_reply(caller: int, call_id: int, rank: int, why: str, error_type: str = "RankDied") -> ActorReply:
+    """The reply a router sends on behalf of a rank that died before answering."""
+    return ActorReply(caller, call_id, rank, None, Failure(error_type, why, ""))
+
+
+class PendingCall:
+    """A call in flight from this process: replies by rank, as they arrive.
+
+    Thread-safe: replies are added by an I/O thread, waiters are the notebook thread,
+    other threads, or asyncio tasks on any loop.
+    """
+
+    def __init__(self, call_id: int, ranks: tuple[int, ...], label: str,
+                 on_reply: Callable[[ActorReply], None] | None = None):
+        self.call_id = call_id
+        self.ranks = ranks
+        self.label = label
+        self.replies: dict[int, ActorReply] = {}
+        self.arrivals: list[int] = []  # ranks in the order their replies came
+        self.on_reply = on_reply
+        self._lock = threading.Lock()
+        self._cond: threading.Condition | None = None  # made by the first blocking waiter
+        self._wanted: list[int] = []  # reply counts that blocked waiters wait for
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def add(self, reply: ActorReply) -> bool:
+        """Record one rank's reply (the first one wins); True when it was new."""
+        with self._lock:
+            if reply.rank in self.replies or reply.rank not in self.ranks:
+                return False
+            self.replies[reply.rank] = reply
+            self.arrivals.append(reply.rank)
+            if self._cond is not None and self._wanted and len(self.replies) >= min(self._wanted):
+                self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_wake, fut)
+        if self.on_reply is not None:
+            self.on_reply(reply)
+        return True
+
+    @property
+    def outstanding(self) -> tuple[int, ...]:
+        """Ranks that have not answered yet."""
+        with self._lock:
+            return tuple(r for r in self.ranks if r not in self.replies)
+
+    def done(self) -> bool:
+        """Whether every rank answered."""
+        return len(self.replies) == len(self.ranks)
+
+    def wait(self, count: int, timeout: float | None) -> bool:
+        """Block until at least `count` replies are in (True) or the timeout passes."""
+        with self._lock:
+            if self._cond is None:
+                self._cond = threading.Condition(self._lock)
+            self._wanted.append(count)
+            try:
+                return self._cond.wait_for(lambda: len(self.replies) >= count, timeout)
+            finally:
+                self._wanted.remove(count)
+
+    async def wait_async(self, count: int) -> None:
+        """Wait on the current asyncio loop until at least `count` replies are in."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                if len(self.replies) >= count:
+                    return
+                fut = loop.create_future()
+                entry = (loop, fut)
+                self._waiters.append(entry)
+            try:
+                await fut
+            finally:
+                with self._lock:
+                    self._waiters.remove(entry)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class CallTable:
+    """The calls this process has in flight, by id."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._calls: dict[int, PendingCall] = {}
+        self._lock = threading.Lock()
+
+    def new(self, ranks: tuple[int, ...], label: str,
+            on_reply: Callable[[ActorReply], None] | None = None) -> PendingCall:
+        """Register a call about to be sent."""
+        with self._lock:
+            call = PendingCall(next(self._ids), ranks, label, on_reply)
+            self._calls[call.call_id] = call
+        return call
+
+    def deliver(self, reply: ActorReply) -> None:
+        """Hand a reply to its call; forget the call once every rank answered."""
+        with self._lock:
+            call = self._calls.get(reply.call_id)
+        if call is None:
+            return
+        call.add(reply)
+        if call.done():
+            with self._lock:
+                self._calls.pop(reply.call_id, None)
+
+    def fail_rank(self, rank: int, why: str) -> None:
+        """A rank is gone: every call still waiting on it fails there."""
+        with self._lock:
+            calls = [c for c in self._calls.values() if rank in c.ranks]
+        for call in calls:
+            self.deliver(death_reply(CONTROLLER, call.call_id, rank, why))
+
+    def pending(self) -> list[PendingCall]:
+        """Calls still in flight."""
+        with self._lock:
+            return list(self._calls.values())
+
+
+class CallSender(Protocol):
+    """What an actor mesh handle needs from the process it lives in (notebook or rank)."""
+
+    caller_id: int
+    calls: CallTable
+
+    def send_call(self, msg: ActorCall) -> None:
+        """Send a call towards its ranks."""
+
+    def send_cancel(self, msg: CancelCall) -> None:
+        """Ask the ranks of a call to stop it."""
+
+    def shm_dir_for(self, ranks: tuple[int, ...]) -> str | None:
+        """A shared-memory folder for large arguments to these ranks, if they are on this machine."""
+
+    def flush_calls(self) -> None:
+        """Write queued calls now (a caller is about to wait)."""
+
+    def wait_for_replies(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
+        """Block until `count` replies are in (True) or the timeout passes (False)."""
+
+    def must_not_wait_on(self, ranks: tuple[int, ...]) -> bool:
+        """Whether blocking on these ranks from this thread would wait on itself."""
+
+    def host_of(self, rank: int) -> str:
+        """The host a rank runs on ("" where unknown)."""
+
+    def is_alive(self, rank: int) -> bool:
+        """Whether a rank is running, as far as this process knows."""
+
+    def watch_failures(self, ranks: Iterable[int], callback: Callable[[int, str], None]) -> None:
+        """Call callback(rank, why) when one of these ranks dies."""
+
+    def record_timing(self, label: str, title: str, times: list[tuple[int, float | None, bool]]) -> None:
+        """Keep (and show, where someone shows them) per-rank durations of a call."""
+
+
+_senders: dict[str, CallSender] = {}
+_default_sender: list[CallSender] = []
+
+
+def register_sender(mesh_name: str, sender: CallSender) -> None:
+    """The controller's sender for a mesh (in the notebook's process)."""
+    _senders[mesh_name] = sender
+
+
+def unregister_sender(mesh_name: str, sender: CallSender) -> None:
+    """Forget a shut-down mesh's sender (unless a newer mesh of that name replaced it)."""
+    if _senders.get(mesh_name) is sender:
+        del _senders[mesh_name]
+
+
+def set_default_sender(sender: CallSender) -> None:
+    """The sender of a rank process (it belongs to exactly one mesh)."""
+    _default_sender[:] = [sender]
+
+
+def find_sender(mesh_name: str) -> CallSender | None:
+    """How this process reaches the ranks of mesh `mesh_name`, if it can."""
+    return _senders.get(mesh_name) or (_default_sender[0] if _default_sender else None)

@@ -1,0 +1,251 @@
+"""The notebook's end of the direct lanes to its local ranks: calls out, replies in.
+
+See `lanes` for what a lane is. Threading: any thread may send; the thread that waits
+for replies reads them itself; the controller loop's service tick writes queued calls
+and reads replies that nobody waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from monarch_kernel.core.errors import ConnectionClosed
+from monarch_kernel.wire.lanes import lane_path, peer_is_us, read_available
+from monarch_kernel.wire.transport import FrameProtocol, advance, byte_views
+
+BATCH_FRAMES = 64  # queued calls written in one go
+QUIET_S = 0.005  # the service tick leaves a lane alone this long after a call was sent
+
+
+def connect_lane(path: str) -> socket.socket:
+    """Connect to a rank's lane."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        if not peer_is_us(sock):  # the folder is private, but do not trust a path alone
+            raise PermissionError(f"{path} is served by another user's process")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class Lane:
+    """One direct lane: calls out (from any thread), replies in (read by whoever waits).
+
+    A call goes out at once when the lane is idle. While earlier calls are still
+    unanswered, new ones are queued and written together (by the next caller to wait,
+    or by the pool's service tick): pipelined calls then cost one system call per batch
+    instead of one, and a wake-up of the rank, per call.
+
+    Replies are read by the thread that waits for them (no hand-off between threads),
+    or by the pool's service tick when nobody waits.
+
+    Locks: `_write_lock` guards the queue and socket writes (a write may block while the
+    rank is busy); `read_lock` lets one thread at a time read the socket; `_count_lock`
+    (never held while blocking) guards `unanswered`, which senders raise and readers
+    lower; the pool's lock guards `waiters`.
+    """
+
+    def __init__(self, sock: socket.socket, on_message: Callable[[Any], None]):
+        sock.setblocking(False)
+        self.sock = sock
+        self.closed = False
+        self.read_lock = threading.Lock()
+        self._on_message = on_message
+        self._write_lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._queued: list[memoryview] = []
+        self._queued_frames = 0
+        self.last_send = 0.0
+        self.unanswered = 0
+        self.waiters = 0  # threads reading this lane for their replies (changed under the pool's lock)
+        self._reader = FrameProtocol(self._got, self._lost)
+
+    def send_chunks(self, chunks: list[Any]) -> None:
+        """Send (or queue) one encoded frame that will be answered by one reply."""
+        with self._write_lock:
+            if self.closed:
+                raise ConnectionClosed("the lane is closed")
+            with self._count_lock:
+                self.unanswered += 1
+                first = self.unanswered == 1
+            self.last_send = time.monotonic()
+            if first and not self._queued:
+                self._write(byte_views(chunks))
+                return
+            self._queued.extend(byte_views(chunks))
+            self._queued_frames += 1
+            if self._queued_frames >= BATCH_FRAMES:  # keep the rank busy while we queue more
+                views, self._queued, self._queued_frames = self._queued, [], 0
+                self._write(views)
+
+    def flush(self) -> None:
+        """Write whatever is queued."""
+        with self._write_lock:
+            if self._queued and not self.closed:
+                views, self._queued, self._queued_frames = self._queued, [], 0
+                try:
+                    self._write(views)
+                except ConnectionClosed:
+                    pass  # a reader sees the lane close
+
+    @property
+    def busy(self) -> bool:
+        """Calls are queued or unanswered."""
+        return bool(self._queued) or self.unanswered > 0
+
+    def drain(self) -> None:
+        """Read and dispatch every reply that is already here (caller holds read_lock)."""
+        read_available(self.sock, self._reader, self._lost, lambda: self.closed)
+
+    def _got(self, msg: Any) -> None:
+        with self._count_lock:
+            self.unanswered = max(0, self.unanswered - 1)
+        self._on_message(msg)
+
+    def _lost(self, exc: Exception | None) -> None:
+        self.closed = True
+
+    def _write(self, views: list[memoryview]) -> None:
+        while views:
+            try:
+                advance(views, self.sock.sendmsg(views[:512]))
+            except (BlockingIOError, InterruptedError):
+                select.select([], [self.sock], [], 1.0)
+            except OSError as exc:
+                self.closed = True
+                raise ConnectionClosed(str(exc)) from exc
+
+    def close(self) -> None:
+        """Close the socket; waiters see the lane closed."""
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class LanePool:
+    """The notebook's lanes to the local ranks of one mesh, and their service tick."""
+
+    SERVICE_INTERVAL_S = 0.002  # while calls are in flight nobody waits on
+    IDLE_AFTER_S = 1.0
+
+    def __init__(self, private_dir: str, loop: asyncio.AbstractEventLoop, on_message: Callable[[Any], None]):
+        self._dir = private_dir
+        self._loop = loop
+        self._on_message = on_message
+        self._lanes: dict[int, Lane] = {}
+        self._lock = threading.Lock()
+        self._ticking = False
+        self._last_busy = 0.0
+
+    def get(self, rank: int) -> Lane | None:
+        """The open lane to a rank (connected on first use), or None."""
+        lane = self._lanes.get(rank)
+        if lane is not None and not lane.closed:
+            return lane
+        with self._lock:
+            lane = self._lanes.get(rank)
+            if lane is None or lane.closed:
+                try:
+                    lane = Lane(connect_lane(lane_path(self._dir, rank)), self._on_message)
+                except OSError:
+                    return None
+                self._lanes[rank] = lane
+            return lane
+
+    def send(self, lane: Lane, chunks: list[Any]) -> None:
+        """Send a call on a lane; makes sure the service tick runs."""
+        lane.send_chunks(chunks)
+        if not self._ticking:
+            with self._lock:
+                if self._ticking:
+                    return
+                self._ticking = True
+            self._last_busy = time.monotonic()
+            self._loop.call_soon_threadsafe(self._tick)
+
+    def flush(self) -> None:
+        """Write every queued call now."""
+        for lane in list(self._lanes.values()):
+            lane.flush()
+
+    def wait(self, ranks: tuple[int, ...], done: Callable[[], bool], timeout: float | None) -> bool | None:
+        """Read the lanes of these ranks on this thread until done() (True) or timeout (False).
+
+        None when some rank has no open lane (the caller then waits the usual way).
+        """
+        lanes = [self._lanes.get(r) for r in ranks]
+        open_lanes = [lane for lane in lanes if lane is not None and not lane.closed]
+        if len(open_lanes) < len(lanes):
+            return None
+        unique = list({id(lane): lane for lane in open_lanes}.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            for lane in unique:
+                lane.waiters += 1
+        try:
+            return self._read_until(unique, done, deadline)
+        finally:
+            with self._lock:
+                for lane in unique:
+                    lane.waiters -= 1
+
+    def _read_until(self, lanes: list[Lane], done: Callable[[], bool], deadline: float | None) -> bool:
+        while not done():
+            shared = False  # another thread may read our replies: poll, do not sleep in select
+            for lane in lanes:
+                shared = shared or lane.waiters > 1
+                if lane.read_lock.acquire(blocking=False):
+                    try:
+                        lane.drain()
+                    finally:
+                        lane.read_lock.release()
+                else:
+                    shared = True
+            if done():
+                return True
+            wait = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            if wait <= 0:
+                return False
+            open_socks = [lane.sock for lane in lanes if not lane.closed]
+            if not open_socks:
+                time.sleep(min(wait, 0.001))  # the rank died: its failure comes another way
+            else:
+                select.select(open_socks, [], [], min(wait, 0.001) if shared else wait)
+        return True
+
+    def _tick(self) -> None:
+        """On the loop thread: write queued calls, read replies nobody is waiting for."""
+        now = time.monotonic()
+        for lane in list(self._lanes.values()):
+            if lane.busy:
+                self._last_busy = now
+                if now - lane.last_send < QUIET_S:
+                    continue  # a caller is busy sending: it flushes, and reads when it waits
+                lane.flush()
+                if not lane.waiters and lane.read_lock.acquire(blocking=False):
+                    try:
+                        lane.drain()
+                    finally:
+                        lane.read_lock.release()
+        with self._lock:
+            if now - self._last_busy > self.IDLE_AFTER_S or not self._lanes:
+                self._ticking = False
+                return
+        self._loop.call_later(self.SERVICE_INTERVAL_S, self._tick)
+
+    def close(self) -> None:
+        """Close every lane (a restart or shutdown)."""
+        with self._lock:
+            for lane in self._lanes.values():
+                lane.close()
+            self._lanes.clear()

@@ -1,0 +1,50 @@
+"""Direct lanes: a Unix socket from the notebook's process straight to a local rank.
+
+Actor calls from the notebook to ranks on this machine skip the controller thread and
+the host agent: the calling thread writes the frame to the rank's lane, the rank
+answers on it. Each rank listens at `<private dir>/rank-N.sock`; the folder is mode
+0700, and both ends check that the other runs as our own user (SO_PEERCRED), so only
+this user's processes can reach a lane. Lanes exist only on one machine; ranks on SSH
+hosts are reached through their host agent. The rank's end is `lane_server`, the
+notebook's `lane_client`; this module holds what both use.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Callable
+
+from monarch_kernel.wire.transport import FrameProtocol
+
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+def lane_path(private_dir: str, rank: int) -> str:
+    """Where rank `rank` listens."""
+    return os.path.join(private_dir, f"rank-{rank}.sock")
+
+
+def peer_is_us(sock: socket.socket) -> bool:
+    """Whether the process at the other end of a Unix socket runs as our own user."""
+    _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return bool(uid == os.getuid())
+
+
+def read_available(sock: socket.socket, reader: FrameProtocol, lost: Callable[[Exception | None], None],
+                   closed: Callable[[], bool]) -> None:
+    """Feed every byte already waiting on a non-blocking socket to a frame reader."""
+    while not closed():
+        buf = reader.get_buffer(-1)
+        try:
+            n = sock.recv_into(buf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            lost(exc)
+            return
+        if n == 0:
+            lost(None)
+            return
+        reader.buffer_updated(n)

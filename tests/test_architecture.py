@@ -1,0 +1,201 @@
+"""The layout's rules: which folder may import which, no import cycles, light ranks and agents.
+
+Each folder of monarch_kernel/ holds the code of one process (or of every process, for
+core/ and wire/). The README's "Package layout" section states the same rules.
+"""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import monarch_kernel
+
+PKG = Path(monarch_kernel.__file__).parent
+MAGICS = Path(__file__).parent.parent / "magics"
+
+# folder -> folders it may import (itself included implicitly)
+RULES = {
+    "core": set(),
+    "wire": {"core"},
+    "actors": {"core", "wire"},
+    "rank": {"core", "wire", "actors"},
+    "agent": {"core", "wire", "rank"},
+    "controller": {"core", "wire"},
+    "api": {"core", "wire", "actors", "controller"},
+    "views": {"core", "wire", "actors", "controller", "api"},
+    "magics": {"core", "wire", "actors", "rank", "controller", "api", "views"},
+}
+ROOT_MODULES = {"monarch_kernel", "monarch_kernel.__main__"}  # the lazy re-exports and the CLI
+NOTEBOOK_ONLY = ("monarch_kernel.controller", "monarch_kernel.api", "monarch_kernel.views", "monarch_kernel.magics")
+HEAVY = ("IPython", "rich", "ipywidgets", "asyncssh")
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the package (magics as installed: monarch_kernel.magics)."""
+    found = {}
+    for base, prefix in ((PKG, "monarch_kernel"), (MAGICS, "monarch_kernel.magics")):
+        for path in base.rglob("*.py"):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([prefix, *parts])] = path
+    return found
+
+
+def imports_of(path: Path, module: str) -> set[tuple[str, tuple[str, ...]]]:
+    """Every import of a file: (module, names imported from it); top level, in functions, under TYPE_CHECKING."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update((a.name, ()) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add((target, tuple(a.name for a in node.names)))
+    return {(name, names) for name, names in found if name.startswith("monarch_kernel")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (`from pkg import sub` counts as sub only)."""
+    files = module_files()
+    graph = {}
+    for mod, path in files.items():
+        deps = set()
+        for target, names in imports_of(path, mod):
+            subs = {f"{target}.{n}" for n in names if f"{target}.{n}" in files}
+            deps |= subs
+            if len(subs) < len(names) or not names:
+                deps.add(target)
+        graph[mod] = {dep for dep in deps if dep in files and dep != mod}
+    return graph
+
+
+def folder_of(module: str) -> str | None:
+    if module in ROOT_MODULES:
+        return None
+    return module.split(".")[1]
+
+
+def rule_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that break a folder's rule."""
+    bad = []
+    for module, deps in graph.items():
+        folder = folder_of(module)
+        if folder is None:
+            continue
+        assert folder in RULES, f"{module}: folder {folder!r} has no rule; add it to RULES and the README"
+        for dep in deps:
+            target = folder_of(dep)
+            if target is not None and target != folder and target not in RULES[folder]:
+                bad.append(f"{module} imports {dep} ({folder}/ may import only {sorted(RULES[folder]) or 'stdlib'})")
+    return bad
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of a graph (one path per cycle found)."""
+    found, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                found.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_every_folder_imports_only_what_its_rule_allows():
+    assert rule_violations(import_graph()) == []
+
+
+def test_there_is_no_import_cycle():
+    graph = import_graph()
+    graph.pop("monarch_kernel")  # its TYPE_CHECKING imports are for type checkers, not cycles at run time
+    assert cycles(graph) == []
+
+
+def test_core_uses_only_the_standard_library():
+    for module, path in module_files().items():
+        if folder_of(module) != "core":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+            for name in names:
+                top = name.split(".")[0]
+                assert top in sys.stdlib_module_names or top == "monarch_kernel", f"{module} imports {name}"
+
+
+def test_the_checks_catch_a_cycle_and_a_forbidden_import():
+    graph = {
+        "monarch_kernel.core.a": {"monarch_kernel.controller.b"},  # core may import nothing
+        "monarch_kernel.controller.b": {"monarch_kernel.wire.c"},
+        "monarch_kernel.wire.c": {"monarch_kernel.core.a"},
+        "monarch_kernel.rank.d": {"monarch_kernel.api.e"},  # ranks never load the API
+    }
+    assert len(cycles(graph)) == 1
+    bad = rule_violations(graph)
+    assert any(v.startswith("monarch_kernel.core.a imports") for v in bad)
+    assert any(v.startswith("monarch_kernel.rank.d imports monarch_kernel.api.e") for v in bad)
+
+
+def test_the_relative_import_resolver_sees_function_level_imports(tmp_path):
+    source = tmp_path / "mod.py"
+    source.write_text("def f():\n    from ..api import mesh\n    from . import other\n")
+    assert imports_of(source, "monarch_kernel.views.mod") == {("monarch_kernel.api", ("mesh",)),
+                                                               ("monarch_kernel.views", ("other",))}
+
+
+def _loaded(code: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys\nprint('\\n'.join(sorted(sys.modules)))"],
+                         capture_output=True, text=True, check=True).stdout
+    return out.split()
+
+
+def test_an_agent_loads_no_notebook_code():
+    """What the agent process imports before it forks ranks."""
+    modules = _loaded("from monarch_kernel.agent.cli import _warm_imports; _warm_imports()")
+    assert [m for m in modules if m.startswith(NOTEBOOK_ONLY) or m.split(".")[0] in HEAVY] == []
+    assert "monarch_kernel.rank.worker" in modules  # it did import what ranks need
+
+
+@pytest.mark.timeout(120)
+def test_real_ranks_load_no_notebook_code(mesh4):
+    """On real ranks (forked from the agent, so holding what it imported), after cells and actor calls."""
+    from monarch_kernel import Actor, endpoint
+
+    class Relay(Actor):
+        @endpoint
+        def peers(self, handle):  # an actor mesh handle travels to the rank
+            return len(handle.ranks)
+
+    relays = mesh4.spawn("arch_relays", Relay)
+    assert relays.slice(gpus=0).peers.call_one(relays).get() == 4
+    mesh4.run("from monarch_kernel import current_rank\ncurrent_rank()\nimport monarch_kernel\nmonarch_kernel.Actor")
+    loaded = mesh4.run("import sys\nsorted(m for m in sys.modules)").values()
+    for modules in loaded:
+        assert [m for m in modules if m.startswith(NOTEBOOK_ONLY) or m.split(".")[0] in HEAVY] == []
+        assert "monarch_kernel.rank.worker" in modules
+
+
+def test_agent_entry_point_runs_as_a_module():
+    out = subprocess.run([sys.executable, "-m", "monarch_kernel.agent", "--help"], capture_output=True, text=True,
+                         env={**os.environ}, check=True).stdout
+    assert "--stdio" in out

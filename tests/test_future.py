@@ -1,0 +1,104 @@
+"""The one Future behaviour every kind shares: wait, time out, interrupt, keep the outcome, await."""
+
+import asyncio
+import threading
+
+import pytest
+
+from monarch_kernel.core.errors import MeshInterrupted, MeshTimeoutError
+from monarch_kernel.core.future import INTERRUPT_GRACE_S, Future
+
+
+class Work(Future[str]):
+    """Work that finishes when `finish()` is called, from any thread."""
+
+    def __init__(self, timeout=None, stops_when_cancelled=True):
+        super().__init__(timeout)
+        self.event = threading.Event()
+        self.cancelled = 0
+        self.stops_when_cancelled = stops_when_cancelled
+        self.results = 0
+
+    def finish(self):
+        self.event.set()
+
+    def done(self):
+        return self.event.is_set()
+
+    def _wait(self, timeout):
+        return self.event.wait(timeout)
+
+    async def _wait_async(self):
+        while not self.event.is_set():
+            await asyncio.sleep(0.001)
+
+    def _cancel(self):
+        self.cancelled += 1
+        if self.stops_when_cancelled:
+            self.finish()
+
+    def _finish(self):
+        self.results += 1
+        return "result"
+
+    def _stopped(self, why, error_type):
+        return error_type(f"work {why}", [])
+
+
+def test_get_waits_and_keeps_the_outcome():
+    work = Work()
+    threading.Timer(0.01, work.finish).start()
+    assert work.get(timeout=10) == "result" and work.result() == "result"
+    assert work.results == 1  # computed once
+
+
+def test_a_timeout_stops_the_work_and_raises_exactly_mesh_timeout_error():
+    work = Work()
+    with pytest.raises(MeshTimeoutError) as caught:
+        work.get(timeout=0.01)
+    assert type(caught.value) is MeshTimeoutError and "timed out after 0.01 s" in str(caught.value)
+    assert work.cancelled == 1
+    with pytest.raises(MeshTimeoutError):
+        work.get()  # the same outcome again, without waiting again
+    assert work.cancelled == 1
+
+
+def test_the_default_timeout_applies():
+    with pytest.raises(MeshTimeoutError):
+        Work(timeout=0.01).get()
+
+
+def test_an_interrupt_stops_the_work_and_raises_mesh_interrupted():
+    class Interrupted(Work):
+        def _wait(self, timeout):
+            if not self.cancelled:
+                raise KeyboardInterrupt
+            return super()._wait(timeout)
+
+    work = Interrupted()
+    with pytest.raises(MeshInterrupted) as caught:
+        work.get()
+    assert type(caught.value) is MeshInterrupted and work.cancelled == 1
+
+
+def test_work_that_ignores_the_stop_is_given_up_after_the_grace_period():
+    work = Work(stops_when_cancelled=False)
+    with pytest.raises(MeshTimeoutError):
+        work.get(timeout=0.01)
+    assert work.cancelled == 1 and INTERRUPT_GRACE_S < 2
+
+
+def test_await_returns_the_result_and_a_cancelled_await_stops_the_work():
+    async def main():
+        done = Work()
+        asyncio.get_running_loop().call_later(0.01, done.finish)
+        value = await done
+        pending = Work(stops_when_cancelled=False)
+        task = asyncio.ensure_future(pending._await())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return value, pending.cancelled
+
+    assert asyncio.run(main()) == ("result", 1)
