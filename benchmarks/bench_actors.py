@@ -18,7 +18,7 @@ import struct
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import benchmark_main, format_seconds, timed  # noqa: E402
+from common import benchmark_main, figure, timed  # noqa: E402
 
 WORKERS = 4
 PIPELINED = 1000
@@ -209,17 +209,10 @@ def _raw_child(sock) -> None:
 SYSTEMS = {"ours": bench_ours, "raw": bench_raw, "ray": bench_ray, "monarch": bench_monarch}
 
 
-def _fmt(seconds: float, row: str) -> str:
-    if row.startswith("pipelined"):
-        return f"{PIPELINED / seconds:,.0f}/s"
-    if "64 MiB" in row:
-        return f"{(MIB64 / seconds) / 1e9:.2f} GB/s"
-    return format_seconds(seconds)
-
-
 def main() -> None:
     """Run every system (or --only some) and print the comparison."""
-    benchmark_main(__file__, SYSTEMS, ROWS, 'actor benchmark (4 workers)', _fmt,
+    benchmark_main(__file__, SYSTEMS, ROWS, 'actor benchmark (4 workers)',
+                   lambda seconds, row: figure(seconds, row, per_run=PIPELINED, counted="pipelined"),
                    "(ratios: our median time divided by the peer's; below 1.00x means we are faster; "
                    "pipelined and 64 MiB rows show throughput, their ratios are still of time)")
 

@@ -13,7 +13,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import NullSink, benchmark_main, format_seconds, timed  # noqa: E402
+from common import NullSink, benchmark_main, figure, timed  # noqa: E402
 
 WORKERS = 4
 MIB64 = 64 << 20
@@ -244,15 +244,9 @@ ROWS = ["startup (import torch)", "restart", "no-op broadcast (API)", "no-op bro
 # ------------------------------------------------------------------ driver
 
 
-def _fmt(seconds: float, row: str) -> str:
-    if "64 MiB" in row:
-        return f"{(MIB64 / seconds) / 1e9:.2f} GB/s"
-    return format_seconds(seconds)
-
-
 def main() -> None:
     """Run every system (or --only some) and print the comparison."""
-    benchmark_main(__file__, SYSTEMS, ROWS, 'benchmark (4 workers)', _fmt,
+    benchmark_main(__file__, SYSTEMS, ROWS, 'benchmark (4 workers)', figure,
                    "(ratios: our median time divided by the peer's; below 1.00x means we are faster; "
                    "for the 64 MiB rows the figures are throughput)")
 

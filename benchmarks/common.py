@@ -52,6 +52,15 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.2f} ms"
 
 
+def figure(seconds: float, row: str, *, per_run: int = 1, counted: str = "", nbytes: int = 64 << 20) -> str:
+    """How a row's median reads: calls per second for `counted` rows, GB/s for 64 MiB rows, else time."""
+    if counted and row.startswith(counted):
+        return f"{per_run / seconds:,.0f}/s"
+    if "64 MiB" in row:
+        return f"{(nbytes / seconds) / 1e9:.2f} GB/s"
+    return format_seconds(seconds)
+
+
 def report(results: dict, rows: list[str], title: str, fmt: Callable[[float, str], str]) -> str:
     """The comparison table: median (p99) per system, and ours relative to each peer.
 

@@ -11,6 +11,7 @@ import warnings
 
 import cloudpickle
 import pytest
+from conftest import wait_until
 
 from monarch_kernel import (
     Actor,
@@ -19,6 +20,7 @@ from monarch_kernel import (
     MeshInterrupted,
     MeshTimeoutError,
     MeshUsageError,
+    RemoteError,
     ValueMesh,
     current_rank,
     endpoint,
@@ -118,6 +120,16 @@ def mesh():
 @pytest.fixture(scope="module")
 def counters(mesh):
     return mesh.spawn("counters", Counter, 10)
+
+
+@pytest.fixture(scope="module")
+def relays(mesh, counters):
+    return mesh.spawn("relays", Relay, counters)
+
+
+def busy_with(mesh, rank, label):
+    """Whether a rank reports running this endpoint (its heartbeat says so)."""
+    return (mesh.status()[rank].busy_with or "").startswith(label)
 
 
 def test_call_returns_a_value_mesh_of_every_reply(counters):
@@ -239,8 +251,9 @@ def test_a_failing_constructor_is_a_readable_error(mesh):
         def __init__(self):
             raise RuntimeError("cannot build")
 
-    with pytest.raises(Exception, match="cannot build"):
+    with pytest.raises(RemoteError, match="cannot build") as caught:
         mesh.spawn("broken", Broken)
+    assert type(caught.value) is RemoteError and caught.value.failures[0].error_type == "RuntimeError"
 
 
 def test_large_tensor_argument(counters):
@@ -266,14 +279,12 @@ def test_an_awaiting_actor_does_not_hold_up_others_but_holds_its_own_queue(mesh,
     counters.add.call(0).get(timeout=5)  # another actor on the same ranks answers at once
     assert time.monotonic() - start < 0.5
     queued = sleepers.add.call(0)  # the same actor serves one message at a time
-    time.sleep(0.2)
-    assert not queued.done()
+    assert not queued._pending.wait(1, timeout=0.2)  # still queued behind the nap
     assert set(napping.get(timeout=5).values()) == {"napped"}
     assert set(queued.get(timeout=5).values()) == {0}
 
 
-def test_actor_to_actor_calls(mesh, counters):
-    relays = mesh.spawn("relays", Relay, counters)
+def test_actor_to_actor_calls(mesh, counters, relays):
     before = counters.add.call(0).get().by_rank()
     fanned = relays.slice(gpus=0).fan.call_one(1).get()  # a sync endpoint calls ranks 1-3
     assert fanned == {r: before[r] + 1 for r in (1, 2, 3)}
@@ -294,13 +305,14 @@ def test_mesh_cells_see_the_actors_of_their_rank(mesh, counters):
     assert ranks == {0: 0, 1: 1, 2: 2, 3: 3}
 
 
-def test_a_cell_may_call_actors_on_other_ranks(mesh, counters):
+def test_a_cell_may_call_actors_on_other_ranks(mesh, counters, relays):
     code = ("from monarch_kernel import current_rank\n"
             "others = actors['relays'].counters.slice(gpus=slice(1, 4))\n"
             "sorted(others.where.call().get().by_rank())")
     assert mesh.slice(gpus=0).run(code).item(hosts=0) == [1, 2, 3]
-    with pytest.raises(Exception, match="would wait on itself"):
+    with pytest.raises(RemoteError, match="would wait on itself") as caught:
         mesh.slice(gpus=0).run("actors['relays'].counters.add.call(0).get()")
+    assert type(caught.value) is RemoteError and caught.value.failures[0].error_type == "MeshUsageError"
 
 
 def test_timeout_cancels_a_sync_endpoint_and_frees_the_actor(counters):
@@ -350,7 +362,7 @@ def test_rank_death_fails_its_calls_fast_and_others_keep_serving():
         victim = counters.slice(gpus=1)
         pid = victim.pid.call_one().get()
         waiting = victim.sleep.call_one(30)
-        time.sleep(0.2)
+        assert wait_until(lambda: busy_with(mesh, 1, "Counter.sleep"), 10)
         start = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(ActorDiedError, match="rank 1") as info:
@@ -371,7 +383,7 @@ def test_restart_fails_pending_calls_and_forgets_actors():
     with local_mesh(gpus=2, dist="none", name="actor-restart") as mesh:
         counters = mesh.spawn("c", Counter)
         pending = counters.slice(gpus=0).sleep.call_one(30)
-        time.sleep(0.2)
+        assert wait_until(lambda: busy_with(mesh, 0, "Counter.sleep"), 10)
         mesh.restart()
         with pytest.raises(ActorError, match="restarted"):
             pending.get(timeout=5)

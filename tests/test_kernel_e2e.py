@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from conftest import pids_alive
+from conftest import pids_alive, wait_until
 from kernel_driver import KernelDriver, kernel_with
 
 pytestmark = pytest.mark.slow
@@ -114,11 +114,10 @@ def test_values_and_allreduce_as_in_the_readme(kernel):
     assert "<table>" in result["data"]["text/html"]
 
 
-def _interrupted_while_running(kernel, code: str):
-    """Run `code`, press stop half a second in; (the run, seconds from stop to its end)."""
+def _interrupted_while_running(kernel, code: str, started=lambda run: "napping" in run.text()):
+    """Run `code`, press stop once started(run) holds; (the run, seconds from stop to its end)."""
     run = kernel.submit(code)
-    kernel.collect(run, 10, until=lambda r: any(m["msg_type"] == "execute_input" for _, m in r.messages))
-    time.sleep(0.5)
+    kernel.collect(run, 30, until=started)
     start = time.monotonic()
     kernel.interrupt()
     kernel.collect(run, 10)
@@ -127,7 +126,8 @@ def _interrupted_while_running(kernel, code: str):
 
 def test_stop_button_interrupts_every_rank_within_a_second(kernel):
     kernel.execute("%%mesh\nkept = 'state'")
-    run, seconds = _interrupted_while_running(kernel, "%%mesh\nimport time\ntime.sleep(100)")
+    run, seconds = _interrupted_while_running(kernel, "%%mesh\nimport time\nprint('napping', flush=True)\n"
+                                                      "time.sleep(100)")
     assert seconds < 1.0
     assert run.status == "error"
     error = [o for o in run.outputs() if o["type"] == "error"][0]
@@ -141,13 +141,16 @@ def test_stop_button_interrupts_every_rank_within_a_second(kernel):
     assert busy.count("idle") == 4
 
 
-def test_stop_button_while_waiting_on_an_actor_stops_the_endpoint(kernel):
+def test_stop_button_while_waiting_on_an_actor_stops_the_endpoint(kernel, tmp_path):
     defined = kernel.execute(
         "import time\nfrom monarch_kernel import Actor, endpoint\nfrom monarch_kernel.magics import current_mesh\n"
-        "class Sleeper(Actor):\n    @endpoint\n    def nap(self, s):\n        time.sleep(s)\n        return 'rested'\n"
+        "class Sleeper(Actor):\n    @endpoint\n    def nap(self, s, marker=None):\n        if marker:\n"
+        "            open(marker, 'w').close()\n        time.sleep(s)\n        return 'rested'\n"
         "sleepers = current_mesh().spawn('sleepers', Sleeper)", 30)
     assert defined.status == "ok", defined.text()
-    run, seconds = _interrupted_while_running(kernel, "sleepers.nap.call(100).get()")
+    marker = tmp_path / "napping"  # the endpoints are running once it exists
+    run, seconds = _interrupted_while_running(kernel, f"sleepers.nap.call(100, {str(marker)!r}).get()",
+                                              lambda run: marker.exists())
     assert seconds < 2.0
     error = "\n".join([o for o in run.outputs() if o["type"] == "error"][0]["traceback"])
     assert "Sleeper.nap" in error and "KeyboardInterrupt" in error and "time.sleep(s)" in error  # notebook source
@@ -164,7 +167,8 @@ def test_stop_button_during_mesh_up_leaves_nothing_running(kernel):
     before = set(_descendants(kernel.pid))
     run = kernel.submit("%mesh up local --gpus 4 --dist gloo --name stopped")
     kernel.collect(run, 10, until=lambda r: any(m["msg_type"] == "execute_input" for _, m in r.messages))
-    time.sleep(0.7)  # the agent is up and forking ranks
+    # stop once the agent is up (it forks the ranks next)
+    assert wait_until(lambda: set(_descendants(kernel.pid)) - before, 20)
     kernel.interrupt()
     kernel.collect(run, 30)
     assert run.status == "error"

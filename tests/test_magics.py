@@ -18,6 +18,17 @@ def ip():
     shell.run_line_magic("unload_ext", "monarch_kernel")
 
 
+@pytest.fixture
+def main_mesh(ip):
+    """Mesh 'main' (4 ranks, the default), started here if an earlier test did not leave it up."""
+    registry = current_registry()
+    if "main" not in registry.names():
+        result, text = run(ip, "%mesh up local --gpus 4 --dist gloo --name main --env MY_FLAG=on")
+        assert result.success, text
+    run(ip, "%mesh use main")
+    return "main"
+
+
 def run(ip, code):
     with capture_output() as cap:
         result = ip.run_cell(code)
@@ -41,6 +52,8 @@ def test_help_is_help_not_an_error(ip, line):
 
 
 def test_a_session_of_magics(ip):
+    if "main" in current_registry().names():
+        run(ip, "%mesh down main")  # this test starts it itself
     result, text = run(ip, "%mesh up local --gpus 4 --dist gloo --name main --env MY_FLAG=on")
     assert result.success, text
     assert "mesh 'main' {hosts: 1, gpus: 4} dist=gloo (default)" in text and text.count("idle") == 4
@@ -97,7 +110,7 @@ def test_a_session_of_magics(ip):
     assert not result.success and "SyntaxError" in text and "mesh_magic" not in text, text
 
 
-def test_on_off_routes_every_cell(ip):
+def test_on_off_routes_every_cell(ip, main_mesh):
     run(ip, "%mesh on")
     result, text = run(ip, "import torch.distributed as dist\ndist.get_rank() * 10")
     assert isinstance(result.result, ValueMesh) and list(result.result.values()) == [0, 10, 20, 30]
@@ -106,13 +119,14 @@ def test_on_off_routes_every_cell(ip):
     assert result.result == 42
 
 
-def test_ipython_syntax_runs_on_every_rank(ip, tmp_path):
+def test_ipython_syntax_runs_on_every_rank(ip, main_mesh, tmp_path):
     result, text = run(ip, "%%mesh\nx = 21\n!echo rank $RANK got {x * 2}\nlines = !printf 'a\\nb\\n'\nlines")
     assert result.success, text
     assert all(f"[{r}] rank {r} got 42" in text for r in range(4))
     assert list(result.result.values()) == [["a", "b"]] * 4
     result, text = run(ip, "%%mesh\n!exit 3\n_exit_code")
     assert list(result.result.values()) == [3] * 4
+    run(ip, "%%mesh\nimport os")  # {expr} below reads the rank's own os.environ
     result, text = run(ip, f"%%mesh\n%%writefile {tmp_path}/rank_{{os.environ['RANK']}}.txt\nhello\n")
     assert result.success, text
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank_{r}.txt" for r in range(4)]
@@ -129,13 +143,13 @@ def test_ipython_syntax_runs_on_every_rank(ip, tmp_path):
     assert "[2] routed 2" in text
 
 
-def test_two_meshes_use_and_down(ip):
+def test_two_meshes_use_and_down(ip, main_mesh):
     result, text = run(ip, "%mesh up local --gpus 1 --dist none --name small")
     assert result.success, text
     result, _ = run(ip, "%%mesh\nimport os\nos.environ['WORLD_SIZE']")
     assert list(result.result.values()) == ["1"]
     run(ip, "%mesh use main")
-    result, _ = run(ip, "%%mesh\nos.environ['WORLD_SIZE']")
+    result, _ = run(ip, "%%mesh\nimport os\nos.environ['WORLD_SIZE']")
     assert list(result.result.values()) == ["4"] * 4
     result, _ = run(ip, "%%mesh --name small\nos.getpid() > 0")
     assert list(result.result.values()) == [True]

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import pids_alive
+from conftest import pids_alive, wait_until
 
 from monarch_kernel import (
     MeshInterrupted,
@@ -22,6 +22,7 @@ from monarch_kernel import (
     ValueMesh,
     local_mesh,
 )
+from monarch_kernel.wire.messages import HealthTimings
 
 
 def test_run_returns_a_value_mesh_and_output_is_captured(mesh4, sink):
@@ -231,8 +232,7 @@ async def _await(future):
 
 def test_status_shows_busy_then_idle(mesh4, sink):
     future = mesh4.run_async("import time\ntime.sleep(1)", sink=sink)
-    time.sleep(0.3)
-    assert {s.state for s in mesh4.status()} == {"busy"}
+    assert wait_until(lambda: {s.state for s in mesh4.status()} == {"busy"}, 5)
     future.get()
     assert {s.state for s in mesh4.status()} == {"idle"}
 
@@ -330,10 +330,11 @@ def test_restart_gives_fresh_ranks_and_shutdown_leaves_nothing(sink):
 
 
 def test_restarted_ranks_keep_answering_heartbeats():
-    with local_mesh(gpus=2, dist="none", name="restart-heartbeat") as mesh:
+    quick = HealthTimings(heartbeat_interval_s=0.05, unresponsive_after_s=0.3)
+    with local_mesh(gpus=2, dist="none", name="restart-heartbeat", health=quick) as mesh:
         mesh.restart()
-        time.sleep(3.5)  # longer than the agent waits before calling a rank unresponsive
-        assert [s.state for s in mesh.status()] == ["idle", "idle"]
+        # three times as long as the agent waits before calling a silent rank unresponsive
+        assert not wait_until(lambda: any(s.state != "idle" for s in mesh.status()), 1.0)
 
 
 def test_what_ranks_imported_at_start_is_out_of_the_collectors_sight(mesh4, sink):

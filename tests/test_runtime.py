@@ -14,6 +14,7 @@ from monarch_kernel.actors.client import ActorMesh
 from monarch_kernel.api.mesh import Mesh
 from monarch_kernel.controller.hosts import HostKind, HostSpec
 from monarch_kernel.controller.runtime import MeshRuntime
+from monarch_kernel.controller.state import MeshSpec
 from monarch_kernel.core.errors import ActorDiedError, MeshNotRunningError, RankDiedError
 from monarch_kernel.core.shape import Shape
 from monarch_kernel.core.status import RankStatus
@@ -39,7 +40,7 @@ class FakeClock:
 def world():
     agents, clock = {}, FakeClock()
     hosts = [HostSpec(f"node-{i}", HostKind.SSH, target=f"node-{i}") for i in range(2)]
-    runtime = MeshRuntime("unit", hosts, 2, "gloo", {}, start_timeout_s=10, health=FAST,
+    runtime = MeshRuntime(MeshSpec("unit", tuple(hosts), 2, "gloo", start_timeout_s=10, health=FAST),
                           opener=opener(agents), clock=clock)
     runtime.start(timeout=10)
     yield Mesh(runtime, Shape.grid(hosts=2, gpus=2)), agents, clock

@@ -165,7 +165,7 @@ def test_link_cut_mid_cell_is_detected_and_cleaned_up(hosts, sink):
                  connect_options=hosts.connect_options(), name="ssh-cut")
     try:
         future = m.run_async("import time\ntime.sleep(60)", sink=sink)
-        time.sleep(0.5)
+        assert wait_until(lambda: all(s.state == "busy" for s in m.status()), 10)
         cut = time.monotonic()
         hosts.cut_link(hosts.hosts[1])
         with pytest.raises(RemoteError) as info:

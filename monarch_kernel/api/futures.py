@@ -15,19 +15,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from monarch_kernel.controller.events import (
-    DisplayEvent,
-    DoneEvent,
-    InputEvent,
-    NoticeEvent,
-    OutputEvent,
-    RanksDoneEvent,
-    RequestEvent,
-)
+from monarch_kernel.controller import events as ev
 from monarch_kernel.core.errors import raise_for
 from monarch_kernel.core.failures import FailureKind, RankFailure
 from monarch_kernel.core.future import INTERRUPT_GRACE_S, Future
 from monarch_kernel.core.ranksets import format_ranks
+from monarch_kernel.wire import messages as m
 
 if TYPE_CHECKING:
     from monarch_kernel.api.sinks import OutputSink
@@ -101,9 +94,9 @@ class MeshFuture(Future[T]):
             except queue.Empty:
                 self._sink.tick()
                 continue
-            if isinstance(event, DoneEvent):
+            if isinstance(event, ev.DoneEvent):
                 return True
-            if isinstance(event, InputEvent):
+            if isinstance(event, m.InputRequest):
                 self._answer_input(event)
             else:
                 self._dispatch(event)
@@ -135,19 +128,19 @@ class MeshFuture(Future[T]):
         return error_type(summary, failures)
 
     # ------------------------------------------------------------ events
-    def _dispatch(self, event: RequestEvent) -> None:
+    def _dispatch(self, event: ev.RequestEvent) -> None:
         match event:
-            case OutputEvent(rank, stream, text):
+            case m.Output(rank=rank, stream=stream, text=text):
                 self._sink.output(rank, stream, text)
-            case DisplayEvent(rank, data, metadata):
+            case m.Display(rank=rank, data=data, metadata=metadata):
                 self._sink.display(rank, data, metadata)
-            case NoticeEvent(rank, text):
+            case ev.NoticeEvent(rank=rank, text=text):
                 self._sink.notice(rank, text)
-            case RanksDoneEvent(ranks):
+            case ev.RanksDoneEvent(ranks=ranks):
                 for rank in ranks:
                     self._sink.rank_done(rank)
 
-    def _answer_input(self, first: InputEvent) -> None:
+    def _answer_input(self, first: m.InputRequest) -> None:
         """Ranks called input() (or pdb, or getpass): ask the notebook, once per distinct prompt.
 
         SPMD code asks on every rank at about the same moment: requests that come within
@@ -161,9 +154,9 @@ class MeshFuture(Future[T]):
                 event = events.get(timeout=left)
             except queue.Empty:
                 break
-            if isinstance(event, InputEvent):
+            if isinstance(event, m.InputRequest):
                 asking[event.rank] = (event.prompt, event.password)
-            elif isinstance(event, DoneEvent):
+            elif isinstance(event, ev.DoneEvent):
                 events.put(event)
                 break
             else:

@@ -20,7 +20,7 @@ from monarch_kernel.api.futures import MeshFuture, raise_failures
 from monarch_kernel.api.sinks import IdleOutput, OutputSink, default_sink, report_timing
 from monarch_kernel.controller.hosts import HostKind, HostSpec
 from monarch_kernel.controller.runtime import MeshRuntime
-from monarch_kernel.controller.state import RankSnapshot, Request
+from monarch_kernel.controller.state import MeshSpec, RankSnapshot, Request
 from monarch_kernel.core.errors import MeshInterrupted, MeshStartError, MeshUsageError, SerializationError
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import Selector, Shape
@@ -62,7 +62,7 @@ class Mesh:
     @property
     def backend(self) -> str:
         """The torch.distributed backend the ranks were started with."""
-        return self._runtime.backend
+        return self._runtime.spec.backend
 
     @property
     def closed(self) -> bool:
@@ -72,17 +72,17 @@ class Mesh:
     @property
     def kind(self) -> str:
         """Where its ranks run: "local" (this machine) or "ssh"."""
-        return HostKind.SSH if any(h.kind == HostKind.SSH for h in self._runtime.hosts) else HostKind.LOCAL
+        return HostKind.SSH if any(h.kind == HostKind.SSH for h in self._runtime.spec.hosts) else HostKind.LOCAL
 
     @property
     def hosts(self) -> list[str]:
         """The names of its hosts, in host order."""
-        return [h.name for h in self._runtime.hosts]
+        return [h.name for h in self._runtime.spec.hosts]
 
     @property
     def health(self) -> HealthTimings:
         """How soon silence counts as failure (ping, host-lost, heartbeat, unresponsive timings)."""
-        return self._runtime.health
+        return self._runtime.spec.health
 
     def status(self) -> list[RankSnapshot]:
         """Each rank's state: idle, busy, dead or unresponsive, with host and pid."""
@@ -330,9 +330,8 @@ def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, e
     if dist not in BACKENDS:
         raise MeshUsageError(f"dist={dist!r}: expected one of {', '.join(BACKENDS)}")
     name = name or f"mesh{next(_mesh_numbers)}"
-    runtime = MeshRuntime(name, hosts, gpus, dist, dict(env or {}), start_timeout_s=timeout,
-                          master_addr=master_addr, health=health, idle_output=IdleOutput().write,
-                          report_timing=report_timing)
+    spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings())
+    runtime = MeshRuntime(spec, idle_output=IdleOutput().write, report_timing=report_timing)
     try:
         runtime.start()
     except BaseException as exc:

@@ -1,31 +1,16 @@
 """Events from the controller's loop to the thread waiting on a request (frozen, typed).
 
-The loop puts them on the request's queue as messages arrive; `MeshFuture` takes them
-off on the waiting thread and hands them to the run's output sink.
+What ranks send about a request travels on as the wire message itself (`Output`,
+`Display`, `InputRequest`); the controller adds its own news below. The loop puts them
+on the request's queue as they arrive; `MeshFuture` takes them off on the waiting thread
+and hands them to the run's output sink.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-
-@dataclass(frozen=True)
-class OutputEvent:
-    """Text a rank printed."""
-
-    rank: int
-    stream: str
-    text: str
-
-
-@dataclass(frozen=True)
-class DisplayEvent:
-    """A rich display made on a rank."""
-
-    rank: int
-    data: dict[str, Any]
-    metadata: dict[str, Any]
+from monarch_kernel.wire.messages import Display, InputRequest, Output
 
 
 @dataclass(frozen=True)
@@ -34,15 +19,6 @@ class NoticeEvent:
 
     rank: int
     text: str
-
-
-@dataclass(frozen=True)
-class InputEvent:
-    """A rank called input() (or getpass, or pdb): the notebook should ask for a line."""
-
-    rank: int
-    prompt: str
-    password: bool
 
 
 @dataclass(frozen=True)
@@ -57,4 +33,4 @@ class DoneEvent:
     """Every rank finished or failed: the request is complete."""
 
 
-RequestEvent = OutputEvent | DisplayEvent | NoticeEvent | InputEvent | RanksDoneEvent | DoneEvent
+RequestEvent = Output | Display | InputRequest | NoticeEvent | RanksDoneEvent | DoneEvent

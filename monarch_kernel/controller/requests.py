@@ -14,15 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from monarch_kernel.controller.events import (
-    DisplayEvent,
-    DoneEvent,
-    InputEvent,
-    NoticeEvent,
-    OutputEvent,
-    RanksDoneEvent,
-    RequestEvent,
-)
+from monarch_kernel.controller.events import DoneEvent, NoticeEvent, RanksDoneEvent
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.router import ControllerSender
 from monarch_kernel.controller.state import MeshState, RankState, Request
@@ -131,12 +123,12 @@ class RequestBook:
     def output(self, msg: m.Output) -> None:
         """Text a rank printed: to the request it belongs to, or shown as idle output."""
         self._state.ranks[msg.rank].log.write(msg.stream, msg.text)
-        if not self._to_request(msg.rank, msg.req_id, OutputEvent(msg.rank, msg.stream, msg.text)):
+        if not self._to_request(msg):
             self._idle_output(msg.rank, msg.stream, msg.text)
 
     def display(self, msg: m.Display) -> None:
         """A rich display made on a rank."""
-        self._to_request(msg.rank, msg.req_id, DisplayEvent(msg.rank, msg.data, msg.metadata))
+        self._to_request(msg)
 
     def input_request(self, link_send: Callable[[Any], bool], msg: m.InputRequest) -> None:
         """A rank asks for a line: the waiting thread asks the notebook."""
@@ -144,16 +136,18 @@ class RequestBook:
         if req is None:
             link_send(m.InputReply((msg.rank,), msg.req_id, "", "its cell is no longer waiting"))
         else:
-            req.events.put(InputEvent(msg.rank, msg.prompt, msg.password))
+            req.events.put(msg)
 
-    def _to_request(self, rank: int, req_id: int | None, event: RequestEvent) -> bool:
-        rank_state = self._state.ranks[rank]
-        if req_id is None and rank_state.inflight:
-            req_id = rank_state.inflight[0]  # fd-level output belongs to what the rank is running
+    def _to_request(self, msg: m.Output | m.Display) -> bool:
+        """Hand a rank's output to the request it belongs to; False if it belongs to none."""
+        req_id = msg.req_id
+        inflight = self._state.ranks[msg.rank].inflight
+        if req_id is None and inflight:
+            req_id = inflight[0]  # fd-level output belongs to what the rank is running
         req = self._state.requests.get(req_id) if req_id is not None else None
         if req is None:
             return False
-        req.events.put(event)
+        req.events.put(msg)
         return True
 
     def rank_exited(self, rank: int, exit_code: int | None, signal_name: str | None, stderr_tail: tuple[str, ...],

@@ -21,7 +21,7 @@ from monarch_kernel.controller.hosts import HostConnection, HostSpec, open_host
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.requests import IdleOutput, RequestBook
 from monarch_kernel.controller.router import ControllerSender, TimingReporter
-from monarch_kernel.controller.state import HostLink, MeshState, RankSnapshot, RankState
+from monarch_kernel.controller.state import HostLink, MeshSpec, MeshState, RankSnapshot, RankState
 from monarch_kernel.core.errors import MeshStartError, MeshUsageError
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.calls import register_sender, unregister_sender
@@ -35,23 +35,14 @@ class MeshRuntime:
 
     _open: ClassVar[weakref.WeakSet[MeshRuntime]] = weakref.WeakSet()  # shut down at interpreter exit
 
-    def __init__(self, name: str, hosts: list[HostSpec], gpus: int, backend: str, env: dict[str, str],
-                 start_timeout_s: float = 120.0, master_addr: str | None = None, *,
-                 health: m.HealthTimings | None = None, idle_output: IdleOutput | None = None,
+    def __init__(self, spec: MeshSpec, *, idle_output: IdleOutput | None = None,
                  report_timing: TimingReporter | None = None, opener: HostOpener = open_host,
                  clock: Callable[[], float] = time.monotonic):
-        self.name = name
-        self.hosts = hosts
-        self.gpus = gpus
-        self.backend = backend
-        self.env = env
-        self.master_addr = master_addr
-        self.start_timeout_s = start_timeout_s
-        self.health = health or m.HealthTimings()
+        self.spec = spec
         self._open_host = opener  # how a host's agent is started (tests give an in-memory one)
         self._clock = clock  # what "now" is when judging a host's silence
         self.controller = ControllerLoop.get()
-        self.state = MeshState(name)
+        self.state = MeshState(spec.name)
         self.sender = ControllerSender(self.state, self.controller, report_timing)  # actor calls
         self.requests = RequestBook(self.state, self.controller, self.sender, idle_output or (lambda *_: None))
         self._heartbeat: asyncio.Task[None] | None = None
@@ -72,10 +63,15 @@ class MeshRuntime:
             m.StoreBound: self._on_store_bound,
             m.RanksFailed: self._on_ranks_failed,
         }
-        register_sender(name, self.sender)
+        register_sender(spec.name, self.sender)
         MeshRuntime._open.add(self)
 
     # ------------------------------------------------------------ views of the state
+    @property
+    def name(self) -> str:
+        """The mesh's name."""
+        return self.spec.name
+
     @property
     def closed(self) -> bool:
         """Whether the mesh was shut down."""
@@ -100,7 +96,7 @@ class MeshRuntime:
         """Start agents and ranks; blocks until every rank is ready or raises MeshStartError."""
         starting = self.controller.run(self._start())
         try:
-            starting.result(timeout or self.start_timeout_s + 10)
+            starting.result(timeout or self.spec.start_timeout_s + 10)
         except BaseException:
             starting.cancel()  # Ctrl-C or a timeout: stop connecting; shutdown() closes what started
             raise
@@ -111,14 +107,14 @@ class MeshRuntime:
         loop = asyncio.get_running_loop()
         if self._heartbeat is None or self._heartbeat.done():  # each agent is pinged once connected
             self._heartbeat = loop.create_task(self._ping_hosts())
-        for index, host in enumerate(self.hosts):
-            ranks = list(range(index * self.gpus, (index + 1) * self.gpus))
+        for index, host in enumerate(self.spec.hosts):
+            ranks = list(range(index * self.spec.gpus, (index + 1) * self.spec.gpus))
             link = HostLink(index, host.name, ranks, log_path=os.path.join(state.run_dir, f"agent-{index}.log"),
                             started=_quiet_future(loop))
             state.links.append(link)
             for local, rank in enumerate(ranks):
                 state.ranks[rank] = RankState(rank, host.name, local)
-        results = await asyncio.gather(*(self._connect(link, spec) for link, spec in zip(state.links, self.hosts)),
+        results = await asyncio.gather(*(self._connect(link, spec) for link, spec in zip(state.links, self.spec.hosts)),
                                        return_exceptions=True)
         failed = [(link, exc) for link, exc in zip(state.links, results) if isinstance(exc, BaseException)]
         if failed:
@@ -129,7 +125,7 @@ class MeshRuntime:
         await self._start_ranks()
 
     async def _connect(self, link: HostLink, spec: HostSpec) -> None:
-        host = link.host = await self._open_host(spec, log_path=link.log_path, env=self.env)
+        host = link.host = await self._open_host(spec, log_path=link.log_path, env=self.spec.env)
         link.last_pong = self._clock()
         link.conn = await host.connect(partial(self._on_message, link), partial(self._on_lost, link))
 
@@ -137,25 +133,25 @@ class MeshRuntime:
         links = self.state.links
         hosts = [link.host for link in links if link.host is not None]
         assert len(hosts) == len(links), "every host is connected before its ranks start"
-        master = self.master_addr or hosts[0].address
-        dist = m.DistConfig(self.backend, master, len(links) * self.gpus)
+        master = self.spec.master_addr or hosts[0].address
+        dist = m.DistConfig(self.spec.backend, master, len(links) * self.spec.gpus)
         loop = asyncio.get_running_loop()
         started = []
         for link in links:
             if link.started is None or link.started.done():
                 link.started = _quiet_future(loop)  # fails if the agent is lost meanwhile
             started.append(link.started)
-        port = await self._bind_store(links[0], started[0], master) if self.backend != "none" else 0
+        port = await self._bind_store(links[0], started[0], master) if self.spec.backend != "none" else 0
         for link, host in zip(links, hosts):
-            specs = tuple(m.RankSpec(r, i, self.gpus) for i, r in enumerate(link.ranks))
-            link.send(m.StartRanks(ranks=specs, dist=dist, env=dict(self.env),
+            specs = tuple(m.RankSpec(r, i, self.spec.gpus) for i, r in enumerate(link.ranks))
+            link.send(m.StartRanks(ranks=specs, dist=dist, env=dict(self.spec.env),
                                    shm_dir=self.state.shm_dir if host.process else None,
-                                   node_rank=link.index, master_port=port, health=self.health))
+                                   node_rank=link.index, master_port=port, health=self.spec.health))
         try:
-            infos = await asyncio.wait_for(asyncio.gather(*started), self.start_timeout_s)
+            infos = await asyncio.wait_for(asyncio.gather(*started), self.spec.start_timeout_s)
         except TimeoutError:
             raise MeshStartError(
-                f"mesh {self.name!r} did not start within {self.start_timeout_s:.0f} s; "
+                f"mesh {self.name!r} did not start within {self.spec.start_timeout_s:.0f} s; "
                 f"see the agent log in {self.state.run_dir}") from None
         for batch in infos:
             for info in batch:
@@ -176,7 +172,7 @@ class MeshRuntime:
     def restart(self, timeout: float | None = None) -> None:
         """Replace every rank with a fresh one (same shape); namespaces are lost."""
         self.state.require_open()
-        self.controller.run(self._restart()).result(timeout or self.start_timeout_s + 10)
+        self.controller.run(self._restart()).result(timeout or self.spec.start_timeout_s + 10)
 
     async def _restart(self) -> None:
         self.requests.fail_all("the mesh was restarted")
@@ -221,13 +217,13 @@ class MeshRuntime:
         """Ping every agent regularly; a host silent for host_lost_after_s is lost."""
         seq = 0
         while not self.state.closed:
-            await asyncio.sleep(self.health.ping_interval_s)
+            await asyncio.sleep(self.spec.health.ping_interval_s)
             seq += 1
             now = self._clock()
             for link in self.state.links:
                 if not link.is_open:
                     continue
-                if link.answered and now - link.last_pong > self.health.host_lost_after_s:
+                if link.answered and now - link.last_pong > self.spec.health.host_lost_after_s:
                     self._on_lost(link, TimeoutError(f"no heartbeat for {now - link.last_pong:.1f} s"))
                     link.close()
                     continue

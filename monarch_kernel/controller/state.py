@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from monarch_kernel.controller.events import RequestEvent
+from monarch_kernel.controller.hosts import HostSpec
 from monarch_kernel.core.errors import MeshNotRunningError
 from monarch_kernel.core.failures import FailureKind, RankFailure, exit_text
 from monarch_kernel.core.status import RankStatus
@@ -32,6 +33,20 @@ if TYPE_CHECKING:
 
 RANK_LOG_LINES = 500
 HISTORY_RECORDS = 50_000
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """What a mesh is: its name, hosts, ranks per host, backend, environment and timings."""
+
+    name: str
+    hosts: tuple[HostSpec, ...]
+    gpus: int  # ranks per host
+    backend: str  # torch.distributed backend: gloo, nccl or none
+    env: dict[str, str] = field(default_factory=dict, hash=False)
+    master_addr: str | None = None  # host 0's address as the other hosts reach it (default: as we reach it)
+    start_timeout_s: float = 120.0
+    health: m.HealthTimings = m.HealthTimings()
 
 
 @dataclass
