@@ -5,6 +5,9 @@ futures, and every message's encoding. The agents are `agentdouble.AgentDouble`s
 clock that judges silence is a `FakeClock` the tests move by hand.
 """
 
+import threading
+import time
+
 import pytest
 from agentdouble import opener
 from conftest import RecordingSink, wait_until
@@ -150,3 +153,21 @@ def test_a_shut_down_mesh_says_so(world):
     assert all(a.closed.is_set() for a in agents.values())
     with pytest.raises(MeshNotRunningError, match="shut down"):
         mesh.run("x")
+
+
+def test_a_stall_of_the_controller_loop_itself_does_not_lose_hosts(world):
+    """While the kernel holds the GIL no agent's answer is read: after it, silence says nothing yet."""
+    mesh, agents, clock = world
+    stalled = threading.Event()
+
+    def stall():  # on the loop thread: time passes (5 s on the clock that judges hosts) while it is blocked
+        clock.advance(5.0)
+        time.sleep(0.8)
+        stalled.set()
+
+    mesh._runtime.controller.call(stall)
+    assert stalled.wait(5)
+    assert not wait_until(lambda: any(s.state == RankStatus.DEAD for s in mesh.status()), 0.5)
+    agents["node-1"].silent = True  # a host that really went away is still found
+    clock.advance(5.0)
+    assert wait_until(lambda: mesh.status()[2].state == RankStatus.DEAD, 5)

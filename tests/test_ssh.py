@@ -319,3 +319,24 @@ def test_aes_gcm_is_preferred_unless_the_config_chooses_ciphers(hosts, tmp_path)
     chosen = tmp_path / "ssh_config"
     chosen.write_text("Host host-0\n  Ciphers aes256-ctr\n" + open(hosts.config).read())
     assert _negotiated_cipher({**hosts.connect_options(), "config": [str(chosen)]}) == "aes256-ctr"
+
+
+def test_an_ssh_agent_that_gives_up_on_a_silent_controller_reports_the_deaths(hosts, sink):
+    """F2 (b): the agent's own watchdog stopped the ranks and called it expected: the cell hung."""
+    from test_faults import hold_the_gil
+
+    from monarch_kernel.core.errors import RankDiedError
+    from monarch_kernel.wire.messages import HealthTimings
+
+    impatient = HealthTimings(host_lost_after_s=30.0, controller_silence_s=1.0)
+    m = ssh_mesh([hosts.hosts[0].alias], gpus=1, dist="none", python=sys.executable,
+                 connect_options=hosts.connect_options(), name="ssh-silent", health=impatient)
+    try:
+        future = m.run_async("import time\ntime.sleep(60)", sink=sink)
+        assert wait_until(lambda: m.status()[0].state == "busy", 10)
+        hold_the_gil(2.5)  # the controller says nothing for longer than the agent waits
+        with pytest.raises(RankDiedError) as caught:
+            future.get(timeout=20)
+        assert caught.value.failures[0].rank == 0
+    finally:
+        m.shutdown()

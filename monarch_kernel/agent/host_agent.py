@@ -52,7 +52,7 @@ class HostAgent:
             m.Ping: lambda msg: self._to_controller(m.Pong(msg.seq)),
             m.BindStore: lambda msg: self._bind_store(msg.addr),
             m.StartRanks: lambda msg: self._spawn(self._start(msg)),
-            m.Shutdown: lambda msg: self._spawn(self.shutdown("the controller asked")),
+            m.Shutdown: lambda msg: self._spawn(self.shutdown("the controller asked", asked=True)),
         }
         self._from_rank: dict[type, Callable[[int, Any], None]] = {
             m.Result: self._result,
@@ -176,13 +176,13 @@ class HostAgent:
             return
         self._to_controller(m.StoreBound(port))
 
-    async def shutdown(self, why: str) -> None:
-        """Stop all ranks and end the agent."""
+    async def shutdown(self, why: str, *, asked: bool = False) -> None:
+        """Stop all ranks and end the agent (asked: by the controller, so the exits are expected)."""
         if self.done.done():
             return
         print(f"monarch_kernel agent on {self.host}: shutting down: {why}", file=sys.stderr, flush=True)
         try:
-            await asyncio.wait_for(self.ranks.stop_all(0.5), timeout=3)
+            await asyncio.wait_for(self.ranks.stop_all(0.5, asked=asked), timeout=3)
         finally:
             self.ranks.kill_all()
             if self.controller is not None:
@@ -203,7 +203,12 @@ class HostAgent:
             self.ranks.ping(now)
 
     async def watch_controller(self) -> None:
-        """If the controller falls silent (its host lost the network, the kernel froze), stop every rank."""
+        """If the controller falls silent for controller_silence_s, stop every rank (SSH agents only).
+
+        A busy kernel is silent too (a C call holding the GIL stops its pings), so the limit
+        is long; a local agent needs no watchdog: it dies with the kernel (PDEATHSIG) and
+        sees its socket close.
+        """
         while True:
             await asyncio.sleep(self.ranks.health.heartbeat_interval_s)
             silent = time.monotonic() - self.last_heard

@@ -49,7 +49,7 @@ class RankProcess:
     ready: asyncio.Future[m.Result] | None = None
     last_pong: float = field(default_factory=time.monotonic)
     responsive: bool = True
-    stopping: bool = False
+    stopping: bool = False  # the controller asked it to stop: its exit is expected
     activity: str = ""  # what its actors run, from its latest heartbeat answer
     stderr_tail: LineLog = field(default_factory=lambda: LineLog(STDERR_TAIL_LINES))
 

@@ -104,10 +104,14 @@ class RankSet:
             raise RuntimeError(f"ranks {gone} exited right after start-up")
         return tuple(m.RankInfo(r, p.pid, self.host) for r, p in sorted(procs.items()))
 
-    async def stop_all(self, grace_s: float) -> None:
-        """SIGTERM every rank's process group, SIGKILL what is left after grace_s."""
+    async def stop_all(self, grace_s: float, *, asked: bool = True) -> None:
+        """SIGTERM every rank's process group, SIGKILL what is left after grace_s.
+
+        asked: the controller asked for it (a restart or shutdown), so their exits are
+        expected; otherwise (the agent's own decision) they are reported as deaths.
+        """
         for proc in list(self.procs.values()):
-            proc.stopping = True
+            proc.stopping = asked
             _kill_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while self.procs and time.monotonic() < deadline:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import linecache
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ _cell_numbers = itertools.count(1)
 _mesh_numbers = itertools.count(0)
 _spawns = itertools.count(1)
 BACKENDS = ("gloo", "nccl", "none")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
 class Mesh:
@@ -330,6 +332,9 @@ def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, e
     if dist not in BACKENDS:
         raise MeshUsageError(f"dist={dist!r}: expected one of {', '.join(BACKENDS)}")
     name = name or f"mesh{next(_mesh_numbers)}"
+    if not _NAME.fullmatch(name):
+        raise MeshUsageError(f"mesh name {name!r}: use 1 to 64 letters, digits, '_', '-' or '.' "
+                             "(it names private folders and sockets, so no '/' or spaces)")
     spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings())
     runtime = MeshRuntime(spec, idle_output=IdleOutput().write, report_timing=report_timing)
     try:

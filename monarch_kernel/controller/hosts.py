@@ -76,6 +76,16 @@ class HostConnection:
         code = self.process.poll() if self.process is not None else None
         return f"the local agent exited (status {code})" + (f":\n{tail}" if tail else "")
 
+    def kill_local(self, rank_pids: list[int]) -> None:
+        """A local agent that stopped answering (SIGSTOP, wedged): SIGKILL it and its ranks' process groups."""
+        if self.process is None:
+            return
+        for pid in [self.process.pid, *rank_pids]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     async def close(self, timeout: float = 5.0) -> None:
         """Wait for the agent to exit (after Shutdown was sent); force it if it does not."""
         if self.process is not None:

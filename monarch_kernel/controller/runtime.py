@@ -216,10 +216,19 @@ class MeshRuntime:
     async def _ping_hosts(self) -> None:
         """Ping every agent regularly; a host silent for host_lost_after_s is lost."""
         seq = 0
+        interval = self.spec.health.ping_interval_s
+        loop = asyncio.get_running_loop()
+        last_tick = loop.time()
         while not self.state.closed:
-            await asyncio.sleep(self.spec.health.ping_interval_s)
+            await asyncio.sleep(interval)
             seq += 1
             now = self._clock()
+            if loop.time() - last_tick > 2 * interval + 0.5:
+                # this loop itself was stalled (the kernel held the GIL in a C call): the
+                # agents' answers are still unread, so their silence says nothing yet
+                for link in self.state.links:
+                    link.last_pong = max(link.last_pong, now)
+            last_tick = loop.time()
             for link in self.state.links:
                 if not link.is_open:
                     continue
@@ -260,6 +269,8 @@ class MeshRuntime:
         if self.state.closed:
             return
         why = f"lost the connection to host {link.name}" + (f" ({exc})" if exc else "")
+        if link.host is not None:  # on this machine: make sure nothing of it keeps running
+            link.host.kill_local([pid for r in link.ranks if (pid := self.state.ranks[r].pid) is not None])
         for rank in link.ranks:
             if self.state.ranks[rank].alive:
                 self.requests.rank_exited(rank, None, None, (why,), expected=False, host_lost=True)

@@ -44,13 +44,18 @@ class Lane:
     or by the pool's service tick): pipelined calls then cost one system call per batch
     instead of one, and a wake-up of the rank, per call.
 
+    Writes never block: what the socket does not take now (the rank is busy and its
+    buffer is full) stays in `_out`, to be written by whoever waits for a reply or by the
+    service tick when the socket has room. The controller's loop thread therefore never
+    waits on a rank, and an interrupt never leaves half a frame behind.
+
     Replies are read by the thread that waits for them (no hand-off between threads),
     or by the pool's service tick when nobody waits.
 
-    Locks: `_write_lock` guards the queue and socket writes (a write may block while the
-    rank is busy); `read_lock` lets one thread at a time read the socket; `_count_lock`
-    (never held while blocking) guards `unanswered`, which senders raise and readers
-    lower; the pool's lock guards `waiters`.
+    Locks: `_write_lock` guards the queue, `_out` and socket writes (never held while
+    blocking); `read_lock` lets one thread at a time read the socket; `_count_lock`
+    guards `unanswered`, which senders raise and readers lower; the pool's lock guards
+    `waiters`.
     """
 
     def __init__(self, sock: socket.socket, on_message: Callable[[Any], None]):
@@ -61,15 +66,16 @@ class Lane:
         self._on_message = on_message
         self._write_lock = threading.Lock()
         self._count_lock = threading.Lock()
-        self._queued: list[memoryview] = []
+        self._queued: list[memoryview] = []  # whole frames waiting for the next batch
         self._queued_frames = 0
+        self._out: list[memoryview] = []  # bytes being written (may end mid-frame)
         self.last_send = 0.0
         self.unanswered = 0
         self.waiters = 0  # threads reading this lane for their replies (changed under the pool's lock)
         self._reader = FrameProtocol(self._got, self._lost)
 
     def send_chunks(self, chunks: list[Any]) -> None:
-        """Send (or queue) one encoded frame that will be answered by one reply."""
+        """Send (or queue) one encoded frame that will be answered by one reply; never blocks."""
         with self._write_lock:
             if self.closed:
                 raise ConnectionClosed("the lane is closed")
@@ -77,29 +83,33 @@ class Lane:
                 self.unanswered += 1
                 first = self.unanswered == 1
             self.last_send = time.monotonic()
-            if first and not self._queued:
-                self._write(byte_views(chunks))
-                return
             self._queued.extend(byte_views(chunks))
             self._queued_frames += 1
-            if self._queued_frames >= BATCH_FRAMES:  # keep the rank busy while we queue more
-                views, self._queued, self._queued_frames = self._queued, [], 0
-                self._write(views)
+            if (first and self._queued_frames == 1) or self._queued_frames >= BATCH_FRAMES:
+                self._push()  # an idle lane sends at once; a long queue keeps the rank busy
 
-    def flush(self) -> None:
-        """Write whatever is queued."""
-        with self._write_lock:
-            if self._queued and not self.closed:
-                views, self._queued, self._queued_frames = self._queued, [], 0
+    def flush(self, *, wait_for_lock: bool = True) -> None:
+        """Write what is queued, as far as the socket takes it now (the rest stays for later)."""
+        if not self._write_lock.acquire(blocking=wait_for_lock):
+            return  # another thread is writing: it takes the queue along
+        try:
+            if not self.closed and (self._queued or self._out):
                 try:
-                    self._write(views)
+                    self._push()
                 except ConnectionClosed:
                     pass  # a reader sees the lane close
+        finally:
+            self._write_lock.release()
 
     @property
     def busy(self) -> bool:
-        """Calls are queued or unanswered."""
-        return bool(self._queued) or self.unanswered > 0
+        """Calls are queued, partly written or unanswered."""
+        return bool(self._queued) or bool(self._out) or self.unanswered > 0
+
+    @property
+    def wants_write(self) -> bool:
+        """Bytes wait for room in the socket."""
+        return bool(self._out) or bool(self._queued)
 
     def drain(self) -> None:
         """Read and dispatch every reply that is already here (caller holds read_lock)."""
@@ -113,23 +123,29 @@ class Lane:
     def _lost(self, exc: Exception | None) -> None:
         self.closed = True
 
-    def _write(self, views: list[memoryview]) -> None:
-        while views:
+    def _push(self) -> None:
+        """Move the queue to `_out` and write until the socket is full (caller holds _write_lock)."""
+        if self._queued:
+            self._out.extend(self._queued)
+            self._queued, self._queued_frames = [], 0
+        while self._out:
             try:
-                advance(views, self.sock.sendmsg(views[:512]))
+                advance(self._out, self.sock.sendmsg(self._out[:512]))
             except (BlockingIOError, InterruptedError):
-                select.select([], [self.sock], [], 1.0)
+                return  # full: the rank is busy; the tick or a waiting caller goes on later
             except OSError as exc:
                 self.closed = True
+                self._out.clear()
                 raise ConnectionClosed(str(exc)) from exc
 
     def close(self) -> None:
-        """Close the socket; waiters see the lane closed."""
+        """Shut the socket down and release it; waiters see the lane closed."""
         self.closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self.sock.close()
 
 
 class LanePool:
@@ -174,7 +190,7 @@ class LanePool:
             self._loop.call_soon_threadsafe(self._tick)
 
     def flush(self) -> None:
-        """Write every queued call now."""
+        """Write every queued call now (as far as each socket takes it)."""
         for lane in list(self._lanes.values()):
             lane.flush()
 
@@ -216,11 +232,19 @@ class LanePool:
             wait = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
             if wait <= 0:
                 return False
-            open_socks = [lane.sock for lane in lanes if not lane.closed]
-            if not open_socks:
-                time.sleep(min(wait, 0.001))  # the rank died: its failure comes another way
-            else:
-                select.select(open_socks, [], [], min(wait, 0.001) if shared else wait)
+            for lane in lanes:
+                if lane.wants_write:
+                    lane.flush(wait_for_lock=False)  # what the socket had no room for
+            open_lanes = [lane for lane in lanes if not lane.closed]
+            writing = [lane.sock for lane in open_lanes if lane.wants_write]
+            try:
+                if not open_lanes:
+                    time.sleep(min(wait, 0.001))  # the rank died: its failure comes another way
+                else:
+                    select.select([lane.sock for lane in open_lanes], writing, [],
+                                  min(wait, 0.001) if shared else wait)
+            except (OSError, ValueError):
+                continue  # a lane closed under us (a restart): the next round sees it
         return True
 
     def _tick(self) -> None:
@@ -231,7 +255,7 @@ class LanePool:
                 self._last_busy = now
                 if now - lane.last_send < QUIET_S:
                     continue  # a caller is busy sending: it flushes, and reads when it waits
-                lane.flush()
+                lane.flush(wait_for_lock=False)  # never waits: the loop thread must not block on a rank
                 if not lane.waiters and lane.read_lock.acquire(blocking=False):
                     try:
                         lane.drain()

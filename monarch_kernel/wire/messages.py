@@ -142,7 +142,9 @@ class HealthTimings:
     host_lost_after_s: float = 3.0  # controller: an agent silent this long is lost
     heartbeat_interval_s: float = 0.5  # agent -> each rank
     unresponsive_after_s: float = 2.5  # agent: a rank silent this long is unresponsive
-    controller_silence_s: float = 6.0  # agent: a controller silent this long is gone (ranks stop)
+    # SSH agent: a controller silent this long is gone, so its ranks stop. Long, because a
+    # kernel busy in a C call that holds the GIL is silent too, and must find its mesh intact.
+    controller_silence_s: float = 900.0
 
 
 @dataclass(frozen=True)
