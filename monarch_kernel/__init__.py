@@ -46,6 +46,7 @@ _EXPORTS = {
     "local_mesh": "monarch_kernel.api.mesh",
     "ssh_mesh": "monarch_kernel.api.mesh",
     "visualize_sharding": "monarch_kernel.views.shardview",
+    "HealthTimings": "monarch_kernel.wire.messages",
 }
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "ActorFuture",
     "ActorMesh",
     "CellSyntaxError",
+    "HealthTimings",
     "Mesh",
     "MeshError",
     "MeshFuture",
@@ -103,6 +105,7 @@ if TYPE_CHECKING:
     from monarch_kernel.core.shape import Point, Shape
     from monarch_kernel.core.values import ValueMesh
     from monarch_kernel.views.shardview import visualize_sharding
+    from monarch_kernel.wire.messages import HealthTimings
 
 
 def __getattr__(name: str) -> Any:

@@ -8,7 +8,7 @@ import monarch_kernel
 PUBLIC = {
     "Actor", "ActorDiedError", "ActorError", "ActorFailureEvent", "ActorFuture", "ActorMesh",
     "current_rank", "endpoint", "visualize_sharding",
-    "CellSyntaxError", "Mesh", "MeshError", "MeshFuture", "MeshInterrupted", "MeshNotRunningError",
+    "CellSyntaxError", "HealthTimings", "Mesh", "MeshError", "MeshFuture", "MeshInterrupted", "MeshNotRunningError",
     "MeshStartError", "MeshTimeoutError", "MeshUsageError", "Point", "RankDiedError", "RankFailure",
     "RemoteError", "SerializationError", "Shape", "ValueMesh", "load_ipython_extension", "local_mesh",
     "ssh_mesh", "unload_ipython_extension"}

@@ -7,8 +7,11 @@ import math
 import os
 import re
 import signal
+import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -113,3 +116,98 @@ def test_a_frozen_local_agent_is_lost_and_nothing_of_it_keeps_running(quick_mesh
             os.kill(agent, signal.SIGCONT)
         except ProcessLookupError:
             pass
+
+
+def test_a_value_that_cannot_be_written_to_shared_memory_travels_in_the_frame(quick_mesh):
+    """F11: a failed write to /dev/shm (full, EMFILE, a file size limit) hung the cell forever."""
+    code = ("import resource, signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+            "b'x' * (4 << 20)")  # over the size limit, and large enough to go through shared memory
+    values = quick_mesh.run(code, timeout=30)
+    assert [len(v) for v in values.values()] == [4 << 20] * 2
+    assert not [n for n in os.listdir(quick_mesh._runtime.state.shm_dir) if n.startswith("buf-")]
+
+
+def test_characters_split_across_reads_of_a_rank_descriptor_stay_whole():
+    """F22: a multi-byte character cut by a 64 KiB read became U+FFFD."""
+    from monarch_kernel.agent.host_agent import StreamText
+
+    text = "€uro ✓ " * 10_000
+    data = text.encode()
+    reader = StreamText()
+    pieces = [reader.decode(0, "stdout", data[i:i + 65_536]) for i in range(0, len(data), 65_536)]
+    assert "".join(pieces) + reader.decode(0, "stdout", b"") == text
+    assert reader.decode(1, "stderr", "é".encode()[:1]) == "" and reader.decode(1, "stderr", b"") == "\ufffd"
+
+
+def test_numpy_is_a_declared_dependency():
+    """F14: every tensor travels through a numpy view, but numpy was not declared."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    assert "numpy" in {re.split(r"[<>=!~ ;\[]", dep)[0] for dep in project["dependencies"]}
+
+
+def test_concurrent_restarts_leave_exactly_one_set_of_ranks(quick_mesh):
+    """F10: two restarts at once (a double click, the sidebar and a cell) left extra rank processes."""
+    agent = quick_mesh._runtime.links[0].host.pid
+    errors = []
+
+    def restart():
+        try:
+            quick_mesh.restart()
+        except BaseException as exc:  # handed to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=restart) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    ranks = sorted(s.pid for s in quick_mesh.status())
+    children = lambda: sorted(int(p) for p in subprocess.run(  # noqa: E731
+        ["pgrep", "-P", str(agent)], capture_output=True, text=True).stdout.split())
+    assert wait_until(lambda: children() == ranks, 10), (children(), ranks)
+    assert quick_mesh.run("1").by_rank() == {0: 1, 1: 1}
+
+
+def test_what_ranks_started_goes_with_them_when_their_agent_is_killed(quick_mesh):
+    """F13: after SIGKILL of the kernel or agent, the ranks died but what they started lived on."""
+    ranks = [s.pid for s in quick_mesh.status()]
+    helpers = list(quick_mesh.run("import subprocess\nsubprocess.Popen(['sleep', '300']).pid").values())
+    agent = quick_mesh._runtime.links[0].host.pid
+    os.kill(agent, signal.SIGKILL)
+    assert wait_until(lambda: not pids_alive(ranks + helpers), 10), pids_alive(ranks + helpers)
+
+
+def test_a_forged_shared_memory_reference_is_refused_and_removes_nothing(tmp_path):
+    """F9: a ShmRef from a peer made the receiver delete any file, or die of SIGBUS past its end."""
+    from monarch_kernel.core.errors import SerializationError
+    from monarch_kernel.wire.serialization import Sealed, ShmRef, seal, unseal
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    import torch
+
+    data = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: through shared memory
+    good = seal(data, shm_dir=str(_private(tmp_path / "monarch-ok")), shared=False)
+    forged_path = Sealed(good.data, [ShmRef(str(victim), 7, unlink_on_open=True)])
+    with pytest.raises(SerializationError):
+        unseal(forged_path)
+    assert victim.read_text() == "keep me"
+    real = good.buffers[0]
+    too_long = Sealed(good.data, [ShmRef(real.path, real.nbytes * 4, unlink_on_open=False)])
+    with pytest.raises(SerializationError):
+        unseal(too_long)  # mapping past the end of the file would SIGBUS this process
+    shared_folder = _private(tmp_path / "monarch-open")
+    shared_folder.chmod(0o755)
+    elsewhere = seal(data, shm_dir=str(shared_folder))
+    with pytest.raises(SerializationError):
+        unseal(elsewhere)  # a folder other users may enter is not ours to trust
+    assert torch.equal(unseal(good), data)  # the real reference still works
+
+
+def _private(path):
+    path.mkdir(mode=0o700)
+    return path

@@ -228,6 +228,11 @@ def test_the_kernel_going_away_leaves_no_process_behind(how):
         run = k.execute("import json\n%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist gloo\n" + PIDS, 120)
         pids = json.loads([o for o in run.outputs() if o["type"] == "stream"][-1]["text"].strip().splitlines()[-1])
         assert len(pids_alive(pids)) == 3  # two ranks and their host agent
+        # what the ranks start (subprocesses, DataLoader workers) must go too
+        helpers = k.execute("_h = current_registry().get().run(\"import subprocess\\n"
+                            "subprocess.Popen(['sleep', '300']).pid\")\nprint(json.dumps(list(_h.values())))", 60)
+        pids += json.loads(helpers.text().strip().splitlines()[-1])
+        assert len(pids_alive(pids)) == 5
         if how == "SIGKILL":
             k.kill()
         elif how == "restart":

@@ -59,9 +59,17 @@ def test_notebook_functions_and_classes_travel_by_value():
     assert unseal(seal(fn))(2) == 7
 
 
-def test_large_buffers_go_through_shared_memory(tmp_path):
+@pytest.fixture
+def shm_dir(tmp_path):
+    """A mesh's private shared-memory folder (0700, named like the real ones)."""
+    folder = tmp_path / "monarch-test"
+    folder.mkdir(mode=0o700)
+    return str(folder)
+
+
+def test_large_buffers_go_through_shared_memory(shm_dir):
     t = torch.arange(SHM_THRESHOLD // 4 * 2, dtype=torch.float32)
-    sealed = seal(t, shm_dir=str(tmp_path))
+    sealed = seal(t, shm_dir=shm_dir)
     refs = [b for b in sealed.buffers if isinstance(b, ShmRef)]
     assert len(refs) == 1 and os.path.exists(refs[0].path)
     # the envelope (as the agent forwards it) carries the reference, not the data
@@ -73,9 +81,9 @@ def test_large_buffers_go_through_shared_memory(tmp_path):
     assert back[0].item() == 1.0
 
 
-def test_shared_buffers_are_copy_on_write_and_released_by_sender(tmp_path):
+def test_shared_buffers_are_copy_on_write_and_released_by_sender(shm_dir):
     t = torch.zeros(SHM_THRESHOLD // 4 * 2)
-    sealed = seal({"x": t}, shm_dir=str(tmp_path), shared=True)
+    sealed = seal({"x": t}, shm_dir=shm_dir, shared=True)
     first, second = unseal(sealed)["x"], unseal(sealed)["x"]
     first += 1
     assert second.sum().item() == 0  # one receiver's writes are invisible to another

@@ -1,7 +1,10 @@
 """Multi-host meshes over real SSH: network namespaces, each with its own OpenSSH sshd."""
 
 import os
+import signal
+import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -9,7 +12,7 @@ from conftest import wait_until
 from sshhosts import SSHTestHosts, unavailable_reason
 from test_dist import DDP_CELL
 
-from monarch_kernel import MeshStartError, RemoteError, ssh_mesh
+from monarch_kernel import HealthTimings, MeshStartError, RemoteError, ssh_mesh
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 
@@ -161,8 +164,11 @@ def test_missing_monarch_kernel_names_host_and_interpreter(hosts):
 
 def test_link_cut_mid_cell_is_detected_and_cleaned_up(hosts, sink):
     baseline = processes(hosts)
+    # a cut link may never close the SSH session: agents stop their ranks after this much
+    # silence (15 minutes by default, so that a busy kernel keeps its mesh; short here)
+    patience = HealthTimings(controller_silence_s=4.0)
     m = ssh_mesh([h.alias for h in hosts.hosts], gpus=1, dist="none", python=sys.executable,
-                 connect_options=hosts.connect_options(), name="ssh-cut")
+                 connect_options=hosts.connect_options(), name="ssh-cut", health=patience)
     try:
         future = m.run_async("import time\ntime.sleep(60)", sink=sink)
         assert wait_until(lambda: all(s.state == "busy" for s in m.status()), 10)
@@ -340,3 +346,87 @@ def test_an_ssh_agent_that_gives_up_on_a_silent_controller_reports_the_deaths(ho
         assert caught.value.failures[0].rank == 0
     finally:
         m.shutdown()
+
+
+def test_env_values_never_appear_on_a_command_line_of_the_host(hosts):
+    """F6: env= values were part of the remote command, visible in ps to every user of the host."""
+    secret = "hf_not_for_your_eyes_42"
+    seen, starting = [], threading.Event()
+
+    def watch():  # every process of the host, while the agent starts (setup sleeps a while)
+        while not starting.is_set():
+            for pid in hosts.pids(hosts.hosts[0]):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if secret.encode() in f.read():
+                            seen.append(pid)
+                except OSError:
+                    pass
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        m = ssh_mesh([hosts.hosts[0].alias], gpus=1, dist="none", python=sys.executable, setup="sleep 1 # warm up",
+                     env={"HF_TOKEN": secret}, connect_options=hosts.connect_options(), name="ssh-env")
+    finally:
+        starting.set()
+        watcher.join()
+    try:
+        assert seen == []
+        assert list(m.run("import os\nos.environ['HF_TOKEN']").values()) == [secret]  # the ranks have it
+    finally:
+        m.shutdown()
+
+
+def test_the_users_ssh_agent_is_not_forwarded_unless_asked(hosts, tmp_path):
+    """F7: ForwardAgent yes in the user's config handed their SSH keys to every rank."""
+    agent = subprocess.run(["ssh-agent", "-a", str(tmp_path / "agent.sock")], capture_output=True, text=True,
+                           check=True).stdout
+    agent_pid = int(agent.split("SSH_AGENT_PID=")[1].split(";")[0])
+    config = tmp_path / "ssh_config"
+    config.write_text(open(hosts.config).read() + "\nHost *\n  ForwardAgent yes\n")
+    options = {**hosts.connect_options(), "config": [str(config)], "agent_path": str(tmp_path / "agent.sock")}
+    try:
+        m = ssh_mesh([hosts.hosts[0].alias], gpus=1, dist="none", python=sys.executable,
+                     connect_options=options, name="ssh-noforward")
+        try:
+            assert list(m.run("import os\n'SSH_AUTH_SOCK' in os.environ").values()) == [False]
+        finally:
+            m.shutdown()
+        m = ssh_mesh([hosts.hosts[0].alias], gpus=1, dist="none", python=sys.executable,
+                     connect_options={**options, "agent_forwarding": True}, name="ssh-forward")
+        try:
+            assert list(m.run("import os\n'SSH_AUTH_SOCK' in os.environ").values()) == [True]  # asked for: forwarded
+        finally:
+            m.shutdown()
+    finally:
+        os.kill(agent_pid, signal.SIGTERM)
+
+
+def test_turning_host_key_checks_off_must_be_said_twice(hosts):
+    """F8: known_hosts=None silently accepted any host key."""
+    with pytest.raises(MeshStartError, match="insecure_no_host_key_check"):
+        ssh_mesh([hosts.hosts[0].alias], gpus=1, dist="none", python=sys.executable,
+                 connect_options={**hosts.connect_options(), "known_hosts": None}, name="ssh-nokeys")
+
+
+def test_request_tty_force_in_the_users_config_does_not_break_the_start(hosts, tmp_path):
+    """F19: RequestTTY force put a terminal on the binary channel: the agent exited at once."""
+    config = tmp_path / "ssh_config"
+    config.write_text(open(hosts.config).read() + "\nHost *\n  RequestTTY force\n")
+    m = ssh_mesh([hosts.hosts[0].alias], gpus=1, dist="none", python=sys.executable,
+                 connect_options={**hosts.connect_options(), "config": [str(config)]}, name="ssh-tty")
+    try:
+        assert list(m.run("1 + 1").values()) == [2]
+    finally:
+        m.shutdown()
+
+
+@pytest.mark.parametrize("env", [{"X$(id>/tmp/owned)": "1"}, {"A B": "1"}, {"9LIVES": "1"}])
+def test_env_keys_must_be_variable_names(env):
+    """F17: an env key was pasted unquoted into the remote shell command."""
+    from monarch_kernel import MeshUsageError
+
+    with pytest.raises(MeshUsageError, match="not variable names"):
+        ssh_mesh(["host-0"], gpus=1, env=env)

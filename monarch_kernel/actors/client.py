@@ -273,12 +273,12 @@ class ReplyFuture(Future[Any]):
 
 def _failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...] | None = None) -> list[RankFailure]:
     found = []
-    sender = mesh._sender()
     for rank in ranks if ranks is not None else pending.ranks:
         reply = pending.replies.get(rank)
         if reply is None or reply.failure is None:
             continue
         f = reply.failure
+        sender = mesh._sender()
         kind = _KIND_OF_ERROR.get(f.error_type, FailureKind.INTERRUPTED if f.interrupted else FailureKind.EXCEPTION)
         message = f"{pending.label} (actor mesh {mesh.name!r}) on rank {rank}: {f.message}"
         found.append(RankFailure(rank, sender.host_of(rank), kind, f.error_type, message, f.traceback))

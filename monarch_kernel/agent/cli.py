@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,20 @@ from functools import partial
 
 from monarch_kernel.agent.host_agent import HostAgent
 from monarch_kernel.wire.transport import AsyncConnection
+
+
+def _read_env_line(fd: int) -> dict[str, str]:
+    """One JSON line from fd, read a byte at a time (what follows it is the controller's frames)."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            raise SystemExit("monarch_kernel agent: stdin closed before the environment arrived")
+        line += byte
+    env = json.loads(line)
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise SystemExit("monarch_kernel agent: the environment line is not a JSON object of strings")
+    return env
 
 
 def _warm_imports() -> None:
@@ -72,11 +87,14 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument("--stdio", action="store_true", help="talk to the controller on stdin/stdout (SSH)")
     parser.add_argument("--host", default=socket.gethostname())
     parser.add_argument("--cleanup", default=None, help="a folder to remove when the agent exits")
+    parser.add_argument("--env-stdin", action="store_true", help="read the environment from stdin first (JSON line)")
     args = parser.parse_args(argv)
+    if args.env_stdin:
+        os.environ.update(_read_env_line(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts come as messages, not signals
     from monarch_kernel.rank.worker import die_with_parent
 
-    die_with_parent()
+    die_with_parent(signal.SIGTERM)  # the kernel is gone: stop every rank's process group, then exit
     _warm_imports()
     try:
         asyncio.run(_amain(args))

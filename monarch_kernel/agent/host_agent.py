@@ -13,6 +13,7 @@ a socketpair inherited as fd N (or `--stdio` over SSH, on stdin/stdout).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -24,6 +25,20 @@ from monarch_kernel.core.failures import exit_text
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.routing import CallRouter, Send
 from monarch_kernel.wire.transport import AsyncConnection, encode
+
+
+class StreamText:
+    """Bytes read from ranks' descriptors, as text: a character split across two reads stays whole."""
+
+    def __init__(self) -> None:
+        self._decoders: dict[tuple[int, str], codecs.IncrementalDecoder] = {}
+
+    def decode(self, rank: int, stream: str, data: bytes) -> str:
+        """The text of these bytes (b"" at the end: flush what is left)."""
+        decoder = self._decoders.get((rank, stream))
+        if decoder is None:
+            decoder = self._decoders[(rank, stream)] = codecs.getincrementaldecoder("utf-8")("replace")
+        return decoder.decode(data, final=not data)
 
 
 class HostAgent:
@@ -39,6 +54,7 @@ class HostAgent:
         self._outbox: list[Any] = []
         self._last_load = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._fd_text = StreamText()
         self.router = CallRouter(next_hop=self._hop, serves=lambda rank: rank in self.ranks.local_ranks,
                                  why_dead=lambda rank: f"rank {rank} on {host} is not running",
                                  upstream=self._to_controller)
@@ -136,7 +152,9 @@ class HostAgent:
 
     def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None:
         """Text a rank wrote to its real fd 1/2 (C extensions, crashes)."""
-        self._to_controller(m.Output(rank, None, stream, data.decode("utf-8", "replace")))
+        text = self._fd_text.decode(rank, stream, data)
+        if text:
+            self._to_controller(m.Output(rank, None, stream, text))
 
     def on_rank_gone(self, rank: int, proc: RankProcess, exit_code: int | None, signal_name: str | None) -> None:
         """A rank's process ended: fail what it owed, tell the controller, release its waits."""
@@ -180,7 +198,10 @@ class HostAgent:
         """Stop all ranks and end the agent (asked: by the controller, so the exits are expected)."""
         if self.done.done():
             return
-        print(f"monarch_kernel agent on {self.host}: shutting down: {why}", file=sys.stderr, flush=True)
+        try:  # the log is the SSH channel's stderr: it may be gone with the controller
+            print(f"monarch_kernel agent on {self.host}: shutting down: {why}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
         try:
             await asyncio.wait_for(self.ranks.stop_all(0.5, asked=asked), timeout=3)
         finally:

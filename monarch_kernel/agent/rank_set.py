@@ -51,6 +51,7 @@ class RankSet:
         self.health = m.HealthTimings()
         self._store_sock: socket.socket | None = None
         self._sampler = LoadSampler()
+        self._starting = asyncio.Lock()
 
     # ------------------------------------------------------------ sending
     def send(self, rank: int, chunks: list[Any]) -> bool:
@@ -80,7 +81,14 @@ class RankSet:
         return int(self._store_sock.getsockname()[1])
 
     async def start(self, msg: m.StartRanks) -> tuple[m.RankInfo, ...]:
-        """Stop the ranks running, then fork and await the ones `msg` asks for (raises if they fail)."""
+        """Stop the ranks running, then fork and await the ones `msg` asks for (raises if they fail).
+
+        Starts run one at a time: a second StartRanks waits for the first, then replaces its ranks.
+        """
+        async with self._starting:
+            return await self._start(msg)
+
+    async def _start(self, msg: m.StartRanks) -> tuple[m.RankInfo, ...]:
         await self.stop_all(1.0)
         self.health = msg.health
         self.local_ranks = {spec.rank for spec in msg.ranks}
@@ -159,10 +167,10 @@ class RankSet:
         # heartbeats (its socket may reuse the same descriptor number)
         loop.remove_reader(proc.hb_sock.fileno())
         proc.hb_sock.close()
+        _kill_group(proc.pid, signal.SIGKILL)  # anything the rank left behind (its zombie pins the group id)
         _, status = os.waitpid(proc.pid, 0)
         code = os.waitstatus_to_exitcode(status)
         exit_code, sig = (code, None) if code >= 0 else (None, signal.Signals(-code).name)
-        _kill_group(proc.pid, signal.SIGKILL)  # anything the rank left behind
         if proc.conn is not None:
             proc.conn.close()
         if proc.ready is not None and not proc.ready.done():

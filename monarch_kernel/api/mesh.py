@@ -36,6 +36,7 @@ _mesh_numbers = itertools.count(0)
 _spawns = itertools.count(1)
 BACKENDS = ("gloo", "nccl", "none")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class Mesh:
@@ -332,6 +333,10 @@ def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, e
     if dist not in BACKENDS:
         raise MeshUsageError(f"dist={dist!r}: expected one of {', '.join(BACKENDS)}")
     name = name or f"mesh{next(_mesh_numbers)}"
+    bad_keys = [k for k in (env or {}) if not _ENV_KEY.fullmatch(k)]
+    if bad_keys:
+        raise MeshUsageError(f"env keys {bad_keys!r} are not variable names (letters, digits and '_', "
+                             "not starting with a digit)")
     if not _NAME.fullmatch(name):
         raise MeshUsageError(f"mesh name {name!r}: use 1 to 64 letters, digits, '_', '-' or '.' "
                              "(it names private folders and sockets, so no '/' or spaces)")

@@ -46,6 +46,7 @@ class MeshRuntime:
         self.sender = ControllerSender(self.state, self.controller, report_timing)  # actor calls
         self.requests = RequestBook(self.state, self.controller, self.sender, idle_output or (lambda *_: None))
         self._heartbeat: asyncio.Task[None] | None = None
+        self._lifecycle = asyncio.Lock()  # one restart or shutdown at a time (a double click, two cells)
         self._handlers: dict[type, Handler] = {
             m.Output: lambda link, msg: self.requests.output(msg),
             m.Gathered: lambda link, msg: self.requests.gathered(msg),
@@ -175,6 +176,11 @@ class MeshRuntime:
         self.controller.run(self._restart()).result(timeout or self.spec.start_timeout_s + 10)
 
     async def _restart(self) -> None:
+        async with self._lifecycle:
+            if not self.state.closed:
+                await self._restart_now()
+
+    async def _restart_now(self) -> None:
         self.requests.fail_all("the mesh was restarted")
         if any(not link.is_open for link in self.state.links):
             await self._close_links()
@@ -198,8 +204,9 @@ class MeshRuntime:
             shutil.rmtree(self.state.shm_dir, ignore_errors=True)
 
     async def _shutdown(self) -> None:
-        self.requests.fail_all(f"mesh {self.name!r} was shut down")
-        await self._close_links()
+        async with self._lifecycle:
+            self.requests.fail_all(f"mesh {self.name!r} was shut down")
+            await self._close_links()
         for rank_state in self.state.ranks.values():
             rank_state.alive = False
 

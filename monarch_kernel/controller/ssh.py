@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import os
 import secrets
 import shlex
@@ -125,6 +126,11 @@ async def connect(target: SSHTarget, *, options: dict[str, Any] | None = None,
     if target.port:
         opts["port"] = target.port
     opts.setdefault("keepalive_interval", KEEPALIVE_S)
+    opts.setdefault("agent_forwarding", False)  # the user's SSH keys stay off the hosts unless asked for
+    if "known_hosts" in opts and opts["known_hosts"] is None and not opts.pop("insecure_no_host_key_check", False):
+        raise MeshStartError(f"host {target}: known_hosts=None would accept any host key; pass "
+                             "insecure_no_host_key_check=True as well if you really mean it")
+    opts.pop("insecure_no_host_key_check", None)
     if "encryption_algs" not in opts and not _config_sets_ciphers(opts.get("config")):
         opts["encryption_algs"] = PREFERRED_CIPHERS
     opts.setdefault("keepalive_count_max", 3)
@@ -152,15 +158,25 @@ def _config_sets_ciphers(config: Any) -> bool:
 
 def agent_command(*, python: str, name: str, setup: str | None, env: dict[str, str],
                   pythonpath: str | None = None) -> str:
-    """The remote shell command that starts an agent speaking on its stdin/stdout."""
-    assigns = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
-    extra = ""
+    """The remote shell command that starts an agent speaking on its stdin/stdout.
+
+    The environment's values never appear in it (other users of the host see command
+    lines): with `env`, the agent reads them from its stdin first (`env_line`).
+    """
+    assigns = []
+    extra = " --env-stdin" if env else ""
     if pythonpath:
         assigns.append(f'PYTHONPATH={shlex.quote(pythonpath)}"${{PYTHONPATH:+:$PYTHONPATH}}"')
-        extra = f" --cleanup {shlex.quote(pythonpath)}"
+        extra += f" --cleanup {shlex.quote(pythonpath)}"
     run = (f"exec env {' '.join(assigns)} " if assigns else "exec ") + (
         f"{shlex.quote(python)} -m monarch_kernel.agent --stdio --host {shlex.quote(name)}{extra}")
-    return f"{setup} && {run}" if setup else run
+    # a setup that ends in a comment or with '&' must not swallow the agent's start
+    return f"{{ {setup}\n}} && {run}" if setup else run
+
+
+def env_line(env: dict[str, str]) -> bytes:
+    """What the agent reads first on its stdin with --env-stdin: the environment, one JSON line."""
+    return json.dumps(env).encode() + b"\n"
 
 
 async def start_agent(target: SSHTarget, *, name: str, python: str, setup: str | None,
@@ -172,7 +188,9 @@ async def start_agent(target: SSHTarget, *, name: str, python: str, setup: str |
         pythonpath = await _ship_package(conn) if ship_package else None
         command = agent_command(python=python, name=name, setup=setup, env=env, pythonpath=pythonpath)
         channel, session = await conn.create_session(lambda: _agent_session(stderr_path), command,
-                                                     encoding=None)
+                                                     encoding=None, request_pty=False)
+        if env:
+            channel.write(env_line(env))  # before any frame: the agent applies it, then imports torch
         peer = conn.get_extra_info("peername")[0]
         return RemoteAgent(target, conn, channel, session, peer, python=python)
     except BaseException:

@@ -336,21 +336,29 @@ def _tell(sock: socket.socket, activity: str) -> bool:
     return True
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent (the host agent) dies."""
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """Ask Linux to send `signum` to this process when its parent dies."""
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signum)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def _end_process_group(signum: int, frame: Any) -> None:
+    """SIGTERM on a rank (its agent stops it, or died): take everything it started along."""
+    os.killpg(0, signal.SIGKILL)
 
 
 def run_rank(conn_sock: socket.socket, hb_sock: socket.socket, config: WorkerConfig, setup) -> None:
     """Entry point of a freshly forked rank. `setup()` initializes torch.distributed."""
     parent = os.getppid()
-    die_with_parent()
+    # the rank leads its own process group: when its agent goes (even by SIGKILL), the whole
+    # group goes, with whatever the user's code started (subprocesses, DataLoader workers)
+    signal.signal(signal.SIGTERM, _end_process_group)
+    die_with_parent(signal.SIGTERM)
     if os.getppid() != parent:
         os._exit(1)
     faulthandler.enable(file=sys.__stderr__ or sys.stderr, all_threads=True)

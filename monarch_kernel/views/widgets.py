@@ -7,6 +7,7 @@ state shows them again, and a frontend without widgets shows the text view inste
 
 from __future__ import annotations
 
+import html
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -32,12 +33,12 @@ class MeshWidget(widgets.VBox):
         self._suffix = title_suffix
         snap = mesh_snapshot(mesh, title_suffix)
         self._has_gpu = snap.has_gpu
-        self._title = widgets.HTML(f"<b>{snap.title}</b>")
+        self._title = widgets.HTML(f"<b>{html.escape(snap.title)}</b>")
         self.cards: dict[int, widgets.HTML] = {}
         children: list[widgets.Widget] = [widgets.HTML("")]
-        children += [widgets.HTML(f"<b>{label}</b>") for label in snap.col_labels]
+        children += [widgets.HTML(f"<b>{html.escape(label)}</b>") for label in snap.col_labels]
         for label, row in zip(snap.row_labels, snap.rows):
-            children.append(widgets.HTML(f"<b>{label}</b>"))
+            children.append(widgets.HTML(f"<b>{html.escape(label)}</b>"))
             for cell in row:
                 card = widgets.HTML(cell_html(cell, snap.has_gpu))
                 button = widgets.Button(description="output", tooltip=f"what rank {cell.rank} printed lately",
@@ -68,8 +69,8 @@ class MeshWidget(widgets.VBox):
             if card is not None and card.value != value:
                 card.value = value
                 changed += 1
-        if self._title.value != f"<b>{snap.title}</b>":
-            self._title.value = f"<b>{snap.title}</b>"
+        if self._title.value != f"<b>{html.escape(snap.title)}</b>":
+            self._title.value = f"<b>{html.escape(snap.title)}</b>"
         return changed
 
     def show_output(self, rank: int) -> None:

@@ -6,6 +6,7 @@ without unpickling what the user sent.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -316,6 +317,7 @@ class CancelCall:
 # ---------------------------------------------------------------- fast pickling
 
 
+@functools.cache
 def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 

@@ -16,7 +16,9 @@ import io
 import mmap
 import os
 import pickle
+import re
 import secrets
+import stat
 import sys
 import types
 import weakref
@@ -157,6 +159,7 @@ def seal(obj: Any, *, shm_dir: str | None = None, shared: bool = False, name: st
     raw: list[Any] = [b.raw() for b in buffers]
     if shm_dir is not None:
         raw = [_to_shm(b, shm_dir, shared) if b.nbytes >= SHM_THRESHOLD else b for b in raw]
+        # (a buffer that cannot be written to shared memory travels in the frame instead)
     return Sealed(out.getvalue(), raw)
 
 
@@ -181,14 +184,25 @@ def _is_plain(obj: Any, depth: int = 0) -> bool:
     return True
 
 
-def _to_shm(buf: memoryview, shm_dir: str, shared: bool) -> ShmRef:
+def _to_shm(buf: memoryview, shm_dir: str, shared: bool) -> ShmRef | memoryview:
+    """Write a buffer to a private shared-memory file; the buffer itself if that fails.
+
+    /dev/shm may be full (Docker's default is 64 MB), or out of descriptors or over a file
+    size limit: the bytes then travel in the frame, and no partial file is left behind.
+    """
     path = os.path.join(shm_dir, "buf-" + secrets.token_hex(8))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return buf
     try:
         view = memoryview(buf).cast("B")
         written = 0
         while written < view.nbytes:
             written += os.write(fd, view[written:])
+    except OSError:
+        _unlink_quietly(path)
+        return buf
     finally:
         os.close(fd)
     return ShmRef(path, memoryview(buf).nbytes, unlink_on_open=not shared)
@@ -201,13 +215,36 @@ def _open_shm(ref: ShmRef) -> Any:
     mapped read-only first (no copy), then the mapping is made writable: a page is only
     copied if the receiver writes to it.
     """
-    fd = os.open(ref.path, os.O_RDONLY)
+    _check_shm_path(ref)
+    fd = os.open(ref.path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        return _map_private(fd, ref.nbytes)
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid() or found.st_size < ref.nbytes:
+            raise ValueError(f"{ref.path} is not one of our buffers of {ref.nbytes} bytes")
+        mapped = _map_private(fd, ref.nbytes)
     finally:
         os.close(fd)
-        if ref.unlink_on_open:
-            _unlink_quietly(ref.path)
+    if ref.unlink_on_open:
+        _unlink_quietly(ref.path)
+    return mapped
+
+
+_SHM_FILE = re.compile(r"buf-[0-9a-f]{16}")
+
+
+def _check_shm_path(ref: ShmRef) -> None:
+    """A reference from a peer names one of our own buffers, or it is refused (never opened or removed).
+
+    Ours: a `buf-<16 hex>` file in a `monarch-*` folder that we own and nobody else may
+    enter (0700). Remote ranks never send references (their shm_dir is None), so a
+    reference to anything else is a bug or an attack.
+    """
+    folder, name = os.path.split(ref.path)
+    if not _SHM_FILE.fullmatch(name) or not os.path.basename(folder).startswith("monarch-") or ref.nbytes < 0:
+        raise ValueError(f"{ref.path!r} is not a shared-memory buffer of a mesh")
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ValueError(f"{folder!r} is not a private folder of this user")
 
 
 def _map_private(fd: int, nbytes: int) -> Any:
