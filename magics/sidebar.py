@@ -26,6 +26,7 @@ Actions run on a helper thread, so a restart never holds up the kernel's message
 from __future__ import annotations
 
 import json
+import queue
 import threading
 from typing import Any
 
@@ -37,6 +38,7 @@ TARGET = "monarch_kernel.meshes"
 PROTOCOL_VERSION = 1
 UPDATE_INTERVAL_S = 0.5  # state changes reach the panel this fast
 LOADS_INTERVAL_S = 2.0  # load and "busy for N s" changes this fast
+MAX_QUEUED_ACTIONS = 16
 
 
 def describe_meshes(registry: MeshRegistry) -> list[dict[str, Any]]:
@@ -72,10 +74,12 @@ class SidebarChannel:
             # shell, where they wait behind a running cell. JupyterLab sends them on a subshell
             # of their own (commsOverSubshells): keep that choice, so actions act at once.
             comm._reply_subshell_for = lambda _data, default: default
+        self._actions: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=MAX_QUEUED_ACTIONS)
         comm.on_msg(self.on_msg)
         comm.on_close(lambda _msg: self._closed.set())
         self.push(force=True)
         threading.Thread(target=self._follow, name="mesh-sidebar", daemon=True).start()
+        threading.Thread(target=self._work, name="mesh-sidebar-actions", daemon=True).start()
 
     def push(self, force: bool = False, loads: bool = False) -> None:
         """Send the meshes if their states changed since the last message (or if forced);
@@ -91,14 +95,28 @@ class SidebarChannel:
                             "colours": STATE_COLOURS})
 
     def on_msg(self, msg: dict[str, Any]) -> None:
-        """Handle one request from the frontend."""
-        data = msg["content"]["data"]
-        if data.get("type") == "refresh":
+        """Handle one request from the frontend (anything malformed gets an error reply)."""
+        data = msg.get("content", {}).get("data") if isinstance(msg, dict) else None
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind == "refresh":
             self.push(force=True)
-        elif data.get("type") == "action":
-            threading.Thread(target=self._act, args=(data,), name="mesh-sidebar-action", daemon=True).start()
+        elif kind == "action" and isinstance(data, dict):
+            try:  # one worker per panel, in order: a burst of clicks starts no thread storm
+                self._actions.put_nowait(data)
+            except queue.Full:
+                self.comm.send({"type": "result", "ok": False, "action": data.get("action"),
+                                "message": "too many actions are waiting; try again when they are done"})
         else:
-            self.comm.send({"type": "result", "ok": False, "message": f"unknown request {data.get('type')!r}"})
+            shown = kind if kind is not None else type(data).__name__
+            self.comm.send({"type": "result", "ok": False, "message": f"unknown request {shown!r}"})
+
+    def _work(self) -> None:
+        while not self._closed.is_set():
+            try:
+                data = self._actions.get(timeout=UPDATE_INTERVAL_S)
+            except queue.Empty:
+                continue
+            self._act(data)
 
     def _act(self, data: dict[str, Any]) -> None:
         action, name = data.get("action"), data.get("mesh")
@@ -127,7 +145,7 @@ class SidebarChannel:
 
     def _follow(self) -> None:
         ticks = 0
-        while not self._closed.wait(UPDATE_INTERVAL_S):
+        while not self._closed.wait(UPDATE_INTERVAL_S) and not getattr(self.comm, "_closed", False):
             ticks += 1
             try:
                 self.push(loads=ticks % round(LOADS_INTERVAL_S / UPDATE_INTERVAL_S) == 0)

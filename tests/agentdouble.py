@@ -12,7 +12,9 @@ import asyncio
 import itertools
 from typing import Any
 
+from monarch_kernel import __version__
 from monarch_kernel.controller.hosts import HostConnection
+from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.serialization import seal
 from monarch_kernel.wire.transport import decode, encode
@@ -67,11 +69,13 @@ class AgentDouble:
         self._on_message: Any = None
         self._on_close: Any = None
         self.closed = asyncio.Event()
+        self.greeting: Any = handshake.hello(__version__)
 
     # what HostConnection expects of a remote agent
     def attach(self, on_message: Any, on_close: Any) -> MemoryLink:
         self._on_message, self._on_close = on_message, on_close
         self.link = MemoryLink(self)
+        self.loop.call_soon(self.say, self.greeting)  # an agent's first frame: its version
         return self.link
 
     async def wait_closed(self) -> None:
@@ -132,11 +136,13 @@ class AgentDouble:
         self.say(m.RankHealth(rank, False))
 
 
-def opener(agents: dict[str, AgentDouble]) -> Any:
+def opener(agents: dict[str, AgentDouble], greeting: Any = None) -> Any:
     """A host opener (MeshRuntime's `opener`) that starts in-memory agents, kept in `agents`."""
 
     async def open_double(spec: Any, *, log_path: str, env: dict[str, str]) -> HostConnection:
         agent = agents[spec.name] = AgentDouble(spec.name)
+        if greeting is not None:
+            agent.greeting = greeting
         return HostConnection(None, f"198.18.0.{len(agents)}", remote=agent)
 
     return open_double

@@ -211,3 +211,25 @@ def test_a_forged_shared_memory_reference_is_refused_and_removes_nothing(tmp_pat
 def _private(path):
     path.mkdir(mode=0o700)
     return path
+
+
+def test_folders_of_a_killed_kernel_are_swept_by_the_next_mesh(tmp_path):
+    """F13: after SIGKILL of the kernel its /dev/shm and /tmp mesh folders stayed forever."""
+    import tempfile
+
+    from monarch_kernel.controller.state import OWNER_FILE, sweep_stale_folders
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs
+    stale = tempfile.mkdtemp(prefix="monarch-killed-", dir="/dev/shm")
+    live = tempfile.mkdtemp(prefix="monarch-running-", dir="/dev/shm")
+    unmarked = tempfile.mkdtemp(prefix="monarch-unmarked-", dir="/dev/shm")
+    for folder, pid in ((stale, gone.pid), (live, os.getpid())):
+        with open(os.path.join(folder, OWNER_FILE), "w") as f:
+            f.write(str(pid))
+    try:
+        assert stale in sweep_stale_folders()
+        assert not os.path.exists(stale) and os.path.exists(live) and os.path.exists(unmarked)
+    finally:
+        for folder in (stale, live, unmarked):
+            subprocess.run(["rm", "-rf", folder])

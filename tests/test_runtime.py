@@ -18,7 +18,7 @@ from monarch_kernel.api.mesh import Mesh
 from monarch_kernel.controller.hosts import HostKind, HostSpec
 from monarch_kernel.controller.runtime import MeshRuntime
 from monarch_kernel.controller.state import MeshSpec
-from monarch_kernel.core.errors import ActorDiedError, MeshNotRunningError, RankDiedError
+from monarch_kernel.core.errors import ActorDiedError, MeshNotRunningError, MeshStartError, RankDiedError
 from monarch_kernel.core.shape import Shape
 from monarch_kernel.core.status import RankStatus
 from monarch_kernel.wire import messages as m
@@ -171,3 +171,19 @@ def test_a_stall_of_the_controller_loop_itself_does_not_lose_hosts(world):
     agents["node-1"].silent = True  # a host that really went away is still found
     clock.advance(5.0)
     assert wait_until(lambda: mesh.status()[2].state == RankStatus.DEAD, 5)
+
+
+@pytest.mark.parametrize("greeting, says", [
+    (("monarch_kernel hello", "0.0.9", "0123456789abcdef"), "runs monarch_kernel 0.0.9"),
+    (m.Pong(0), "runs an older monarch_kernel"),
+])
+def test_an_agent_of_another_version_is_named_at_start(greeting, says):
+    agents = {}
+    runtime = MeshRuntime(MeshSpec("skew", (HostSpec("node-0", HostKind.SSH, target="node-0"),), 1, "none",
+                                   start_timeout_s=10), opener=opener(agents, greeting))
+    try:
+        with pytest.raises(MeshStartError, match=says) as caught:
+            runtime.start(timeout=10)
+        assert "node-0" in str(caught.value) and "ship_package=True" in str(caught.value)
+    finally:
+        runtime.shutdown()

@@ -127,3 +127,17 @@ def test_loading_the_extension_announces_itself_to_open_panels():
         panel = Panel(kernel)
         assert panel.wait_for(lambda d: d.get("type") == "meshes")["meshes"] == []
         panel.close()
+
+
+def test_malformed_requests_get_an_error_reply(kernel):
+    """F20: a request that was not a JSON object raised in the kernel and got no answer."""
+    panel = Panel(kernel)
+    try:
+        panel.wait_for(lambda d: d.get("type") == "meshes")
+        for data in ("just a string", [1, 2], {"no": "type"}):
+            panel.request(data)
+        for shown in ("'str'", "'list'", "'dict'"):
+            reply = panel.wait_for(lambda d, s=shown: d.get("type") == "result" and s in d.get("message", ""))
+            assert reply["ok"] is False and "unknown request" in reply["message"]
+    finally:
+        panel.close()

@@ -19,9 +19,11 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from monarch_kernel import __version__
 from monarch_kernel.agent.launcher import RankProcess
 from monarch_kernel.agent.rank_set import RankSet, tail_text
 from monarch_kernel.core.failures import exit_text
+from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.routing import CallRouter, Send
 from monarch_kernel.wire.transport import AsyncConnection, encode
@@ -79,8 +81,9 @@ class HostAgent:
 
     # ------------------------------------------------------------ the controller
     def connected(self, conn: AsyncConnection) -> None:
-        """The controller connection is ready: send what was queued meanwhile."""
+        """The controller connection is ready: say who we are, then send what was queued meanwhile."""
         self.controller = conn
+        conn.send(handshake.hello(__version__))
         for msg in self._outbox:
             conn.send(msg)
         self._outbox.clear()

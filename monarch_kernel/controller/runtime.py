@@ -17,12 +17,14 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, ClassVar
 
+from monarch_kernel import __version__
 from monarch_kernel.controller.hosts import HostConnection, HostSpec, open_host
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.requests import IdleOutput, RequestBook
 from monarch_kernel.controller.router import ControllerSender, TimingReporter
 from monarch_kernel.controller.state import HostLink, MeshSpec, MeshState, RankSnapshot, RankState
 from monarch_kernel.core.errors import MeshStartError, MeshUsageError
+from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.calls import register_sender, unregister_sender
 
@@ -126,12 +128,19 @@ class MeshRuntime:
         await self._start_ranks()
 
     async def _connect(self, link: HostLink, spec: HostSpec) -> None:
+        link.greeted = _quiet_future(asyncio.get_running_loop())
         host = link.host = await self._open_host(spec, log_path=link.log_path, env=self.spec.env)
         link.last_pong = self._clock()
         link.conn = await host.connect(partial(self._on_message, link), partial(self._on_lost, link))
 
     async def _start_ranks(self) -> None:
         links = self.state.links
+        try:
+            await asyncio.wait_for(asyncio.gather(*(link.greeted for link in links if link.greeted is not None)),
+                                   self.spec.start_timeout_s)
+        except TimeoutError:
+            raise MeshStartError(f"mesh {self.name!r}: no agent answered within {self.spec.start_timeout_s:.0f} s; "
+                                 f"see the agent logs in {self.state.run_dir}") from None
         hosts = [link.host for link in links if link.host is not None]
         assert len(hosts) == len(links), "every host is connected before its ranks start"
         master = self.spec.master_addr or hosts[0].address
@@ -248,7 +257,17 @@ class MeshRuntime:
     # ------------------------------------------------------------ messages from agents
     def _on_message(self, link: HostLink, msg: Any) -> None:
         link.last_pong = self._clock()
-        link.answered = True  # until then the agent may still be importing torch
+        if not link.answered:  # the agent's first frame says which version it runs
+            link.answered = True  # (until then it may still be importing torch)
+            problem = handshake.mismatch(msg, link.name, __version__)
+            if link.greeted is not None and not link.greeted.done():
+                if problem is None:
+                    link.greeted.set_result(None)
+                else:
+                    link.greeted.set_exception(MeshStartError(f"mesh {self.name!r}: {problem}"))
+            if problem is not None:
+                link.close()
+            return
         handler = self._handlers.get(type(msg))
         if handler is not None:
             handler(link, msg)
@@ -281,13 +300,14 @@ class MeshRuntime:
         for rank in link.ranks:
             if self.state.ranks[rank].alive:
                 self.requests.rank_exited(rank, None, None, (why,), expected=False, host_lost=True)
-        if link.started is not None and not link.started.done():
+        if any(w is not None and not w.done() for w in (link.greeted, link.started)):
             asyncio.get_running_loop().create_task(self._fail_start(link))
 
     async def _fail_start(self, link: HostLink) -> None:
         why = await link.host.explain_exit(link.log_path) if link.host is not None else "its agent exited"
-        if link.started is not None and not link.started.done():
-            link.started.set_exception(MeshStartError(f"mesh {self.name!r}: host {link.name}: {why}"))
+        for waiting in (link.greeted, link.started):
+            if waiting is not None and not waiting.done():
+                waiting.set_exception(MeshStartError(f"mesh {self.name!r}: host {link.name}: {why}"))
 
     # ------------------------------------------------------------ logs
     def agent_log(self, host: int | str, lines: int = 50) -> str:

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import os
 import queue
+import shutil
 import tempfile
 import time
 from collections import deque
@@ -146,6 +147,7 @@ class HostLink:
     ranks: list[int]
     host: HostConnection | None = None
     conn: AsyncConnection | None = None
+    greeted: asyncio.Future[None] | None = None  # the agent said which version it runs
     started: asyncio.Future[tuple[m.RankInfo, ...]] | None = None
     store_port: asyncio.Future[int] | None = None
     last_pong: float = 0.0
@@ -180,8 +182,9 @@ class MeshState:
         self.requests: dict[int, Request] = {}
         self.history: deque[TimingRecord] = deque(maxlen=HISTORY_RECORDS)
         self.closed = False
-        self.run_dir = tempfile.mkdtemp(prefix=f"monarch-{name}-")
-        self.shm_dir = _private_shm_dir(name)
+        sweep_stale_folders()
+        self.run_dir = _owned_folder(tempfile.mkdtemp(prefix=f"monarch-{name}-"))
+        self.shm_dir = _owned_folder(_private_shm_dir(name))
         self._local_ranks: tuple[list[HostLink], frozenset[int]] = ([], frozenset())
 
     def by_link(self, ranks: Iterable[int] | None) -> Iterator[tuple[HostLink, tuple[int, ...]]]:
@@ -268,6 +271,53 @@ class MeshState:
             if req is not None:
                 return req.label
         return None
+
+
+OWNER_FILE = ".owner"  # the pid of the kernel a mesh folder belongs to
+
+
+def _owned_folder(path: str) -> str:
+    """Mark a mesh folder with this process's pid, so a later kernel can tell when it is stale."""
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        f.write(str(os.getpid()))
+    return path
+
+
+def sweep_stale_folders() -> list[str]:
+    """Remove mesh folders of this user whose kernel is gone (it was killed: no cleanup ran).
+
+    Only folders named `monarch-*`, owned by this user and marked with the pid of a
+    process that no longer exists are removed; they hold sockets and shared-memory buffers.
+    """
+    removed = []
+    for base in {"/dev/shm", tempfile.gettempdir()}:
+        try:
+            names = [n for n in os.listdir(base) if n.startswith("monarch-")]
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(base, name)
+            try:
+                if os.lstat(path).st_uid != os.getuid():
+                    continue
+                with open(os.path.join(path, OWNER_FILE)) as f:
+                    pid = int(f.read().strip())
+            except (OSError, ValueError):
+                continue  # not a folder of ours, or one from before owners were written
+            if not _pid_exists(pid):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _private_shm_dir(name: str) -> str:

@@ -387,4 +387,6 @@ def unflatten(flat: tuple[Any, ...]) -> Any:
     if at is not None:
         inner = values[at]
         values[at] = tuple(unflatten(r) for r in inner) if cls is Gathered else unflatten(inner)
-    return _rebuild(cls, tuple(values))
+    obj: Any = object.__new__(cls)  # as _rebuild does, inline: this runs for every message
+    obj.__dict__.update(zip(_field_names(cls), values))
+    return obj
