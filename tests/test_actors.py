@@ -37,6 +37,9 @@ class Counter(Actor):
         self.seen = []
         self.born_at = current_rank()
 
+    def reset_quietly(self):  # a plain method: not callable from other processes
+        self.value = 0
+
     @endpoint
     def add(self, by=1):
         self.value += by
@@ -391,3 +394,15 @@ def test_restart_fails_pending_calls_and_forgets_actors():
             counters.add.call().get(timeout=5)
         again = mesh.spawn("c", Counter, 5)
         assert set(again.add.call().get().values()) == {6}
+
+
+def test_the_rank_refuses_methods_that_are_not_endpoints(mesh, counters):
+    """A handle that names a plain method (forged, or from an older class) gets a clear refusal."""
+    from monarch_kernel.actors.client import ActorMesh
+
+    forged = ActorMesh(counters.mesh_name, counters.name, counters.class_name,
+                       counters.endpoints | {"reset_quietly"}, counters.shape, counters.key)
+    with pytest.raises(ActorError, match="only methods marked @endpoint") as caught:
+        forged.slice(gpus=0).reset_quietly.call_one().get(timeout=10)
+    assert caught.value.failures[0].error_type == "AttributeError"
+    assert counters.slice(gpus=0).add.call_one(0).get(timeout=10) != 0  # it did not run

@@ -76,8 +76,10 @@ def test_calls_queued_to_a_busy_rank_never_block_the_controller_loop(quick_mesh)
     busy = rank0.busy.call_one(3.0)  # its main thread (which reads the lane) sleeps
     assert wait_until(lambda: (quick_mesh.status()[0].busy_with or "").startswith("Sink.busy"), 10)
     queued = [rank0.take.call_one(b"x" * 300_000) for _ in range(8)]  # more than the socket holds
-    time.sleep(0.3)  # let the service tick try to write them
-    assert controller_answers(quick_mesh, 0.5)  # the loop thread is free
+    lane = quick_mesh._runtime.sender.lanes.get(0)
+    assert wait_until(lambda: lane.wants_write, 5)  # the socket is full: bytes wait for the rank
+    for _ in range(5):  # the service tick keeps trying to write them meanwhile
+        assert controller_answers(quick_mesh, 0.5)  # and the loop thread stays free
     assert busy.get(timeout=10) == pids[0]
     assert [q.get(timeout=10) for q in queued] == [300_000] * 8  # every byte arrived, in order
     assert [s.pid for s in quick_mesh.status()] == pids
