@@ -71,7 +71,7 @@ class _ActorTiming:
             return
         registry = _state.get("registry")
         meshes = [registry.get(name) for name in registry.names()] if registry is not None else []
-        view = run_timing_view(label, times, rank_labels(meshes))
+        view = run_timing_view(label, times, lambda: rank_labels(meshes))
         if view is None:
             return
         cell = getattr(self.shell, "execution_count", None)

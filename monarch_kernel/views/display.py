@@ -66,6 +66,6 @@ def rank_labels(meshes: list[Mesh]) -> dict[int, str]:
 
 def show_run_timing(title: str, times: list[tuple[int, float | None, bool]], meshes: list[Mesh]) -> None:
     """Per-rank bars of a finished run, when it is worth showing (see `timing.run_timing_view`)."""
-    view = run_timing_view(title, times, rank_labels(meshes))
+    view = run_timing_view(title, times, lambda: rank_labels(meshes))
     if view is not None:
         show(view)

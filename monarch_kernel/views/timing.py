@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,16 +106,17 @@ class TimingView(TextHtmlView):
 
 
 def run_timing_view(title: str, times: list[tuple[int, float | None, bool]],
-                    labels: dict[int, str]) -> TimingView | None:
+                    labels: Callable[[], dict[int, str]]) -> TimingView | None:
     """The bars of a run of several ranks, or None when they are not worth showing.
 
     A run that took under MIN_SHOWN_S on every rank without failing needs no bars (its
-    times are still in `mesh.history()`).
+    times are still in `mesh.history()`). `labels` is asked only for runs worth showing.
     """
     slowest = max((sec for _, sec, _ in times if sec is not None), default=None)
     if len(times) < 2 or (slowest is not None and slowest < MIN_SHOWN_S and all(ok for _, _, ok in times)):
         return None
-    return TimingView(f"{title} per rank", [RankTime(r, labels.get(r, f"rank {r}"), sec, ok) for r, sec, ok in times])
+    names = labels()
+    return TimingView(f"{title} per rank", [RankTime(r, names.get(r, f"rank {r}"), sec, ok) for r, sec, ok in times])
 
 
 def _seconds(s: float | None) -> str:
