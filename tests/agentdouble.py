@@ -84,6 +84,9 @@ class AgentDouble:
     def close(self) -> None:
         self.closed.set()
 
+    async def remove_shipped(self) -> None:
+        return None  # nothing was shipped to an in-memory host
+
     async def explain_exit(self) -> str:
         return f"the agent on {self.name} went away"
 

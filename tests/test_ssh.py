@@ -430,3 +430,14 @@ def test_env_keys_must_be_variable_names(env):
 
     with pytest.raises(MeshUsageError, match="not variable names"):
         ssh_mesh(["host-0"], gpus=1, env=env)
+
+
+def test_a_failed_start_with_ship_leaves_no_copy_on_the_host(hosts):
+    """F18: --ship with a wrong python left /tmp/monarch-pkg-<hex> on the host at every attempt."""
+    import glob
+
+    before = set(glob.glob("/tmp/monarch-pkg-*"))  # the test hosts share this machine's /tmp
+    with pytest.raises(MeshStartError, match="not found"):
+        ssh_mesh([hosts.hosts[0].alias], gpus=1, dist="none", python="/no/such/python3", ship_package=True,
+                 connect_options=hosts.connect_options(), name="ssh-badship")
+    assert wait_until(lambda: set(glob.glob("/tmp/monarch-pkg-*")) <= before, 10)

@@ -103,6 +103,7 @@ class HostConnection:
                 await asyncio.wait_for(self.remote.wait_closed(), timeout)
             except (TimeoutError, Exception):  # noqa: BLE001 - closing anyway
                 pass
+            await self.remote.remove_shipped()
             self.remote.close()
 
 

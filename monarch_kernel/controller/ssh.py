@@ -63,6 +63,7 @@ class RemoteAgent:
     session: Any  # _AgentSession: stdout frames to the controller, stderr to the host's log
     peer_address: str
     python: str = "python3"
+    shipped: str | None = None  # the folder this package was copied to (--ship), removed at the end
 
     def attach(self, on_message: Callable[[Any], None],
                on_close: Callable[[Exception | None], None]) -> ChannelConnection:
@@ -72,6 +73,15 @@ class RemoteAgent:
     async def wait_closed(self) -> None:
         """Until the agent's channel is closed."""
         await asyncio.shield(self.session.lost)
+
+    async def remove_shipped(self, timeout: float = 5.0) -> None:
+        """Remove the copy of this package (an agent that ran removes it itself; one that failed cannot)."""
+        if self.shipped is None or self.channel.get_exit_status() == 0:
+            return  # nothing shipped, or the agent ran and removed it on its way out
+        try:
+            await asyncio.wait_for(self.connection.run(f"rm -rf {shlex.quote(self.shipped)}"), timeout)
+        except Exception:  # noqa: BLE001 - the host may be gone: nothing more to do then
+            pass
 
     def close(self) -> None:
         """Close the SSH connection (the agent exits when its stdin closes)."""
@@ -185,15 +195,22 @@ async def start_agent(target: SSHTarget, *, name: str, python: str, setup: str |
     """Connect to a host and start its agent; returns the bridged local socket."""
     conn = await connect(target, options=options, timeout=timeout)
     try:
-        pythonpath = await _ship_package(conn) if ship_package else None
+        pythonpath = None
+        if ship_package:
+            pythonpath = await _ship_package(conn)
         command = agent_command(python=python, name=name, setup=setup, env=env, pythonpath=pythonpath)
         channel, session = await conn.create_session(lambda: _agent_session(stderr_path), command,
                                                      encoding=None, request_pty=False)
         if env:
             channel.write(env_line(env))  # before any frame: the agent applies it, then imports torch
         peer = conn.get_extra_info("peername")[0]
-        return RemoteAgent(target, conn, channel, session, peer, python=python)
+        return RemoteAgent(target, conn, channel, session, peer, python=python, shipped=pythonpath)
     except BaseException:
+        if pythonpath:
+            try:
+                await asyncio.wait_for(conn.run(f"rm -rf {shlex.quote(pythonpath)}"), 5)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
         conn.close()
         raise
 
@@ -286,8 +303,10 @@ def _agent_session(stderr_path: str) -> Any:
 async def _ship_package(conn) -> str:
     """Copy this monarch_kernel's source to a private temporary folder on the host."""
     name = f"monarch-pkg-{secrets.token_hex(8)}"
-    made = await conn.run(f'd="${{TMPDIR:-/tmp}}/{name}" && mkdir -m 700 "$d" && echo "$d"', check=True)
-    remote = made.stdout.strip()
+    made = await conn.run(f'd="${{TMPDIR:-/tmp}}/{name}" && mkdir -m 700 "$d" && echo "MONARCH_SHIPPED_TO=$d"',
+                          check=True)
+    # the last marked line: a shell profile that prints something cannot confuse it
+    remote = [line for line in made.stdout.splitlines() if line.startswith("MONARCH_SHIPPED_TO=")][-1].split("=", 1)[1]
     async with conn.start_sftp_client() as sftp:
         await sftp.put(PACKAGE_DIR, f"{remote}/monarch_kernel", recurse=True)
     return remote
