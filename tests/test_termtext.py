@@ -39,3 +39,17 @@ def test_line_log_keeps_complete_lines_and_the_latest_progress_state():
     log.write("stdout", "a\nb\n")
     assert log.texts() == ["boom", "a", "b"]  # bounded
     assert log.tail(2) == [("stdout", "a"), ("stdout", "b")]
+
+
+def test_a_line_that_never_ends_is_kept_bounded():
+    """F12: 32 MiB written without a newline grew the open line at every chunk (quadratic)."""
+    from monarch_kernel.core.termtext import OPEN_LINE_MAX, LineLog
+
+    log = LineLog(10)
+    chunk = "x" * (64 << 10)
+    for i in range(512):  # 32 MiB in 64 KiB reads, as the agent gets them
+        log.write("stdout", chunk[:-1] + str(i % 10))
+    (stream, line), = log.tail()
+    assert stream == "stdout" and len(line) == OPEN_LINE_MAX and line.endswith("1")
+    log.write("stdout", " done\n")
+    assert log.tail()[-1][1].endswith("1 done") and len(log.tail()[-1][1]) <= OPEN_LINE_MAX + 5

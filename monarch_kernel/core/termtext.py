@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterator
 
 PROGRESS_PIECE_MAX = 1_000  # a rewrite of a line longer than this counts as output, not progress
+OPEN_LINE_MAX = 64 << 10  # an unfinished line keeps its last 64 KiB (a line is for reading, not storage)
 
 
 def shown_line(line: str) -> str:
@@ -57,7 +58,9 @@ class LineLog:
         *complete, rest = (self._open.pop(stream, "") + text).split("\n")
         self.lines.extend((stream, shown) for shown in map(shown_line, complete) if shown.strip())
         if rest:
-            self._open[stream] = open_line(rest)
+            # bounded, so that output without newlines (32 MiB from a C library, say) costs
+            # linear time instead of copying the growing line at every chunk
+            self._open[stream] = open_line(rest)[-OPEN_LINE_MAX:]
 
     def append(self, entry: tuple[str, str]) -> None:
         """Add one complete (stream, line)."""
