@@ -235,3 +235,23 @@ def test_folders_of_a_killed_kernel_are_swept_by_the_next_mesh(tmp_path):
     finally:
         for folder in (stale, live, unmarked):
             subprocess.run(["rm", "-rf", folder])
+
+
+def test_a_stop_in_the_middle_of_sending_a_call_stops_it_where_it_arrived(quick_mesh, monkeypatch):
+    """The stop button between two ranks' sends left the first rank running the call, untracked."""
+    sinks = quick_mesh.spawn("interrupted", Sink)
+    lanes = quick_mesh._runtime.sender.lanes
+    real_send = lanes.send
+    sent = []
+
+    def send_then_stop(lane, chunks):  # the stop button lands after the first rank got the call
+        real_send(lane, chunks)
+        sent.append(lane)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lanes, "send", send_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        sinks.busy.call(30)
+    monkeypatch.undo()
+    assert len(sent) == 1
+    assert sinks.slice(gpus=0).take.call_one(b"x").get(timeout=10) == 1  # free at once, not in 30 s

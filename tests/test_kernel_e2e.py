@@ -143,14 +143,14 @@ def test_stop_button_interrupts_every_rank_within_a_second(kernel):
 
 def test_stop_button_while_waiting_on_an_actor_stops_the_endpoint(kernel, tmp_path):
     defined = kernel.execute(
-        "import time\nfrom monarch_kernel import Actor, endpoint\nfrom monarch_kernel.magics import current_mesh\n"
+        "import os, time\nfrom monarch_kernel import Actor, endpoint\nfrom monarch_kernel.magics import current_mesh\n"
         "class Sleeper(Actor):\n    @endpoint\n    def nap(self, s, marker=None):\n        if marker:\n"
-        "            open(marker, 'w').close()\n        time.sleep(s)\n        return 'rested'\n"
+        "            open(f'{marker}-{os.environ[\"RANK\"]}', 'w').close()\n        time.sleep(s)\n        return 'rested'\n"
         "sleepers = current_mesh().spawn('sleepers', Sleeper)", 30)
     assert defined.status == "ok", defined.text()
-    marker = tmp_path / "napping"  # the endpoints are running once it exists
+    marker = tmp_path / "napping"  # the endpoints run once each rank made its file
     run, seconds = _interrupted_while_running(kernel, f"sleepers.nap.call(100, {str(marker)!r}).get()",
-                                              lambda run: marker.exists())
+                                              lambda run: len(list(tmp_path.glob("napping-*"))) == 4)
     assert seconds < 2.0
     error = "\n".join([o for o in run.outputs() if o["type"] == "error"][0]["traceback"])
     assert "Sleeper.nap" in error and "KeyboardInterrupt" in error and "time.sleep(s)" in error  # notebook source

@@ -171,8 +171,12 @@ class ActorMesh:
                     release(sealed)
 
             pending.on_reply = replied
-        sender.send_call(ActorCall(sender.caller_id, pending.call_id, self.key, endpoint_name, sealed,
-                                   ranks, want_value))
+        try:
+            sender.send_call(ActorCall(sender.caller_id, pending.call_id, self.key, endpoint_name, sealed,
+                                       ranks, want_value))
+        except BaseException:  # stopped mid-send: the ranks that already have the call must drop it
+            sender.send_cancel(CancelCall(sender.caller_id, pending.call_id, ranks))
+            raise
         return pending
 
     def _cancel(self, pending: PendingCall) -> None:
