@@ -78,10 +78,7 @@ class RemoteAgent:
         """Remove the copy of this package (an agent that ran removes it itself; one that failed cannot)."""
         if self.shipped is None or self.channel.get_exit_status() == 0:
             return  # nothing shipped, or the agent ran and removed it on its way out
-        try:
-            await asyncio.wait_for(self.connection.run(f"rm -rf {shlex.quote(self.shipped)}"), timeout)
-        except Exception:  # noqa: BLE001 - the host may be gone: nothing more to do then
-            pass
+        await _remove_folder(self.connection, self.shipped, timeout)
 
     def close(self) -> None:
         """Close the SSH connection (the agent exits when its stdin closes)."""
@@ -195,9 +192,7 @@ async def start_agent(target: SSHTarget, *, name: str, python: str, setup: str |
     """Connect to a host and start its agent; returns the bridged local socket."""
     conn = await connect(target, options=options, timeout=timeout)
     try:
-        pythonpath = None
-        if ship_package:
-            pythonpath = await _ship_package(conn)
+        pythonpath = await _ship_package(conn) if ship_package else None
         command = agent_command(python=python, name=name, setup=setup, env=env, pythonpath=pythonpath)
         channel, session = await conn.create_session(lambda: _agent_session(stderr_path), command,
                                                      encoding=None, request_pty=False)
@@ -207,10 +202,7 @@ async def start_agent(target: SSHTarget, *, name: str, python: str, setup: str |
         return RemoteAgent(target, conn, channel, session, peer, python=python, shipped=pythonpath)
     except BaseException:
         if pythonpath:
-            try:
-                await asyncio.wait_for(conn.run(f"rm -rf {shlex.quote(pythonpath)}"), 5)
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
+            await _remove_folder(conn, pythonpath)
         conn.close()
         raise
 
@@ -298,6 +290,14 @@ def _agent_session(stderr_path: str) -> Any:
 
         _SESSION_TYPE = AgentSession
     return _SESSION_TYPE(stderr_path)
+
+
+async def _remove_folder(conn: Any, path: str, timeout: float = 5.0) -> None:
+    """Remove a folder on the host (best effort: the host may be gone, and then nothing is to be done)."""
+    try:
+        await asyncio.wait_for(conn.run(f"rm -rf {shlex.quote(path)}"), timeout)
+    except Exception:  # noqa: BLE001 - best effort
+        pass
 
 
 async def _ship_package(conn) -> str:
