@@ -1,5 +1,8 @@
 """torch.distributed across local ranks: DDP training gives identical parameters."""
 
+import os
+import stat
+
 import pytest
 
 DDP_CELL = """
@@ -46,3 +49,23 @@ def test_no_process_group(backend, sink):
     with local_mesh(gpus=2, dist=backend) as mesh:
         vm = mesh.run("import torch.distributed as dist\ndist.is_initialized()", sink=sink)
         assert list(vm.values()) == [False, False]
+
+
+STORE_CELL = """
+import os, socket, stat, torch.distributed as dist
+store = dist.distributed_c10d._get_default_store()
+while isinstance(store, dist.PrefixStore):
+    store = store.underlying_store
+with socket.socket() as probe:
+    refused = probe.connect_ex((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))) != 0
+(type(store).__name__, refused)
+"""
+
+
+def test_single_host_store_is_a_file_in_the_private_folder(mesh4, sink):
+    """Other local users cannot reach the rendezvous (F4): no TCP store listens on MASTER_PORT."""
+    vm = mesh4.run(STORE_CELL, sink=sink)
+    assert list(vm.values()) == [("FileStore", True)] * 4
+    shm_dir = mesh4._runtime.state.shm_dir
+    assert shm_dir is not None and stat.S_IMODE(os.stat(shm_dir).st_mode) == 0o700
+    assert any(name.startswith("store-") for name in os.listdir(shm_dir))

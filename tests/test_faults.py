@@ -7,6 +7,7 @@ import math
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -132,14 +133,27 @@ def test_a_value_that_cannot_be_written_to_shared_memory_travels_in_the_frame(qu
 
 def test_characters_split_across_reads_of_a_rank_descriptor_stay_whole():
     """F22: a multi-byte character cut by a 64 KiB read became U+FFFD."""
-    from monarch_kernel.agent.host_agent import StreamText
+    from monarch_kernel.agent.fd_output import FdOutput
 
     text = "€uro ✓ " * 10_000
     data = text.encode()
-    reader = StreamText()
-    pieces = [reader.decode(0, "stdout", data[i:i + 65_536]) for i in range(0, len(data), 65_536)]
-    assert "".join(pieces) + reader.decode(0, "stdout", b"") == text
-    assert reader.decode(1, "stderr", "é".encode()[:1]) == "" and reader.decode(1, "stderr", b"") == "\ufffd"
+    reader = FdOutput()
+    pieces = [reader.take(0, "stdout", data[i:i + 65_536]) for i in range(0, len(data), 65_536)]
+    assert "".join(pieces) + reader.take(0, "stdout", b"") == text
+    assert reader.take(1, "stderr", "é".encode()[:1]) == "" and reader.take(1, "stderr", b"") == "\ufffd"
+
+
+def test_output_written_to_the_descriptors_is_capped_per_request(quick_mesh, sink):
+    """F12: the cap on output held only for Python's print; os.write and subprocesses had none."""
+    from monarch_kernel.agent.fd_output import MAX_FD_OUTPUT_PER_REQUEST
+
+    quick_mesh.run("import os\nfor _ in range(40):\n    os.write(1, b'x' * (1 << 19) + b'\\n')", sink=sink, timeout=60)
+    assert wait_until(lambda: all("were not shown (at most" in t for t in sink.text("stderr").values()), 10)
+    assert sorted(sink.text("stderr")) == [0, 1]
+    assert all(text.count("x") <= MAX_FD_OUTPUT_PER_REQUEST for text in sink.text().values())
+    sink.events.clear()
+    quick_mesh.run("import os\nos.write(1, b'fresh budget\\n')", sink=sink)
+    assert wait_until(lambda: all("fresh budget" in t for t in sink.text().values()) and len(sink.text()) == 2, 10)
 
 
 def test_numpy_is_a_declared_dependency():
@@ -255,3 +269,28 @@ def test_a_stop_in_the_middle_of_sending_a_call_stops_it_where_it_arrived(quick_
     monkeypatch.undo()
     assert len(sent) == 1
     assert sinks.slice(gpus=0).take.call_one(b"x").get(timeout=10) == 1  # free at once, not in 30 s
+
+
+def test_garbage_on_a_ranks_lane_closes_that_lane_only(quick_mesh):
+    """F16: an 8-byte header made the rank allocate 1 GiB; a half frame wedged the lane."""
+    sinks = quick_mesh.spawn("sinks", Sink)
+    assert list(sinks.take.call(b"x").get(timeout=10).values()) == [1, 1]
+    pid = quick_mesh.status()[0].pid
+    rss_before = _rss_kib(pid)
+    from monarch_kernel.wire.lane_client import connect_lane
+    from monarch_kernel.wire.lanes import lane_path
+
+    for garbage in (struct.pack("!II", 1 << 30, 0), struct.pack("!II", 50, 0) + b"\x80\x05not a pickle" * 5):
+        sock = connect_lane(lane_path(quick_mesh._runtime.state.shm_dir, 0))
+        sock.settimeout(10)
+        sock.sendall(garbage)
+        assert sock.recv(1) == b""  # the rank closed this lane
+        sock.close()
+    assert _rss_kib(pid) - rss_before < 200 * 1024  # no buffer of the announced gigabyte
+    assert list(sinks.take.call(b"xy").get(timeout=10).values()) == [2, 2]  # the notebook's own lane works
+    assert quick_mesh.status()[0].pid == pid
+
+
+def _rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))

@@ -120,3 +120,18 @@ def test_unfinished_lines_show_live_after_the_others():
     model.finish()  # unfinished lines become lines, in their last state
     assert model.open_lines() == []
     assert [g.text for g in model.groups] == ["epoch 1", "train 10%", "train 30%"]
+
+
+def test_a_line_without_end_is_kept_bounded_and_costs_linear_time():
+    """F12: 32 MiB without a newline copied the growing open line at every 64 KiB chunk."""
+    from monarch_kernel.core.termtext import OPEN_LINE_MAX
+
+    model = OutputGroups([0, 1])
+    chunk = "x" * (64 << 10)
+    for _ in range(512):  # 32 MiB in 64 KiB reads, as the agent forwards fd output
+        model.add(0, "stdout", chunk)
+    assert max(len(g.text) for g in model.open_lines()) == OPEN_LINE_MAX
+    model.add(0, "stdout", "\n" + "y" * (OPEN_LINE_MAX * 2) + "\n")
+    assert [len(g.text) for g in model.groups] == [OPEN_LINE_MAX, OPEN_LINE_MAX]
+    assert model.dropped_chars == (32 << 20) - OPEN_LINE_MAX + OPEN_LINE_MAX  # the end of each long line
+    assert "characters of lines longer than" in render_text(model)

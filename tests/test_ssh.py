@@ -12,7 +12,7 @@ from conftest import wait_until
 from sshhosts import SSHTestHosts, unavailable_reason
 from test_dist import DDP_CELL
 
-from monarch_kernel import HealthTimings, MeshStartError, RemoteError, ssh_mesh
+from monarch_kernel import HealthTimings, MeshStartError, MeshUsageError, RemoteError, ssh_mesh
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 
@@ -441,3 +441,25 @@ def test_a_failed_start_with_ship_leaves_no_copy_on_the_host(hosts):
         ssh_mesh([hosts.hosts[0].alias], gpus=1, dist="none", python="/no/such/python3", ship_package=True,
                  connect_options=hosts.connect_options(), name="ssh-badship")
     assert wait_until(lambda: set(glob.glob("/tmp/monarch-pkg-*")) <= before, 10)
+
+
+def test_a_gloo_mesh_through_a_jump_host_learns_the_hosts_address(hosts, tmp_path, sink):
+    """Through ProxyJump the connection has no peer address: MASTER_ADDR comes from the host (F5)."""
+    config = tmp_path / "ssh_config"
+    config.write_text(open(hosts.config).read() + f"\nHost behind\n  HostName {hosts.hosts[1].address}\n"
+                      f"  User root\n  IdentityFile {hosts.key}\n  ProxyJump host-0\n")
+    known = tmp_path / "known_hosts"
+    lines = open(hosts.known_hosts).read().splitlines()
+    known.write_text("\n".join(lines + [line.replace("host-1,", "behind,", 1) for line in lines
+                                        if line.startswith("host-1,")]) + "\n")
+    options = {"config": [str(config)], "known_hosts": str(known), "client_keys": [hosts.key]}
+    with ssh_mesh(["behind", "host-0"], gpus=1, dist="gloo", python=sys.executable, connect_options=options,
+                  name="jumpgloo", timeout=60) as m:
+        vm = m.run("import os, torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                   "(os.environ['MASTER_ADDR'], t.item())", sink=sink, timeout=60)
+        assert list(vm.values()) == [(hosts.hosts[1].address, 2.0)] * 2
+
+
+def test_master_addr_that_names_every_interface_is_refused():
+    with pytest.raises(MeshUsageError, match="0.0.0.0"):
+        ssh_mesh(["host-0"], gpus=1, dist="gloo", master_addr="0.0.0.0")

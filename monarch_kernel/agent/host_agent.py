@@ -13,13 +13,13 @@ a socketpair inherited as fd N (or `--stdio` over SSH, on stdin/stdout).
 from __future__ import annotations
 
 import asyncio
-import codecs
 import sys
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from monarch_kernel import __version__
+from monarch_kernel.agent.fd_output import FdOutput
 from monarch_kernel.agent.launcher import RankProcess
 from monarch_kernel.agent.rank_set import RankSet, tail_text
 from monarch_kernel.core.failures import exit_text
@@ -27,20 +27,6 @@ from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.routing import CallRouter, Send
 from monarch_kernel.wire.transport import AsyncConnection, encode
-
-
-class StreamText:
-    """Bytes read from ranks' descriptors, as text: a character split across two reads stays whole."""
-
-    def __init__(self) -> None:
-        self._decoders: dict[tuple[int, str], codecs.IncrementalDecoder] = {}
-
-    def decode(self, rank: int, stream: str, data: bytes) -> str:
-        """The text of these bytes (b"" at the end: flush what is left)."""
-        decoder = self._decoders.get((rank, stream))
-        if decoder is None:
-            decoder = self._decoders[(rank, stream)] = codecs.getincrementaldecoder("utf-8")("replace")
-        return decoder.decode(data, final=not data)
 
 
 class HostAgent:
@@ -56,7 +42,7 @@ class HostAgent:
         self._outbox: list[Any] = []
         self._last_load = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._fd_text = StreamText()
+        self._fd_output = FdOutput()
         self.router = CallRouter(next_hop=self._hop, serves=lambda rank: rank in self.ranks.local_ranks,
                                  why_dead=lambda rank: f"rank {rank} on {host} is not running",
                                  upstream=self._to_controller)
@@ -113,6 +99,9 @@ class HostAgent:
 
     def _fan_out(self, msg: m.ToRanks) -> None:
         req_id = msg.body.req_id
+        for rank in msg.ranks:
+            self._fd_note(rank, None)
+        self._fd_output.refill(msg.ranks)
         chunks = encode(msg.body)
         waiting = {rank for rank in msg.ranks if self.ranks.send(rank, chunks)}  # dead ones: already known
         self.pending[req_id] = (waiting, [])
@@ -147,15 +136,21 @@ class HostAgent:
         self._to_controller(msg)
 
     def _result(self, rank: int, msg: m.Result) -> None:
+        self._fd_note(rank, msg.req_id)
         entry = self.pending.get(msg.req_id)
         if entry is not None:
             entry[0].discard(rank)
             entry[1].append(msg)
             self._maybe_gathered(msg.req_id)
 
+    def _fd_note(self, rank: int, req_id: int | None) -> None:
+        note = self._fd_output.settle(rank)
+        if note:
+            self._to_controller(m.Output(rank, req_id, "stderr", note))
+
     def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None:
         """Text a rank wrote to its real fd 1/2 (C extensions, crashes)."""
-        text = self._fd_text.decode(rank, stream, data)
+        text = self._fd_output.take(rank, stream, data)
         if text:
             self._to_controller(m.Output(rank, None, stream, text))
 
@@ -209,6 +204,7 @@ class HostAgent:
             await asyncio.wait_for(self.ranks.stop_all(0.5, asked=asked), timeout=3)
         finally:
             self.ranks.kill_all()
+            self.ranks.close()
             if self.controller is not None:
                 self.controller.close()
             if not self.done.done():

@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from monarch_kernel.core.termtext import LineLog
+from monarch_kernel.rank.dist import StoreSpec
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.transport import AsyncConnection
 
@@ -54,7 +55,7 @@ class RankProcess:
     stderr_tail: LineLog = field(default_factory=lambda: LineLog(STDERR_TAIL_LINES))
 
 async def fork_rank(agent: RankSupervisor, spec: m.RankSpec, start: m.StartRanks,
-                    store_fd: int | None, master_port: int) -> RankProcess:
+                    store: StoreSpec) -> RankProcess:
     """Fork one rank from the (warm) agent process and wire it to the agent's loop."""
     parent_conn, child_conn = socket.socketpair()
     parent_hb, child_hb = socket.socketpair()
@@ -65,7 +66,7 @@ async def fork_rank(agent: RankSupervisor, spec: m.RankSpec, start: m.StartRanks
         try:
             parent_conn.close()
             parent_hb.close()
-            _become_rank(spec, start, child_conn, child_hb, out_w, err_w, store_fd, master_port, agent.host)
+            _become_rank(spec, start, child_conn, child_hb, out_w, err_w, store, agent.host)
         finally:
             os._exit(70)
     for fd in (out_w, err_w):
@@ -103,7 +104,7 @@ def _pump_fd(loop: asyncio.AbstractEventLoop, fd: int, agent: RankSupervisor, ra
 
 
 def _become_rank(spec: m.RankSpec, start: m.StartRanks, conn: socket.socket, hb: socket.socket,
-                 out_w: int, err_w: int, store_fd: int | None, master_port: int, host: str) -> None:
+                 out_w: int, err_w: int, store: StoreSpec, host: str) -> None:
     """In the forked child: detach from the agent's state, set up, and serve forever."""
     os.setpgid(0, 0)
     signal.set_wakeup_fd(-1)
@@ -113,18 +114,18 @@ def _become_rank(spec: m.RankSpec, start: m.StartRanks, conn: socket.socket, hb:
     os.dup2(devnull, 0)
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
-    keep = {0, 1, 2, conn.fileno(), hb.fileno()} | ({store_fd} if store_fd is not None else set())
+    keep = {0, 1, 2, conn.fileno(), hb.fileno()} | ({store.listen_fd} if store.listen_fd is not None else set())
     _close_fds_except(keep)
     from monarch_kernel.rank.dist import init_process_group, limit_threads, rank_environment
     from monarch_kernel.rank.worker import WorkerConfig, run_rank
 
     os.environ.update(start.env)
-    os.environ.update(rank_environment(spec, start.dist, master_port, start.node_rank))
+    os.environ.update(rank_environment(spec, start.dist, store.port, start.node_rank))
     if "torch" in sys.modules:
         limit_threads(spec.local_world_size)
 
     def setup() -> str:
-        return init_process_group(spec, start.dist, master_port, store_fd)
+        return init_process_group(spec, start.dist, store)
 
     run_rank(conn, hb, WorkerConfig(spec.rank, host, start.shm_dir), setup)
     os._exit(0)

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
+import shutil
 import signal
 import socket
+import tempfile
 import time
+from dataclasses import replace
 from typing import Any, Protocol
 
 from monarch_kernel.agent.launcher import RankProcess, fork_rank
 from monarch_kernel.agent.load import LoadSampler
 from monarch_kernel.core.failures import exit_text
+from monarch_kernel.rank.dist import StoreSpec
 from monarch_kernel.wire import messages as m
 
 
@@ -50,6 +55,7 @@ class RankSet:
         self.local_ranks: set[int] = set()  # every rank of this host, alive or not
         self.health = m.HealthTimings()
         self._store_sock: socket.socket | None = None
+        self._folder: str | None = None  # private folder for a FileStore (hosts without shm_dir)
         self._sampler = LoadSampler()
         self._starting = asyncio.Lock()
 
@@ -74,11 +80,44 @@ class RankSet:
         """Listen for rank 0's rendezvous store on addr; the port (raises OSError)."""
         from monarch_kernel.rank.dist import bind_store_socket
 
+        self._close_store_socket()
+        self._store_sock = bind_store_socket(addr)
+        return int(self._store_sock.getsockname()[1])
+
+    def _store_for(self, msg: m.StartRanks) -> StoreSpec:
+        """Where this start's ranks meet: a FileStore in a private folder when the whole
+        mesh is on this host, else rank 0's TCPStore on the socket bound for it."""
+        from monarch_kernel.rank.dist import free_port
+
+        if msg.dist.backend == "none":
+            return StoreSpec(port=0)
+        if len(msg.ranks) == msg.dist.world_size:
+            folder = msg.shm_dir or self._private_folder()
+            path = os.path.join(folder, f"store-{secrets.token_hex(8)}")
+            return StoreSpec(port=free_port(msg.dist.master_addr), file=path)
+        if not any(spec.rank == 0 for spec in msg.ranks):
+            return StoreSpec(port=msg.master_port)
+        if self._store_sock is None:
+            self.bind_store(msg.dist.master_addr)
+        assert self._store_sock is not None
+        return StoreSpec(port=int(self._store_sock.getsockname()[1]), listen_fd=self._store_sock.fileno())
+
+    def _private_folder(self) -> str:
+        if self._folder is None:
+            self._folder = tempfile.mkdtemp(prefix="monarch-store-")  # 0700
+        return self._folder
+
+    def _close_store_socket(self) -> None:
         if self._store_sock is not None:
             self._store_sock.close()
             self._store_sock = None
-        self._store_sock = bind_store_socket(addr)
-        return int(self._store_sock.getsockname()[1])
+
+    def close(self) -> None:
+        """Let go of what the ranks shared: the store's socket and the private folder."""
+        self._close_store_socket()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
 
     async def start(self, msg: m.StartRanks) -> tuple[m.RankInfo, ...]:
         """Stop the ranks running, then fork and await the ones `msg` asks for (raises if they fail).
@@ -92,15 +131,10 @@ class RankSet:
         await self.stop_all(1.0)
         self.health = msg.health
         self.local_ranks = {spec.rank for spec in msg.ranks}
-        port = msg.master_port
-        store_fd = None
-        if any(spec.rank == 0 for spec in msg.ranks) and msg.dist.backend != "none":
-            if self._store_sock is None:
-                self.bind_store(msg.dist.master_addr)
-            assert self._store_sock is not None
-            store_fd, port = self._store_sock.fileno(), self._store_sock.getsockname()[1]
+        store = self._store_for(msg)
         for spec in msg.ranks:
-            self.procs[spec.rank] = await fork_rank(self, spec, msg, store_fd if spec.rank == 0 else None, port)
+            self.procs[spec.rank] = await fork_rank(self, spec, msg, store if spec.rank == 0 else
+                                                    replace(store, listen_fd=None))
         procs = dict(self.procs)  # a rank that fails also exits, and leaves self.procs
         replies = await asyncio.wait_for(asyncio.gather(*(p.ready for p in procs.values() if p.ready)),
                                          timeout=msg.dist.timeout_s)
@@ -110,6 +144,7 @@ class RankSet:
         gone = sorted(set(procs) - set(self.procs))
         if gone:
             raise RuntimeError(f"ranks {gone} exited right after start-up")
+        self._close_store_socket()  # rank 0 holds the store's socket now; the agent lets go of it
         return tuple(m.RankInfo(r, p.pid, self.host) for r, p in sorted(procs.items()))
 
     async def stop_all(self, grace_s: float, *, asked: bool = True) -> None:

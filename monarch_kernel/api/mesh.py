@@ -22,6 +22,7 @@ from monarch_kernel.api.sinks import IdleOutput, OutputSink, default_sink, repor
 from monarch_kernel.controller.hosts import HostKind, HostSpec
 from monarch_kernel.controller.runtime import MeshRuntime
 from monarch_kernel.controller.state import MeshSpec, RankSnapshot, Request
+from monarch_kernel.core.addresses import is_unspecified
 from monarch_kernel.core.errors import MeshInterrupted, MeshStartError, MeshUsageError, SerializationError
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import Selector, Shape
@@ -340,6 +341,9 @@ def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, e
     if not _NAME.fullmatch(name):
         raise MeshUsageError(f"mesh name {name!r}: use 1 to 64 letters, digits, '_', '-' or '.' "
                              "(it names private folders and sockets, so no '/' or spaces)")
+    if master_addr is not None and is_unspecified(master_addr):
+        raise MeshUsageError(f"master_addr={master_addr!r} names no host: give the address at which the "
+                             "other hosts reach the first one (never 0.0.0.0 or an empty one)")
     spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings())
     runtime = MeshRuntime(spec, idle_output=IdleOutput().write, report_timing=report_timing)
     try:

@@ -59,7 +59,7 @@ class RequestBook:
         """Send a signal to these ranks (None: those running something)."""
         if ranks is None:
             ranks = frozenset(r for r, s in self._state.ranks.items() if s.inflight)
-        self._state.send_to_ranks(ranks, lambda local: m.SignalRanks(local, signum))
+        self._state.send_to_ranks(ranks, lambda local: m.SignalRanks(local, int(signum)))
 
     def _send(self, req: Request, body: Any) -> None:
         state = self._state

@@ -151,7 +151,9 @@ class MeshRuntime:
             if link.started is None or link.started.done():
                 link.started = _quiet_future(loop)  # fails if the agent is lost meanwhile
             started.append(link.started)
-        port = await self._bind_store(links[0], started[0], master) if self.spec.backend != "none" else 0
+        # one host: its ranks meet in a FileStore there; several: rank 0's TCPStore on MASTER_ADDR
+        multi_host = self.spec.backend != "none" and len(links) > 1
+        port = await self._bind_store(links[0], started[0], master) if multi_host else 0
         for link, host in zip(links, hosts):
             specs = tuple(m.RankSpec(r, i, self.spec.gpus) for i, r in enumerate(link.ranks))
             link.send(m.StartRanks(ranks=specs, dist=dist, env=dict(self.spec.env),

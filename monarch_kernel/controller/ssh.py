@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from monarch_kernel.core.addresses import is_unspecified
 from monarch_kernel.core.errors import ConnectionClosed, MeshStartError
 from monarch_kernel.core.package import PACKAGE_DIR
 from monarch_kernel.wire.transport import FrameProtocol, encode
@@ -198,13 +199,33 @@ async def start_agent(target: SSHTarget, *, name: str, python: str, setup: str |
                                                      encoding=None, request_pty=False)
         if env:
             channel.write(env_line(env))  # before any frame: the agent applies it, then imports torch
-        peer = conn.get_extra_info("peername")[0]
+        peer = await _host_address(conn, target)
         return RemoteAgent(target, conn, channel, session, peer, python=python, shipped=pythonpath)
     except BaseException:
         if pythonpath:
             await _remove_folder(conn, pythonpath)
         conn.close()
         raise
+
+
+async def _host_address(conn: Any, target: SSHTarget) -> str:
+    """The host's address as the controller's side reaches it.
+
+    Through a ProxyJump the connection has no peer address of its own: then the host says
+    which of its addresses the jump host reached (`SSH_CONNECTION`), which is the one the
+    other hosts of a cluster reach it at too.
+    """
+    peer = conn.get_extra_info("peername")
+    address = str(peer[0]) if peer else ""
+    if not is_unspecified(address):
+        return address
+    done = await conn.run('printf %s "$SSH_CONNECTION"', check=False, timeout=30)
+    words = str(done.stdout or "").split()
+    if len(words) >= 3 and not is_unspecified(words[2]):
+        return words[2]
+    raise MeshStartError(f"cannot tell which address {target.host} has (the connection went through a "
+                         "jump host and SSH_CONNECTION is not set there); pass master_addr=... "
+                         "(--master-addr) with an address the other hosts reach it at")
 
 
 class ChannelConnection:

@@ -1,21 +1,38 @@
 """torch.distributed on the ranks: the torchrun environment and the process group.
 
-Rank 0 hosts the TCPStore on a socket its host agent already bound (to MASTER_ADDR,
-never to all interfaces), so there is no port race and nothing listens publicly.
+The rendezvous store is out of other users' reach where the platform allows:
+- one host: a FileStore in a 0700 folder (the mesh's private shared-memory folder, or a
+  private temporary folder of the agent), so no socket listens for it at all;
+- several hosts: rank 0 hosts a TCPStore on a socket its host agent bound to MASTER_ADDR
+  (never to all interfaces); it accepts any peer that reaches that address (see the
+  README's "Security" section for the multi-host case).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from monarch_kernel.core.addresses import is_unspecified
 from monarch_kernel.wire.messages import DistConfig, RankSpec
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Where a rank finds the rendezvous store."""
+
+    port: int  # MASTER_PORT: the TCPStore's port, or a free port for torchrun-style code
+    file: str | None = None  # a FileStore path in a private folder (single-host meshes)
+    listen_fd: int | None = None  # rank 0's inherited listening socket (multi-host meshes)
 
 
 def bind_store_socket(addr: str) -> socket.socket:
     """A listening socket for rank 0's TCPStore, bound to addr on a free port."""
+    if is_unspecified(addr):
+        raise OSError(f"refusing to listen on {addr!r}: that is every interface; give an address of this host")
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -23,6 +40,17 @@ def bind_store_socket(addr: str) -> socket.socket:
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
+
+
+def free_port(addr: str) -> int:
+    """A port that is free on addr now (for MASTER_PORT where our store needs none)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((addr, 0))
+        except OSError:
+            sock.bind(("127.0.0.1" if family == socket.AF_INET else "::1", 0))
+        return int(sock.getsockname()[1])
 
 
 def rank_environment(spec: RankSpec, dist: DistConfig, master_port: int, node_rank: int) -> dict[str, str]:
@@ -86,7 +114,7 @@ def limit_threads(local_world_size: int) -> None:
     torch.set_num_threads(threads)
 
 
-def init_process_group(spec: RankSpec, dist: DistConfig, master_port: int, store_fd: int | None) -> str:
+def init_process_group(spec: RankSpec, dist: DistConfig, where: StoreSpec) -> str:
     """Set the rank's device and initialize the default process group; returns a summary."""
     import torch
     import torch.distributed as tdist
@@ -103,11 +131,15 @@ def init_process_group(spec: RankSpec, dist: DistConfig, master_port: int, store
             f"{torch.cuda.device_count()}; use --dist gloo on CPU-only hosts"
         )
     timeout = timedelta(seconds=dist.timeout_s)
-    if store_fd is not None:
-        store = tdist.TCPStore(dist.master_addr, master_port, dist.world_size, True, timeout,
-                               wait_for_workers=False, master_listen_fd=store_fd)
+    store: Any
+    if where.file is not None:
+        store = tdist.FileStore(where.file, dist.world_size)
+        store.set_timeout(timeout)
+    elif where.listen_fd is not None:
+        store = tdist.TCPStore(dist.master_addr, where.port, dist.world_size, True, timeout,
+                               wait_for_workers=False, master_listen_fd=where.listen_fd)
     else:
-        store = tdist.TCPStore(dist.master_addr, master_port, dist.world_size, False, timeout)
+        store = tdist.TCPStore(dist.master_addr, where.port, dist.world_size, False, timeout)
     kwargs: dict[str, Any] = {}
     if dist.backend == "nccl":
         kwargs["device_id"] = device

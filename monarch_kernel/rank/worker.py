@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -168,16 +169,22 @@ class Worker:
             except ConnectionClosed:
                 loop.call_soon_threadsafe(loop.stop)
                 return
-            if isinstance(msg, ActorReply):
-                self.actors.sender.calls.deliver(msg)
-            elif isinstance(msg, CancelCall):
-                self.actors.cancel(msg)
-            elif isinstance(msg, InputReply):
-                self._on_input_reply(msg)
-            elif isinstance(msg, ActorCall):
-                loop.call_soon_threadsafe(self.actors.deliver, msg)
-            else:
-                loop.call_soon_threadsafe(self._handle_request, msg)
+            try:
+                self._route(loop, msg)
+            except Exception:  # noqa: BLE001 - one bad message must not leave the rank deaf
+                traceback.print_exc()
+
+    def _route(self, loop: asyncio.AbstractEventLoop, msg: Any) -> None:
+        if isinstance(msg, ActorReply):
+            self.actors.sender.calls.deliver(msg)
+        elif isinstance(msg, CancelCall):
+            self.actors.cancel(msg)
+        elif isinstance(msg, InputReply):
+            self._on_input_reply(msg)
+        elif isinstance(msg, ActorCall):
+            loop.call_soon_threadsafe(self.actors.deliver, msg)
+        else:
+            loop.call_soon_threadsafe(self._handle_request, msg)
 
     def _accept_lane(self) -> None:
         if self.lane_listener is None:

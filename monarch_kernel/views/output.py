@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 
 from monarch_kernel.core.ranksets import format_ranks
-from monarch_kernel.core.termtext import open_line, shown_line
+from monarch_kernel.core.termtext import OPEN_LINE_MAX, open_line, shown_line
 
 MAX_SHOWN_LINES = 10_000
 MAX_SHOWN_CHARS = 2_000_000
@@ -59,14 +59,27 @@ class OutputGroups:
         pieces = text.split("\n")
         rest = pieces.pop()
         if rest:
-            self._partial[key] = open_line(rest)
+            rest = open_line(rest)
+            if len(rest) > OPEN_LINE_MAX:  # a line without end (a C library's output): keep its start
+                self.dropped_chars += len(rest) - OPEN_LINE_MAX
+                rest = rest[:OPEN_LINE_MAX]
+            self._partial[key] = rest
             self.version += 1  # the rank's unfinished line (a progress bar) is shown as it changes
         if "\r" in text:
             pieces = [shown_line(piece) for piece in pieces]
+        if any(len(piece) > OPEN_LINE_MAX for piece in pieces):
+            pieces = [self._cut(piece) for piece in pieces]
         start = self._follow(rank, stream, pieces) if self.dedupe and stream != "notice" else 0
         add_line = self._add_line
         for line in pieces[start:]:
             add_line(rank, stream, line)
+
+    def _cut(self, line: str) -> str:
+        """A line of at most OPEN_LINE_MAX characters; what is cut counts as dropped."""
+        if len(line) <= OPEN_LINE_MAX:
+            return line
+        self.dropped_chars += len(line) - OPEN_LINE_MAX
+        return line[:OPEN_LINE_MAX]
 
     def _follow(self, rank: int, stream: str, lines: list[str]) -> int:
         """Fast path: join the groups right after the rank's last line while they match.
@@ -211,8 +224,11 @@ def _tag(group: Group, cache: dict | None = None) -> str:
 
 
 def _dropped_note(model: OutputGroups) -> str:
-    if not model.dropped_lines:
+    if not model.dropped_chars:
         return ""
+    if not model.dropped_lines:  # only the ends of very long lines were cut
+        return (f"[monarch_kernel: {model.dropped_chars:,} characters of lines longer than "
+                f"{OPEN_LINE_MAX:,} not shown]")
     return (f"[monarch_kernel: {model.dropped_lines:,} more lines ({model.dropped_chars:,} characters) "
             f"not shown; see %mesh logs for the latest lines of a rank]")
 

@@ -10,6 +10,7 @@ streams inside an SSH connection: nothing here listens on a port.
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import socket
 import struct
@@ -18,11 +19,36 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed
+from monarch_kernel.wire import safe_pickle
 from monarch_kernel.wire.messages import flatten, unflatten
 
 _HEAD = struct.Struct("!II")
 _LEN = struct.Struct("!Q")
 _FLAT = 1 << 31  # flag in the buffer-count field: the pickle is a flat tuple (messages.flatten)
+
+MAX_META_BYTES = 256 << 20  # a message's own pickle (values travel as buffers)
+MAX_BUFFERS = 4096
+MAX_BUFFER_BYTES = int(os.environ.get("MONARCH_KERNEL_MAX_BUFFER_BYTES", 64 << 30))
+
+
+class FrameError(ConnectionClosed):
+    """A peer sent a frame we cannot read (size over a limit, bad pickle): its connection is closed."""
+
+
+def check_header(meta_len: int, nbufs: int) -> None:
+    """Raise FrameError for a header announcing more than a frame may hold."""
+    if not 0 < meta_len <= MAX_META_BYTES:
+        raise FrameError(f"a frame announced a {meta_len}-byte message (at most {MAX_META_BYTES})")
+    if nbufs > MAX_BUFFERS:
+        raise FrameError(f"a frame announced {nbufs} buffers (at most {MAX_BUFFERS})")
+
+
+def check_sizes(sizes: list[int]) -> None:
+    """Raise FrameError for a buffer larger than MONARCH_KERNEL_MAX_BUFFER_BYTES."""
+    for size in sizes:
+        if size > MAX_BUFFER_BYTES:
+            raise FrameError(f"a frame announced a {size}-byte buffer (at most {MAX_BUFFER_BYTES}; "
+                             "set MONARCH_KERNEL_MAX_BUFFER_BYTES for larger values)")
 
 
 def encode(msg: Any) -> list[memoryview | bytes]:
@@ -37,9 +63,12 @@ def encode(msg: Any) -> list[memoryview | bytes]:
 
 
 def decode(meta: bytes | bytearray, buffers: list[bytearray], flat: bool = False) -> Any:
-    """Rebuild a message from a frame's pickle and buffers."""
-    obj = pickle.loads(meta, buffers=buffers)
-    return unflatten(obj) if flat else obj
+    """Rebuild a message from a frame's pickle and buffers (raises FrameError if it is not one)."""
+    try:
+        obj = safe_pickle.loads(meta, buffers)
+        return unflatten(obj) if flat else obj
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes were, the stream is not ours to trust
+        raise FrameError(f"a frame could not be read ({type(exc).__name__}: {exc})") from exc
 
 
 # ------------------------------------------------------------------ asyncio side
@@ -58,6 +87,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._target: bytearray | None = None
         self._filled = 0
         self._flat = False
+        self._broken = False
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -71,7 +101,20 @@ class FrameProtocol(asyncio.BufferedProtocol):
         return memoryview(self._small)
 
     def buffer_updated(self, nbytes: int) -> None:
-        """asyncio: nbytes were read into the buffer."""
+        """asyncio: nbytes were read into the buffer (a frame we cannot read closes the connection)."""
+        if self._broken:
+            return
+        try:
+            self._take(nbytes)
+        except FrameError as exc:
+            self._broken = True
+            self._small = bytearray(1 << 16)  # nothing more is parsed: drop what was half read
+            self._pending, self._parts, self._target, self._want = bytearray(), [], None, []
+            if self.transport is not None:
+                self.transport.close()
+            self._on_close(exc)
+
+    def _take(self, nbytes: int) -> None:
         if self._target is not None:
             self._filled += nbytes
             if self._filled == len(self._target):
@@ -118,9 +161,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
         meta_len, count = _HEAD.unpack_from(self._pending)
         nbufs = count & ~_FLAT
         head_len = _HEAD.size + nbufs * _LEN.size
+        check_header(meta_len, nbufs)
         if len(self._pending) < head_len:
             return False
         sizes = [_LEN.unpack_from(self._pending, _HEAD.size + i * _LEN.size)[0] for i in range(nbufs)]
+        check_sizes(sizes)
         del self._pending[:head_len]
         self._want = [meta_len, *sizes]
         self._flat = bool(count & _FLAT)
@@ -147,7 +192,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         """asyncio: the connection closed."""
-        self._on_close(exc)
+        if not self._broken:  # a bad frame already reported why
+            self._on_close(exc)
 
 
 class AsyncConnection:
@@ -235,7 +281,9 @@ class BlockingConnection:
         """Block until one message arrives."""
         head = self._recv_exact(_HEAD.size)
         meta_len, count = _HEAD.unpack(head)
+        check_header(meta_len, count & ~_FLAT)
         sizes = [_LEN.unpack(self._recv_exact(_LEN.size))[0] for _ in range(count & ~_FLAT)]
+        check_sizes(sizes)
         meta = self._recv_exact(meta_len)
         buffers = [self._recv_exact(n) for n in sizes]
         return decode(meta, buffers, bool(count & _FLAT))

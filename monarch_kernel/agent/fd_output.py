@@ -1,0 +1,49 @@
+"""What ranks write to their real file descriptors 1 and 2, on its way to the controller.
+
+Subprocesses, C extensions and `os.write` bypass the rank's Python streams (which cap
+their own output per request). Here the bytes become text without splitting a character
+across reads, and each rank may send at most MAX_FD_OUTPUT_PER_REQUEST characters per
+request it is given; the rest is counted and reported once, before the rank's result.
+"""
+
+from __future__ import annotations
+
+import codecs
+
+MAX_FD_OUTPUT_PER_REQUEST = 8 << 20  # characters per rank per request (as for Python output)
+
+
+class FdOutput:
+    """Decoders and budgets for the ranks of one host."""
+
+    def __init__(self, limit: int = MAX_FD_OUTPUT_PER_REQUEST) -> None:
+        self.limit = limit
+        self._decoders: dict[tuple[int, str], codecs.IncrementalDecoder] = {}
+        self._sent: dict[int, int] = {}
+        self._dropped: dict[int, int] = {}
+
+    def take(self, rank: int, stream: str, data: bytes) -> str:
+        """The text of these bytes that fits the rank's budget (b"" at the end: flush what is left)."""
+        decoder = self._decoders.get((rank, stream))
+        if decoder is None:
+            decoder = self._decoders[(rank, stream)] = codecs.getincrementaldecoder("utf-8")("replace")
+        text = decoder.decode(data, final=not data)
+        room = self.limit - self._sent.get(rank, 0)
+        if len(text) > room:
+            self._dropped[rank] = self._dropped.get(rank, 0) + len(text) - max(room, 0)
+            text = text[:max(room, 0)]
+        self._sent[rank] = self._sent.get(rank, 0) + len(text)
+        return text
+
+    def settle(self, rank: int) -> str | None:
+        """A note of what this rank's descriptors lost since its budget was refilled (None: nothing)."""
+        dropped = self._dropped.pop(rank, 0)
+        if not dropped:
+            return None
+        return (f"[monarch_kernel: {dropped:,} more characters written to the file descriptors of rank {rank} "
+                f"were not shown (at most {self.limit:,} per request); send large output to a file]\n")
+
+    def refill(self, ranks: tuple[int, ...]) -> None:
+        """These ranks start a new request: their budgets start over."""
+        for rank in ranks:
+            self._sent.pop(rank, None)
