@@ -39,6 +39,7 @@ PROTOCOL_VERSION = 1
 UPDATE_INTERVAL_S = 0.5  # state changes reach the panel this fast
 LOADS_INTERVAL_S = 2.0  # load and "busy for N s" changes this fast
 MAX_QUEUED_ACTIONS = 16
+MAX_OPEN_CHANNELS = 8  # panels that vanished without closing their comm (page reloads) are retired
 
 
 def describe_meshes(registry: MeshRegistry) -> list[dict[str, Any]]:
@@ -61,7 +62,14 @@ def describe_meshes(registry: MeshRegistry) -> list[dict[str, Any]]:
 
 
 class SidebarChannel:
-    """One open comm: answers requests and pushes changes."""
+    """One open comm: answers requests and pushes changes.
+
+    A browser tab that reloads never closes its comm, so a channel also ends when
+    MAX_OPEN_CHANNELS newer ones have opened: two threads per live panel, not per reload.
+    """
+
+    _open: list[SidebarChannel] = []
+    _open_lock = threading.Lock()
 
     def __init__(self, comm: Any, registry: MeshRegistry):
         self.comm = comm
@@ -76,10 +84,30 @@ class SidebarChannel:
             comm._reply_subshell_for = lambda _data, default: default
         self._actions: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=MAX_QUEUED_ACTIONS)
         comm.on_msg(self.on_msg)
-        comm.on_close(lambda _msg: self._closed.set())
+        comm.on_close(lambda _msg: self._ended())
+        with SidebarChannel._open_lock:
+            SidebarChannel._open.append(self)
+            retired = SidebarChannel._open[:-MAX_OPEN_CHANNELS]
+            del SidebarChannel._open[:-MAX_OPEN_CHANNELS]
+        for old in retired:
+            old.retire()
         self.push(force=True)
         threading.Thread(target=self._follow, name="mesh-sidebar", daemon=True).start()
         threading.Thread(target=self._work, name="mesh-sidebar-actions", daemon=True).start()
+
+    def _ended(self) -> None:
+        self._closed.set()
+        with SidebarChannel._open_lock:
+            if self in SidebarChannel._open:
+                SidebarChannel._open.remove(self)
+
+    def retire(self) -> None:
+        """Stop following and close the comm (a newer panel took over)."""
+        self._closed.set()
+        try:
+            self.comm.close()
+        except Exception:  # noqa: BLE001 - the frontend is long gone
+            pass
 
     def push(self, force: bool = False, loads: bool = False) -> None:
         """Send the meshes if their states changed since the last message (or if forced);

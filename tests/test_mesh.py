@@ -342,3 +342,14 @@ def test_what_ranks_imported_at_start_is_out_of_the_collectors_sight(mesh4, sink
     # full garbage collection on a rank does not walk them (it stalled ranks ~150 ms)
     frozen = mesh4.run("import gc\ngc.get_freeze_count()", sink=sink)
     assert all(count > 10_000 for count in frozen.values()), frozen
+
+
+def test_input_in_a_run_nobody_waits_on_fails_instead_of_hanging(mesh4, sink, monkeypatch):
+    """F28: input() in run_async without get() blocked the ranks forever."""
+    monkeypatch.setattr("monarch_kernel.controller.requests.INPUT_UNCLAIMED_S", 0.5)
+    future = mesh4.run_async("input('anyone? ')", sink=sink)
+    assert wait_until(future.done, 20)  # nobody called get(): the ranks heard why and ended the cell
+    with pytest.raises(RemoteError, match="NoTerminalError") as info:
+        future.get(timeout=5)
+    assert "no thread waits on this run" in str(info.value)
+    assert list(mesh4.run("1", sink=sink).values()) == [1] * 4

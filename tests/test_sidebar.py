@@ -141,3 +141,20 @@ def test_malformed_requests_get_an_error_reply(kernel):
             assert reply["ok"] is False and "unknown request" in reply["message"]
     finally:
         panel.close()
+
+
+def test_panels_that_vanish_without_closing_leave_no_thread_behind(kernel):
+    """F20: every page reload left a thread snapshotting every mesh twice a second, forever."""
+    panels = [Panel(kernel) for _ in range(20)]  # reloads: none of them closes its comm
+    for panel in panels:
+        panel.wait_for(lambda d: d.get("type") == "meshes")
+    count = "import threading\nprint(sum(t.name.startswith('mesh-sidebar') for t in threading.enumerate()))"
+    from conftest import wait_until
+
+    from monarch_kernel.magics.sidebar import MAX_OPEN_CHANNELS
+
+    assert wait_until(lambda: int(kernel.execute(count).text().strip()) <= 2 * MAX_OPEN_CHANNELS, 10)
+    newest = panels[-1]
+    newest.request({"type": "refresh"})
+    newest.inbox.clear()
+    newest.wait_for(lambda d: d.get("type") == "meshes")  # the newest panels still work

@@ -147,7 +147,7 @@ class MeshFuture(Future[T]):
         INPUT_GATHER_S with the same prompt share one question, and its answer goes to
         all of them (e.g. one `(Pdb)` box drives the debugger on every rank).
         """
-        asking = {first.rank: (first.prompt, first.password)}
+        asking = {first.rank: (first.prompt, first.password)} if self._request.claim_input(first) else {}
         events, deadline = self._request.events, time.monotonic() + INPUT_GATHER_S
         while len(asking) < len(self._request.ranks) and (left := deadline - time.monotonic()) > 0:
             try:
@@ -155,7 +155,8 @@ class MeshFuture(Future[T]):
             except queue.Empty:
                 break
             if isinstance(event, m.InputRequest):
-                asking[event.rank] = (event.prompt, event.password)
+                if self._request.claim_input(event):  # else: it waited too long and was answered
+                    asking[event.rank] = (event.prompt, event.password)
             elif isinstance(event, ev.DoneEvent):
                 events.put(event)
                 break
@@ -168,9 +169,11 @@ class MeshFuture(Future[T]):
             new_block = getattr(self._sink, "new_block", None)  # optional in OutputSink
             if new_block is not None:
                 new_block()  # what came before stays above the question, what follows goes below
+            who = f"{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}"
+            if password:  # a program on the hosts asks: say so, so it cannot pass for the notebook's own box
+                who += f" of mesh {self._runtime.name!r}; what you type goes to those ranks"
             try:
-                text, error = self._read_line(f"[{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}] "
-                                              f"{prompt}", password), None
+                text, error = self._read_line(f"[{who}] {prompt}", password), None
             except KeyboardInterrupt:
                 raise
             except Exception as exc:  # noqa: BLE001 - the ranks hear why, and the cell goes on

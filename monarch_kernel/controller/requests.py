@@ -8,6 +8,7 @@ loop thread; `submit`, `send_input` and `interrupt` may be called from any threa
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import signal
 import time
@@ -21,6 +22,7 @@ from monarch_kernel.controller.state import MeshState, RankState, Request
 from monarch_kernel.core.failures import FailureKind, RankFailure
 from monarch_kernel.wire import messages as m
 
+INPUT_UNCLAIMED_S = 60.0  # an input() that no waiting thread takes to the notebook fails after this
 IdleOutput = Callable[[int, str, str], None]  # (rank, stream, text) printed outside any request
 
 
@@ -135,8 +137,16 @@ class RequestBook:
         req = self._state.requests.get(msg.req_id)
         if req is None:
             link_send(m.InputReply((msg.rank,), msg.req_id, "", "its cell is no longer waiting"))
-        else:
-            req.events.put(msg)
+            return
+        req.events.put(msg)
+
+        def unclaimed() -> None:  # a run nobody waits on (run_async without get) cannot ask anyone
+            if self._state.requests.get(msg.req_id) is req and req.expire_input(msg):
+                link_send(m.InputReply((msg.rank,), msg.req_id, "", (
+                    f"nothing asked the notebook within {INPUT_UNCLAIMED_S:g} s: no thread waits on this "
+                    "run (run_async without .get()); call .get() on its future, or send the value with push")))
+
+        asyncio.get_running_loop().call_later(INPUT_UNCLAIMED_S, unclaimed)
 
     def _to_request(self, msg: m.Output | m.Display) -> bool:
         """Hand a rank's output to the request it belongs to; False if it belongs to none."""

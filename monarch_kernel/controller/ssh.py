@@ -35,7 +35,11 @@ PREFERRED_CIPHERS = ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha
 
 @dataclass(frozen=True)
 class SSHTarget:
-    """Where to connect: `host`, `user@host`, `host:port` or `user@host:port`."""
+    """Where to connect: `host`, `user@host`, `host:port` or `user@host:port`.
+
+    IPv6 addresses are written bare (`::1`, `user@fe80::1`) or in brackets, which a port
+    needs: `[::1]:2222`.
+    """
 
     host: str
     user: str | None = None
@@ -45,13 +49,22 @@ class SSHTarget:
     def parse(cls, text: str) -> SSHTarget:
         """Parse a target as written in `%mesh up ssh ...`."""
         user, _, rest = text.rpartition("@")
-        host, sep, port = rest.partition(":")
+        if rest.startswith("["):  # [v6 address] or [v6 address]:port
+            host, close, after = rest[1:].partition("]")
+            sep, port = after[:1], after[1:]
+            if not close or ":" not in host or after[:1] not in ("", ":"):
+                raise ValueError(f"bad SSH host {text!r}: expected [address] or [address]:port")
+        elif rest.count(":") > 1:  # a bare IPv6 address: no port
+            host, sep, port = rest, "", ""
+        else:
+            host, sep, port = rest.partition(":")
         if not host or (sep and not port.isdigit()):
-            raise ValueError(f"bad SSH host {text!r}: expected host, user@host or user@host:port")
+            raise ValueError(f"bad SSH host {text!r}: expected host, user@host, user@host:port or [v6]:port")
         return cls(host, user or None, int(port) if sep else None)
 
     def __str__(self) -> str:
-        return (f"{self.user}@" if self.user else "") + self.host + (f":{self.port}" if self.port else "")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return (f"{self.user}@" if self.user else "") + host + (f":{self.port}" if self.port else "")
 
 
 @dataclass

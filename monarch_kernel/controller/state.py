@@ -14,6 +14,7 @@ import os
 import queue
 import shutil
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -119,6 +120,18 @@ class Request:
     failures: dict[int, RankFailure] = field(default_factory=dict)
     future: concurrent.futures.Future[Request] = field(default_factory=concurrent.futures.Future)
     on_done: Callable[[], None] | None = None
+    _inputs: dict[int, bool] = field(default_factory=dict)  # id(InputRequest) -> claimed (True) or expired
+    _inputs_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim_input(self, msg: m.InputRequest) -> bool:
+        """A waiting thread takes this input() to ask the notebook (False: it expired already)."""
+        with self._inputs_lock:
+            return self._inputs.setdefault(id(msg), True)
+
+    def expire_input(self, msg: m.InputRequest) -> bool:
+        """Nobody took this input() in time: True if it is now expired (False: it was claimed)."""
+        with self._inputs_lock:
+            return not self._inputs.setdefault(id(msg), False)
 
     @property
     def outstanding(self) -> set[int]:
