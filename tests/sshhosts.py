@@ -52,7 +52,9 @@ class Host:
 class SSHTestHosts:
     """N hosts named host-0, host-1, ... reachable as root with a test-only key."""
 
-    def __init__(self, count: int, workdir: str):
+    def __init__(self, count: int, workdir: str, client_alive: tuple[int, int] = (2, 2)):
+        """client_alive: sshd's ClientAliveInterval and ClientAliveCountMax (how long a silent client lasts)."""
+        self.client_alive = client_alive
         self.tag = f"{os.getpid() % 100000}"
         self.workdir = workdir
         self.bridge = f"mkbr{self.tag}"
@@ -108,7 +110,8 @@ class SSHTestHosts:
                 f"PidFile {self.workdir}/{host.alias}.pid\nAuthorizedKeysFile {authorized}\n"
                 "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
                 "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
-                "ClientAliveInterval 2\nClientAliveCountMax 2\nLogLevel ERROR\n"
+                f"ClientAliveInterval {self.client_alive[0]}\nClientAliveCountMax {self.client_alive[1]}\n"
+                "LogLevel ERROR\n"
                 "Subsystem sftp internal-sftp\n"
             )
         log = open(os.path.join(self.workdir, f"{host.alias}_sshd.log"), "wb")
