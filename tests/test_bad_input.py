@@ -59,3 +59,13 @@ def test_ssh_targets_parse_including_ipv6(text, target):
     """F27: IPv6 literals were refused."""
     assert SSHTarget.parse(text) == target
     assert SSHTarget.parse(str(target)) == target
+
+
+def test_an_ssh_config_that_turns_host_key_checks_off_is_refused(tmp_path):
+    """F8: `UserKnownHostsFile none` in the user's SSH config silently accepted any host key."""
+    from monarch_kernel import MeshStartError
+
+    config = tmp_path / "ssh_config"
+    config.write_text("Host lab\n  HostName 198.18.0.250\n  UserKnownHostsFile none\n")
+    with pytest.raises(MeshStartError, match="UserKnownHostsFile none"):
+        ssh_mesh(["lab"], gpus=1, dist="none", connect_options={"config": [str(config)]}, timeout=10)

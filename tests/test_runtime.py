@@ -187,3 +187,23 @@ def test_an_agent_of_another_version_is_named_at_start(greeting, says):
         assert "node-0" in str(caught.value) and "ship_package=True" in str(caught.value)
     finally:
         runtime.shutdown()
+
+
+def test_a_remote_host_that_names_a_shared_memory_file_here_is_cut_off(world, tmp_path):
+    """F9: a ShmRef from a remote host made the notebook map (and remove) a file of this machine."""
+    from monarch_kernel.wire.serialization import Sealed, ShmRef, seal
+
+    mesh, agents, _ = world
+    victim = tmp_path / "buf-0123456789abcdef"
+    victim.write_bytes(b"x" * 64)
+    agents["node-1"].hold = {3}
+    future = mesh.run_async("x", sink=RecordingSink())
+    assert wait_until(lambda: agents["node-1"].held.get(3) is not None, 5)
+    forged = Sealed(seal(b"").data, [ShmRef(str(victim), 64, unlink_on_open=True)])
+    agents["node-1"].say(m.Gathered(agents["node-1"].held[3], (m.Result(agents["node-1"].held[3], 3, forged, None,
+                                                                          1.0, 1.5),)))
+    with pytest.raises(RankDiedError, match="shared-memory file") as caught:
+        future.get(timeout=5)
+    assert {f.rank for f in caught.value.failures} == {3}  # rank 2 had answered already
+    assert [s.state for s in mesh.status()] == [RankStatus.IDLE] * 2 + [RankStatus.DEAD] * 2  # node-1 is cut off
+    assert victim.exists()

@@ -27,6 +27,8 @@ from monarch_kernel.core.errors import MeshStartError, MeshUsageError
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.calls import register_sender, unregister_sender
+from monarch_kernel.wire.serialization import carries_shm_refs
+from monarch_kernel.wire.transport import FrameError
 
 Handler = Callable[[HostLink, Any], None]
 HostOpener = Callable[..., Awaitable[HostConnection]]  # (spec, *, log_path, env) -> a started agent
@@ -271,8 +273,13 @@ class MeshRuntime:
                 link.close()
             return
         handler = self._handlers.get(type(msg))
-        if handler is not None:
-            handler(link, msg)
+        if handler is None:
+            return
+        if link.host is not None and link.host.remote is not None and carries_shm_refs(msg):
+            self._on_lost(link, FrameError("it named a shared-memory file here, which only local processes may"))
+            link.close()
+            return
+        handler(link, msg)
 
     def _on_load(self, link: HostLink, msg: m.HostLoad) -> None:
         for load in msg.loads:

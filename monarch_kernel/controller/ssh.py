@@ -148,10 +148,14 @@ async def connect(target: SSHTarget, *, options: dict[str, Any] | None = None,
         opts["port"] = target.port
     opts.setdefault("keepalive_interval", KEEPALIVE_S)
     opts.setdefault("agent_forwarding", False)  # the user's SSH keys stay off the hosts unless asked for
-    if "known_hosts" in opts and opts["known_hosts"] is None and not opts.pop("insecure_no_host_key_check", False):
+    insecure = bool(opts.pop("insecure_no_host_key_check", False))
+    if "known_hosts" in opts and opts["known_hosts"] is None and not insecure:
         raise MeshStartError(f"host {target}: known_hosts=None would accept any host key; pass "
                              "insecure_no_host_key_check=True as well if you really mean it")
-    opts.pop("insecure_no_host_key_check", None)
+    if "known_hosts" not in opts and not insecure and _config_disables_host_keys(target.host, opts.get("config")):
+        raise MeshStartError(f"host {target}: the SSH config says `UserKnownHostsFile none`, which would accept "
+                             "any host key; point it at a known_hosts file, or pass connect_options="
+                             "{'insecure_no_host_key_check': True} if you really mean it")
     if "encryption_algs" not in opts and not _config_sets_ciphers(opts.get("config")):
         opts["encryption_algs"] = PREFERRED_CIPHERS
     opts.setdefault("keepalive_count_max", 3)
@@ -159,6 +163,17 @@ async def connect(target: SSHTarget, *, options: dict[str, Any] | None = None,
         return await asyncio.wait_for(asyncssh.connect(target.host, **opts), timeout)
     except (TimeoutError, OSError, asyncssh.Error) as exc:
         raise MeshStartError(f"host {target}: {_advice(target, exc)}") from exc
+
+
+def _config_disables_host_keys(host: str, config: Any) -> bool:
+    """Whether the SSH config in use turns host key checks off for host (`UserKnownHostsFile none`)."""
+    import asyncssh
+
+    try:
+        probe = asyncssh.SSHClientConnectionOptions(host=host, **({"config": config} if config is not None else {}))
+    except (OSError, ValueError, asyncssh.Error):
+        return False  # the real connection reports a broken config
+    return probe.known_hosts is None
 
 
 def _config_sets_ciphers(config: Any) -> bool:

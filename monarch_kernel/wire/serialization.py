@@ -12,6 +12,7 @@ Hosts agents forward Sealed blobs without unpickling them.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import io
 import mmap
 import os
@@ -299,6 +300,21 @@ def unseal(sealed: Sealed, *, name: str | None = None) -> Any:
             f"cannot rebuild {what} here: {type(exc).__name__}: {exc}. A module or class "
             "it needs may be missing on this side; import or define it on both sides."
         ) from exc
+
+
+def carries_shm_refs(msg: Any) -> bool:
+    """Whether a message (fields, tuples of messages) holds a Sealed value that names shared-memory files.
+
+    Only processes of this machine may send those: a reference from a remote host names a
+    file here that the host has no business with (another mesh's buffer), so it is refused.
+    """
+    if isinstance(msg, Sealed):
+        return any(isinstance(b, ShmRef) for b in msg.buffers)
+    if isinstance(msg, tuple):
+        return any(carries_shm_refs(item) for item in msg)
+    if dataclasses.is_dataclass(msg) and not isinstance(msg, type):
+        return any(carries_shm_refs(getattr(msg, f.name)) for f in dataclasses.fields(msg))
+    return False
 
 
 def release(sealed: Sealed) -> None:
