@@ -62,6 +62,10 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                (arg("vars", nargs="+"), _MESH_NAME)),
     Subcommand("pull", "EXPR", "evaluate EXPR on every rank and bring the values back",
                (arg("expr", nargs=argparse.REMAINDER),)),
+    Subcommand("run", "[--timeout S] [--fail-fast] [--name NAME] SCRIPT [ARGS ...]",
+               "run a script on every rank as torchrun would (__main__, sys.argv)", (
+                   arg("--timeout", type=float, default=None), arg("--fail-fast", action="store_true"), _MESH_NAME,
+                   arg("script"), arg("argv", nargs=argparse.REMAINDER))),
     Subcommand("logs", "[HOST] [--rank R] [--lines N] [--name NAME]", "what ranks (or a host agent) printed lately", (
         arg("host", nargs="?", default=None, help="show this host agent's log"),
         arg("--rank", type=int, default=None), arg("--lines", type=int, default=30), _MESH_NAME)),

@@ -57,8 +57,11 @@ class MeshMagics(Magics):
         %%mesh --gpus 0:2 --timeout 30          ... on a slice, with a timeout
         %mesh status | use | down | restart | interrupt | push | pull | logs | on | off
         %mesh sharding x                        how DTensor x lies on the mesh
+        %mesh run train.py --epochs 3           a torchrun script on every rank
         """
-        if {"-h", "--help"} & set(line.split()) or line.split()[:1] == ["help"]:
+        words = line.split()
+        asks_help = bool({"-h", "--help"} & set(words[:2] if words[:1] == ["run"] else words))  # a script's own --help
+        if asks_help or words[:1] == ["help"]:
             print(HELP)  # asked for help: not an error, and the cell does not run
             return None
         try:
@@ -175,6 +178,9 @@ class MeshMagics(Magics):
         if not expr:
             raise UsageError("%mesh pull EXPR: give an expression, e.g. %mesh pull loss")
         return self.registry.get().pull(expr)
+
+    def _do_run(self, args) -> None:
+        self.registry.get(args.mesh).run_script(args.script, args.argv, timeout=args.timeout, fail_fast=args.fail_fast)
 
     def _do_config(self, args) -> None:
         self.timing = args.value == "on"

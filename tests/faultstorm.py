@@ -408,8 +408,9 @@ class FaultStorm:
                 outcome.detected, outcome.detect_s = True, time.monotonic() - started
                 if outcome.detect_s > self.mesh.health.unresponsive_after_s + 2 * self.mesh.health.ping_interval_s:
                     outcome.problems.append(f"unresponsive shown after {outcome.detect_s:.2f} s")
-            else:
-                outcome.detected = pause < self.mesh.health.unresponsive_after_s  # too short to count
+            else:  # a stop shorter than the silence limit plus one heartbeat report is not a fault yet
+                health = self.mesh.health
+                outcome.detected = pause < health.unresponsive_after_s + health.heartbeat_interval_s + health.ping_interval_s
         finally:
             os.kill(pid, signal.SIGCONT)
         values = future.get(timeout=CALL_TIMEOUT_S).by_rank()

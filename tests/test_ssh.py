@@ -463,3 +463,18 @@ def test_a_gloo_mesh_through_a_jump_host_learns_the_hosts_address(hosts, tmp_pat
 def test_master_addr_that_names_every_interface_is_refused():
     with pytest.raises(MeshUsageError, match="0.0.0.0"):
         ssh_mesh(["host-0"], gpus=1, dist="gloo", master_addr="0.0.0.0")
+
+
+def test_a_copy_left_by_a_killed_agent_is_swept_by_the_next_ship(hosts, sink):
+    """F18: an agent killed by SIGKILL (or an SSH drop) left its --ship copy on the host."""
+    with ssh_mesh(["host-1"], gpus=1, dist="none", python=sys.executable, ship_package=True,
+                  connect_options=hosts.connect_options(), name="ship-kill") as m:
+        shipped = m.run("import monarch_kernel\nmonarch_kernel.__file__", sink=sink).item(hosts=0, gpus=0)
+        shipped = shipped.split("/monarch_kernel/")[0]
+        agent = int(open(os.path.join(shipped, ".owner")).read())
+        os.kill(agent, signal.SIGKILL)
+        assert wait_until(lambda: all(s.state == "dead" for s in m.status()), 10)
+    assert os.path.exists(shipped)  # nobody was left to clean up
+    with ssh_mesh(["host-1"], gpus=1, dist="none", python=sys.executable, ship_package=True,
+                  connect_options=hosts.connect_options(), name="ship-next"):
+        assert not os.path.exists(shipped)  # the next ship swept it

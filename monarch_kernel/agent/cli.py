@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     from monarch_kernel.rank.worker import die_with_parent
 
     die_with_parent(signal.SIGTERM)  # the kernel is gone: stop every rank's process group, then exit
+    if args.cleanup:  # whoever ships the next copy removes this one if we die without cleaning up
+        with open(os.path.join(args.cleanup, ".owner"), "w") as owner:
+            owner.write(str(os.getpid()))
     _warm_imports()
     try:
         asyncio.run(_amain(args))

@@ -12,7 +12,7 @@ import itertools
 import linecache
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from monarch_kernel.actors.base import Actor
@@ -140,6 +140,20 @@ class Mesh:
         if background:
             future.pump_in_background()
         return future
+
+    def run_script(self, path: str, argv: Sequence[str] = (), *, timeout: float | None = None,
+                   fail_fast: bool = False, sink: OutputSink | None = None) -> None:
+        """Run a script on every rank as torchrun would: `__main__`, `sys.argv`, its folder on `sys.path`.
+
+        On a local mesh a relative path is taken from this process's working folder; on SSH
+        hosts the file must exist there. The mesh's process group serves the script's own
+        init_process_group; output, errors, interrupts and timeouts work as for cells.
+        """
+        if self.kind == HostKind.LOCAL:
+            path = os.path.abspath(path)
+        code = (f"__import__('monarch_kernel.rank.script', fromlist=['run_script'])"
+                f".run_script({path!r}, {[str(a) for a in argv]!r})")
+        self.run(code, timeout=timeout, fail_fast=fail_fast, sink=sink, name=f"script {os.path.basename(path)}")
 
     def push(self, **values: Any) -> None:
         """Assign variables in each rank's namespace: `mesh.push(lr=0.1, model=net)`."""

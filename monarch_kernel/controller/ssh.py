@@ -352,7 +352,11 @@ async def _remove_folder(conn: Any, path: str, timeout: float = 5.0) -> None:
 async def _ship_package(conn) -> str:
     """Copy this monarch_kernel's source to a private temporary folder on the host."""
     name = f"monarch-pkg-{secrets.token_hex(8)}"
-    made = await conn.run(f'd="${{TMPDIR:-/tmp}}/{name}" && mkdir -m 700 "$d" && echo "MONARCH_SHIPPED_TO=$d"',
+    # first sweep copies whose agent is gone without cleaning up (SIGKILL, a host reboot of /tmp aside):
+    # an agent writes its pid to <copy>/.owner when it starts
+    sweep = ('for old in "${TMPDIR:-/tmp}"/monarch-pkg-*; do [ -O "$old" ] && [ -f "$old/.owner" ] && '
+             '! kill -0 "$(cat "$old/.owner")" 2>/dev/null && rm -rf "$old"; done; ')
+    made = await conn.run(sweep + f'd="${{TMPDIR:-/tmp}}/{name}" && mkdir -m 700 "$d" && echo "MONARCH_SHIPPED_TO=$d"',
                           check=True)
     # the last marked line: a shell profile that prints something cannot confuse it
     remote = [line for line in made.stdout.splitlines() if line.startswith("MONARCH_SHIPPED_TO=")][-1].split("=", 1)[1]

@@ -250,6 +250,8 @@ class MeshState:
     def death_failure(self, state: RankState, how: str) -> RankFailure:
         """The failure of work on a dead rank: pid, exit code or signal, stderr tail, what to do."""
         tail = tuple(text for stream, text in state.log if stream == "stderr")[-10:]
+        if state.host_lost:  # it may still run over there (a cut cable): say what we know, not more
+            how = "is out of reach" if how == "died" else how
         return RankFailure(
             state.rank, state.host, FailureKind.DIED, "RankDied",
             f"rank {state.rank} (host {state.host}, pid {state.pid}) {how}: {state.exit_text()}. "

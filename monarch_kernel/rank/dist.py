@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from monarch_kernel.core.addresses import is_unspecified
+from monarch_kernel.rank import user_process_groups
 from monarch_kernel.wire.messages import DistConfig, RankSpec
 
 
@@ -123,14 +124,15 @@ def init_process_group(spec: RankSpec, dist: DistConfig, where: StoreSpec) -> st
     if torch.cuda.is_available() and torch.cuda.device_count() > spec.local_rank:
         device = torch.device("cuda", spec.local_rank)
         torch.cuda.set_device(device)
+    timeout = timedelta(seconds=dist.timeout_s)
     if dist.backend == "none":
+        user_process_groups.install("none", dist.world_size, spec.rank, None, timeout)
         return f"rank {spec.rank}: no process group" + (f", device {device}" if device else "")
     if dist.backend == "nccl" and device is None:
         raise RuntimeError(
             f"--dist nccl needs a CUDA GPU for local rank {spec.local_rank}, but this host has "
             f"{torch.cuda.device_count()}; use --dist gloo on CPU-only hosts"
         )
-    timeout = timedelta(seconds=dist.timeout_s)
     store: Any
     if where.file is not None:
         store = tdist.FileStore(where.file, dist.world_size)
@@ -145,5 +147,7 @@ def init_process_group(spec: RankSpec, dist: DistConfig, where: StoreSpec) -> st
         kwargs["device_id"] = device
     tdist.init_process_group(dist.backend, store=store, rank=spec.rank,
                              world_size=dist.world_size, timeout=timeout, **kwargs)
+    # a script's own init_process_group is served by this group; after a destroy it makes a new one
+    user_process_groups.install(dist.backend, dist.world_size, spec.rank, store, timeout)
     return f"rank {spec.rank}: {dist.backend} process group of {dist.world_size}" + (
         f", device {device}" if device else "")

@@ -79,8 +79,9 @@ class Worker:
         self.config = config
         self.current_req: int | None = None
         self.in_user_code = False
-        module = types.ModuleType("__mesh__", "namespace of the cells run on this rank")
-        self.namespace = module.__dict__
+        # cells run in `__main__`, as in a notebook or a script (`if __name__ == "__main__":` runs)
+        self.module = types.ModuleType("__main__", "namespace of the cells run on this rank")
+        self.namespace = self.module.__dict__
         self.namespace["__builtins__"] = __builtins__
         self.runner = CellRunner(self.namespace)
         self.shell = RankShell(self.namespace, self.runner.run)  # `!cmd` and magics of mesh cells
@@ -98,8 +99,10 @@ class Worker:
         self.conn.send(msg)
 
     def install(self) -> None:
-        """Take over stdout/stderr, display() and SIGINT for this process."""
+        """Take over stdout/stderr, display(), `__main__` and SIGINT for this process."""
         sys.stdout, sys.stderr = self.stdout, self.stderr
+        sys.modules["__main__"] = self.module
+        sys.argv = ["<mesh>"]  # a pasted script's argparse sees no arguments (not the agent's)
         import builtins
 
         builtins.display = self.displays.display  # type: ignore[attr-defined]

@@ -1,0 +1,93 @@
+"""`init_process_group` as torchrun scripts call it, on a rank that already has a process group.
+
+A script run under torchrun sets up its own group (`dist.init_process_group("gloo")`) and
+usually ends with `dist.destroy_process_group()`. On a mesh the group already exists, and
+the same script may run many times. So, on every rank:
+- a call while the mesh's group is up, asking for what that group is (same backend, world
+  size and rank, any rendezvous), is served by it: nothing happens, nothing fails;
+- a call asking for something else fails at once and says what differs;
+- after `destroy_process_group()`, a call with the default rendezvous (`env://`), or
+  `init_device_mesh`, makes a new group through the mesh's own store (a FileStore in the
+  private folder, or rank 0's TCPStore), under a fresh key prefix each time, so nothing
+  needs a free port and no rank waits for a socket that nobody serves.
+Calls with their own `store=` or `init_method=` after a destroy go to torch unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from datetime import timedelta
+from typing import Any
+
+_state: dict[str, Any] = {"generation": 0}
+
+
+def install(backend: str, world_size: int, rank: int, store: Any, timeout: timedelta) -> None:
+    """Wrap torch.distributed's init_process_group on this rank (store: the mesh's, kept alive here).
+
+    backend "none": the mesh has no store; a default-rendezvous call says how to get one.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    original = _state.setdefault("original", c10d.init_process_group)
+    _state.update(backend=backend, world_size=world_size, rank=rank, store=store, timeout=timeout)
+
+    @functools.wraps(original)
+    def init_process_group(backend: str | None = None, init_method: str | None = None,
+                           timeout: timedelta | None = None, world_size: int = -1, rank: int = -1,
+                           store: Any = None, group_name: str = "", pg_options: Any = None,
+                           device_id: Any = None, **more: Any) -> None:
+        if c10d.is_initialized():
+            problem = _difference(backend, world_size, rank)
+            if problem:
+                raise ValueError(problem)
+            return None  # the mesh's group serves the script, as if it had just made it
+        if store is None and init_method in (None, "env://"):
+            store, world_size, rank = _next_store(world_size, rank)
+            timeout = timeout or _state["timeout"]
+            backend = backend or (_state["backend"] if _state["backend"] != "none" else None)
+        return original(backend, None if store is not None else init_method, timeout, world_size, rank, store,
+                        group_name, pg_options, device_id, **more)
+
+    init_process_group.__monarch_kernel__ = True  # type: ignore[attr-defined]
+    _replace_everywhere(original, init_process_group)
+
+
+def _difference(backend: str | None, world_size: int, rank: int) -> str | None:
+    """Why a call cannot be served by the mesh's group (None: it can)."""
+    ours = _state["backend"]
+    wanted = None if backend is None else str(backend).lower()
+    asked = []
+    if wanted not in (None, ours) and ours not in [part.split(":")[-1] for part in (wanted or "").split(",")]:
+        asked.append(f"backend {backend!r}")
+    if world_size not in (-1, _state["world_size"]):
+        asked.append(f"world_size={world_size}")
+    if rank not in (-1, _state["rank"]):
+        asked.append(f"rank={rank}")
+    if not asked:
+        return None
+    return (f"init_process_group asks for {', '.join(asked)}, but this mesh's process group is {ours} with "
+            f"world_size={_state['world_size']} and this is rank {_state['rank']}. Start the mesh with what "
+            "the script needs (e.g. --dist nccl), or call dist.destroy_process_group() first to make your own.")
+
+
+def _next_store(world_size: int, rank: int) -> tuple[Any, int, int]:
+    import torch.distributed as tdist
+
+    if _state["store"] is None:
+        raise RuntimeError("this mesh was started without a process group (dist='none'), so it has no "
+                           "rendezvous store; start it with --dist gloo or nccl, or pass init_method or store")
+    _state["generation"] += 1  # every rank makes the same calls in the same order (SPMD)
+    store = tdist.PrefixStore(f"monarch_kernel/{_state['generation']}", _state["store"])
+    return (store, _state["world_size"] if world_size == -1 else world_size,
+            _state["rank"] if rank == -1 else rank)
+
+
+def _replace_everywhere(original: Any, wrapper: Any) -> None:
+    """Point every torch.distributed module that imported init_process_group by name at the wrapper."""
+    import torch.distributed.device_mesh  # noqa: F401 - it holds its own reference
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and getattr(module, "init_process_group", None) is original:
+            module.init_process_group = wrapper  # type: ignore[attr-defined]  # checked just above
