@@ -39,9 +39,12 @@ _MESH_NAME = arg("--name", dest="mesh", default=None)
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("up", "local [--gpus N] [--name NAME] [--dist gloo|nccl|none] [--env K=V ...]\n"
                "%mesh up ssh HOST [HOST ...] --gpus N [--dist ...] [--python P] [--setup CMD] [--master-addr A]\n"
-               "             [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]",
-               "start a mesh on this machine or on SSH hosts (the newest is the default)", (
-                   arg("kind", choices=["local", "ssh"], help="where ranks run"),
+               "             [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]\n"
+               "%mesh up slurm --nodes N --gpus G [--partition P] [--time T] [--account A] [--qos Q]\n"
+               "             [--constraint C] [--sbatch-arg ARG ...] [--no-gpu-request] [--job ID] [--keep]\n"
+               "             [--wait-timeout S] [--python P] [--setup CMD] [--dist ...] [--name NAME]",
+               "start a mesh on this machine, on SSH hosts or in a Slurm allocation (the newest is the default)", (
+                   arg("kind", choices=["local", "ssh", "slurm"], help="where ranks run"),
                    arg("hosts", nargs="*", help="SSH hosts (ssh only)"),
                    arg("--gpus", type=int, default=None),
                    arg("--name", default=None),
@@ -52,7 +55,14 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                    arg("--setup", default=None),
                    arg("--master-addr", default=None),
                    arg("--connect-timeout", type=float, default=30.0),
-                   arg("--ship", action="store_true", help="copy this package's source to the hosts"))),
+                   arg("--ship", action="store_true", help="copy this package's source to the hosts"),
+                   arg("--nodes", type=int, default=None), arg("--partition", default=None),
+                   arg("--time", default=None), arg("--account", default=None), arg("--qos", default=None),
+                   arg("--constraint", default=None), arg("--sbatch-arg", action="append", default=[]),
+                   arg("--no-gpu-request", action="store_true", help="CPU nodes: ask Slurm for no GPUs"),
+                   arg("--job", default=None, help="attach to this running allocation"),
+                   arg("--keep", action="store_true", help="leave the allocation running at down"),
+                   arg("--wait-timeout", type=float, default=None))),
     Subcommand("status", "[NAME]", "each rank's host, pid, state and load", (arg("name", nargs="?"),)),
     Subcommand("use", "NAME", "make NAME the default mesh", (arg("name"),)),
     Subcommand("down", "[NAME]", "stop a mesh: every rank and agent ends", (arg("name", nargs="?"),)),

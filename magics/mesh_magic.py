@@ -11,6 +11,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from monarch_kernel.api.mesh import Mesh, local_mesh, ssh_mesh
+from monarch_kernel.api.slurm import slurm_mesh
 from monarch_kernel.core.errors import CellSyntaxError, MeshError, RemoteError
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import parse_spec
@@ -124,6 +125,17 @@ class MeshMagics(Magics):
             if args.hosts:
                 raise UsageError(f"%mesh up local takes no hosts (got {' '.join(args.hosts)}); did you mean ssh?")
             mesh = local_mesh(args.gpus, dist=args.dist or "gloo", name=name, env=env, timeout=args.timeout or 120.0)
+        elif args.kind == "slurm":
+            if args.hosts:
+                raise UsageError(f"%mesh up slurm takes no hosts (got {' '.join(args.hosts)}): Slurm chooses "
+                                 "the nodes; use --nodes N (or --job ID for an allocation you have)")
+            mesh = slurm_mesh(args.nodes or 1, args.gpus or 1, partition=args.partition, time=args.time,
+                              account=args.account, qos=args.qos, constraint=args.constraint,
+                              sbatch_args=args.sbatch_arg, request_gpus=not args.no_gpu_request, job=args.job,
+                              python=None if args.python == "python3" else args.python, setup=args.setup,
+                              dist=args.dist or "nccl", env=env, name=name, keep=args.keep,
+                              wait_timeout=args.wait_timeout, timeout=args.timeout or 180.0,
+                              master_addr=args.master_addr)
         else:
             if not args.hosts or args.gpus is None:
                 raise UsageError("%mesh up ssh HOST [HOST ...] --gpus N: give the hosts and ranks per host")

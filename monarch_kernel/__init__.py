@@ -45,6 +45,7 @@ _EXPORTS = {
     "Mesh": "monarch_kernel.api.mesh",
     "local_mesh": "monarch_kernel.api.mesh",
     "ssh_mesh": "monarch_kernel.api.mesh",
+    "slurm_mesh": "monarch_kernel.api.slurm",
     "visualize_sharding": "monarch_kernel.views.shardview",
     "HealthTimings": "monarch_kernel.wire.messages",
 }
@@ -77,6 +78,7 @@ __all__ = [
     "endpoint",
     "load_ipython_extension",
     "local_mesh",
+    "slurm_mesh",
     "ssh_mesh",
     "unload_ipython_extension",
     "visualize_sharding",

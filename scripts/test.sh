@@ -4,11 +4,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The SSH tests run real sshd servers in network namespaces: they need root, openssh-server
 # and iproute2 (they are skipped, with the reason, where those are missing).
-# The browser test renders an executed notebook in Debian's chromium.
+# The browser test renders an executed notebook in Debian's chromium. The Slurm tests run a
+# real cluster (Debian's slurmctld, slurmd and munge) in network namespaces.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
-   && { [ ! -x /usr/sbin/sshd ] || ! command -v ip >/dev/null || [ ! -x /usr/bin/chromium ]; }; then
+   && { [ ! -x /usr/sbin/sshd ] || ! command -v ip >/dev/null || [ ! -x /usr/bin/chromium ] \
+        || [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/munged ]; }; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client iproute2 chromium >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    slurmctld slurmd slurm-client munge >/dev/null
 fi
 # The tests need the JupyterLab sidebar built: fail here, not in a test, if npm is missing.
 MONARCH_KERNEL_REQUIRE_LABEXTENSION=1 bash scripts/setup.sh test

@@ -339,15 +339,22 @@ class FaultStorm:
         return None
 
     def _agent_pids_on(self, host: Any) -> list[int]:
-        found = []
-        for pid in self.hosts.pids(host):
+        """Agents running in a test host: agent processes whose parent is not one (ranks are their children)."""
+        def is_agent(pid: int) -> bool:
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"monarch_kernel.agent" in f.read() and _alive(pid):
-                        found.append(pid)
+                    return b"monarch_kernel.agent" in f.read() and _alive(pid)
             except OSError:
-                continue
-        return found
+                return False
+
+        def parent(pid: int) -> int:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                return 0
+
+        return sorted(pid for pid in self.hosts.pids(host) if is_agent(pid) and not is_agent(parent(pid)))
 
     def _busy_cell(self, seconds: float = 30.0, fail_fast: bool = True) -> Any:
         future = self.mesh.run_async(f"import time\ntime.sleep({seconds})", timeout=CALL_TIMEOUT_S,

@@ -75,8 +75,9 @@ class Mesh:
 
     @property
     def kind(self) -> str:
-        """Where its ranks run: "local" (this machine) or "ssh"."""
-        return HostKind.SSH if any(h.kind == HostKind.SSH for h in self._runtime.spec.hosts) else HostKind.LOCAL
+        """Where its ranks run: "local" (this machine), "ssh" or "slurm"."""
+        kinds = {h.kind for h in self._runtime.spec.hosts}
+        return next((k for k in (HostKind.SLURM, HostKind.SSH) if k in kinds), HostKind.LOCAL)
 
     @property
     def hosts(self) -> list[str]:
@@ -342,7 +343,8 @@ def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "
 
 
 def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, env: dict[str, str] | None,
-                timeout: float, master_addr: str | None, health: HealthTimings | None) -> Mesh:
+                timeout: float, master_addr: str | None, health: HealthTimings | None,
+                release: Callable[[], None] | None = None) -> Mesh:
     if not isinstance(gpus, int) or gpus < 1:
         raise MeshUsageError(f"gpus={gpus!r}: give a positive number of ranks per host, e.g. gpus=4")
     if dist not in BACKENDS:
@@ -358,7 +360,8 @@ def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, e
     if master_addr is not None and is_unspecified(master_addr):
         raise MeshUsageError(f"master_addr={master_addr!r} names no host: give the address at which the "
                              "other hosts reach the first one (never 0.0.0.0 or an empty one)")
-    spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings())
+    spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings(),
+                    release=release)
     runtime = MeshRuntime(spec, idle_output=IdleOutput().write, report_timing=report_timing)
     try:
         runtime.start()

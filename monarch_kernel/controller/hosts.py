@@ -27,6 +27,7 @@ class HostKind(enum.StrEnum):
 
     LOCAL = "local"  # a child process of the notebook's kernel
     SSH = "ssh"  # started over SSH
+    SLURM = "slurm"  # a job step on a node of a Slurm allocation
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class HostConnection:
     async def connect(self, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]) -> Any:
         """A framed connection to the agent (socketpair, or the SSH channel)."""
         if self.remote is not None:
-            return self.remote.attach(on_message, on_close)
+            connection = self.remote.attach(on_message, on_close)
+            return await connection if asyncio.iscoroutine(connection) else connection
         assert self.sock is not None  # a local agent has its socketpair
         return await AsyncConnection.from_socket(self.sock, on_message, on_close)
 
@@ -132,6 +134,12 @@ async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str]) -> Ho
     if spec.kind == HostKind.LOCAL:
         proc, sock = spawn_local_agent(spec.name, log_path, python=None)
         return HostConnection(sock, "127.0.0.1", process=proc)
+    if spec.kind == HostKind.SLURM:
+        from monarch_kernel.controller.slurm import SlurmStep
+
+        step = SlurmStep.start(spec.options["job"], spec.target or spec.name, python=spec.python, setup=spec.setup,
+                               env=env, log_path=log_path)
+        return HostConnection(None, spec.options["address"], remote=step)
     from monarch_kernel.controller import ssh
 
     remote = await ssh.start_agent(

@@ -215,6 +215,8 @@ class MeshRuntime:
         finally:
             shutil.rmtree(self.state.run_dir, ignore_errors=True)
             shutil.rmtree(self.state.shm_dir, ignore_errors=True)
+            if self.spec.release is not None:
+                self.spec.release()
 
     async def _shutdown(self) -> None:
         async with self._lifecycle:

@@ -49,6 +49,7 @@ class MeshSpec:
     master_addr: str | None = None  # host 0's address as the other hosts reach it (default: as we reach it)
     start_timeout_s: float = 120.0
     health: m.HealthTimings = m.HealthTimings()
+    release: Callable[[], None] | None = field(default=None, compare=False)  # after down: e.g. end a Slurm job
 
 
 @dataclass

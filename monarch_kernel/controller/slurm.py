@@ -1,0 +1,295 @@
+"""Slurm allocations as meshes: submit (or attach to) a job, wait for it visibly, one agent per node.
+
+The allocation is a batch job (`sbatch --parsable`) whose script only holds the nodes; each
+node's host agent then runs as a job step of it (`srun --jobid ID --overlap -N1 -w NODE`) and
+speaks the agent protocol on the step's stdin/stdout, so control traffic goes only through
+Slurm's own authenticated step launch: nothing listens for agents. Only portable commands
+are used (`sbatch --parsable`, `squeue -h -j ID -o ...`, `scontrol show hostnames|node`), as
+they work the same on Slurm 22.05 and 24.11.
+
+When the last agent step of a job we submitted ends (the mesh went down, or the kernel was
+killed and took its `srun` clients along), the batch script sees it and ends the job, so no
+allocation is left queued or running; `keep` leaves it for the next `--job` attach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from monarch_kernel.core.errors import MeshStartError
+from monarch_kernel.wire.transport import AsyncConnection
+
+POLL_S = 0.5
+STEP_GRACE_S = 600  # a held job whose agents never came (the notebook died meanwhile) ends after this
+HOLD_SCRIPT = """#!/bin/sh
+# monarch_kernel: hold these nodes for a mesh's agents (job steps); end once they are all gone
+# (the mesh went down, or the kernel died and its srun clients with it), or if none came
+me="$SLURM_JOB_ID"; seen=0; waited=0
+while :; do
+  if squeue -h -s -j "$me" -o %i 2>/dev/null | grep -v -e '[.]batch$' -e '[.]extern$' | grep -q .; then
+    seen=1
+  elif [ "$seen" = 1 ] || [ "$waited" -ge {grace} ]; then
+    exit 0
+  fi
+  sleep 2; waited=$((waited + 2))
+done
+"""
+KEEP_SCRIPT = "#!/bin/sh\n# monarch_kernel: hold these nodes until the job's time ends or scancel\nexec sleep infinity\n"
+
+
+@dataclass(frozen=True)
+class SlurmRequest:
+    """What to ask Slurm for (or which job to attach to)."""
+
+    nodes: int = 1
+    gpus: int = 1  # ranks per node (and GPUs requested per node, if request_gpus)
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    sbatch_args: tuple[str, ...] = ()
+    request_gpus: bool = True
+    job: str | None = None  # attach to this allocation instead of submitting one
+    name: str = "mesh"
+    keep: bool = False
+    wait_timeout: float | None = None
+
+    def sbatch_command(self, script: str) -> list[str]:
+        """The sbatch command line (everything but the script's text, which goes on stdin)."""
+        cmd = ["sbatch", "--parsable", f"--job-name=monarch-{self.name}", f"--nodes={self.nodes}",
+               "--ntasks-per-node=1", "--output=/dev/null", "--error=/dev/null"]
+        for flag, value in (("--partition", self.partition), ("--time", self.time), ("--account", self.account),
+                            ("--qos", self.qos), ("--constraint", self.constraint)):
+            if value:
+                cmd.append(f"{flag}={value}")
+        if self.request_gpus:
+            cmd.append(f"--gpus-per-node={self.gpus}")
+        return [*cmd, *self.sbatch_args]
+
+
+@dataclass
+class SlurmJob:
+    """An allocation a mesh runs in: its id, nodes and their addresses."""
+
+    job_id: str
+    nodes: list[str]
+    addresses: dict[str, str]
+    owned: bool  # we submitted it (so `down` ends it unless keep)
+    keep: bool = False
+    steps: list[SlurmStep] = field(default_factory=list)
+
+    def release(self) -> None:
+        """End the allocation if this mesh made it and was not asked to keep it."""
+        if self.owned and not self.keep:
+            cancel(self.job_id)
+
+
+def _slurm(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    if shutil.which(args[0]) is None:
+        raise MeshStartError(f"{args[0]} is not on PATH: is this machine a Slurm login node? "
+                             "(install the Slurm client tools, or load the cluster's slurm module)")
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def submit(request: SlurmRequest) -> str:
+    """Submit the holding job; its id. A request Slurm refuses raises MeshStartError with Slurm's words."""
+    script = KEEP_SCRIPT if request.keep else HOLD_SCRIPT.format(grace=STEP_GRACE_S)
+    done = subprocess.run(request.sbatch_command(script), input=script, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        said = done.stderr.strip().removeprefix("sbatch: error: ")
+        raise MeshStartError(f"Slurm refused the allocation: {said}\n{_hint(said, request)}")
+    return done.stdout.strip().split(";")[0]
+
+
+def _hint(said: str, request: SlurmRequest) -> str:
+    low = said.lower()
+    if "partition" in low:
+        return "hint: `sinfo -s` lists the partitions you may use; pass --partition"
+    if "account" in low or "association" in low:
+        return "hint: `sacctmgr show assoc user=$USER` lists your accounts; pass --account"
+    if "node count" in low or "nodes" in low or "configuration is not available" in low:
+        return (f"hint: {request.nodes} nodes with {request.gpus} GPUs each may be more than the partition has; "
+                "`sinfo -N -l` shows its nodes (on CPU-only nodes, do not request GPUs)")
+    if "time limit" in low:
+        return "hint: `sinfo -o '%P %l'` shows each partition's time limit; pass a shorter --time"
+    if "gres" in low or "gpu" in low:
+        return "hint: these nodes may have no GPUs as Slurm counts them (gres); ask for a GPU partition"
+    return "hint: try the same request with `sbatch --test-only` to see what Slurm thinks of it"
+
+
+def cancel(job_id: str) -> None:
+    """scancel, ignoring a job that is already gone."""
+    try:
+        _slurm("scancel", job_id, timeout=30)
+    except (MeshStartError, subprocess.TimeoutExpired):
+        pass
+
+
+def job_state(job_id: str) -> tuple[str, str, str]:
+    """(state, reason, node list) of a job; state "" when Slurm no longer knows it."""
+    done = _slurm("squeue", "-h", "-j", job_id, "-o", "%T|%r|%N")
+    line = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    state, reason, nodes = (line.split("|") + ["", "", ""])[:3]
+    return state, reason, nodes
+
+
+def wait_running(job_id: str, *, timeout: float | None, report: Callable[[str], None]) -> str:
+    """Until the job runs; its node list. Reports each change of state (KeyboardInterrupt passes through)."""
+    start, last = time.monotonic(), None
+    while True:
+        state, reason, nodes = job_state(job_id)
+        waited = time.monotonic() - start
+        if state == "RUNNING":
+            done = f"Slurm job {job_id}: RUNNING on {nodes} after {waited:.0f} s"
+            report("\r" + done.ljust(len(last or "")) + "\n")
+            return nodes
+        if state in ("", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                     "DEADLINE", "OUT_OF_MEMORY"):
+            raise MeshStartError(f"Slurm job {job_id} ended before it ran ({state or 'gone'}"
+                                 f"{', ' + reason if reason and reason != 'None' else ''})")
+        why = f" ({reason})" if reason and reason != "None" else ""
+        line = f"Slurm job {job_id}: {state}{why}, waited {waited:.0f} s (the stop button cancels it)"
+        if line != last:
+            report("\r" + line)
+            last = line
+        if timeout is not None and waited > timeout:
+            raise TimeoutError(f"Slurm job {job_id} was still {state}{why} after {timeout:g} s")
+        time.sleep(POLL_S)
+
+
+def node_names(nodelist: str) -> list[str]:
+    """`node[0-3]` as node names, by Slurm's own rules."""
+    return _slurm("scontrol", "show", "hostnames", nodelist).stdout.split()
+
+
+def node_address(node: str) -> str:
+    """The node's address as Slurm (and so the other nodes) reach it."""
+    for word in _slurm("scontrol", "show", "node", node).stdout.split():
+        if word.startswith("NodeAddr="):
+            return word.split("=", 1)[1]
+    return node
+
+
+def attach(request: SlurmRequest) -> SlurmJob:
+    """The running allocation `request.job` (not ours: `down` leaves it running)."""
+    assert request.job is not None
+    state, reason, nodelist = job_state(request.job)
+    if state != "RUNNING":
+        raise MeshStartError(f"Slurm job {request.job} is {state or 'not known to Slurm'}"
+                             f"{f' ({reason})' if reason and reason != 'None' else ''}; attach to a running job")
+    nodes = node_names(nodelist)
+    return SlurmJob(request.job, nodes, {n: node_address(n) for n in nodes}, owned=False)
+
+
+def allocate(request: SlurmRequest, report: Callable[[str], None]) -> SlurmJob:
+    """Submit, wait until running (visibly), and describe the nodes; cancels on interrupt or timeout."""
+    job_id = submit(request)
+    try:
+        nodelist = wait_running(job_id, timeout=request.wait_timeout, report=report)
+        nodes = node_names(nodelist)
+        return SlurmJob(job_id, nodes, {n: node_address(n) for n in nodes}, owned=True, keep=request.keep)
+    except BaseException as exc:
+        cancel(job_id)  # nothing stays queued
+        if isinstance(exc, TimeoutError):
+            raise MeshStartError(f"{exc}; the request was cancelled (scancel {job_id}). Ask for fewer or "
+                                 "smaller nodes, another partition, or a longer --wait-timeout") from None
+        raise
+
+
+# ---------------------------------------------------------------- one node's agent
+
+
+def _die_with_us() -> None:
+    """In the forked srun: SIGKILL when the controller's thread goes (Slurm then ends the step)."""
+    os.setsid()  # the kernel's SIGINT must not reach srun (it would signal the agent's tasks)
+    try:
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class SlurmStep:
+    """A host agent running as a job step on one node, talking on the step's stdin/stdout."""
+
+    job_id: str
+    node: str
+    process: subprocess.Popen
+    read_fd: int
+    write_fd: int
+    log_path: str
+    python: str
+
+    @classmethod
+    def start(cls, job_id: str, node: str, *, python: str, setup: str | None, env: dict[str, str],
+              log_path: str) -> SlurmStep:
+        """srun the agent on node (the environment, if any, goes first on its stdin)."""
+        to_agent_r, to_agent_w = os.pipe()
+        from_agent_r, from_agent_w = os.pipe()
+        from monarch_kernel.controller.ssh import agent_command
+
+        command = ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+                   "--unbuffered", f"--job-name=monarch-agent-{node}",
+                   "/bin/sh", "-c", agent_command(python=python, name=node, setup=setup, env=env)]
+        if shutil.which("srun") is None:
+            raise MeshStartError("srun is not on PATH: is this machine a Slurm login node?")
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(command, stdin=to_agent_r, stdout=from_agent_w, stderr=log,
+                                       preexec_fn=_die_with_us, close_fds=True)
+        os.close(to_agent_r)
+        os.close(from_agent_w)
+        if env:
+            import json
+
+            os.write(to_agent_w, json.dumps(env).encode() + b"\n")
+        return cls(job_id, node, process, from_agent_r, to_agent_w, log_path, python)
+
+    async def attach(self, on_message: Callable[[Any], None],
+                     on_close: Callable[[Exception | None], None]) -> AsyncConnection:
+        """The framed connection to the agent over srun's pipes."""
+        return await AsyncConnection.from_pipes(self.read_fd, self.write_fd, on_message, on_close)
+
+    async def wait_closed(self) -> None:
+        """Until srun (and so the step) has ended."""
+        while self.process.poll() is None:
+            await asyncio.sleep(0.05)
+
+    async def remove_shipped(self) -> None:
+        """Nothing is shipped to Slurm nodes (they run the cluster's own environment)."""
+
+    def close(self) -> None:
+        """End the step: srun passes SIGTERM on to the agent, which stops its ranks."""
+        if self.process.poll() is None:
+            self.process.terminate()
+
+    async def explain_exit(self, timeout: float = 3.0) -> str:
+        """Why the step ended, from srun's status and the log."""
+        try:
+            await asyncio.wait_for(self.wait_closed(), timeout)
+        except TimeoutError:
+            pass
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                tail = "".join(f.readlines()[-20:])
+        except OSError:
+            tail = ""
+        if "No module named" in tail and "monarch_kernel" in tail:
+            return (f"monarch_kernel is not importable on node {self.node} with {self.python}: install it in "
+                    "an environment the nodes share, and pass --python")
+        return (f"the agent step on node {self.node} (job {self.job_id}) ended (srun status "
+                f"{self.process.poll()})" + (f":\n{tail}" if tail else ""))
+
+
+def describe(job: SlurmJob) -> str:
+    """One line for logs and status."""
+    return f"Slurm job {job.job_id} on {' '.join(shlex.quote(n) for n in job.nodes)}"

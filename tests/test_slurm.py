@@ -1,0 +1,166 @@
+"""Meshes on a real Slurm cluster (slurmctld, slurmd and munge from Debian, in namespaces).
+
+The cluster has two nodes of 2 CPUs; meshes ask for no GPUs (`request_gpus=False`).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import cloudpickle
+import pytest
+from conftest import RecordingSink, pids_alive, wait_until
+from slurmlab import SlurmTestCluster, unavailable_reason
+
+from monarch_kernel import Actor, MeshInterrupted, MeshStartError, endpoint, slurm_mesh
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the nodes cannot import this file
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    lab = SlurmTestCluster(2, tempfile.mkdtemp(prefix="slurmlab-"))
+    try:
+        lab.start()
+        saved = dict(os.environ)
+        os.environ.update(lab.env)
+        yield lab
+        os.environ.clear()
+        os.environ.update(saved)
+    finally:
+        lab.stop()
+
+
+def slurm(cluster, *args):
+    return subprocess.run(list(args), capture_output=True, text=True, env={**os.environ, **cluster.env}, timeout=30)
+
+
+def ours_in_queue(cluster):
+    return [line for line in cluster.squeue().splitlines() if line.strip()]
+
+
+def node_processes(cluster):
+    """Processes on the nodes other than their slurmd (the daemon, and the shells that exec'd it)."""
+    daemons = {p.pid for p in cluster._daemons}
+    return {i: [p for p in cluster.node_pids(i) if p not in daemons] for i in range(len(cluster.nodes))}
+
+
+class Where(Actor):
+    @endpoint
+    def node(self):
+        import socket
+
+        return socket.gethostname()
+
+
+def test_a_mesh_on_two_nodes_works_like_any_other_and_leaves_nothing(cluster):
+    sink = RecordingSink()
+    mesh = slurm_mesh(nodes=2, gpus=2, dist="gloo", request_gpus=False, name="slurm2")
+    try:
+        assert mesh.kind == "slurm" and mesh.shape.sizes == {"hosts": 2, "gpus": 2}
+        cell = ("import os, socket, torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                "print('hello')\n(socket.gethostname(), os.environ['SLURM_JOB_ID'] != '', os.environ['MASTER_ADDR'],"
+                " os.environ['RANK'], t.item())")
+        values = mesh.run(cell, sink=sink).by_rank()
+        assert {r: v[0] for r, v in values.items()} == {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
+        assert all(v[1] and v[2] == cluster.nodes[0][1] and v[4] == 4.0 for v in values.values())
+        assert sink.text() == {r: "hello\n" for r in range(4)}
+        assert mesh.slice(hosts=1).run("socket.gethostname()", sink=sink).values() is not None
+        mesh.push(x=41)
+        assert set(mesh.pull("x + 1").values()) == {42}
+        assert sorted(set(mesh.spawn("where", Where).node.call().get(timeout=30).values())) == ["node0", "node1"]
+        before = [s.pid for s in mesh.status()]
+        mesh.restart()
+        assert [s.pid for s in mesh.status()] != before and mesh.run("1", sink=sink).values() is not None
+        assert len(ours_in_queue(cluster)) == 1
+    finally:
+        mesh.shutdown()
+    assert wait_until(lambda: ours_in_queue(cluster) == [], 15)  # the allocation ended with the mesh
+    assert wait_until(lambda: all(not p for p in node_processes(cluster).values()), 15), node_processes(cluster)
+
+
+def test_a_request_slurm_refuses_fails_at_once_with_its_words(cluster):
+    started = time.monotonic()
+    with pytest.raises(MeshStartError, match="(?i)invalid partition.*\n.*hint: `sinfo -s`"):
+        slurm_mesh(nodes=1, gpus=1, dist="none", request_gpus=False, partition="nope")
+    with pytest.raises(MeshStartError, match="Slurm refused the allocation.*\n.*hint"):
+        slurm_mesh(nodes=5, gpus=1, dist="none", request_gpus=False)  # more nodes than exist
+    assert time.monotonic() - started < 20 and ours_in_queue(cluster) == []
+
+
+def test_waiting_is_visible_bounded_and_cancellable(cluster, capsys):
+    blocker = slurm(cluster, "sbatch", "--parsable", "-N2", "--exclusive", "--wrap", "sleep 300").stdout.strip()
+    try:
+        assert wait_until(lambda: "RUNNING" in cluster.squeue(), 15)
+        with pytest.raises(MeshStartError, match="still PENDING.*cancelled"):
+            slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, wait_timeout=2, name="waits")
+        shown = capsys.readouterr().out
+        assert "PENDING" in shown and "waited" in shown and "(Resources)" in shown or "(Priority)" in shown
+        assert wait_until(lambda: [job for job in ours_in_queue(cluster) if not job.startswith(blocker)] == [], 10)
+        # the stop button: KeyboardInterrupt while waiting cancels the request
+        timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(MeshInterrupted, match="cancelled, nothing is queued"):
+                slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, name="stopped")
+        finally:
+            timer.cancel()
+        assert wait_until(lambda: [job for job in ours_in_queue(cluster) if not job.startswith(blocker)] == [], 10)
+    finally:
+        slurm(cluster, "scancel", blocker)
+    assert wait_until(lambda: ours_in_queue(cluster) == [], 20)
+
+
+def test_attaching_to_an_allocation_leaves_it_running_at_down(cluster):
+    job = slurm(cluster, "sbatch", "--parsable", "-N1", "--wrap", "sleep 300").stdout.strip()
+    try:
+        assert wait_until(lambda: "RUNNING" in cluster.squeue(), 15)
+        with slurm_mesh(job=job, gpus=2, dist="gloo", name="attached") as mesh:
+            assert set(mesh.run("import os\nos.environ['SLURM_JOB_ID']", sink=RecordingSink()).values()) == {job}
+        assert [line.split()[0] for line in ours_in_queue(cluster)] == [job]
+        assert "RUNNING" in cluster.squeue()
+        with pytest.raises(MeshStartError, match="Slurm job 999999 is not known"):
+            slurm_mesh(job="999999", gpus=1, dist="none")
+    finally:
+        slurm(cluster, "scancel", job)
+    assert wait_until(lambda: ours_in_queue(cluster) == [], 20)
+
+
+def test_a_killed_kernel_leaves_no_allocation_and_no_process(cluster, tmp_path):
+    script = tmp_path / "kernel.py"
+    script.write_text("import os, sys, time\nimport monarch_kernel\n"
+                      "m = monarch_kernel.slurm_mesh(nodes=2, gpus=1, dist='none', request_gpus=False, name='doomed')\n"
+                      "print('up', flush=True)\ntime.sleep(300)\n")
+    kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, **cluster.env})
+    try:
+        lines = iter(kernel.stdout.readline, "")
+        assert any(line.strip() == "up" for line in lines)  # after the "Slurm job N: RUNNING" line
+        assert len(ours_in_queue(cluster)) == 1
+        kernel.kill()
+        assert wait_until(lambda: ours_in_queue(cluster) == [], 30), cluster.squeue()
+        assert wait_until(lambda: all(not p for p in node_processes(cluster).values()), 15), node_processes(cluster)
+    finally:
+        kernel.kill()
+
+
+def test_a_lost_node_is_named(cluster):
+    sink = RecordingSink()
+    with slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, name="lost") as mesh:
+        future = mesh.run_async("import time\ntime.sleep(60)", sink=sink)
+        assert wait_until(lambda: all(s.state == "busy" for s in mesh.status()), 15)
+        agent = [p for p in node_processes(cluster)[1] if b"monarch_kernel.agent" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert agent
+        os.kill(agent[0], signal.SIGKILL)
+        with pytest.raises(Exception, match="node1") as info:
+            future.get(timeout=20)
+        assert any(f.rank == 1 for f in info.value.failures)
+        assert pids_alive(agent) == []
+        mesh.interrupt()
