@@ -41,7 +41,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "%mesh up ssh HOST [HOST ...] --gpus N [--dist ...] [--python P] [--setup CMD] [--master-addr A]\n"
                "             [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]\n"
                "%mesh up slurm --nodes N --gpus G [--partition P] [--time T] [--account A] [--qos Q]\n"
-               "             [--constraint C] [--sbatch-arg ARG ...] [--no-gpu-request] [--job ID] [--keep]\n"
+               "             [--constraint C] [--sbatch-arg ARG ...] [--no-gpu-request] [--job ID | --reuse] [--keep]\n"
                "             [--wait-timeout S] [--python P] [--setup CMD] [--dist ...] [--name NAME]",
                "start a mesh on this machine, on SSH hosts or in a Slurm allocation (the newest is the default)", (
                    arg("kind", choices=["local", "ssh", "slurm"], help="where ranks run"),
@@ -61,6 +61,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                    arg("--constraint", default=None), arg("--sbatch-arg", action="append", default=[]),
                    arg("--no-gpu-request", action="store_true", help="CPU nodes: ask Slurm for no GPUs"),
                    arg("--job", default=None, help="attach to this running allocation"),
+                   arg("--reuse", action="store_true", help="attach to your newest running mesh job"),
                    arg("--keep", action="store_true", help="leave the allocation running at down"),
                    arg("--wait-timeout", type=float, default=None))),
     Subcommand("status", "[NAME]", "each rank's host, pid, state and load", (arg("name", nargs="?"),)),

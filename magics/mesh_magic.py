@@ -132,8 +132,10 @@ class MeshMagics(Magics):
             mesh = slurm_mesh(args.nodes or 1, args.gpus or 1, partition=args.partition, time=args.time,
                               account=args.account, qos=args.qos, constraint=args.constraint,
                               sbatch_args=args.sbatch_arg, request_gpus=not args.no_gpu_request, job=args.job,
+                              reuse=args.reuse,
                               python=None if args.python == "python3" else args.python, setup=args.setup,
-                              dist=args.dist or "nccl", env=env, name=name, keep=args.keep,
+                              dist=args.dist or "nccl", env=env, name=args.name if args.reuse else name,
+                              keep=args.keep,
                               wait_timeout=args.wait_timeout, timeout=args.timeout or 180.0,
                               master_addr=args.master_addr)
         else:
@@ -156,6 +158,8 @@ class MeshMagics(Magics):
 
     def _show_status(self, mesh: Mesh) -> None:
         show_mesh(mesh, default=mesh.name == self.registry.current)
+        if mesh.allocation is not None:
+            print(mesh.allocation)
 
     def _do_use(self, args) -> None:
         self.registry.use(args.name)

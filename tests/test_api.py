@@ -11,7 +11,7 @@ PUBLIC = {
     "CellSyntaxError", "HealthTimings", "Mesh", "MeshError", "MeshFuture", "MeshInterrupted", "MeshNotRunningError",
     "MeshStartError", "MeshTimeoutError", "MeshUsageError", "Point", "RankDiedError", "RankFailure",
     "RemoteError", "SerializationError", "Shape", "ValueMesh", "load_ipython_extension", "local_mesh",
-    "ssh_mesh", "unload_ipython_extension"}
+    "slurm_mesh", "ssh_mesh", "unload_ipython_extension"}
 
 
 def test_public_names():

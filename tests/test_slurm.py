@@ -47,9 +47,15 @@ def ours_in_queue(cluster):
 
 
 def node_processes(cluster):
-    """Processes on the nodes other than their slurmd (the daemon, and the shells that exec'd it)."""
-    daemons = {p.pid for p in cluster._daemons}
-    return {i: [p for p in cluster.node_pids(i) if p not in daemons] for i in range(len(cluster.nodes))}
+    """Our processes on each node: agents and ranks (Slurm's own, like a kept job's script, are not ours)."""
+    def ours(pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return b"monarch_kernel" in f.read()
+        except OSError:
+            return False
+
+    return {i: [p for p in cluster.node_pids(i) if ours(p)] for i in range(len(cluster.nodes))}
 
 
 class Where(Actor):
@@ -102,7 +108,7 @@ def test_waiting_is_visible_bounded_and_cancellable(cluster, capsys):
         with pytest.raises(MeshStartError, match="still PENDING.*cancelled"):
             slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, wait_timeout=2, name="waits")
         shown = capsys.readouterr().out
-        assert "PENDING" in shown and "waited" in shown and "(Resources)" in shown or "(Priority)" in shown
+        assert "PENDING" in shown and "waited" in shown and ("(Resources)" in shown or "(Priority)" in shown)
         assert wait_until(lambda: [job for job in ours_in_queue(cluster) if not job.startswith(blocker)] == [], 10)
         # the stop button: KeyboardInterrupt while waiting cancels the request
         timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
@@ -164,3 +170,85 @@ def test_a_lost_node_is_named(cluster):
         assert any(f.rank == 1 for f in info.value.failures)
         assert pids_alive(agent) == []
         mesh.interrupt()
+
+
+def test_mesh_up_slurm_in_ipython(cluster):
+    from IPython.testing.globalipapp import get_ipython
+    from IPython.utils.capture import capture_output
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "monarch_kernel")
+    try:
+        with capture_output() as cap:
+            ok = ip.run_cell("%mesh up slurm --nodes 2 --gpus 1 --no-gpu-request --dist gloo --name magicslurm")
+        shown = cap.stdout + "".join(o.data.get("text/plain", "") for o in cap.outputs)
+        assert ok.success, shown + cap.stderr
+        assert "RUNNING on node[0-1]" in shown and "mesh 'magicslurm' {hosts: 2, gpus: 1}" in shown
+        with capture_output() as cap:
+            result = ip.run_cell("%%mesh\nimport socket, torch.distributed as dist\nprint('world', dist.get_world_size())\n"
+                                 "socket.gethostname()")
+        assert "[0-1] world 2" in cap.stdout and list(result.result.values()) == ["node0", "node1"]
+        with capture_output() as cap:
+            bad = ip.run_cell("%mesh up slurm --nodes 1 node0")
+        assert not bad.success or "takes no hosts" in cap.stderr + cap.stdout
+        ip.run_cell("%mesh down magicslurm")
+        assert wait_until(lambda: ours_in_queue(cluster) == [], 15)
+    finally:
+        ip.run_line_magic("unload_ext", "monarch_kernel")
+
+
+def test_ddp_across_two_nodes_gives_identical_parameters(cluster):
+    from test_dist import DDP_CELL
+
+    with slurm_mesh(nodes=2, gpus=2, dist="gloo", request_gpus=False, name="ddp") as mesh:
+        results = list(mesh.run(DDP_CELL, sink=RecordingSink(), timeout=120).values())
+    assert all(bool((flat == results[0][2]).all()) and last < first for first, last, flat in results)
+
+
+def test_a_kept_allocation_outlives_its_kernel_and_is_reattached(cluster):
+    first = slurm_mesh(nodes=1, gpus=1, dist="none", request_gpus=False, name="keeper", keep=True)
+    job = first.run("import os\nos.environ['SLURM_JOB_ID']", sink=RecordingSink()).item(hosts=0, gpus=0)
+    first.shutdown()
+    try:
+        assert wait_until(lambda: not any(node_processes(cluster).values()), 15)  # our processes are gone
+        assert [line.split()[0] for line in ours_in_queue(cluster)] == [job]  # the job is not
+        started = time.monotonic()
+        with slurm_mesh(reuse=True, gpus=2, dist="gloo", name="keeper") as again:  # a new kernel would do this
+            assert set(again.run("import os\nos.environ['SLURM_JOB_ID']", sink=RecordingSink()).values()) == {job}
+        assert time.monotonic() - started < 30
+        assert [line.split()[0] for line in ours_in_queue(cluster)] == [job]  # attached: left running
+    finally:
+        slurm(cluster, "scancel", job)
+    assert wait_until(lambda: ours_in_queue(cluster) == [], 20)
+
+
+def test_an_salloc_allocation_can_be_attached(cluster):
+    done = slurm(cluster, "salloc", "--no-shell", "-N2")
+    job = next(word for word in done.stderr.split() if word.isdigit())
+    try:
+        with slurm_mesh(job=job, gpus=1, dist="gloo", name="salloc") as mesh:
+            assert sorted(mesh.run("import socket\nsocket.gethostname()", sink=RecordingSink()).values()) == ["node0", "node1"]
+    finally:
+        slurm(cluster, "scancel", job)
+
+
+def test_a_job_cancelled_from_outside_ends_the_cell_naming_job_and_state(cluster):
+    with slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, name="cancelled") as mesh:
+        job = mesh.run("import os\nos.environ['SLURM_JOB_ID']", sink=RecordingSink()).item(hosts=0, gpus=0)
+        future = mesh.run_async("import time\ntime.sleep(60)", sink=RecordingSink())
+        assert wait_until(lambda: all(s.state == "busy" for s in mesh.status()), 15)
+        cut = time.monotonic()
+        slurm(cluster, "scancel", job)
+        with pytest.raises(Exception, match=rf"Slurm (job {job} is (CANCELLED|COMPLETING)|no longer knows job {job})"):
+            future.get(timeout=30)
+        assert time.monotonic() - cut < 5
+    assert wait_until(lambda: ours_in_queue(cluster) == [] and not any(node_processes(cluster).values()), 20)
+
+
+def test_the_time_limit_ends_the_mesh_with_slurms_reason(cluster):
+    with slurm_mesh(nodes=1, gpus=1, dist="none", request_gpus=False, name="limited", time="1") as mesh:
+        future = mesh.run_async("import time\ntime.sleep(120)", sink=RecordingSink())
+        with pytest.raises(Exception, match=r"Slurm (job \d+ is (TIMEOUT|COMPLETING)|no longer knows)") as info:
+            future.get(timeout=150)
+        assert "node0" in str(info.value)
+    assert wait_until(lambda: ours_in_queue(cluster) == [] and not any(node_processes(cluster).values()), 30)

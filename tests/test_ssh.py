@@ -466,15 +466,26 @@ def test_master_addr_that_names_every_interface_is_refused():
 
 
 def test_a_copy_left_by_a_killed_agent_is_swept_by_the_next_ship(hosts, sink):
-    """F18: an agent killed by SIGKILL (or an SSH drop) left its --ship copy on the host."""
-    with ssh_mesh(["host-1"], gpus=1, dist="none", python=sys.executable, ship_package=True,
-                  connect_options=hosts.connect_options(), name="ship-kill") as m:
-        shipped = m.run("import monarch_kernel\nmonarch_kernel.__file__", sink=sink).item(hosts=0, gpus=0)
-        shipped = shipped.split("/monarch_kernel/")[0]
-        agent = int(open(os.path.join(shipped, ".owner")).read())
-        os.kill(agent, signal.SIGKILL)
-        assert wait_until(lambda: all(s.state == "dead" for s in m.status()), 10)
-    assert os.path.exists(shipped)  # nobody was left to clean up
-    with ssh_mesh(["host-1"], gpus=1, dist="none", python=sys.executable, ship_package=True,
-                  connect_options=hosts.connect_options(), name="ship-next"):
-        assert not os.path.exists(shipped)  # the next ship swept it
+    """F18: an agent killed with its kernel (SIGKILL, an SSH drop) left its --ship copy on the host."""
+    import tempfile
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs
+    folders = {}
+    for label, owner in (("dead", gone.pid), ("alive", os.getpid()), ("unowned", None)):
+        folder = tempfile.mkdtemp(prefix="monarch-pkg-", dir="/tmp")
+        if owner is not None:
+            with open(os.path.join(folder, ".owner"), "w") as f:
+                f.write(str(owner))
+        folders[label] = folder
+    try:
+        with ssh_mesh(["host-1"], gpus=1, dist="none", python=sys.executable, ship_package=True,
+                      connect_options=hosts.connect_options(), name="ship-next") as m:
+            assert m.run("1", sink=sink).values() is not None
+        assert not os.path.exists(folders["dead"])  # its agent is gone: swept
+        assert os.path.exists(folders["alive"]) and os.path.exists(folders["unowned"])  # not ours to judge
+    finally:
+        import shutil
+
+        for folder in folders.values():
+            shutil.rmtree(folder, ignore_errors=True)

@@ -21,7 +21,7 @@ from monarch_kernel.api.futures import MeshFuture, raise_failures
 from monarch_kernel.api.sinks import IdleOutput, OutputSink, default_sink, report_timing
 from monarch_kernel.controller.hosts import HostKind, HostSpec
 from monarch_kernel.controller.runtime import MeshRuntime
-from monarch_kernel.controller.state import MeshSpec, RankSnapshot, Request
+from monarch_kernel.controller.state import Allocation, MeshSpec, RankSnapshot, Request
 from monarch_kernel.core.addresses import is_unspecified
 from monarch_kernel.core.errors import MeshInterrupted, MeshStartError, MeshUsageError, SerializationError
 from monarch_kernel.core.ranksets import format_ranks
@@ -83,6 +83,12 @@ class Mesh:
     def hosts(self) -> list[str]:
         """The names of its hosts, in host order."""
         return [h.name for h in self._runtime.spec.hosts]
+
+    @property
+    def allocation(self) -> str | None:
+        """The scheduler's job the mesh runs in, state and time left (None: no scheduler)."""
+        found = self._runtime.spec.allocation
+        return found.status_line() if found is not None else None
 
     @property
     def health(self) -> HealthTimings:
@@ -344,7 +350,7 @@ def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "
 
 def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, env: dict[str, str] | None,
                 timeout: float, master_addr: str | None, health: HealthTimings | None,
-                release: Callable[[], None] | None = None) -> Mesh:
+                allocation: Allocation | None = None) -> Mesh:
     if not isinstance(gpus, int) or gpus < 1:
         raise MeshUsageError(f"gpus={gpus!r}: give a positive number of ranks per host, e.g. gpus=4")
     if dist not in BACKENDS:
@@ -361,7 +367,7 @@ def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, e
         raise MeshUsageError(f"master_addr={master_addr!r} names no host: give the address at which the "
                              "other hosts reach the first one (never 0.0.0.0 or an empty one)")
     spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings(),
-                    release=release)
+                    allocation=allocation)
     runtime = MeshRuntime(spec, idle_output=IdleOutput().write, report_timing=report_timing)
     try:
         runtime.start()

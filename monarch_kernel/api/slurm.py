@@ -15,6 +15,7 @@ from monarch_kernel.wire.messages import HealthTimings
 def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, time: str | None = None,
                account: str | None = None, qos: str | None = None, constraint: str | None = None,
                sbatch_args: Sequence[str] = (), request_gpus: bool = True, job: str | int | None = None,
+               reuse: bool = False,
                python: str | None = None, setup: str | None = None, dist: str = "nccl",
                env: dict[str, str] | None = None, name: str | None = None, keep: bool = False,
                wait_timeout: float | None = None, timeout: float = 180.0, master_addr: str | None = None,
@@ -22,11 +23,13 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
     """Start `gpus` ranks on each of `nodes` nodes of a new Slurm allocation (or of job `job`).
 
     While the job is pending one line shows its state and Slurm's reason; Ctrl-C (the stop
-    button) or `wait_timeout` cancels it, leaving nothing queued. Each node runs one host
+    button) or `wait_timeout` cancels it, leaving nothing queued. `reuse=True` attaches to
+    your newest running job made by a mesh of this name (kept with `keep=True`). Each node runs one host
     agent as a job step (srun); ranks see Slurm's variables and torchrun's. `down` ends an
     allocation made here, unless `keep`; an attached one is left running. `request_gpus=False`
     asks for no GPUs (CPU nodes: `gpus` is then only the number of ranks per node).
     """
+    reuse_name = name
     name = name or f"mesh{next(_mesh_numbers)}"
     if not _NAME.fullmatch(name):
         raise MeshUsageError(f"mesh name {name!r}: use 1 to 64 letters, digits, '_', '-' or '.'")
@@ -34,10 +37,14 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
         raise MeshUsageError(f"nodes={nodes!r}: give a positive number of nodes")
     request = slurm.SlurmRequest(nodes=nodes, gpus=gpus, partition=partition, time=time, account=account, qos=qos,
                                  constraint=constraint, sbatch_args=tuple(sbatch_args), request_gpus=request_gpus,
-                                 job=None if job is None else str(job), name=name, keep=keep,
+                                 job=None if job is None else str(job), reuse=reuse, name=name, keep=keep,
                                  wait_timeout=wait_timeout)
     try:
-        allocation = slurm.attach(request) if request.job else slurm.allocate(request, _show)
+        if request.job or request.reuse:
+            allocation = slurm.attach(request, reuse_name)
+            _show(f"attached to {slurm.describe(allocation)}\n")
+        else:
+            allocation = slurm.allocate(request, _show)
     except KeyboardInterrupt:
         raise MeshInterrupted(f"waiting for the Slurm allocation of mesh {name!r} was stopped; the request was "
                               "cancelled, nothing is queued", []) from None
@@ -45,7 +52,7 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
                       options={"job": allocation.job_id, "address": allocation.addresses[node]})
              for node in allocation.nodes]
     try:
-        return _start_mesh(hosts, gpus, dist, name, env, timeout, master_addr, health, release=allocation.release)
+        return _start_mesh(hosts, gpus, dist, name, env, timeout, master_addr, health, allocation=allocation)
     except BaseException:
         allocation.release()  # a mesh that did not start leaves no allocation behind (unless keep)
         raise

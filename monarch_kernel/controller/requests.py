@@ -161,11 +161,12 @@ class RequestBook:
         return True
 
     def rank_exited(self, rank: int, exit_code: int | None, signal_name: str | None, stderr_tail: tuple[str, ...],
-                    *, expected: bool, host_lost: bool = False) -> None:
+                    *, expected: bool, host_lost: bool = False, cause: str = "") -> None:
         """A rank's process ended: fail what it was running, and the calls it owed."""
         rank_state = self._state.ranks[rank]
         rank_state.alive = False
         rank_state.exit_code, rank_state.signal, rank_state.host_lost = exit_code, signal_name, host_lost
+        rank_state.cause = cause
         for line in stderr_tail:
             if ("stderr", line) not in rank_state.log:
                 rank_state.log.append(("stderr", line))

@@ -56,8 +56,7 @@ class MeshRuntime:
             m.Gathered: lambda link, msg: self.requests.gathered(msg),
             m.Display: lambda link, msg: self.requests.display(msg),
             m.InputRequest: lambda link, msg: self.requests.input_request(link.send, msg),
-            m.RankExited: lambda link, msg: self.requests.rank_exited(
-                msg.rank, msg.exit_code, msg.signal, msg.stderr_tail, expected=msg.expected),
+            m.RankExited: self._on_rank_exited,
             m.RankHealth: lambda link, msg: self.requests.health(msg),
             m.ActorReply: lambda link, msg: self.sender.router.reply(msg, owed=True),
             m.ActorCall: lambda link, msg: self.sender.router.call(msg),
@@ -215,8 +214,8 @@ class MeshRuntime:
         finally:
             shutil.rmtree(self.state.run_dir, ignore_errors=True)
             shutil.rmtree(self.state.shm_dir, ignore_errors=True)
-            if self.spec.release is not None:
-                self.spec.release()
+            if self.spec.allocation is not None:
+                self.spec.allocation.release()
 
     async def _shutdown(self) -> None:
         async with self._lifecycle:
@@ -302,7 +301,42 @@ class MeshRuntime:
             link.started.set_exception(MeshStartError(
                 f"mesh {self.name!r}: ranks on host {link.name} failed to start:\n{msg.text}"))
 
+    def _on_rank_exited(self, link: HostLink, msg: m.RankExited) -> None:
+        ended = getattr(link.host.remote, "job_ended", None) if link.host is not None else None
+        if ended is None or msg.expected:
+            self.requests.rank_exited(msg.rank, msg.exit_code, msg.signal, msg.stderr_tail, expected=msg.expected)
+            return
+
+        async def with_cause() -> None:  # a rank killed by the scheduler (time limit, scancel): say so
+            try:
+                cause = await asyncio.wait_for(asyncio.to_thread(ended), 5)
+            except Exception:  # noqa: BLE001 - reported without it
+                cause = ""
+            rank_state = self.state.ranks[msg.rank]
+            if rank_state.alive and rank_state.pid == msg.pid:  # not reported meanwhile, nor restarted
+                self.requests.rank_exited(msg.rank, msg.exit_code, msg.signal, msg.stderr_tail, expected=False,
+                                          cause=cause)
+
+        asyncio.get_running_loop().create_task(with_cause())
+
     def _on_lost(self, link: HostLink, exc: Exception | None) -> None:
+        if self.state.closed:
+            return
+        explain = getattr(link.host.remote, "lost_reason", None) if link.host is not None else None
+        if explain is not None and not link.explained:  # a Slurm node: ask Slurm why (off the loop)
+            link.explained = True
+            asyncio.get_running_loop().create_task(self._lost_because(link, exc, explain))
+            return
+        self._host_lost(link, exc)
+
+    async def _lost_because(self, link: HostLink, exc: Exception | None, explain: Callable[[], str]) -> None:
+        try:
+            reason = await asyncio.wait_for(asyncio.to_thread(explain), 5)
+        except Exception:  # noqa: BLE001 - the loss is reported all the same
+            reason = ""
+        self._host_lost(link, RuntimeError(f"{exc or 'its agent step ended'}{'; ' + reason if reason else ''}"))
+
+    def _host_lost(self, link: HostLink, exc: Exception | None) -> None:
         if self.state.closed:
             return
         why = f"lost the connection to host {link.name}" + (f" ({exc})" if exc else "")

@@ -60,6 +60,7 @@ class SlurmRequest:
     sbatch_args: tuple[str, ...] = ()
     request_gpus: bool = True
     job: str | None = None  # attach to this allocation instead of submitting one
+    reuse: bool = False  # attach to the newest running monarch-kernel job of this user (by its name)
     name: str = "mesh"
     keep: bool = False
     wait_timeout: float | None = None
@@ -93,6 +94,35 @@ class SlurmJob:
         if self.owned and not self.keep:
             cancel(self.job_id)
 
+    def status_line(self) -> str:
+        """`Slurm job 12: RUNNING on node[0-1], 1:58:02 left`, with a warning under 10 minutes."""
+        try:
+            done = _slurm("squeue", "-h", "-j", self.job_id, "-o", "%T|%r|%N|%L")
+        except (MeshStartError, subprocess.TimeoutExpired, OSError) as exc:
+            return f"Slurm job {self.job_id}: state unknown ({exc})"
+        fields = (done.stdout.strip().splitlines() or [""])[-1].split("|")
+        if len(fields) < 4:
+            return f"Slurm job {self.job_id}: no longer known to Slurm (it ended)"
+        state, reason, nodes, left = fields[:4]
+        line = f"Slurm job {self.job_id}: {state}" + (f" ({reason})" if reason not in ("", "None") else "")
+        line += f" on {nodes}, {left} left" + ("" if self.owned else " (attached: down leaves it running)")
+        seconds = time_left_seconds(left)
+        if seconds is not None and seconds < 600:
+            line += " -- less than 10 minutes left: checkpoint now, or ask for a longer --time"
+        return line
+
+
+def time_left_seconds(text: str) -> int | None:
+    """squeue's %L (`1-02:03:04`, `2:03:04`, `3:04`, `UNLIMITED`) in seconds (None: no limit or unknown)."""
+    days, _, rest = text.rpartition("-")
+    parts = rest.split(":")
+    if not all(p.isdigit() for p in parts) or not 1 <= len(parts) <= 3 or (days and not days.isdigit()):
+        return None
+    seconds = 0
+    for part in parts:
+        seconds = seconds * 60 + int(part)
+    return seconds + int(days or 0) * 86400
+
 
 def _slurm(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     if shutil.which(args[0]) is None:
@@ -113,17 +143,17 @@ def submit(request: SlurmRequest) -> str:
 
 def _hint(said: str, request: SlurmRequest) -> str:
     low = said.lower()
-    if "partition" in low:
-        return "hint: `sinfo -s` lists the partitions you may use; pass --partition"
     if "account" in low or "association" in low:
         return "hint: `sacctmgr show assoc user=$USER` lists your accounts; pass --account"
-    if "node count" in low or "nodes" in low or "configuration is not available" in low:
-        return (f"hint: {request.nodes} nodes with {request.gpus} GPUs each may be more than the partition has; "
-                "`sinfo -N -l` shows its nodes (on CPU-only nodes, do not request GPUs)")
     if "time limit" in low:
         return "hint: `sinfo -o '%P %l'` shows each partition's time limit; pass a shorter --time"
     if "gres" in low or "gpu" in low:
         return "hint: these nodes may have no GPUs as Slurm counts them (gres); ask for a GPU partition"
+    if "node count" in low or "nodes" in low or "configuration is not available" in low:
+        return (f"hint: {request.nodes} nodes with {request.gpus} GPUs each may be more than the partition has; "
+                "`sinfo -N -l` shows its nodes (on CPU-only nodes, do not request GPUs)")
+    if "partition" in low:
+        return "hint: `sinfo -s` lists the partitions you may use; pass --partition"
     return "hint: try the same request with `sbatch --test-only` to see what Slurm thinks of it"
 
 
@@ -180,8 +210,25 @@ def node_address(node: str) -> str:
     return node
 
 
-def attach(request: SlurmRequest) -> SlurmJob:
+def find_reusable(name: str | None) -> str:
+    """The newest running job of this user that a mesh made (`monarch-NAME`, any mesh's if name is None)."""
+    import getpass
+
+    listed = _slurm("squeue", "-h", "-u", getpass.getuser(), "-t", "RUNNING", "-o", "%i|%j").stdout.split()
+    jobs = [line.split("|", 1) for line in listed if "|" in line]
+    wanted = [job for job, job_name in jobs
+              if job_name == f"monarch-{name}" or (name is None and job_name.startswith("monarch-"))
+              and not job_name.startswith("monarch-agent-")]
+    if not wanted:
+        raise MeshStartError(f"no running Slurm job of yours is named monarch-{name or '*'}; start one with "
+                             "%mesh up slurm ... --keep, or name the job with --job ID")
+    return max(wanted, key=lambda job: int(job.split("_")[0]) if job.split("_")[0].isdigit() else 0)
+
+
+def attach(request: SlurmRequest, reuse_name: str | None = None) -> SlurmJob:
     """The running allocation `request.job` (not ours: `down` leaves it running)."""
+    if request.reuse:
+        request = SlurmRequest(**{**request.__dict__, "job": find_reusable(reuse_name)})
     assert request.job is not None
     state, reason, nodelist = job_state(request.job)
     if state != "RUNNING":
@@ -263,6 +310,24 @@ class SlurmStep:
         """Until srun (and so the step) has ended."""
         while self.process.poll() is None:
             await asyncio.sleep(0.05)
+
+    def job_ended(self) -> str:
+        """What Slurm says if the job is no longer running ("" while it runs)."""
+        reason = self.lost_reason()
+        return "" if " is still RUNNING" in reason else reason
+
+    def lost_reason(self) -> str:
+        """What Slurm says of the job now (its state and reason, time left), for the error text."""
+        try:
+            state, reason, _ = job_state(self.job_id)
+        except (MeshStartError, subprocess.TimeoutExpired, OSError):
+            return ""
+        if not state:
+            return f"Slurm no longer knows job {self.job_id} (it ended)"
+        said = f" ({reason})" if reason and reason != "None" else ""
+        if state == "RUNNING":
+            return f"Slurm job {self.job_id} is still RUNNING: node {self.node} or its agent failed"
+        return f"Slurm job {self.job_id} is {state}{said}"
 
     async def remove_shipped(self) -> None:
         """Nothing is shipped to Slurm nodes (they run the cluster's own environment)."""

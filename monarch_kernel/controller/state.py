@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from monarch_kernel.controller.events import RequestEvent
 from monarch_kernel.controller.hosts import HostSpec
@@ -37,6 +37,16 @@ RANK_LOG_LINES = 500
 HISTORY_RECORDS = 50_000
 
 
+class Allocation(Protocol):
+    """A batch scheduler's allocation that a mesh runs in (a Slurm job)."""
+
+    def release(self) -> None:
+        """After down: end the allocation if the mesh made it (and was not asked to keep it)."""
+
+    def status_line(self) -> str:
+        """One line for status: job, state, time left (and a warning when little is left)."""
+
+
 @dataclass(frozen=True)
 class MeshSpec:
     """What a mesh is: its name, hosts, ranks per host, backend, environment and timings."""
@@ -49,7 +59,7 @@ class MeshSpec:
     master_addr: str | None = None  # host 0's address as the other hosts reach it (default: as we reach it)
     start_timeout_s: float = 120.0
     health: m.HealthTimings = m.HealthTimings()
-    release: Callable[[], None] | None = field(default=None, compare=False)  # after down: e.g. end a Slurm job
+    allocation: Allocation | None = field(default=None, compare=False)  # a scheduler's job the mesh runs in
 
 
 @dataclass
@@ -67,6 +77,7 @@ class RankState:
     exit_code: int | None = None
     signal: str | None = None
     host_lost: bool = False  # it died with its host (no exit status)
+    cause: str = ""  # what else is known of the death (a scheduler's word: "Slurm job 12 is TIMEOUT")
     log: LineLog = field(default_factory=lambda: LineLog(RANK_LOG_LINES))
     load: Any = None  # the latest RankLoad from its host agent
 
@@ -81,13 +92,15 @@ class RankState:
         return RankStatus.BUSY if busy else RankStatus.IDLE
 
     def exit_text(self) -> str:
-        """How it ended: "killed by SIGKILL", "exit code 3", or "its host h was lost"."""
-        return f"its host {self.host} was lost" if self.host_lost else exit_text(self.exit_code, self.signal)
+        """How it ended: "killed by SIGKILL", "exit code 3", or "its host h was lost" (and why, if known)."""
+        how = f"its host {self.host} was lost" if self.host_lost else exit_text(self.exit_code, self.signal)
+        return f"{how} ({self.cause})" if self.cause else how
 
     def started(self, pid: int) -> None:
         """A fresh process now serves this rank."""
         self.pid, self.alive, self.responsive = pid, True, True
         self.exit_code = self.signal = None
+        self.cause = ""
         self.host_lost = False
 
 
@@ -162,6 +175,7 @@ class HostLink:
     host: HostConnection | None = None
     conn: AsyncConnection | None = None
     greeted: asyncio.Future[None] | None = None  # the agent said which version it runs
+    explained: bool = False  # its loss was reported with what the scheduler says (Slurm)
     started: asyncio.Future[tuple[m.RankInfo, ...]] | None = None
     store_port: asyncio.Future[int] | None = None
     last_pong: float = 0.0
