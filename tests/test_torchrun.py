@@ -91,6 +91,13 @@ def test_a_scripts_own_process_group_calls(mesh):
         assert set(mesh.run(again, timeout=60, sink=RecordingSink()).values()) == {16.0}
 
 
+def test_a_script_that_destroys_its_group_runs_many_times_without_hanging(mesh, tmp_path):
+    """gloo's destroy_process_group could leave one rank waiting forever (1 run in ~10 hung)."""
+    for _ in range(10):
+        mesh.run_script(str(PROGRAMS / "ddp_train.py"), ["--out", str(tmp_path / "out"), "--steps", "6"],
+                        sink=RecordingSink(), timeout=60)
+
+
 def test_a_missing_script_and_a_failing_exit_status_are_named(mesh, tmp_path):
     with pytest.raises(Exception, match="is not a file on .*copy it there"):
         mesh.run_script(str(tmp_path / "nowhere.py"), sink=RecordingSink())
