@@ -252,3 +252,21 @@ def test_the_time_limit_ends_the_mesh_with_slurms_reason(cluster):
             future.get(timeout=150)
         assert "node0" in str(info.value)
     assert wait_until(lambda: ours_in_queue(cluster) == [] and not any(node_processes(cluster).values()), 30)
+
+
+def test_the_slurm_notebook_runs_end_to_end_on_the_test_cluster(cluster):
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks", "06_slurm.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    env = dict(os.environ, **cluster.env, MONARCH_SLURM_NODES="2", MONARCH_SLURM_GPUS="2", MONARCH_SLURM_TIME="10",
+               MONARCH_SLURM_DIST="gloo", MONARCH_SLURM_CPU_ONLY="1")
+    NotebookClient(nb, timeout=300, kernel_name="python3").execute(env=env)
+    texts = ["\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in c.outputs)
+             for c in nb.cells if c.cell_type == "code"]
+    assert any("[0-3] job" in t and "MASTER_ADDR 198.19.0.10 world 4" in t for t in texts), texts
+    assert any("'node0'" in t and "'node1'" in t for t in texts)
+    assert any("RUNNING on node[0-1]" in t and "left" in t for t in texts)  # the status names the job
+    assert "is down" in texts[-1]
+    assert wait_until(lambda: ours_in_queue(cluster) == [], 20)
