@@ -29,9 +29,11 @@ THREADS = {"OMP_NUM_THREADS": "1"}
 
 def torchrun_seconds(name: str, out: str) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                    os.path.join(PROGRAMS, f"{name}.py"), "--out", out], check=True, capture_output=True,
-                   env={**os.environ, **THREADS})
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           os.path.join(PROGRAMS, f"{name}.py"), "--out", out], capture_output=True, text=True,
+                          env={**os.environ, **THREADS})
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun {name} failed (status {done.returncode}):\n{done.stderr[-3000:]}")
     return time.perf_counter() - start
 
 

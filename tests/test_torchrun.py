@@ -101,6 +101,17 @@ def test_a_script_that_destroys_its_group_runs_many_times_without_hanging(mesh, 
 def test_a_missing_script_and_a_failing_exit_status_are_named(mesh, tmp_path):
     with pytest.raises(Exception, match="is not a file on .*copy it there"):
         mesh.run_script(str(tmp_path / "nowhere.py"), sink=RecordingSink())
+    where = tmp_path / "here"
+    where.mkdir()
+    (where / "cwd.py").write_text("import os\nprint(os.getcwd())\n")
+    sink = RecordingSink()
+    saved = os.getcwd()
+    os.chdir(where)  # the notebook moved since the mesh started: the script runs from here, as torchrun would
+    try:
+        mesh.run_script("cwd.py", sink=sink)
+    finally:
+        os.chdir(saved)
+    assert set(sink.text().values()) == {f"{where}\n"}
     script = tmp_path / "exits.py"
     script.write_text("import sys\nprint(sys.argv[1:])\nsys.exit(int(sys.argv[1]))\n")
     sink = RecordingSink()

@@ -152,14 +152,15 @@ class Mesh:
                    fail_fast: bool = False, sink: OutputSink | None = None) -> None:
         """Run a script on every rank as torchrun would: `__main__`, `sys.argv`, its folder on `sys.path`.
 
-        On a local mesh a relative path is taken from this process's working folder; on SSH
-        hosts the file must exist there. The mesh's process group serves the script's own
+        On a local mesh the script runs from this process's working folder (where torchrun
+        would have been started); on SSH and Slurm hosts the file must exist there. The mesh's process group serves the script's own
         init_process_group; output, errors, interrupts and timeouts work as for cells.
         """
-        if self.kind == HostKind.LOCAL:
-            path = os.path.abspath(path)
+        cwd = None
+        if self.kind == HostKind.LOCAL:  # as torchrun started from here: this folder, this path
+            path, cwd = os.path.abspath(path), os.getcwd()
         code = (f"__import__('monarch_kernel.rank.script', fromlist=['run_script'])"
-                f".run_script({path!r}, {[str(a) for a in argv]!r})")
+                f".run_script({path!r}, {[str(a) for a in argv]!r}, {cwd!r})")
         self.run(code, timeout=timeout, fail_fast=fail_fast, sink=sink, name=f"script {os.path.basename(path)}")
 
     def push(self, **values: Any) -> None:

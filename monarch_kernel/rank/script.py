@@ -19,8 +19,18 @@ class ScriptExit(Exception):
     """The script ended with a non-zero exit status."""
 
 
-def run_script(path: str, argv: list[str]) -> None:
-    """Run the script at path (as `python path *argv`) in this rank's process."""
+def run_script(path: str, argv: list[str], cwd: str | None = None) -> None:
+    """Run the script at path (as `python path *argv`, from folder cwd if given) in this rank's process."""
+    saved_cwd = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        _run(path, argv)
+    finally:
+        os.chdir(saved_cwd)
+
+
+def _run(path: str, argv: list[str]) -> None:
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{path} is not a file on {socket.gethostname()} (working folder {os.getcwd()}): the script must "
