@@ -153,8 +153,9 @@ class Mesh:
         """Run a script on every rank as torchrun would: `__main__`, `sys.argv`, its folder on `sys.path`.
 
         On a local mesh the script runs from this process's working folder (where torchrun
-        would have been started); on SSH and Slurm hosts the file must exist there. The mesh's process group serves the script's own
-        init_process_group; output, errors, interrupts and timeouts work as for cells.
+        would have been started); on SSH and Slurm hosts the file must exist there. The
+        mesh's process group serves the script's own init_process_group; output, errors,
+        interrupts and timeouts work as for cells.
         """
         cwd = None
         if self.kind == HostKind.LOCAL:  # as torchrun started from here: this folder, this path
