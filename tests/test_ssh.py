@@ -288,8 +288,8 @@ def test_changed_host_key_is_rejected(hosts, tmp_path):
         ssh_mesh(["host-0"], gpus=1, dist="none", python=sys.executable, connect_options=options)
 
 
-def test_proxyjump_in_the_ssh_config_is_followed(hosts, tmp_path):
-    # "behind" is host-1 reached through host-0, as `ssh behind` would with this config
+def behind_a_jump_host(hosts, tmp_path):
+    """connect_options where "behind" is host-1 reached through host-0 (ProxyJump in the config)."""
     config = tmp_path / "ssh_config"
     config.write_text(open(hosts.config).read() + f"\nHost behind\n  HostName {hosts.hosts[1].address}\n"
                       f"  User root\n  IdentityFile {hosts.key}\n  ProxyJump host-0\n")
@@ -298,6 +298,12 @@ def test_proxyjump_in_the_ssh_config_is_followed(hosts, tmp_path):
     known.write_text("\n".join(lines + [line.replace("host-1,", "behind,", 1) for line in lines
                                         if line.startswith("host-1,")]) + "\n")
     options = {"config": [str(config)], "known_hosts": str(known), "client_keys": [hosts.key]}
+    return options
+
+
+def test_proxyjump_in_the_ssh_config_is_followed(hosts, tmp_path):
+    # "behind" is host-1 reached through host-0, as `ssh behind` would with this config
+    options = behind_a_jump_host(hosts, tmp_path)
     with ssh_mesh(["behind"], gpus=1, dist="none", python=sys.executable, connect_options=options,
                   name="jumped") as m:
         # the agent's SSH connection came from host-0's address, not from this machine's
@@ -445,14 +451,7 @@ def test_a_failed_start_with_ship_leaves_no_copy_on_the_host(hosts):
 
 def test_a_gloo_mesh_through_a_jump_host_learns_the_hosts_address(hosts, tmp_path, sink):
     """Through ProxyJump the connection has no peer address: MASTER_ADDR comes from the host (F5)."""
-    config = tmp_path / "ssh_config"
-    config.write_text(open(hosts.config).read() + f"\nHost behind\n  HostName {hosts.hosts[1].address}\n"
-                      f"  User root\n  IdentityFile {hosts.key}\n  ProxyJump host-0\n")
-    known = tmp_path / "known_hosts"
-    lines = open(hosts.known_hosts).read().splitlines()
-    known.write_text("\n".join(lines + [line.replace("host-1,", "behind,", 1) for line in lines
-                                        if line.startswith("host-1,")]) + "\n")
-    options = {"config": [str(config)], "known_hosts": str(known), "client_keys": [hosts.key]}
+    options = behind_a_jump_host(hosts, tmp_path)
     with ssh_mesh(["behind", "host-0"], gpus=1, dist="gloo", python=sys.executable, connect_options=options,
                   name="jumpgloo", timeout=60) as m:
         vm = m.run("import os, torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
