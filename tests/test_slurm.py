@@ -242,6 +242,10 @@ def test_a_job_cancelled_from_outside_ends_the_cell_naming_job_and_state(cluster
         with pytest.raises(Exception, match=rf"Slurm (job {job} is (CANCELLED|COMPLETING)|no longer knows job {job})"):
             future.get(timeout=30)
         assert time.monotonic() - cut < 5
+        mesh.restart()  # the job is gone: a restart asks Slurm for a new allocation of the same shape
+        again = mesh.run("import os\nos.environ['SLURM_JOB_ID']", sink=RecordingSink())
+        assert len(set(again.values())) == 1 and next(iter(again.values())) != job
+        assert "RUNNING" in mesh.allocation and next(iter(again.values())) in mesh.allocation
     assert wait_until(lambda: ours_in_queue(cluster) == [] and not any(node_processes(cluster).values()), 20)
 
 

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 from monarch_kernel.api.mesh import _NAME, Mesh, _mesh_numbers, _start_mesh
 from monarch_kernel.controller import slurm
-from monarch_kernel.controller.hosts import HostKind, HostSpec
 from monarch_kernel.core.errors import MeshInterrupted, MeshUsageError
 from monarch_kernel.wire.messages import HealthTimings
 
@@ -48,11 +47,10 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
     except KeyboardInterrupt:
         raise MeshInterrupted(f"waiting for the Slurm allocation of mesh {name!r} was stopped; the request was "
                               "cancelled, nothing is queued", []) from None
-    hosts = [HostSpec(node, HostKind.SLURM, target=node, python=python or sys.executable, setup=setup,
-                      options={"job": allocation.job_id, "address": allocation.addresses[node]})
-             for node in allocation.nodes]
+    allocation.python, allocation.setup = python or sys.executable, setup
     try:
-        return _start_mesh(hosts, gpus, dist, name, env, timeout, master_addr, health, allocation=allocation)
+        return _start_mesh(list(allocation.host_specs()), gpus, dist, name, env, timeout, master_addr, health,
+                           allocation=allocation)
     except BaseException:
         allocation.release()  # a mesh that did not start leaves no allocation behind (unless keep)
         raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import os
 import shutil
 import time
@@ -194,8 +195,13 @@ class MeshRuntime:
 
     async def _restart_now(self) -> None:
         self.requests.fail_all("the mesh was restarted")
-        if any(not link.is_open for link in self.state.links):
+        renewed = self.spec.hosts
+        if self.spec.allocation is not None:  # the job may have ended: ask the scheduler again
+            renewed = await asyncio.to_thread(self.spec.allocation.renew)
+        moved = [(h.name, h.options) for h in renewed] != [(h.name, h.options) for h in self.spec.hosts]
+        if moved or any(not link.is_open for link in self.state.links):
             await self._close_links()
+            self.spec = dataclasses.replace(self.spec, hosts=renewed)
             await self._start()
             return
         for rank_state in self.state.ranks.values():

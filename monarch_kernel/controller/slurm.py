@@ -22,9 +22,10 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from monarch_kernel.controller.hosts import HostKind, HostSpec
 from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.wire.transport import AsyncConnection
 
@@ -33,12 +34,17 @@ STEP_GRACE_S = 600  # a held job whose agents never came (the notebook died mean
 HOLD_SCRIPT = """#!/bin/sh
 # monarch_kernel: hold these nodes for a mesh's agents (job steps); end once they are all gone
 # (the mesh went down, or the kernel died and its srun clients with it), or if none came
-me="$SLURM_JOB_ID"; seen=0; waited=0
+# (a restart closes the agents and starts new ones: allow it 10 s without steps)
+me="$SLURM_JOB_ID"; seen=0; waited=0; idle=0
 while :; do
   if squeue -h -s -j "$me" -o %i 2>/dev/null | grep -v -e '[.]batch$' -e '[.]extern$' | grep -q .; then
-    seen=1
-  elif [ "$seen" = 1 ] || [ "$waited" -ge {grace} ]; then
+    seen=1; idle=0
+  elif [ "$seen" = 1 ] && [ "$idle" -ge 10 ]; then
     exit 0
+  elif [ "$waited" -ge {grace} ]; then
+    exit 0
+  else
+    idle=$((idle + 2))
   fi
   sleep 2; waited=$((waited + 2))
 done
@@ -87,7 +93,27 @@ class SlurmJob:
     addresses: dict[str, str]
     owned: bool  # we submitted it (so `down` ends it unless keep)
     keep: bool = False
-    steps: list[SlurmStep] = field(default_factory=list)
+    request: SlurmRequest | None = None  # what to ask for again if it ends (jobs we submitted)
+    python: str = "python3"  # the nodes' interpreter and set-up line, for their agents
+    setup: str | None = None
+
+    def host_specs(self) -> tuple[HostSpec, ...]:
+        """One host per node, its agent a step of this job."""
+        return tuple(HostSpec(node, HostKind.SLURM, target=node, python=self.python, setup=self.setup,
+                              options={"job": self.job_id, "address": self.addresses[node]}) for node in self.nodes)
+
+    def renew(self) -> tuple[HostSpec, ...]:
+        """Hosts for a restart: this job's nodes while it runs, else those of a new allocation."""
+        state, reason, _ = job_state(self.job_id)
+        if state == "RUNNING":
+            return self.host_specs()
+        if not self.owned or self.request is None:
+            raise MeshStartError(f"Slurm job {self.job_id}, which this mesh attached to, is {state or 'gone'}"
+                                 f"{f' ({reason})' if reason not in ('', 'None') else ''}; start a new mesh "
+                                 "(%mesh up slurm ...) or attach to a running job")
+        fresh = allocate(self.request, _print)
+        self.job_id, self.nodes, self.addresses = fresh.job_id, fresh.nodes, fresh.addresses
+        return self.host_specs()
 
     def release(self) -> None:
         """End the allocation if this mesh made it and was not asked to keep it."""
@@ -122,6 +148,10 @@ def time_left_seconds(text: str) -> int | None:
     for part in parts:
         seconds = seconds * 60 + int(part)
     return seconds + int(days or 0) * 86400
+
+
+def _print(text: str) -> None:
+    print(text, end="", flush=True)
 
 
 def _slurm(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
@@ -244,7 +274,8 @@ def allocate(request: SlurmRequest, report: Callable[[str], None]) -> SlurmJob:
     try:
         nodelist = wait_running(job_id, timeout=request.wait_timeout, report=report)
         nodes = node_names(nodelist)
-        return SlurmJob(job_id, nodes, {n: node_address(n) for n in nodes}, owned=True, keep=request.keep)
+        return SlurmJob(job_id, nodes, {n: node_address(n) for n in nodes}, owned=True, keep=request.keep,
+                        request=request)
     except BaseException as exc:
         cancel(job_id)  # nothing stays queued
         if isinstance(exc, TimeoutError):

@@ -46,6 +46,9 @@ class Allocation(Protocol):
     def status_line(self) -> str:
         """One line for status: job, state, time left (and a warning when little is left)."""
 
+    def renew(self) -> tuple[HostSpec, ...]:
+        """The hosts to start again on at a restart (the same, or those of a new allocation)."""
+
 
 @dataclass(frozen=True)
 class MeshSpec:
