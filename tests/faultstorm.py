@@ -146,6 +146,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def _wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -333,10 +341,11 @@ class FaultStorm:
         link = self.mesh._runtime.state.links[host]
         if link.host is not None and link.host.process is not None:
             return int(link.host.process.pid)
-        if self.hosts is not None:
-            pids = self._agent_pids_on(self.hosts.hosts[host])
-            return pids[0] if pids else None
-        return None
+        # a remote host's current agent is the parent of its ranks (an agent cut off by an
+        # earlier round may still be running there until it notices)
+        name = self.mesh.hosts[host]
+        ranks = [s.pid for s in self.mesh.status() if s.host == name and s.pid]
+        return _parent(ranks[0]) if ranks else None
 
     def _agent_pids_on(self, host: Any) -> list[int]:
         """Agents running in a test host: agent processes whose parent is not one (ranks are their children)."""
@@ -347,14 +356,7 @@ class FaultStorm:
             except OSError:
                 return False
 
-        def parent(pid: int) -> int:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    return int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                return 0
-
-        return sorted(pid for pid in self.hosts.pids(host) if is_agent(pid) and not is_agent(parent(pid)))
+        return sorted(pid for pid in self.hosts.pids(host) if is_agent(pid) and not is_agent(_parent(pid)))
 
     def _busy_cell(self, seconds: float = 30.0, fail_fast: bool = True) -> Any:
         future = self.mesh.run_async(f"import time\ntime.sleep({seconds})", timeout=CALL_TIMEOUT_S,
