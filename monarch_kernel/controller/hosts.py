@@ -1,4 +1,4 @@
-"""Hosts of a mesh: what they are (HostSpec) and how the controller reaches their agent.
+"""Hosts of a mesh: how the controller starts and reaches their agents (what they are: `hostspec`).
 
 A local host's agent is a child process on a socketpair; a remote host's agent is
 started over SSH and speaks on the SSH channel (see `ssh`). Either way the controller
@@ -8,40 +8,18 @@ talks the same framed protocol.
 from __future__ import annotations
 
 import asyncio
-import enum
 import os
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from monarch_kernel.controller.hostspec import HostKind, HostSpec
 from monarch_kernel.core.package import PACKAGE_PARENT
 from monarch_kernel.wire.transport import AsyncConnection
-
-
-class HostKind(enum.StrEnum):
-    """How the controller reaches a host's agent."""
-
-    LOCAL = "local"  # a child process of the notebook's kernel
-    SSH = "ssh"  # started over SSH
-    SLURM = "slurm"  # a job step on a node of a Slurm allocation
-
-
-@dataclass(frozen=True)
-class HostSpec:
-    """A host to run ranks on: this machine, or an SSH target."""
-
-    name: str
-    kind: HostKind = HostKind.LOCAL
-    target: str | None = None  # for ssh: host, user@host, host:port or user@host:port
-    python: str = "python3"
-    setup: str | None = None
-    options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
-    connect_timeout_s: float = 30.0
-    ship_package: bool = False
 
 
 @dataclass

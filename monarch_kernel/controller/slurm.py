@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from monarch_kernel.controller.hosts import HostKind, HostSpec
+from monarch_kernel.controller.hostspec import HostKind, HostSpec
 from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.wire.transport import AsyncConnection
 
