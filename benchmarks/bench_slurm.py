@@ -1,8 +1,8 @@
 """Slurm benchmark: a 2-node x 2-rank mesh on the test Slurm cluster, next to an SSH mesh of the same shape.
 
 Builds the test cluster (tests/slurmlab.py) and the SSH test hosts (both need root), then
-measures, in one run: `up` to the first cell's result (submission, scheduling, agents,
-ranks), no-op broadcast, and 64 MiB pull/push, for the Slurm mesh and the SSH mesh.
+measures, in one run, with bench_ssh's measurements: startup (submission, scheduling,
+agents, ranks ready), no-op broadcast, and 64 MiB pull/push, for both meshes.
 
     sudo .venv/bin/python benchmarks/bench_slurm.py [--quick]
 
@@ -17,33 +17,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
-from common import NullSink, timed  # noqa: E402
-
-MIB64 = 64 << 20
-
-
-def measure(make, quick: bool) -> dict[str, list[float]]:
-    import torch
-
-    start = time.perf_counter()
-    mesh = make()
-    mesh.run("1", sink=NullSink())
-    res = {"up to first result": [time.perf_counter() - start]}
-    try:
-        res["no-op broadcast"] = timed(lambda: mesh.run("pass", sink=NullSink()), 100 if quick else 300, 10)
-        mesh.run(f"import torch\nt = torch.randn({MIB64 // 4})", sink=NullSink())
-        one = mesh.slice(hosts=1, gpus=0)
-        res["pull 64 MiB from one rank"] = timed(lambda: one.pull("t"), 3 if quick else 8, 1)
-        x = torch.randn(MIB64 // 4)
-        res["push 64 MiB to all"] = timed(lambda: mesh.push(t=x), 3 if quick else 8, 1)
-    finally:
-        mesh.shutdown()
-    return res
+from bench_ssh import MIB64, measure_mesh  # noqa: E402
 
 
 def main() -> None:
@@ -67,9 +45,9 @@ def main() -> None:
         hosts.start()
         os.environ.update(cluster.env)
         results = {
-            "slurm 2x2": measure(lambda: monarch_kernel.slurm_mesh(nodes=2, gpus=2, dist="gloo", request_gpus=False,
+            "slurm 2x2": measure_mesh(lambda: monarch_kernel.slurm_mesh(nodes=2, gpus=2, dist="gloo", request_gpus=False,
                                                                    name="bench-slurm"), args.quick),
-            "ssh 2x2": measure(lambda: monarch_kernel.ssh_mesh([h.alias for h in hosts.hosts], gpus=2, dist="gloo",
+            "ssh 2x2": measure_mesh(lambda: monarch_kernel.ssh_mesh([h.alias for h in hosts.hosts], gpus=2, dist="gloo",
                                                                python=sys.executable,
                                                                connect_options=hosts.connect_options(),
                                                                name="bench-ssh"), args.quick),
