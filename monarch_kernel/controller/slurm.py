@@ -287,13 +287,16 @@ def allocate(request: SlurmRequest, report: Callable[[str], None]) -> SlurmJob:
 # ---------------------------------------------------------------- one node's agent
 
 
-def _die_with_us() -> None:
-    """In the forked srun: SIGKILL when the controller's thread goes (Slurm then ends the step)."""
-    os.setsid()  # the kernel's SIGINT must not reach srun (it would signal the agent's tasks)
+def _death_signal() -> Callable[[], None] | None:
+    """What the forked srun runs before exec: SIGKILL it when the controller's thread goes.
+
+    libc is looked up here, in the parent: the child of a threaded process must not dlopen.
+    """
     try:
-        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+        prctl = ctypes.CDLL(None).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+    return lambda: prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL (Slurm then ends the step)
 
 
 @dataclass
@@ -322,8 +325,9 @@ class SlurmStep:
         if shutil.which("srun") is None:
             raise MeshStartError("srun is not on PATH: is this machine a Slurm login node?")
         with open(log_path, "ab") as log:
+            # a session of its own: the kernel's SIGINT must not reach srun (it would signal the tasks)
             process = subprocess.Popen(command, stdin=to_agent_r, stdout=from_agent_w, stderr=log,
-                                       preexec_fn=_die_with_us, close_fds=True)
+                                       preexec_fn=_death_signal(), start_new_session=True, close_fds=True)
         os.close(to_agent_r)
         os.close(from_agent_w)
         if env:
