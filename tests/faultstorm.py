@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
+from conftest import wait_until
 
 from monarch_kernel import (
     Actor,
-    HealthTimings,
     MeshInterrupted,
     MeshTimeoutError,
     RemoteError,
@@ -152,15 +152,6 @@ def _parent(pid: int) -> int:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return 0
-
-
-def _wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 class _Interrupter:
@@ -321,7 +312,7 @@ class FaultStorm:
         self._pids.update(pid for pid in (self._agent_pid(i) for i in range(len(self.mesh.hosts))) if pid)
 
     def _check_leftovers(self, name: str, run_dir: str | None, shm_dir: str | None) -> None:
-        if not _wait_until(lambda: not [p for p in self._pids if _alive(p)], LEAK_WAIT_S):
+        if not wait_until(lambda: not [p for p in self._pids if _alive(p)], LEAK_WAIT_S):
             self.report.leaks.append(f"processes still running: {sorted(p for p in self._pids if _alive(p))}")
         for folder in (run_dir, shm_dir):
             if folder and os.path.exists(folder):
@@ -330,7 +321,7 @@ class FaultStorm:
             def clean() -> bool:
                 return not any(self._agent_pids_on(h) for h in self.hosts.hosts)
 
-            if not _wait_until(clean, LEAK_WAIT_S):
+            if not wait_until(clean, LEAK_WAIT_S):
                 self.report.leaks.append("an agent still runs on a test host")
             left = subprocess.run(["bash", "-c", "ls -d /tmp/monarch-store-* 2>/dev/null"], capture_output=True, text=True)
             if left.stdout.strip():
@@ -361,7 +352,7 @@ class FaultStorm:
     def _busy_cell(self, seconds: float = 30.0, fail_fast: bool = True) -> Any:
         future = self.mesh.run_async(f"import time\ntime.sleep({seconds})", timeout=CALL_TIMEOUT_S,
                                      fail_fast=fail_fast, sink=self.sink)
-        if not _wait_until(lambda: all(s.state == "busy" for s in self.mesh.status()), 10):
+        if not wait_until(lambda: all(s.state == "busy" for s in self.mesh.status()), 10):
             raise RuntimeError("the ranks did not all start the cell within 10 s")
         return future
 
@@ -387,10 +378,6 @@ class FaultStorm:
             return
         outcome.problems.append("the cell succeeded although a fault hit it")
 
-    def _detected_at(self, future: Any, started: float) -> float:
-        _wait_until(future.done, CALL_TIMEOUT_S)
-        return time.monotonic() - started
-
     # ------------------------------------------------------------ faults
     def _rank_sigkill(self, outcome: Outcome) -> None:
         future = self._busy_cell()
@@ -399,7 +386,7 @@ class FaultStorm:
         time.sleep(self.rng.uniform(0, 0.3))
         started = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        _wait_until(future.done, CALL_TIMEOUT_S)
+        wait_until(future.done, CALL_TIMEOUT_S)
         self._expect_failure(outcome, future, started, RANK_DETECT_S, rank, ("SIGKILL",))
 
     def _rank_sigstop(self, outcome: Outcome) -> None:
@@ -412,7 +399,7 @@ class FaultStorm:
         os.kill(pid, signal.SIGSTOP)
         started = time.monotonic()
         try:
-            flagged = _wait_until(lambda: self.mesh.status()[rank].state == "unresponsive", pause)
+            flagged = wait_until(lambda: self.mesh.status()[rank].state == "unresponsive", pause)
             if flagged:
                 outcome.detected, outcome.detect_s = True, time.monotonic() - started
                 if outcome.detect_s > self.mesh.health.unresponsive_after_s + 2 * self.mesh.health.ping_interval_s:
@@ -425,7 +412,7 @@ class FaultStorm:
         values = future.get(timeout=CALL_TIMEOUT_S).by_rank()
         if values != {r: r for r in self.mesh.ranks}:
             outcome.problems.append(f"the cell around the stop gave {values}")
-        if not _wait_until(lambda: self.mesh.status()[rank].state == "idle", 10):
+        if not wait_until(lambda: self.mesh.status()[rank].state == "idle", 10):
             outcome.problems.append(f"rank {rank} stayed {self.mesh.status()[rank].state} after SIGCONT")
 
     def _agent_sigkill(self, outcome: Outcome) -> None:
@@ -457,7 +444,7 @@ class FaultStorm:
     def _finish_cell_elsewhere(self) -> None:
         """Ranks of other hosts still sleep in the cell: stop them before recovery."""
         self.mesh.interrupt()
-        _wait_until(lambda: not any(s.state == "busy" for s in self.mesh.status()), 10)
+        wait_until(lambda: not any(s.state == "busy" for s in self.mesh.status()), 10)
 
     def _gil_hold_10s(self, outcome: Outcome) -> None:
         """The notebook's own thread holds the GIL for 10 s while the ranks work: nothing is lost."""
@@ -565,7 +552,3 @@ class FaultStorm:
         if not all(torch.equal(v, self.ref) for v in values.values()):
             outcome.problems.append("a result that could not go through shared memory came back wrong")
 
-
-def storm_health() -> HealthTimings:
-    """The default timings (the promised detection times are for them)."""
-    return HealthTimings()

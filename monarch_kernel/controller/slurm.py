@@ -347,22 +347,25 @@ class SlurmStep:
             await asyncio.sleep(0.05)
 
     def job_ended(self) -> str:
-        """What Slurm says if the job is no longer running ("" while it runs)."""
-        reason = self.lost_reason()
-        return "" if " is still RUNNING" in reason else reason
+        """What Slurm says if the job is no longer running ("" while it runs, or if Slurm cannot say)."""
+        said = self._slurm_says()
+        return "" if said is None or said.endswith(" is RUNNING") else said
 
     def lost_reason(self) -> str:
-        """What Slurm says of the job now (its state and reason, time left), for the error text."""
+        """What Slurm says of the job now, for the error of a lost node ("" if Slurm cannot say)."""
+        said = self._slurm_says()
+        if said is not None and said.endswith(" is RUNNING"):
+            return f"{said}: node {self.node} or its agent failed"
+        return said or ""
+
+    def _slurm_says(self) -> str | None:
         try:
             state, reason, _ = job_state(self.job_id)
         except (MeshStartError, subprocess.TimeoutExpired, OSError):
-            return ""
+            return None
         if not state:
             return f"Slurm no longer knows job {self.job_id} (it ended)"
-        said = f" ({reason})" if reason and reason != "None" else ""
-        if state == "RUNNING":
-            return f"Slurm job {self.job_id} is still RUNNING: node {self.node} or its agent failed"
-        return f"Slurm job {self.job_id} is {state}{said}"
+        return f"Slurm job {self.job_id} is {state}" + (f" ({reason})" if reason not in ("", "None") else "")
 
     async def remove_shipped(self) -> None:
         """Nothing is shipped to Slurm nodes (they run the cluster's own environment)."""
