@@ -1,27 +1,123 @@
-"""Slurm benchmark: a 2-node x 2-rank mesh on the test Slurm cluster, next to an SSH mesh of the same shape.
+"""Slurm benchmark on the test cluster (tests/slurmlab.py): readiness against the peers, and the mesh's data path.
 
-Builds the test cluster (tests/slurmlab.py) and the SSH test hosts (both need root), then
-measures, in one run, with bench_ssh's measurements: startup (submission, scheduling,
-agents, ranks ready), no-op broadcast, and 64 MiB pull/push, for both meshes.
+Needs root (it builds the test Slurm cluster and the SSH test hosts). In one run:
+
+1. Ready: from asking for 2 nodes to the first result from each of them, for
+   `slurm_mesh(nodes=2)` (without torch.distributed, and with gloo across the nodes),
+   ipyparallel's Slurm engines (`Cluster(engines="slurm", n=2)`) and dask-jobqueue's
+   `SLURMCluster` with 2 workers (one job each). Every system gets one worker per node;
+   the order is rotated each round, after one warm-up job.
+2. Data path of a 2-node x 2-rank mesh: no-op broadcast and 64 MiB pull/push, on the
+   Slurm mesh with its direct link, the same with all traffic on srun's stdio
+   (`direct=False`), and an SSH mesh of the same shape (bench_ssh's measurements).
 
     sudo .venv/bin/python benchmarks/bench_slurm.py [--quick]
-
-The peers the issue names (ipyparallel's Slurm engines, dask-jobqueue's SLURMCluster) are
-not measured here yet.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 from bench_ssh import MIB64, measure_mesh  # noqa: E402
+
+ROOT_ADDRESS = "198.19.0.1"  # the test cluster's bridge: where the peers' workers reach their schedulers
+
+
+def ready_monarch(dist: str):
+    def run() -> float:
+        from common import NullSink
+
+        import monarch_kernel
+
+        t = time.perf_counter()
+        mesh = monarch_kernel.slurm_mesh(nodes=2, gpus=1, dist=dist, request_gpus=False, name=f"ready-{dist}")
+        try:
+            names = mesh.run("import socket\nsocket.gethostname()", sink=NullSink())
+            elapsed = time.perf_counter() - t
+            assert sorted(names.values()) == ["node0", "node1"], names
+        finally:
+            mesh.shutdown()
+        return elapsed
+    return run
+
+
+def ready_ipyparallel() -> float:
+    import ipyparallel as ipp
+    from traitlets.config import Config
+
+    config = Config()
+    config.SlurmEngineSetLauncher.batch_template = (
+        "#!/bin/sh\n#SBATCH --job-name=ipengine-{cluster_id}\n#SBATCH --nodes={n}\n#SBATCH --ntasks-per-node=1\n"
+        "#SBATCH --output=/dev/null\nsrun {program_and_args}\n")
+    t = time.perf_counter()
+    cluster = ipp.Cluster(engines="slurm", n=2, controller_ip=ROOT_ADDRESS, log_level=40, config=config,
+                          profile_dir=tempfile.mkdtemp(prefix="ipp-"))
+    try:
+        client = cluster.start_and_connect_sync()
+        client.wait_for_engines(2, timeout=120)
+        names = client[:].apply_sync(socket.gethostname)
+        elapsed = time.perf_counter() - t
+        assert sorted(names) == ["node0", "node1"], names
+        client.close()
+    finally:
+        cluster.stop_cluster_sync()
+    return elapsed
+
+
+def ready_dask() -> float:
+    from dask.distributed import Client
+    from dask_jobqueue import SLURMCluster
+
+    t = time.perf_counter()
+    # cores=2: each worker's job takes a whole node (2 CPUs), so the two land on different nodes
+    cluster = SLURMCluster(cores=2, processes=1, memory="400MB", walltime="00:10:00", python=sys.executable,
+                           scheduler_options={"host": ROOT_ADDRESS}, job_directives_skip=["--mem"],
+                           log_directory=tempfile.mkdtemp(prefix="dask-"))
+    try:
+        cluster.scale(jobs=2)
+        with Client(cluster) as client:
+            client.wait_for_workers(2, timeout=120)
+            names = client.run(socket.gethostname)
+            elapsed = time.perf_counter() - t
+        assert sorted(names.values()) == ["node0", "node1"], names
+    finally:
+        cluster.close()
+    return elapsed
+
+
+def wait_queue_empty(cluster, timeout: float = 60) -> None:
+    """Between systems: every job of the last one has left the nodes."""
+    deadline = time.monotonic() + timeout
+    while cluster.squeue().strip() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def measure_ready(cluster, rounds: int) -> dict[str, list[float]]:
+    systems = {"monarch-kernel slurm_mesh(nodes=2), no torch.distributed": ready_monarch("none"),
+               "monarch-kernel slurm_mesh(nodes=2, dist='gloo')": ready_monarch("gloo"),
+               "ipyparallel Cluster(engines='slurm', n=2)": ready_ipyparallel,
+               "dask-jobqueue SLURMCluster, 2 workers": ready_dask}
+    subprocess.run(["srun", "-N2", "true"], env={**os.environ, **cluster.env}, check=True, timeout=60)  # warm-up
+    names = list(systems)
+    results: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            wait_queue_empty(cluster)
+            try:
+                results[name].append(systems[name]())
+            except Exception as exc:  # a peer that will not run here is reported, not fatal
+                print(f"{name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return results
 
 
 def main() -> None:
@@ -44,28 +140,42 @@ def main() -> None:
         cluster.start()
         hosts.start()
         os.environ.update(cluster.env)
-        results = {
-            "slurm 2x2": measure_mesh(lambda: monarch_kernel.slurm_mesh(nodes=2, gpus=2, dist="gloo", request_gpus=False,
-                                                                   name="bench-slurm"), args.quick),
-            "ssh 2x2": measure_mesh(lambda: monarch_kernel.ssh_mesh([h.alias for h in hosts.hosts], gpus=2, dist="gloo",
-                                                               python=sys.executable,
-                                                               connect_options=hosts.connect_options(),
-                                                               name="bench-ssh"), args.quick),
+        ready = measure_ready(cluster, 1 if args.quick else 3)
+        paths = {
+            "Slurm, direct link": measure_mesh(lambda: monarch_kernel.slurm_mesh(
+                nodes=2, gpus=2, dist="gloo", request_gpus=False, name="bench-direct"), args.quick),
+            "Slurm, srun stdio": measure_mesh(lambda: monarch_kernel.slurm_mesh(
+                nodes=2, gpus=2, dist="gloo", request_gpus=False, name="bench-stdio", direct=False), args.quick),
+            "SSH": measure_mesh(lambda: monarch_kernel.ssh_mesh(
+                [h.alias for h in hosts.hosts], gpus=2, dist="gloo", python=sys.executable,
+                connect_options=hosts.connect_options(), name="bench-ssh"), args.quick),
         }
     finally:
         hosts.stop()
         cluster.stop()
-    print("| 2 hosts x 2 ranks (medians) | Slurm mesh | SSH mesh | Slurm / SSH |")
-    print("|---|---|---|---|")
-    for row in results["slurm 2x2"]:
-        a, b = statistics.median(results["slurm 2x2"][row]), statistics.median(results["ssh 2x2"][row])
-        if row.startswith(("pull", "push")):
-            shown = f"{MIB64 / a / 1e9:.2f} GB/s | {MIB64 / b / 1e9:.2f} GB/s | {b / a:.2f}x speed"
-        elif a < 1:
-            shown = f"{a * 1e3:.2f} ms | {b * 1e3:.2f} ms | {a / b:.2f}x time"
+
+    print("| asking for 2 nodes -> first result from each (median of rounds) | seconds | vs monarch-kernel (no dist) |")
+    print("|---|---|---|")
+    base = statistics.median(next(iter(ready.values())) or [float("nan")])
+    for name, times in ready.items():
+        if times:
+            median = statistics.median(times)
+            print(f"| {name} | {median:.2f} s ({len(times)} rounds) | {median / base:.2f}x |")
         else:
-            shown = f"{a:.2f} s | {b:.2f} s | {a / b:.2f}x time"
-        print(f"| {row} | {shown} |")
+            print(f"| {name} | did not run (see stderr) | |")
+    print()
+    columns = list(paths)
+    print("| 2 nodes x 2 ranks (medians) | " + " | ".join(columns) + " | direct / stdio | direct / SSH |")
+    print("|---|" + "---|" * (len(columns) + 2))
+    for row in paths[columns[0]]:
+        values = [statistics.median(paths[c][row]) for c in columns]
+        if row.startswith(("pull", "push")):
+            cells = [f"{MIB64 / v / 1e9:.2f} GB/s" for v in values]
+            ratios = [f"{values[1] / values[0]:.1f}x speed", f"{values[2] / values[0]:.2f}x speed"]
+        else:
+            cells = [f"{v * 1e3:.2f} ms" if v < 1 else f"{v:.2f} s" for v in values]
+            ratios = [f"{values[0] / values[1]:.2f}x time", f"{values[0] / values[2]:.2f}x time"]
+        print(f"| {row} | " + " | ".join(cells + ratios) + " |")
 
 
 if __name__ == "__main__":

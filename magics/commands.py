@@ -42,7 +42,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "             [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]\n"
                "%mesh up slurm --nodes N --gpus G [--partition P] [--time T] [--account A] [--qos Q]\n"
                "             [--constraint C] [--sbatch-arg ARG ...] [--no-gpu-request] [--job ID | --reuse] [--keep]\n"
-               "             [--wait-timeout S] [--python P] [--setup CMD] [--dist ...] [--name NAME]",
+               "             [--wait-timeout S] [--python P] [--setup CMD] [--dist ...] [--name NAME] [--no-direct]",
                "start a mesh on this machine, on SSH hosts or in a Slurm allocation (the newest is the default)", (
                    arg("kind", choices=["local", "ssh", "slurm"], help="where ranks run"),
                    arg("hosts", nargs="*", help="SSH hosts (ssh only)"),
@@ -63,7 +63,9 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                    arg("--job", default=None, help="attach to this running allocation"),
                    arg("--reuse", action="store_true", help="attach to your newest running mesh job"),
                    arg("--keep", action="store_true", help="leave the allocation running at down"),
-                   arg("--wait-timeout", type=float, default=None))),
+                   arg("--wait-timeout", type=float, default=None),
+                   arg("--no-direct", action="store_true",
+                       help="Slurm: keep all traffic on srun's stdio (no direct TCP link to the nodes)"))),
     Subcommand("status", "[NAME]", "each rank's host, pid, state and load", (arg("name", nargs="?"),)),
     Subcommand("use", "NAME", "make NAME the default mesh", (arg("name"),)),
     Subcommand("down", "[NAME]", "stop a mesh: every rank and agent ends", (arg("name", nargs="?"),)),

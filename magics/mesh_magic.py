@@ -137,7 +137,7 @@ class MeshMagics(Magics):
                               dist=args.dist or "nccl", env=env, name=args.name if args.reuse else name,
                               keep=args.keep,
                               wait_timeout=args.wait_timeout, timeout=args.timeout or 180.0,
-                              master_addr=args.master_addr)
+                              master_addr=args.master_addr, direct=not args.no_direct)
         else:
             if not args.hosts or args.gpus is None:
                 raise UsageError("%mesh up ssh HOST [HOST ...] --gpus N: give the hosts and ranks per host")

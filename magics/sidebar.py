@@ -30,7 +30,7 @@ import queue
 import threading
 from typing import Any
 
-from monarch_kernel.views.meshview import STATE_COLOURS, mesh_snapshot
+from monarch_kernel.views.meshview import ALLOCATION_MAX_AGE_S, STATE_COLOURS, mesh_snapshot
 
 from .registry import MeshRegistry
 
@@ -51,8 +51,10 @@ def describe_meshes(registry: MeshRegistry) -> list[dict[str, Any]]:
             "name": name, "kind": str(mesh.kind),
             "shape": mesh.shape.sizes, "hosts": mesh.hosts, "dist": mesh.backend,
             "state": "down" if mesh.closed else "up", "default": name == registry.current, "ranks": [],
+            "allocation": None,
         }
         if not mesh.closed:
+            entry["allocation"] = mesh.allocation_line(ALLOCATION_MAX_AGE_S)
             entry["ranks"] = [
                 {"rank": c.rank, "coords": dict(c.coords), "host": c.host, "pid": c.pid, "state": str(c.state),
                  "detail": c.detail, "cpu": c.cpu_percent, "rss": c.rss_bytes}

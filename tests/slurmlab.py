@@ -76,7 +76,7 @@ class SlurmTestCluster:
         self._wait(lambda: self._sinfo_ok(), timeout, "slurmctld did not answer")
         for node in self.nodes:
             self._start(node, ["/usr/sbin/slurmd", "-D", "-N", node[0], "-f", self.conf])
-        self._wait(self._all_idle, timeout, "the nodes did not become idle")
+        self._wait(self.all_idle, timeout, "the nodes did not become idle")
         return self
 
     def stop(self) -> None:
@@ -116,6 +116,24 @@ class SlurmTestCluster:
         """Jobs in the queue, as `squeue -h -o '%i %T %r %N'` shows them."""
         return subprocess.run(["squeue", "-h", "-o", "%i %T %r %N"], capture_output=True, text=True,
                               env={**os.environ, **self.env}).stdout
+
+    # ------------------------------------------------------------ faults
+    def veth(self, index: int) -> str:
+        """The bridge's end of a node's link."""
+        return f"{self.nodes[index][2]}v"
+
+    def cut_link(self, index: int) -> None:
+        """The node drops off the network (its processes keep running)."""
+        _run("ip", "link", "set", self.veth(index), "down")
+
+    def fail_node(self, index: int) -> None:
+        """A power loss: the node's link goes and every process on it (slurmd, steps, ours) dies at once."""
+        self.cut_link(index)
+        for pid in self.node_pids(index):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     # ------------------------------------------------------------ making it
     def _make_namespace(self, netns: str, address: str) -> None:
@@ -172,7 +190,10 @@ SlurmdLogFile={self.workdir}/slurmd-%n.log
 SlurmctldPort=6817
 SlurmdPort=6818
 NodeName=DEFAULT CPUs={self.cpus} RealMemory=1000 State=UNKNOWN
-{nodes}PartitionName=lab Nodes={names} Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
+{nodes}PartitionName=lab Nodes={names} Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=urgent Nodes={names} MaxTime=INFINITE State=UP PriorityTier=10
 """)
 
     def _start_munge(self) -> None:
@@ -210,7 +231,8 @@ NodeName=DEFAULT CPUs={self.cpus} RealMemory=1000 State=UNKNOWN
         done = subprocess.run(["sinfo", "-h"], capture_output=True, env={**os.environ, **self.env})
         return done.returncode == 0
 
-    def _all_idle(self) -> bool:
+    def all_idle(self) -> bool:
+        """Every node is idle (no job, nor one still completing)."""
         done = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True,
                               env={**os.environ, **self.env})
         states = dict(line.split() for line in done.stdout.splitlines() if line.strip())

@@ -274,3 +274,56 @@ def test_the_slurm_notebook_runs_end_to_end_on_the_test_cluster(cluster):
     assert any("RUNNING on node[0-1]" in t and "left" in t for t in texts)  # the status names the job
     assert "is down" in texts[-1]
     assert wait_until(lambda: ours_in_queue(cluster) == [], 20)
+
+
+def test_agents_join_by_an_authenticated_direct_link_and_leave_no_port_open(cluster):
+    with slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, name="direct") as mesh:
+        steps = [link.host.remote for link in mesh._runtime.state.links]
+        assert [step.channel for step in steps] == ["direct", "direct"]
+        big = os.urandom(16 << 20)  # each way
+        mesh.push(blob=big)
+        assert mesh.slice(hosts=1).pull("blob").item(gpus=0) == big
+        for index, (_, _, netns) in enumerate(cluster.nodes):
+            listening = subprocess.run(["ip", "netns", "exec", netns, "ss", "-Htlnp"], capture_output=True,
+                                       text=True).stdout
+            ours = node_processes(cluster)[index]
+            assert ours and not any(f"pid={pid}," in listening for pid in ours), listening
+        for step in steps:  # the secret is on no command line and in no environment
+            secret = step.secret.hex().encode()
+            for pid in node_processes(cluster)[steps.index(step)]:
+                for part in ("cmdline", "environ"):
+                    with open(f"/proc/{pid}/{part}", "rb") as f:
+                        assert secret not in f.read()
+    assert wait_until(lambda: ours_in_queue(cluster) == [] and not any(node_processes(cluster).values()), 20)
+
+
+def test_all_traffic_can_stay_on_srun_stdio(cluster):
+    with slurm_mesh(nodes=1, gpus=2, dist="gloo", request_gpus=False, name="stdio", direct=False) as mesh:
+        assert mesh._runtime.state.links[0].host.remote.channel == "stdio"
+        mesh.push(x=21)
+        assert set(mesh.pull("x * 2").values()) == {42}
+
+
+def test_the_views_and_the_sidebar_show_the_job_and_warn_when_time_is_short(cluster):
+    from magics.registry import MeshRegistry
+    from magics.sidebar import describe_meshes
+    from monarch_kernel.views.meshview import MeshView
+    from monarch_kernel.views.widgets import MeshWidget
+
+    with slurm_mesh(nodes=1, gpus=1, dist="none", request_gpus=False, name="shorttime", time="5") as mesh:
+        view = MeshView(mesh)
+        line = view.snapshot.allocation
+        assert line is not None and line.startswith("Slurm job ") and ": RUNNING on node0, 4:" in line
+        assert "less than 10 minutes left" in line and line in view.text()
+        assert "mk-allocation" in view.html() and "#c62828" in view.html()  # drawn as a warning
+        widget = MeshWidget(mesh, refresh_s=60)
+        try:
+            assert "less than 10 minutes left" in widget._allocation.value
+        finally:
+            widget.close()
+        registry = MeshRegistry()
+        registry.add(mesh)
+        assert describe_meshes(registry)[0]["allocation"].startswith("Slurm job ")
+    with slurm_mesh(nodes=1, gpus=1, dist="none", request_gpus=False, name="longtime", time="30") as mesh:
+        assert "less than 10 minutes" not in MeshView(mesh).snapshot.allocation
+        assert "#c62828" not in MeshView(mesh).html()

@@ -179,6 +179,13 @@ export class MeshesPanel extends Widget {
         html: `<div class="mk-meta">${meta} \u00b7 <span class="mk-counts">${esc(stateCounts(mesh.ranks))}</span></div>`
       }
     ];
+    if (mesh.allocation) {
+      const short = mesh.allocation.includes('less than 10 minutes left');
+      parts.push({
+        key: 'allocation',
+        html: `<div class="mk-allocation${short ? ' mk-warn' : ''}" title="the Slurm job">${esc(mesh.allocation)}</div>`
+      });
+    }
     if (mesh.hosts.length) {
       parts.push({ key: 'hosts', html: `<div class="mk-hosts" title="hosts">${mesh.hosts.map(esc).join(', ')}</div>` });
     }

@@ -20,8 +20,10 @@ export interface IRank {
 /** One mesh the kernel holds. */
 export interface IMesh {
   name: string;
-  kind: 'local' | 'ssh';
+  kind: 'local' | 'ssh' | 'slurm';
   shape: Record<string, number>;
+  /** The scheduler's job the mesh runs in: id, state, time left (Slurm meshes; else null). */
+  allocation: string | null;
   hosts: string[];
   dist: string;
   state: 'up' | 'down';

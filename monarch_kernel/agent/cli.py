@@ -1,4 +1,4 @@
-"""The agent's command line: `python -m monarch_kernel.agent (--fd N | --stdio) --host NAME`."""
+"""The agent's command line: `python -m monarch_kernel.agent (--fd N | --stdio [--direct ADDR]) --host NAME`."""
 
 from __future__ import annotations
 
@@ -12,18 +12,17 @@ import socket
 import sys
 from functools import partial
 
+from monarch_kernel.agent import direct_link
+from monarch_kernel.agent.direct_link import read_line
 from monarch_kernel.agent.host_agent import HostAgent
 from monarch_kernel.wire.transport import AsyncConnection
 
 
 def _read_env_line(fd: int) -> dict[str, str]:
     """One JSON line from fd, read a byte at a time (what follows it is the controller's frames)."""
-    line = bytearray()
-    while not line.endswith(b"\n"):
-        byte = os.read(fd, 1)
-        if not byte:
-            raise SystemExit("monarch_kernel agent: stdin closed before the environment arrived")
-        line += byte
+    line = read_line(fd)
+    if not line:
+        raise SystemExit("monarch_kernel agent: stdin closed before the environment arrived")
     env = json.loads(line)
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise SystemExit("monarch_kernel agent: the environment line is not a JSON object of strings")
@@ -53,18 +52,45 @@ def _on_signal(agent: HostAgent, signum: int) -> None:
     asyncio.get_running_loop().create_task(agent.shutdown(signal.Signals(signum).name))
 
 
-async def _amain(args: argparse.Namespace) -> None:
+def _private_stdio() -> tuple[int, int]:
+    """The channel on stdin/stdout, moved to private descriptors: nothing a library prints can corrupt it."""
+    read_fd, write_fd = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    return read_fd, write_fd
+
+
+def _watch_step_input(agent: HostAgent, read_fd: int) -> None:
+    """On a direct link the step's stdin stays open until the controller goes: its end stops the agent."""
+    loop = asyncio.get_running_loop()
+
+    def readable() -> None:
+        try:
+            data = os.read(read_fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(read_fd)
+            agent.on_controller_closed(ConnectionError("the job step's stdin closed"))
+
+    os.set_blocking(read_fd, False)
+    loop.add_reader(read_fd, readable)
+
+
+async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None, direct: socket.socket | None) -> None:
     agent = HostAgent(args.host)
     loop = asyncio.get_running_loop()
-    if args.stdio:
-        # The SSH channel is our stdin/stdout: keep it on private descriptors and point
-        # fds 0/1 elsewhere, so nothing a library prints can corrupt the stream.
-        read_fd, write_fd = os.dup(0), os.dup(1)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(2, 1)
+    if direct is not None and stdio is not None:
+        direct.setblocking(False)
+        agent.connected(await AsyncConnection.from_socket(
+            direct, agent.on_controller_message, agent.on_controller_closed))
+        _watch_step_input(agent, stdio[0])
+    elif stdio is not None:
         agent.connected(await AsyncConnection.from_pipes(
-            read_fd, write_fd, agent.on_controller_message, agent.on_controller_closed))
+            *stdio, agent.on_controller_message, agent.on_controller_closed))
     else:
         sock = socket.socket(fileno=args.fd)
         agent.connected(await AsyncConnection.from_socket(
@@ -88,9 +114,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default=socket.gethostname())
     parser.add_argument("--cleanup", default=None, help="a folder to remove when the agent exits")
     parser.add_argument("--env-stdin", action="store_true", help="read the environment from stdin first (JSON line)")
+    parser.add_argument("--direct", default=None, metavar="ADDRESS",
+                        help="with --stdio: offer an authenticated TCP link on ADDRESS (the secret follows on stdin)")
     args = parser.parse_args(argv)
+    if args.direct and not args.stdio:
+        parser.error("--direct needs --stdio")
     if args.env_stdin:
         os.environ.update(_read_env_line(0))
+    stdio = _private_stdio() if args.stdio else None
+    direct = None
+    if args.direct and stdio is not None:
+        direct = direct_link.offer(*stdio, args.direct, direct_link.read_secret(stdio[0]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts come as messages, not signals
     from monarch_kernel.rank.worker import die_with_parent
 
@@ -100,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             owner.write(str(os.getpid()))
     _warm_imports()
     try:
-        asyncio.run(_amain(args))
+        asyncio.run(_amain(args, stdio, direct))
     finally:
         if args.cleanup:
             import shutil

@@ -87,8 +87,12 @@ class Mesh:
     @property
     def allocation(self) -> str | None:
         """The scheduler's job the mesh runs in, state and time left (None: no scheduler)."""
+        return self.allocation_line()
+
+    def allocation_line(self, max_age_s: float = 0.0) -> str | None:
+        """Like `allocation`, reusing an answer at most max_age_s old (for views that redraw often)."""
         found = self._runtime.spec.allocation
-        return found.status_line() if found is not None else None
+        return found.status_line(max_age_s) if found is not None else None
 
     @property
     def health(self) -> HealthTimings:

@@ -18,7 +18,7 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
                python: str | None = None, setup: str | None = None, dist: str = "nccl",
                env: dict[str, str] | None = None, name: str | None = None, keep: bool = False,
                wait_timeout: float | None = None, timeout: float = 180.0, master_addr: str | None = None,
-               health: HealthTimings | None = None) -> Mesh:
+               health: HealthTimings | None = None, direct: bool = True) -> Mesh:
     """Start `gpus` ranks on each of `nodes` nodes of a new Slurm allocation (or of job `job`).
 
     While the job is pending one line shows its state and Slurm's reason; Ctrl-C (the stop
@@ -27,6 +27,8 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
     agent as a job step (srun); ranks see Slurm's variables and torchrun's. `down` ends an
     allocation made here, unless `keep`; an attached one is left running. `request_gpus=False`
     asks for no GPUs (CPU nodes: `gpus` is then only the number of ranks per node).
+    Each agent offers a direct TCP link that only this kernel can join (it proves a secret
+    sent on the step's stdin); `direct=False` keeps all traffic on srun's stdio (slower for data).
     """
     reuse_name = name
     name = name or f"mesh{next(_mesh_numbers)}"
@@ -47,7 +49,7 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
     except KeyboardInterrupt:
         raise MeshInterrupted(f"waiting for the Slurm allocation of mesh {name!r} was stopped; the request was "
                               "cancelled, nothing is queued", []) from None
-    allocation.python, allocation.setup = python or sys.executable, setup
+    allocation.python, allocation.setup, allocation.direct = python or sys.executable, setup, direct
     try:
         return _start_mesh(list(allocation.host_specs()), gpus, dist, name, env, timeout, master_addr, health,
                            allocation=allocation)

@@ -116,7 +116,8 @@ async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str]) -> Ho
         from monarch_kernel.controller.slurm import SlurmStep
 
         step = SlurmStep.start(spec.options["job"], spec.target or spec.name, python=spec.python, setup=spec.setup,
-                               env=env, log_path=log_path)
+                               env=env, log_path=log_path, address=spec.options["address"],
+                               direct=spec.options.get("direct", True))
         return HostConnection(None, spec.options["address"], remote=step)
     from monarch_kernel.controller import ssh
 

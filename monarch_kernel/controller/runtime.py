@@ -329,9 +329,10 @@ class MeshRuntime:
         if self.state.closed:
             return
         explain = getattr(link.host.remote, "lost_reason", None) if link.host is not None else None
-        if explain is not None and not link.explained:  # a Slurm node: ask Slurm why (off the loop)
-            link.explained = True
-            asyncio.get_running_loop().create_task(self._lost_because(link, exc, explain))
+        if explain is not None:  # a Slurm node: ask Slurm why (off the loop); that answer reports the loss
+            if not link.explained:  # (the connection closing after a missed heartbeat is the same loss)
+                link.explained = True
+                asyncio.get_running_loop().create_task(self._lost_because(link, exc, explain))
             return
         self._host_lost(link, exc)
 

@@ -193,21 +193,25 @@ def _config_sets_ciphers(config: Any) -> bool:
 
 
 def agent_command(*, python: str, name: str, setup: str | None, env: dict[str, str],
-                  pythonpath: str | None = None) -> str:
+                  pythonpath: str | None = None, direct_address: str | None = None) -> str:
     """The remote shell command that starts an agent speaking on its stdin/stdout.
 
     The environment's values never appear in it (other users of the host see command
-    lines): with `env`, the agent reads them from its stdin first (`env_line`).
+    lines): with `env`, the agent reads them from its stdin first (`env_line`). With
+    `direct_address` it then reads a secret line and offers a direct link (`agent.direct_link`).
     """
     assigns = []
     extra = " --env-stdin" if env else ""
+    if direct_address:
+        extra += f" --direct {shlex.quote(direct_address)}"
     if pythonpath:
         assigns.append(f'PYTHONPATH={shlex.quote(pythonpath)}"${{PYTHONPATH:+:$PYTHONPATH}}"')
         extra += f" --cleanup {shlex.quote(pythonpath)}"
     run = (f"exec env {' '.join(assigns)} " if assigns else "exec ") + (
         f"{shlex.quote(python)} -m monarch_kernel.agent --stdio --host {shlex.quote(name)}{extra}")
     # a setup that ends in a comment or with '&' must not swallow the agent's start
-    return f"{{ {setup}\n}} && {run}" if setup else run
+    # and what it prints goes to stderr (the log), not into the protocol on stdout
+    return f"{{ {setup}\n}} >&2 && {run}" if setup else run
 
 
 def env_line(env: dict[str, str]) -> bytes:

@@ -43,8 +43,11 @@ class Allocation(Protocol):
     def release(self) -> None:
         """After down: end the allocation if the mesh made it (and was not asked to keep it)."""
 
-    def status_line(self) -> str:
-        """One line for status: job, state, time left (and a warning when little is left)."""
+    def status_line(self, max_age_s: float = 0.0) -> str:
+        """One line for status: job, state, time left (and a warning when little is left).
+
+        Views that redraw often pass max_age_s: a line that recent is reused, not asked for again.
+        """
 
     def renew(self) -> tuple[HostSpec, ...]:
         """The hosts to start again on at a restart (the same, or those of a new allocation)."""
@@ -178,7 +181,7 @@ class HostLink:
     host: HostConnection | None = None
     conn: AsyncConnection | None = None
     greeted: asyncio.Future[None] | None = None  # the agent said which version it runs
-    explained: bool = False  # its loss was reported with what the scheduler says (Slurm)
+    explained: bool = False  # its loss is being (or was) reported with what the scheduler says (Slurm)
     started: asyncio.Future[tuple[m.RankInfo, ...]] | None = None
     store_port: asyncio.Future[int] | None = None
     last_pong: float = 0.0

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from monarch_kernel.core.ranksets import rank_label
-from monarch_kernel.core.status import RankStatus
+from monarch_kernel.core.status import RankStatus, allocation_is_short
 from monarch_kernel.core.texttable import text_table
 from monarch_kernel.views.base import TextHtmlView
 
 if TYPE_CHECKING:
     from monarch_kernel.api.mesh import Mesh
 
+ALLOCATION_MAX_AGE_S = 5.0  # a redrawn view asks the scheduler at most this often
 STATE_COLOURS: dict[str, str] = {RankStatus.IDLE: "#2e7d32", RankStatus.BUSY: "#1565c0", RankStatus.DEAD: "#c62828",
                  RankStatus.UNRESPONSIVE: "#ef6c00", RankStatus.STARTING: "#757575"}
 
@@ -67,6 +68,7 @@ class MeshSnapshot:
     col_labels: tuple[str, ...]
     rows: tuple[tuple[RankCell, ...], ...]
     has_gpu: bool
+    allocation: str | None = None  # the scheduler's job: id, state, time left (Slurm meshes)
 
     def cells(self) -> list[RankCell]:
         """Every cell, row-major."""
@@ -111,12 +113,13 @@ def mesh_snapshot(mesh: Mesh, title_suffix: str = "") -> MeshSnapshot:
     col_labels = tuple(f"{dims[-1][0]}={i}" for i in range(cols)) if dims else ("",)
     title = (f"mesh {mesh.name!r} {mesh.shape} dist={mesh.backend}" + title_suffix
              + (": shut down" if mesh.closed else ""))
-    return MeshSnapshot(title, row_labels, col_labels, rows, any(c.gpu_total_bytes for c in cells))
+    allocation = None if mesh.closed else mesh.allocation_line(ALLOCATION_MAX_AGE_S)
+    return MeshSnapshot(title, row_labels, col_labels, rows, any(c.gpu_total_bytes for c in cells), allocation)
 
 
 def snapshot_text(snap: MeshSnapshot) -> str:
     """One line per rank: label, coordinates, pid, state, detail, load."""
-    lines = [snap.title]
+    lines = [snap.title] + ([snap.allocation] if snap.allocation else [])
     table = [("rank", "coords", "pid", "state", "detail", "load")]
     for c in snap.cells():
         table.append((c.label, ", ".join(f"{k}={v}" for k, v in c.coords), str(c.pid or "-"),
@@ -141,7 +144,16 @@ def snapshot_html(snap: MeshSnapshot) -> str:
     body = "".join(
         f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{cell_html(c, snap.has_gpu)}</td>" for c in row) + "</tr>"
         for label, row in zip(snap.row_labels, snap.rows))
-    return f"<div class='mk-mesh'><b>{html.escape(snap.title)}</b><table>{head}{body}</table></div>"
+    return (f"<div class='mk-mesh'><b>{html.escape(snap.title)}</b>{allocation_html(snap.allocation)}"
+            f"<table>{head}{body}</table></div>")
+
+
+def allocation_html(line: str | None) -> str:
+    """The scheduler's job line, in warning colours when its time is nearly up ("" without one)."""
+    if not line:
+        return ""
+    style = "color:#c62828;font-weight:bold" if allocation_is_short(line) else "color:#555"
+    return f"<div class='mk-allocation' style='{style};font:12px sans-serif'>{html.escape(line)}</div>"
 
 
 def snapshot_rich(snap: MeshSnapshot) -> Any:
@@ -162,7 +174,10 @@ def snapshot_rich(snap: MeshSnapshot) -> Any:
             text.append(f"  pid {c.pid or '-'} {c.detail}\n{c.load_text(snap.has_gpu)}")
             cells.append(text)
         table.add_row(label, *cells)
-    return Group(Text(snap.title, style="bold"), table)  # the title never wraps into the table
+    head = [Text(snap.title, style="bold")]  # the title never wraps into the table
+    if snap.allocation:
+        head.append(Text(snap.allocation, style="bold red" if allocation_is_short(snap.allocation) else "dim"))
+    return Group(*head, table)
 
 
 class MeshView(TextHtmlView):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
-from monarch_kernel.views.meshview import cell_html, mesh_snapshot, snapshot_text
+from monarch_kernel.views.meshview import allocation_html, cell_html, mesh_snapshot, snapshot_text
 
 if TYPE_CHECKING:
     from monarch_kernel.api.mesh import Mesh
@@ -34,6 +34,7 @@ class MeshWidget(widgets.VBox):
         snap = mesh_snapshot(mesh, title_suffix)
         self._has_gpu = snap.has_gpu
         self._title = widgets.HTML(f"<b>{html.escape(snap.title)}</b>")
+        self._allocation = widgets.HTML(allocation_html(snap.allocation))
         self.cards: dict[int, widgets.HTML] = {}
         children: list[widgets.Widget] = [widgets.HTML("")]
         children += [widgets.HTML(f"<b>{html.escape(label)}</b>") for label in snap.col_labels]
@@ -49,7 +50,7 @@ class MeshWidget(widgets.VBox):
         grid = widgets.GridBox(children, layout=widgets.Layout(
             grid_template_columns=f"auto repeat({len(snap.col_labels)}, minmax(190px, 1fr))", grid_gap="4px"))
         self.output = widgets.Output()
-        super().__init__([self._title, grid, self.output])
+        super().__init__([self._title, self._allocation, grid, self.output])
         self._text = snapshot_text(snap)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, args=(refresh_s,), name="mesh-widget", daemon=True)
@@ -71,6 +72,8 @@ class MeshWidget(widgets.VBox):
                 changed += 1
         if self._title.value != f"<b>{html.escape(snap.title)}</b>":
             self._title.value = f"<b>{html.escape(snap.title)}</b>"
+        if self._allocation.value != allocation_html(snap.allocation):
+            self._allocation.value = allocation_html(snap.allocation)
         return changed
 
     def show_output(self, rank: int) -> None:

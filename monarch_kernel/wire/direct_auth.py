@@ -1,0 +1,70 @@
+"""Mutual proof of a shared secret on a fresh TCP connection (the direct link to a Slurm node's agent).
+
+Both ends hold a secret that travelled on an already authenticated channel (the job
+step's stdin). Neither end sends it: each proves knowledge with an HMAC over both
+sides' random nonces, so a recorded exchange proves nothing the next time.
+
+    agent -> controller   nonce_a
+    controller -> agent   nonce_c, HMAC(secret, "controller" | nonce_a | nonce_c)
+    agent -> controller   HMAC(secret, "agent" | nonce_c | nonce_a)
+
+What follows is the ordinary framed protocol, not encrypted (like gloo and NCCL traffic).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+
+SECRET_BYTES = 32
+_NONCE = 32
+_MAC = hashlib.sha256().digest_size
+
+
+class AuthenticationFailed(ConnectionError):
+    """The other end did not prove that it holds the secret."""
+
+
+def new_secret() -> bytes:
+    """A fresh random secret for one agent's direct link."""
+    return os.urandom(SECRET_BYTES)
+
+
+def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise AuthenticationFailed("the other end closed the connection during the handshake")
+        data += chunk
+    return bytes(data)
+
+
+def prove_controller(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> None:
+    """Controller's side: prove the secret, and check the agent's proof (raises AuthenticationFailed)."""
+    sock.settimeout(timeout)
+    nonce_a = _recv_exact(sock, _NONCE)
+    nonce_c = os.urandom(_NONCE)
+    sock.sendall(nonce_c + _mac(secret, b"controller", nonce_a, nonce_c))
+    if not hmac.compare_digest(_recv_exact(sock, _MAC), _mac(secret, b"agent", nonce_c, nonce_a)):
+        raise AuthenticationFailed("the agent's proof of the secret is wrong")
+    sock.settimeout(None)
+
+
+def check_controller(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> None:
+    """Agent's side: check the controller's proof, then prove the secret (raises AuthenticationFailed)."""
+    sock.settimeout(timeout)
+    nonce_a = os.urandom(_NONCE)
+    sock.sendall(nonce_a)
+    answer = _recv_exact(sock, _NONCE + _MAC)
+    nonce_c, proof = answer[:_NONCE], answer[_NONCE:]
+    if not hmac.compare_digest(proof, _mac(secret, b"controller", nonce_a, nonce_c)):
+        raise AuthenticationFailed("the connecting peer did not prove the secret")
+    sock.sendall(_mac(secret, b"agent", nonce_c, nonce_a))
+    sock.settimeout(None)
