@@ -79,6 +79,15 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "run a script on every rank as torchrun would (__main__, sys.argv)", (
                    arg("--timeout", type=float, default=None), arg("--fail-fast", action="store_true"), _MESH_NAME,
                    arg("script"), arg("argv", nargs=argparse.REMAINDER))),
+    Subcommand("sync", "[PATH] [--exclude PATTERN ...] [--auto] [--cd] [--force] [--name NAME]",
+               "copy a folder (default: this project) to every host and put it on the ranks' sys.path", (
+                   arg("path", nargs="?", default=None), arg("--exclude", action="append", default=[]),
+                   arg("--auto", action="store_true", help="send changes before each mesh cell"),
+                   arg("--cd", action="store_true", help="make it the ranks' working folder"),
+                   arg("--force", action="store_true", help="sync even past the size guard"), _MESH_NAME)),
+    Subcommand("autoreload", "on|off [--name NAME]",
+               "reload changed modules of synced folders on the ranks before each cell",
+               (arg("setting", choices=["on", "off"]), _MESH_NAME)),
     Subcommand("logs", "[HOST] [--rank R] [--lines N] [--name NAME]", "what ranks (or a host agent) printed lately", (
         arg("host", nargs="?", default=None, help="show this host agent's log"),
         arg("--rank", type=int, default=None), arg("--lines", type=int, default=30), _MESH_NAME)),

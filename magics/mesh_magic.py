@@ -198,6 +198,14 @@ class MeshMagics(Magics):
     def _do_run(self, args) -> None:
         self.registry.get(args.mesh).run_script(args.script, args.argv, timeout=args.timeout, fail_fast=args.fail_fast)
 
+    def _do_sync(self, args) -> None:
+        self.registry.get(args.mesh).sync_workspace(args.path, exclude=args.exclude, auto=args.auto, chdir=args.cd,
+                                                    force=args.force)
+
+    def _do_autoreload(self, args) -> None:
+        self.registry.get(args.mesh).autoreload(args.setting == "on")
+        print(f"autoreload of synced modules on the ranks: {args.setting}")
+
     def _do_config(self, args) -> None:
         self.timing = args.value == "on"
         print(f"per-rank timing after each %%mesh cell: {args.value}")

@@ -66,3 +66,11 @@ def wait_until(predicate, timeout):
             return True
         time.sleep(0.02)
     return predicate()
+
+
+def ipython_shell():
+    """The test IPython shell (globalipapp starts one on the first call only, and then returns None)."""
+    from IPython import get_ipython
+    from IPython.testing.globalipapp import start_ipython
+
+    return get_ipython() or start_ipython() or get_ipython()

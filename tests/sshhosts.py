@@ -112,6 +112,7 @@ class SSHTestHosts:
                 "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
                 f"ClientAliveInterval {self.client_alive[0]}\nClientAliveCountMax {self.client_alive[1]}\n"
                 "LogLevel ERROR\n"
+                f"SetEnv MONARCH_KERNEL_WORKSPACE_ROOT={self.workspaces(host)}\n"
                 "Subsystem sftp internal-sftp\n"
             )
         log = open(os.path.join(self.workdir, f"{host.alias}_sshd.log"), "wb")
@@ -119,6 +120,10 @@ class SSHTestHosts:
                                      stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         with open(key + ".pub") as f:
             return " ".join(f.read().split()[:2])
+
+    def workspaces(self, host: Host) -> str:
+        """Where this host keeps synced workspaces (its own folder: each host's copy is really its own)."""
+        return os.path.join(self.workdir, f"{host.alias}-workspaces")
 
     def _wait_for_sshd(self, host: Host, timeout: float = 10) -> None:
         deadline = time.monotonic() + timeout

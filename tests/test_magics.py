@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from IPython.testing.globalipapp import get_ipython
+from conftest import ipython_shell as get_ipython
 from IPython.utils.capture import capture_output
 
 from monarch_kernel.core.values import ValueMesh

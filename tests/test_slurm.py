@@ -173,7 +173,7 @@ def test_a_lost_node_is_named(cluster):
 
 
 def test_mesh_up_slurm_in_ipython(cluster):
-    from IPython.testing.globalipapp import get_ipython
+    from conftest import ipython_shell as get_ipython
     from IPython.utils.capture import capture_output
 
     ip = get_ipython()

@@ -192,7 +192,7 @@ def test_link_cut_mid_cell_is_detected_and_cleaned_up(hosts, sink):
 
 
 def test_magics_on_ssh_hosts_read_the_users_ssh_config(hosts, tmp_path, monkeypatch):
-    from IPython.testing.globalipapp import get_ipython
+    from conftest import ipython_shell as get_ipython
     from IPython.utils.capture import capture_output
 
     monkeypatch.setenv("HOME", hosts.install_home(str(tmp_path)))

@@ -7,6 +7,7 @@ must be bit-identical, and so must the lines the programs print.
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,9 @@ def identical(a: list[dict], b: list[dict]) -> bool:
     return all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
 
 
+TEARDOWN_CRASH = "terminate called without an active exception"
+
+
 @pytest.fixture(scope="module")
 def under_torchrun(tmp_path_factory):
     """Each program's saved tensors and printed lines under torchrun."""
@@ -46,11 +50,19 @@ def under_torchrun(tmp_path_factory):
     out = tmp_path_factory.mktemp("torchrun")
     runs = {}
     for name in NAMES:
-        logs = out / f"{name}-logs"  # one stdout file per rank: lines of the processes never interleave
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                               "--log-dir", str(logs), "--redirects", "3",
-                               str(PROGRAMS / f"{name}.py"), "--out", str(out / name)],
-                              capture_output=True, text=True, timeout=300, env={**os.environ, **THREADS})
+        for attempt in range(2):
+            logs = out / f"{name}-logs"  # one stdout file per rank: lines of the processes never interleave
+            shutil.rmtree(logs, ignore_errors=True)
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                   "4", "--log-dir", str(logs), "--redirects", "3",
+                                   str(PROGRAMS / f"{name}.py"), "--out", str(out / name)],
+                                  capture_output=True, text=True, timeout=300, env={**os.environ, **THREADS})
+            # torch's own teardown race: under plain torchrun a gloo rank now and then aborts in
+            # destroy_process_group ("terminate called without an active exception") after its work
+            # is done (seen once in CI, in tp_train); the reference run failed, not the mesh: run it again
+            crashed = any(TEARDOWN_CRASH in path.read_text() for path in logs.rglob("stderr.log"))
+            if done.returncode == 0 or not crashed or attempt:
+                break
         assert done.returncode == 0, done.stderr[-3000:]
         printed = "".join(path.read_text() for path in logs.rglob("stdout.log"))
         runs[name] = (saved(out / name), own_lines(printed))

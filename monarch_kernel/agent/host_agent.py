@@ -13,12 +13,14 @@ a socketpair inherited as fd N (or `--stdio` over SSH, on stdin/stdout).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import sys
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from monarch_kernel import __version__
+from monarch_kernel.agent import workspace
 from monarch_kernel.agent.fd_output import FdOutput
 from monarch_kernel.agent.launcher import RankProcess
 from monarch_kernel.agent.rank_set import RankSet, tail_text
@@ -43,6 +45,7 @@ class HostAgent:
         self._last_load = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._fd_output = FdOutput()
+        self._files: concurrent.futures.ThreadPoolExecutor | None = None  # host operations, in order
         self.router = CallRouter(next_hop=self._hop, serves=lambda rank: rank in self.ranks.local_ranks,
                                  why_dead=lambda rank: f"rank {rank} on {host} is not running",
                                  upstream=self._to_controller)
@@ -57,6 +60,7 @@ class HostAgent:
             m.BindStore: lambda msg: self._bind_store(msg.addr),
             m.StartRanks: lambda msg: self._spawn(self._start(msg)),
             m.Shutdown: lambda msg: self._spawn(self.shutdown("the controller asked", asked=True)),
+            m.HostOp: lambda msg: self._spawn(self._host_op(msg)),
         }
         self._from_rank: dict[type, Callable[[int, Any], None]] = {
             m.Result: self._result,
@@ -191,6 +195,17 @@ class HostAgent:
                 "pass an address of this host (master_addr=...)"))
             return
         self._to_controller(m.StoreBound(port))
+
+    async def _host_op(self, msg: m.HostOp) -> None:
+        """Workspace files and the like: one at a time, in order, off the loop."""
+        if self._files is None:
+            self._files = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-op")
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._files, workspace.run, msg.kind, msg.args)
+        except Exception as exc:  # noqa: BLE001 - the controller gets the reason
+            self._to_controller(m.HostOpDone(msg.op_id, None, f"{type(exc).__name__}: {exc}"))
+        else:
+            self._to_controller(m.HostOpDone(msg.op_id, result))
 
     async def shutdown(self, why: str, *, asked: bool = False) -> None:
         """Stop all ranks and end the agent (asked: by the controller, so the exits are expected)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from monarch_kernel.actors.base import Actor
 from monarch_kernel.actors.client import ActorMesh
+from monarch_kernel.api import workspace
 from monarch_kernel.api.futures import MeshFuture, raise_failures
 from monarch_kernel.api.sinks import IdleOutput, OutputSink, default_sink, report_timing
 from monarch_kernel.controller.hosts import HostKind, HostSpec
@@ -144,6 +145,8 @@ class Mesh:
         """
         filename = f"<mesh {name or f'cell {next(_cell_numbers)}'}>"
         check_syntax(code, filename)
+        if workspace.workspaces_of(self._runtime).auto:  # edits made since the last cell go first
+            workspace.sync_changed(self._runtime)
         label = name or filename.strip("<>")
         future = self._submit(lambda rid: m.RunCell(rid, code, filename), label=label, timeout=timeout,
                               fail_fast=fail_fast, sink=sink, dedupe=dedupe, finish=self._values,
@@ -273,8 +276,36 @@ class Mesh:
         self._runtime.requests.interrupt(self.ranks)
 
     def restart(self) -> None:
-        """Replace all ranks of the whole mesh with fresh ones (namespaces are reset)."""
+        """Replace all ranks of the whole mesh with fresh ones (namespaces are reset).
+
+        Synced workspaces are synced again and put back on the fresh ranks' sys.path.
+        """
         self._runtime.restart()
+        workspace.reapply(self._runtime, self._call_on)
+
+    # ------------------------------------------------------------ the user's files
+    def sync_workspace(self, path: str | None = None, *, exclude: Sequence[str] = (), auto: bool = False,
+                       chdir: bool = False, force: bool = False,
+                       max_bytes: int = workspace.DEFAULT_MAX_BYTES) -> workspace.SyncReport:
+        """Copy a folder (default: the notebook's project) to every host, and put it first on the ranks' sys.path.
+
+        Once per host, all hosts at once, over the mesh's own connections; only files that
+        changed since the last sync travel (size, mtime, content hash); deleted files are
+        deleted; `.gitignore` rules and `exclude` patterns apply; symlinks leading outside
+        are skipped. Hosts on this machine share the folder and get no copy. `auto=True`
+        sends changes before each mesh cell; `chdir=True` makes it the ranks' working
+        folder. A folder over `max_bytes` is refused (naming its largest files) unless `force`.
+        """
+        return workspace.sync(self._runtime, self._call_on, path, exclude=exclude, auto=auto, chdir=chdir,
+                              force=force, max_bytes=max_bytes)
+
+    def autoreload(self, on: bool = True) -> None:
+        """Reload changed modules of the synced folders on every rank before each cell (IPython's %autoreload 2)."""
+        workspace.set_autoreload(self._runtime, self._call_on, on)
+
+    def _call_on(self, ranks: list[int], fn: Callable[[Any], Any], label: str) -> Any:
+        whole = Mesh(self._runtime, Shape.grid(hosts=len(self._runtime.spec.hosts), gpus=self._runtime.spec.gpus))
+        return whole.select_ranks(ranks)._call_in_worker(fn, label)
 
     def shutdown(self) -> None:
         """Stop the whole mesh: every rank and agent process ends."""

@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any, ClassVar
 
 from monarch_kernel import __version__
+from monarch_kernel.controller.host_ops import HostOps
 from monarch_kernel.controller.hosts import HostConnection, HostSpec, open_host
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.requests import IdleOutput, RequestBook
@@ -51,6 +52,7 @@ class MeshRuntime:
         self.sender = ControllerSender(self.state, self.controller, report_timing)  # actor calls
         self.requests = RequestBook(self.state, self.controller, self.sender, idle_output or (lambda *_: None))
         self._heartbeat: asyncio.Task[None] | None = None
+        self.host_ops = HostOps()  # work for the agents themselves (workspace files)
         self._lifecycle = asyncio.Lock()  # one restart or shutdown at a time (a double click, two cells)
         self._handlers: dict[type, Handler] = {
             m.Output: lambda link, msg: self.requests.output(msg),
@@ -67,6 +69,7 @@ class MeshRuntime:
             m.RanksStarted: self._on_started,
             m.StoreBound: self._on_store_bound,
             m.RanksFailed: self._on_ranks_failed,
+            m.HostOpDone: lambda link, msg: self.host_ops.done(link, msg),
         }
         register_sender(spec.name, self.sender)
         MeshRuntime._open.add(self)
@@ -235,6 +238,7 @@ class MeshRuntime:
             self._heartbeat.cancel()
         links = self.state.links
         for link in links:
+            self.host_ops.lost(link, "the mesh went down or restarted")
             link.send(m.Shutdown())
         await asyncio.gather(*(link.host.close() for link in links if link.host is not None))
         for link in links:
@@ -347,6 +351,7 @@ class MeshRuntime:
         if self.state.closed:
             return
         why = f"lost the connection to host {link.name}" + (f" ({exc})" if exc else "")
+        self.host_ops.lost(link, why)
         if link.host is not None:  # on this machine: make sure nothing of it keeps running
             link.host.kill_local([pid for r in link.ranks if (pid := self.state.ranks[r].pid) is not None])
         for rank in link.ranks:

@@ -254,12 +254,16 @@ def node_names(nodelist: str) -> list[str]:
     return _slurm("scontrol", "show", "hostnames", nodelist).stdout.split()
 
 
-def node_address(node: str) -> str:
-    """The node's address as Slurm (and so the other nodes) reach it."""
-    for word in _slurm("scontrol", "show", "node", node).stdout.split():
-        if word.startswith("NodeAddr="):
-            return word.split("=", 1)[1]
-    return node
+def node_addresses(nodelist: str, nodes: list[str]) -> dict[str, str]:
+    """Each node's address as Slurm (and so the other nodes) reach it: one scontrol call for all."""
+    found: dict[str, str] = {}
+    name = None
+    for word in _slurm("scontrol", "-o", "show", "node", nodelist).stdout.split():
+        if word.startswith("NodeName="):
+            name = word.split("=", 1)[1]
+        elif word.startswith("NodeAddr=") and name is not None:
+            found[name] = word.split("=", 1)[1]
+    return {node: found.get(node, node) for node in nodes}
 
 
 def node_state(node: str) -> str:
@@ -297,7 +301,7 @@ def attach(request: SlurmRequest, reuse_name: str | None = None) -> SlurmJob:
         raise MeshStartError(f"Slurm job {request.job} is {state or 'not known to Slurm'}"
                              f"{f' ({reason})' if reason and reason != 'None' else ''}; attach to a running job")
     nodes = node_names(nodelist)
-    return SlurmJob(request.job, nodes, {n: node_address(n) for n in nodes}, owned=False)
+    return SlurmJob(request.job, nodes, node_addresses(nodelist, nodes), owned=False)
 
 
 def allocate(request: SlurmRequest, report: Callable[[str], None]) -> SlurmJob:
@@ -306,7 +310,7 @@ def allocate(request: SlurmRequest, report: Callable[[str], None]) -> SlurmJob:
     try:
         nodelist = wait_running(job_id, timeout=request.wait_timeout, report=report)
         nodes = node_names(nodelist)
-        return SlurmJob(job_id, nodes, {n: node_address(n) for n in nodes}, owned=True, keep=request.keep,
+        return SlurmJob(job_id, nodes, node_addresses(nodelist, nodes), owned=True, keep=request.keep,
                         request=request)
     except BaseException as exc:
         cancel(job_id)  # nothing stays queued

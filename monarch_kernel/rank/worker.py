@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import importlib
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ from typing import Any
 from monarch_kernel.core.errors import ConnectionClosed, NoTerminalError, SerializationError
 from monarch_kernel.core.package import PACKAGE_DIR
 from monarch_kernel.rank.actor_host import ActorHost
+from monarch_kernel.rank.autoreload import Reloader
 from monarch_kernel.rank.capture import DisplayCapture, RankStream
 from monarch_kernel.rank.cell import CellRunner, describe_failure
 from monarch_kernel.rank.rankshell import RankShell
@@ -94,6 +96,7 @@ class Worker:
         self._input_lock = threading.Lock()
         self._input_ready = threading.Event()
         self._input_answer: tuple[str, str | None] = ("", None)
+        self.reloader = Reloader(config.rank)  # modules of synced workspaces (`Mesh.autoreload`)
 
     def _send(self, msg: Any) -> None:
         self.conn.send(msg)
@@ -247,6 +250,8 @@ class Worker:
             sys.last_type = sys.last_value = sys.last_traceback = None  # %mesh debug: this cell's error only
             if "_mesh_shell" in msg.code:
                 self.namespace["_mesh_shell"] = self.shell  # even after a cell cleared its globals
+            if self.reloader.enabled:
+                self._user(self.reloader.check, self._warn)
             return self._user(self.runner.run, msg.code, msg.filename)
         if isinstance(msg, Pull):
             return self._user(self.runner.evaluate, msg.expr)
@@ -265,6 +270,26 @@ class Worker:
             return fn(*args, **kwargs)
         finally:
             self.in_user_code = False
+
+    def _warn(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def use_workspace(self, folder: str, chdir: bool = False) -> str:
+        """Put a synced folder first on sys.path (and make it the working directory); returns it."""
+        folder = os.path.realpath(folder)
+        if folder in sys.path:
+            sys.path.remove(folder)
+        sys.path.insert(0, folder)
+        importlib.invalidate_caches()
+        self.reloader.watch(folder)
+        if chdir:
+            os.chdir(folder)
+        return folder
+
+    def autoreload(self, on: bool) -> bool:
+        """Reload changed modules of the synced folders before each cell (or stop)."""
+        self.reloader.enable(on)
+        return on
 
     def describe(self, expr: str) -> Any:
         """Metadata of what `expr` is here (tensor, DTensor or module): `Mesh.describe()`."""

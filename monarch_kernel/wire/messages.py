@@ -271,6 +271,30 @@ class Pong:
     seq: int
 
 
+# ---------------------------------------------------------------- host operations (controller <-> agent)
+
+
+@dataclass(frozen=True)
+class HostOp:
+    """Work for the agent itself, not its ranks (workspace files: `agent.workspace`).
+
+    `args` holds plain data; file contents travel as out-of-band buffers (PickleBuffer).
+    """
+
+    op_id: int
+    kind: str
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class HostOpDone:
+    """The agent's answer to a HostOp: its result, or what went wrong."""
+
+    op_id: int
+    result: Any
+    error: str = ""
+
+
 # ---------------------------------------------------------------- actor calls (any -> any)
 
 CONTROLLER = -1  # the caller id of calls made from the notebook (ranks use their rank)

@@ -1,0 +1,142 @@
+"""The agent's side of workspace sync: list, hash, write and delete files of a host's workspace copy.
+
+The controller decides what changed; the agent only answers listings and applies writes,
+one operation at a time (the agent runs them in order on one thread). Every relative path
+is checked (`core.workspace.safe_relative`) and every write lands inside the workspace's
+folder, through a temporary file renamed into place, with the sender's mode and mtime (so
+the next sync's quick check by size and mtime finds it unchanged). Per-file failures
+(a full disk, a permission) are returned, not raised: the other files still land.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from collections.abc import Callable
+from typing import Any
+
+from monarch_kernel.core.workspace import file_sha256, host_path, safe_relative
+
+PARTIAL = ".monarch-partial"  # a file still arriving
+
+
+def list_files(key: str) -> dict[str, Any]:
+    """Every file of the copy: relative path -> (size, mtime_ns, mode)."""
+    root = host_path(key)
+    files: dict[str, tuple[int, int, int]] = {}
+    for folder, _dirs, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode) and not name.endswith(PARTIAL):
+                rel = os.path.relpath(path, root).replace(os.sep, "/")
+                files[rel] = (info.st_size, info.st_mtime_ns, stat.S_IMODE(info.st_mode))
+    return {"root": root, "files": files}
+
+
+def hash_files(key: str, paths: list[str]) -> dict[str, Any]:
+    """sha256 of each named file of the copy ("" if it cannot be read)."""
+    root = host_path(key)
+    out = {}
+    for rel in paths:
+        try:
+            out[rel] = file_sha256(os.path.join(root, safe_relative(rel)))
+        except OSError:
+            out[rel] = ""
+    return {"hashes": out}
+
+
+def _inside(root: str, path: str) -> str:
+    """path, after checking that its folder resolves inside root (no symlinked parent leads out)."""
+    folder = os.path.realpath(os.path.dirname(path))
+    real_root = os.path.realpath(root)
+    if folder != real_root and not folder.startswith(real_root + os.sep):
+        raise PermissionError(errno.EACCES, f"{path} would be written outside the workspace")
+    return path
+
+
+def write_files(key: str, files: list[tuple[str, int, int, int, int, Any]], deletes: list[str],
+                touches: dict[str, int] | None = None) -> dict[str, Any]:
+    """Apply chunks (rel, mode, mtime_ns, offset, total size, data), deletions and mtime fixes."""
+    root = host_path(key)
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    errors: list[str] = []
+    written = done_bytes = 0
+    for rel, mode, mtime_ns, offset, total, data in files:
+        try:
+            dest = _inside(root, os.path.join(root, safe_relative(rel)))
+            _make_parent(root, dest)
+            partial = dest + PARTIAL
+            with open(partial, "r+b" if offset else "wb") as f:
+                f.seek(offset)
+                f.write(data)
+                end = offset + len(memoryview(data))
+                if end >= total:
+                    f.truncate(total)
+            done_bytes += len(memoryview(data))
+            if end >= total:
+                os.chmod(partial, mode & 0o7777)
+                os.utime(partial, ns=(mtime_ns, mtime_ns))
+                if os.path.isdir(dest) and not os.path.islink(dest):
+                    shutil.rmtree(dest)  # a folder became a file
+                os.replace(partial, dest)
+                written += 1
+        except OSError as exc:
+            errors.append(f"{rel}: {exc.strerror or exc}")
+        except ValueError as exc:
+            errors.append(f"{rel}: {exc}")
+    for rel in deletes:
+        try:
+            path = _inside(root, os.path.join(root, safe_relative(rel)))
+            os.unlink(path)
+            _prune_empty(root, os.path.dirname(path))
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            errors.append(f"{rel}: cannot delete: {getattr(exc, 'strerror', None) or exc}")
+    for rel, mtime_ns in (touches or {}).items():
+        try:
+            os.utime(_inside(root, os.path.join(root, safe_relative(rel))), ns=(mtime_ns, mtime_ns))
+        except (OSError, ValueError) as exc:
+            errors.append(f"{rel}: {getattr(exc, 'strerror', None) or exc}")
+    return {"root": root, "written": written, "bytes": done_bytes, "deleted": len(deletes), "errors": errors}
+
+
+def _make_parent(root: str, dest: str) -> None:
+    parent = os.path.dirname(dest)
+    if os.path.isfile(parent) or os.path.islink(parent):  # a file became a folder
+        os.unlink(parent)
+    os.makedirs(parent, exist_ok=True)
+    _inside(root, dest)
+
+
+def _prune_empty(root: str, folder: str) -> None:
+    """Remove folders a deletion left empty, up to the workspace root."""
+    root = os.path.realpath(root)
+    folder = os.path.realpath(folder)
+    while folder.startswith(root + os.sep):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+        folder = os.path.dirname(folder)
+
+
+OPERATIONS: dict[str, Callable[..., dict[str, Any]]] = {
+    "workspace.list": list_files,
+    "workspace.hash": hash_files,
+    "workspace.write": write_files,
+}
+
+
+def run(kind: str, args: dict[str, Any]) -> dict[str, Any]:
+    """One host operation by name (raises KeyError for an unknown one)."""
+    operation = OPERATIONS.get(kind)
+    if operation is None:
+        raise KeyError(f"this agent has no operation {kind!r}")
+    return operation(**args)

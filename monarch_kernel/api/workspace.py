@@ -1,0 +1,266 @@
+"""The user's project on every host: `Mesh.sync_workspace` and `Mesh.autoreload` (the notebook's side).
+
+A sync scans the folder here (`controller.workspace_sync.scan`), brings each remote
+host's copy level with it, all hosts at once, over the mesh's own agent connections, and
+puts the copy first on each rank's `sys.path`. Hosts on this machine share the folder:
+nothing is copied for them. With `auto`, files changed since the last sync are sent
+before each mesh cell; when nothing changed that costs one stat walk of the folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from monarch_kernel.controller.host_ops import HostOpFailed
+from monarch_kernel.controller.hostspec import HostKind
+from monarch_kernel.controller.runtime import MeshRuntime
+from monarch_kernel.controller.workspace_sync import HostResult, Progress, Scan, scan, sync_host
+from monarch_kernel.core.errors import MeshUsageError
+from monarch_kernel.core.workspace import workspace_key
+
+DEFAULT_MAX_BYTES = 1 << 30  # a sync larger than this is refused unless forced (a dataset in the folder?)
+PROGRESS_AFTER_S = 0.5  # the live line appears for syncs that take longer
+PROJECT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
+
+# how the API runs a function on some ranks: (ranks, fn(worker), label) -> each rank's value
+CallOnRanks = Callable[[list[int], Callable[[Any], Any], str], Any]
+
+
+@dataclass
+class SyncReport:
+    """What a sync did: per remote host, and which hosts share the folder."""
+
+    folder: str
+    key: str
+    hosts: list[HostResult]
+    shared_hosts: list[str]
+    skipped_links: list[str]
+    seconds: float
+    auto: bool = False
+
+    @property
+    def errors(self) -> list[str]:
+        """Every per-file or per-host problem, prefixed with the host."""
+        return [f"{h.host}: {e}" for h in self.hosts for e in h.errors]
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes sent, all hosts together."""
+        return sum(h.sent_bytes for h in self.hosts)
+
+    def summary(self) -> str:
+        """One line (and one per problem)."""
+        parts = []
+        if self.hosts:
+            files = max(h.sent_files for h in self.hosts)
+            deleted = max(h.deleted for h in self.hosts)
+            unchanged = min(h.unchanged for h in self.hosts)
+            parts.append(f"{len(self.hosts)} host{'s' * (len(self.hosts) != 1)}: {files} file"
+                         f"{'s' * (files != 1)} ({_size(max(h.sent_bytes for h in self.hosts))}) sent to each, "
+                         f"{deleted} deleted, {unchanged} unchanged")
+        if self.shared_hosts:
+            parts.append(f"{', '.join(self.shared_hosts)} share{'s' * (len(self.shared_hosts) == 1)} this "
+                         "filesystem: nothing copied")
+        line = f"synced {self.folder} in {self.seconds:.2f} s: " + "; ".join(parts)
+        if self.skipped_links:
+            line += f"\n  {len(self.skipped_links)} symlink(s) leading outside the folder or in a loop were skipped: " \
+                    + ", ".join(self.skipped_links[:5])
+        for error in self.errors:
+            line += f"\n  ! {error}"
+        return line
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(self.summary())
+
+
+@dataclass
+class SyncedFolder:
+    """A folder this mesh keeps in sync, and what its hosts last received."""
+
+    folder: str
+    excludes: tuple[str, ...]
+    chdir: bool
+    auto: bool
+    max_bytes: int
+    state: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+
+class MeshWorkspaces:
+    """The synced folders of one mesh (shared by all its slices)."""
+
+    def __init__(self) -> None:
+        self.folders: dict[str, SyncedFolder] = {}
+        self.autoreload = False
+
+    @property
+    def auto(self) -> list[SyncedFolder]:
+        """Folders synced before each cell."""
+        return [f for f in self.folders.values() if f.auto]
+
+
+_BY_RUNTIME: weakref.WeakKeyDictionary[MeshRuntime, MeshWorkspaces] = weakref.WeakKeyDictionary()
+
+
+def workspaces_of(runtime: MeshRuntime) -> MeshWorkspaces:
+    """The synced folders of a mesh."""
+    found = _BY_RUNTIME.get(runtime)
+    if found is None:
+        found = _BY_RUNTIME[runtime] = MeshWorkspaces()
+    return found
+
+
+def project_folder(start: str | None = None) -> str:
+    """The notebook's folder, or the project root holding it (pyproject.toml, setup.py, .git)."""
+    here = os.path.realpath(start or os.getcwd())
+    folder = here
+    while True:
+        if any(os.path.exists(os.path.join(folder, marker)) for marker in PROJECT_MARKERS):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return here
+        folder = parent
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def sync(runtime: MeshRuntime, call_on: CallOnRanks, path: str | None = None, *, exclude: Iterable[str] = (),
+         auto: bool = False, chdir: bool = False, force: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
+         show: Callable[[str], None] | None = None) -> SyncReport:
+    """Sync a folder to every host of the mesh and put it on the ranks' sys.path (see `Mesh.sync_workspace`)."""
+    if runtime.closed:
+        raise MeshUsageError(f"mesh {runtime.name!r} is shut down; start it again before syncing")
+    folder = os.path.realpath(os.path.expanduser(path)) if path else project_folder()
+    if not os.path.isdir(folder):
+        raise MeshUsageError(f"cannot sync {path or folder}: it is not a folder here")
+    entry = SyncedFolder(folder, tuple(exclude), chdir, auto, max_bytes)
+    report = _sync_folder(runtime, entry, force=force, show=show or _show)
+    workspaces_of(runtime).folders[folder] = entry
+    _use_on_ranks(runtime, call_on, report, chdir)
+    return report
+
+
+def sync_changed(runtime: MeshRuntime, show: Callable[[str], None] | None = None) -> list[SyncReport]:
+    """Before a cell: send what changed in the auto-synced folders (a stat walk when nothing did)."""
+    reports = []
+    for entry in workspaces_of(runtime).auto:
+        found = scan(entry.folder, entry.excludes)
+        if found.quick_state() == entry.state:
+            continue
+        reports.append(_sync_folder(runtime, entry, force=False, show=show or _show, found=found, auto=True))
+    return reports
+
+
+def reapply(runtime: MeshRuntime, call_on: CallOnRanks) -> None:
+    """After a restart: sync again (the hosts may be new: a new Slurm allocation), then the fresh
+    ranks get the synced folders on sys.path (and autoreload) again."""
+    workspaces = workspaces_of(runtime)
+    for entry in workspaces.folders.values():
+        report = _sync_folder(runtime, entry, force=True, show=_show)
+        _use_on_ranks(runtime, call_on, report, entry.chdir)
+    if workspaces.autoreload:
+        set_autoreload(runtime, call_on, True)
+
+
+def set_autoreload(runtime: MeshRuntime, call_on: CallOnRanks, on: bool) -> None:
+    """Turn autoreload of the synced folders' modules on or off on every rank."""
+    workspaces_of(runtime).autoreload = on
+    call_on(list(runtime.ranks), lambda worker: worker.autoreload(on), "autoreload")
+
+
+def _use(local_folder: str | None, key: str, chdir: bool) -> Callable[[Any], Any]:
+    """What a rank runs to use a workspace: the folder itself (this machine) or its host's copy."""
+    def use(worker: Any) -> Any:
+        if local_folder is not None:
+            return worker.use_workspace(local_folder, chdir)
+        from monarch_kernel.core.workspace import host_path
+
+        return worker.use_workspace(host_path(key), chdir)
+    return use
+
+
+def _use_on_ranks(runtime: MeshRuntime, call_on: CallOnRanks, report: SyncReport, chdir: bool) -> None:
+    failed_hosts = {h.host for h in report.hosts if h.errors and not h.root}
+    for link, spec in zip(runtime.state.links, runtime.spec.hosts):
+        if link.name in failed_hosts:
+            continue
+        where = report.folder if spec.kind == HostKind.LOCAL else None
+        call_on(link.ranks, _use(where, report.key, chdir), "use_workspace")
+
+
+def _sync_folder(runtime: MeshRuntime, entry: SyncedFolder, *, force: bool, show: Callable[[str], None],
+                 found: Scan | None = None, auto: bool = False) -> SyncReport:
+    started = time.monotonic()
+    found = found or scan(entry.folder, entry.excludes)
+    if found.total_bytes > entry.max_bytes and not force:
+        biggest = ", ".join(f"{rel} ({_size(size)})" for rel, size in found.largest())
+        raise MeshUsageError(
+            f"{entry.folder} holds {_size(found.total_bytes)} to sync, over the {_size(entry.max_bytes)} guard; "
+            f"the largest files: {biggest}. Exclude them (exclude=[...], --exclude, or .gitignore) or pass "
+            "force=True (--force)")
+    key = workspace_key(entry.folder)
+    links = [link for link, spec in zip(runtime.state.links, runtime.spec.hosts) if spec.kind != HostKind.LOCAL]
+    shared = [link.name for link, spec in zip(runtime.state.links, runtime.spec.hosts) if spec.kind == HostKind.LOCAL]
+    progress = {link.name: Progress() for link in links}
+
+    async def all_hosts() -> list[HostResult | BaseException]:
+        return await asyncio.gather(*(sync_host(runtime.host_ops, link, key, found, progress[link.name])
+                                      for link in links), return_exceptions=True)
+
+    results: list[HostResult | BaseException] = []
+    if links:
+        future = runtime.controller.run(all_hosts())
+        shown = False
+        try:
+            while True:
+                try:
+                    results = future.result(timeout=0.2)
+                    break
+                except TimeoutError:
+                    if time.monotonic() - started > PROGRESS_AFTER_S:
+                        show("\r" + _progress_line(entry.folder, progress))
+                        shown = True
+        except KeyboardInterrupt:
+            future.cancel()
+            raise MeshUsageError(f"sync of {entry.folder} was stopped; the files already sent stay, run it again "
+                                 "to finish") from None
+        if shown:
+            show("\r" + _progress_line(entry.folder, progress) + "\n")
+    hosts = []
+    for link, result in zip(links, results):
+        if isinstance(result, HostResult):
+            hosts.append(result)
+        else:
+            why = str(result) if isinstance(result, HostOpFailed) else f"{type(result).__name__}: {result}"
+            hosts.append(HostResult(link.name, errors=[f"sync failed: {why}"]))
+    states = [h.state for h in hosts if h.root]
+    entry.state = found.quick_state() if all(not h.errors for h in hosts) else (states[0] if states else {})
+    report = SyncReport(entry.folder, key, hosts, shared, found.skipped_links, time.monotonic() - started, auto)
+    show(report.summary() + "\n")
+    return report
+
+
+def _progress_line(folder: str, progress: dict[str, Progress]) -> str:
+    parts = [f"{host} {p.files_done}/{p.files_total} files, {_size(p.bytes_done)}/{_size(p.bytes_total)}"
+             for host, p in progress.items()]
+    return f"syncing {os.path.basename(folder)}: " + "; ".join(parts)
+
+
+def _show(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -1,0 +1,59 @@
+"""Where a synced workspace lives on a host, and which relative paths may be written there.
+
+Shared by the notebook (which names a workspace), the host agent (which writes it) and
+the ranks (which import from it): a workspace is named by a key made from the folder's
+name and its absolute path on the notebook's machine, and lives under
+`$MONARCH_KERNEL_WORKSPACE_ROOT` (default `~/.cache/monarch_kernel/workspaces`) on each host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import re
+
+ROOT_ENV = "MONARCH_KERNEL_WORKSPACE_ROOT"
+_KEY = re.compile(r"[A-Za-z0-9_.-]{1,80}-[0-9a-f]{12}")
+
+
+class UnsafePath(ValueError):
+    """A relative path that would leave its workspace (absolute, `..`, empty parts)."""
+
+
+def workspace_key(local_folder: str) -> str:
+    """`NAME-HASH` for a folder on the notebook's machine (the same folder always gets the same key)."""
+    folder = os.path.realpath(local_folder)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(folder) or "root")[:60].lstrip(".") or "root"
+    return f"{name}-{hashlib.sha256(folder.encode()).hexdigest()[:12]}"
+
+
+def workspaces_root() -> str:
+    """The folder that holds this host's workspace copies."""
+    return os.environ.get(ROOT_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "monarch_kernel", "workspaces")
+
+
+def host_path(key: str) -> str:
+    """The copy of workspace `key` on this host."""
+    if not _KEY.fullmatch(key) or key.startswith("."):
+        raise UnsafePath(f"{key!r} is not a workspace key")
+    return os.path.join(workspaces_root(), key)
+
+
+def file_sha256(path: str) -> str:
+    """A file's sha256, read in 1 MiB pieces (raises OSError)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def safe_relative(path: str) -> str:
+    """A '/'-separated relative path, checked to stay inside its folder (raises UnsafePath)."""
+    if not path or "\0" in path or path.startswith("/") or "\\" in path:
+        raise UnsafePath(f"{path!r} is not a relative path")
+    parts = path.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise UnsafePath(f"{path!r} has empty, '.' or '..' parts")
+    return posixpath.join(*parts)

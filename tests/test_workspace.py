@@ -1,0 +1,205 @@
+"""Workspace sync and autoreload: the user's project on every host (SSH test hosts, each with its own copy)."""
+
+import os
+import sys
+import time
+
+import pytest
+from conftest import RecordingSink
+from sshhosts import SSHTestHosts, unavailable_reason
+
+from monarch_kernel import MeshUsageError, RemoteError, local_mesh, ssh_mesh
+from monarch_kernel.core.workspace import workspace_key
+
+needs_hosts = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    if unavailable_reason() is not None:
+        pytest.skip(str(unavailable_reason()))
+    test_hosts = SSHTestHosts(2, str(tmp_path_factory.mktemp("wshosts")))
+    try:
+        yield test_hosts.start()
+    finally:
+        test_hosts.stop()
+
+
+@pytest.fixture(scope="module")
+def mesh(hosts):
+    m = ssh_mesh([h.alias for h in hosts.hosts], gpus=2, dist="none", python=sys.executable,
+                 connect_options=hosts.connect_options(), name="ws-test")
+    try:
+        yield m
+    finally:
+        m.shutdown()
+
+
+def write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def later(path, seconds=5):
+    """Move a file's mtime forward (an edit within the same clock tick must still count as one)."""
+    stamp = time.time() + seconds
+    os.utime(path, (stamp, stamp))
+
+
+def copy_on(hosts, host, folder):
+    """The files of host's copy of folder, relative to it."""
+    root = os.path.join(hosts.workspaces(host), workspace_key(str(folder)))
+    return sorted(os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names)
+
+
+def values(result):
+    return list(result.values())
+
+
+@pytest.fixture
+def project(tmp_path):
+    root = tmp_path / "proj"
+    write(root / "wsdemo_pkg" / "__init__.py", "from wsdemo_pkg.model import Thing\n")
+    write(root / "wsdemo_pkg" / "model.py", "class Thing:\n    def value(self):\n        return 1\n")
+    write(root / "train.py", "print('train')\n")
+    return root
+
+
+@needs_hosts
+def test_a_synced_package_imports_on_every_rank_of_both_hosts_from_its_own_copy(mesh, hosts, project):
+    with pytest.raises(RemoteError, match="No module named 'wsdemo_pkg'"):
+        mesh.run("import wsdemo_pkg", sink=RecordingSink())
+    report = mesh.sync_workspace(str(project))
+    assert [h.sent_files for h in report.hosts] == [3, 3] and not report.errors
+    for host in hosts.hosts:
+        assert copy_on(hosts, host, project) == ["train.py", "wsdemo_pkg/__init__.py", "wsdemo_pkg/model.py"]
+    where = mesh.run("import wsdemo_pkg, socket\nwsdemo_pkg.__file__", sink=RecordingSink())
+    for rank, path in where.by_rank().items():
+        host = hosts.hosts[rank // 2]
+        assert path.startswith(hosts.workspaces(host) + "/")  # each host imports its own copy
+    assert set(values(mesh.run("wsdemo_pkg.Thing().value()", sink=RecordingSink()))) == {1}
+
+
+@needs_hosts
+def test_only_changes_travel_and_deleted_files_disappear(mesh, hosts, project):
+    mesh.sync_workspace(str(project))
+    again = mesh.sync_workspace(str(project))
+    assert again.sent_bytes == 0 and [h.sent_files for h in again.hosts] == [0, 0]
+    model = project / "wsdemo_pkg" / "model.py"
+    write(model, "class Thing:\n    def value(self):\n        return 22\n")
+    later(model)
+    edited = mesh.sync_workspace(str(project))
+    assert [h.sent_files for h in edited.hosts] == [1, 1]
+    assert edited.sent_bytes == 2 * model.stat().st_size
+    later(project / "train.py", 10)  # touched, not changed: compared by hash, not sent
+    touched = mesh.sync_workspace(str(project))
+    assert touched.sent_bytes == 0 and [h.unchanged for h in touched.hosts] == [3, 3]
+    os.unlink(project / "train.py")
+    gone = mesh.sync_workspace(str(project))
+    assert [h.deleted for h in gone.hosts] == [1, 1]
+    for host in hosts.hosts:
+        assert "train.py" not in copy_on(hosts, host, project)
+
+
+@needs_hosts
+def test_gitignore_excludes_and_symlinks(mesh, hosts, project, tmp_path):
+    write(project / ".gitignore", "data/\n*.log\n!keep.log\n")
+    write(project / "data" / "big.bin", "x" * 1000)
+    write(project / "run.log", "noise")
+    write(project / "keep.log", "kept")
+    write(project / "secret.key", "no")
+    write(project / "notes" / "a.txt", "a")
+    write(tmp_path / "outside.txt", "outside")
+    os.symlink(tmp_path / "outside.txt", project / "outside-link.txt")
+    os.symlink(project, project / "notes" / "loop")
+    os.symlink(project / "notes" / "a.txt", project / "inside-link.txt")
+    report = mesh.sync_workspace(str(project), exclude=["secret*"])
+    assert sorted(report.skipped_links) == ["notes/loop", "outside-link.txt"]
+    files = copy_on(hosts, hosts.hosts[0], project)
+    assert files == [".gitignore", "inside-link.txt", "keep.log", "notes/a.txt", "train.py",
+                     "wsdemo_pkg/__init__.py", "wsdemo_pkg/model.py"]
+    copy = os.path.join(hosts.workspaces(hosts.hosts[0]), workspace_key(str(project)))
+    assert open(os.path.join(copy, "inside-link.txt")).read() == "a"
+    # what the folder leaves out is the host's own: a sync never deletes it there
+    write(os.path.join(copy, "data", "results.csv"), "host data")
+    write(os.path.join(copy, "__pycache__", "x.pyc"), "cache")
+    assert [h.deleted for h in mesh.sync_workspace(str(project), exclude=["secret*"]).hosts] == [0, 0]
+    assert os.path.exists(os.path.join(copy, "data", "results.csv"))
+
+
+@needs_hosts
+def test_modes_are_kept_and_a_big_folder_is_refused_naming_its_largest_files(mesh, hosts, project):
+    script = project / "tool.sh"
+    write(script, "#!/bin/sh\necho hi\n")
+    os.chmod(script, 0o750)
+    write(project / "weights.bin", "w" * 300_000)
+    with pytest.raises(MeshUsageError, match=r"(?s)over the .* guard.*weights\.bin \(300\.0 kB\)"):
+        mesh.sync_workspace(str(project), max_bytes=100_000)
+    mesh.sync_workspace(str(project), max_bytes=100_000, force=True)
+    copied = os.path.join(hosts.workspaces(hosts.hosts[1]), workspace_key(str(project)), "tool.sh")
+    assert os.stat(copied).st_mode & 0o777 == 0o750
+    with pytest.raises(MeshUsageError, match="not a folder"):
+        mesh.sync_workspace(str(project / "missing"))
+
+
+@needs_hosts
+def test_auto_sync_and_autoreload_change_code_without_a_restart(mesh, project):
+    sink = RecordingSink()
+    # the ranks outlive each test's project folder: forget the package an earlier test imported
+    mesh.run("import sys\nfor k in [k for k in sys.modules if k.startswith('wsdemo_pkg')]: del sys.modules[k]",
+             sink=sink)
+    mesh.sync_workspace(str(project), auto=True)
+    mesh.autoreload(True)
+    try:
+        mesh.run("import wsdemo_pkg\nthing = wsdemo_pkg.Thing()", sink=sink)
+        model = project / "wsdemo_pkg" / "model.py"
+        write(model, "class Thing:\n    def value(self):\n        return 2\n\n    def extra(self):\n        return 'new'\n")
+        later(model, 20)
+        # the edit travels before the cell, and the object made before it sees the new methods
+        assert set(values(mesh.run("(thing.value(), thing.extra())", sink=sink))) == {(2, "new")}
+        write(model, "class Thing:\n    def value(self:\n        return 3\n")
+        later(model, 30)
+        broken = RecordingSink()
+        assert set(values(mesh.run("thing.value()", sink=broken))) == {2}  # the old code keeps running
+        text = "".join(broken.text("stderr").values())
+        assert "failed to reload" in text and "model.py" in text and "SyntaxError" in text
+        write(model, "class Thing:\n    def value(self):\n        return 4\n")
+        later(model, 40)
+        assert set(values(mesh.run("thing.value()", sink=sink))) == {4}
+    finally:
+        mesh.autoreload(False)
+        mesh.sync_workspace(str(project), auto=False)
+
+
+@needs_hosts
+def test_a_restart_keeps_the_workspace_on_the_fresh_ranks(mesh, project):
+    mesh.sync_workspace(str(project))
+    mesh.restart()
+    assert set(values(mesh.run("import wsdemo_pkg\nwsdemo_pkg.Thing().value() > 0", sink=RecordingSink()))) == {True}
+
+
+def test_a_local_mesh_shares_the_folder_and_copies_nothing(project, capsys):
+    with local_mesh(2, dist="none", name="ws-local") as mesh:
+        report = mesh.sync_workspace(str(project), chdir=True)
+        assert report.hosts == [] and report.shared_hosts == ["localhost"]
+        assert "shares this filesystem: nothing copied" in capsys.readouterr().out
+        where = mesh.run("import os, wsdemo_pkg\n(wsdemo_pkg.__file__, os.getcwd())", sink=RecordingSink())
+        assert set(values(where)) == {(str(project / "wsdemo_pkg" / "__init__.py"), str(project))}
+
+
+def test_the_sync_and_autoreload_magics(project):
+    from conftest import ipython_shell as get_ipython
+    from IPython.utils.capture import capture_output
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "monarch_kernel")
+    try:
+        ip.run_cell("%mesh up local --gpus 1 --dist none --name wsmagic")
+        with capture_output() as cap:
+            ip.run_cell(f"%mesh sync {project} --exclude '*.py' --auto")
+            ip.run_cell("%mesh autoreload on")
+        assert "shares this filesystem" in cap.stdout and "autoreload of synced modules on the ranks: on" in cap.stdout
+    finally:
+        ip.run_cell("%mesh down wsmagic")
+        ip.run_line_magic("unload_ext", "monarch_kernel")
