@@ -202,6 +202,12 @@ class MeshMagics(Magics):
         self.registry.get(args.mesh).sync_workspace(args.path, exclude=args.exclude, auto=args.auto, chdir=args.cd,
                                                     force=args.force)
 
+    def _do_put(self, args) -> None:
+        self.registry.get(args.mesh).put(args.src, args.dst)
+
+    def _do_get(self, args) -> None:
+        self.registry.get(args.mesh).get(args.src, args.dst)
+
     def _do_autoreload(self, args) -> None:
         self.registry.get(args.mesh).autoreload(args.setting == "on")
         print(f"autoreload of synced modules on the ranks: {args.setting}")

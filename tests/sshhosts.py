@@ -63,6 +63,9 @@ class SSHTestHosts:
         self.key = os.path.join(workdir, "id_test")
         self.known_hosts = os.path.join(workdir, "known_hosts")
         self.config = os.path.join(workdir, "ssh_config")
+        # each host mounts its own tmpfs here (in its sshd's mount namespace): a path that
+        # differs per host, as on real machines (the test machine itself sees an empty folder)
+        self.scratch = os.path.join(workdir, "scratch")
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> SSHTestHosts:
@@ -116,7 +119,11 @@ class SSHTestHosts:
                 "Subsystem sftp internal-sftp\n"
             )
         log = open(os.path.join(self.workdir, f"{host.alias}_sshd.log"), "wb")
-        host.sshd = subprocess.Popen(["ip", "netns", "exec", host.netns, SSHD, "-D", "-e", "-f", cfg],
+        os.makedirs(self.scratch, exist_ok=True)
+        # `ip netns exec` gives sshd a mount namespace of its own: the tmpfs is this host's alone
+        host.sshd = subprocess.Popen(["ip", "netns", "exec", host.netns, "sh", "-c",
+                                      f"mount -t tmpfs -o size=1g,mode=0700 tmpfs {self.scratch} && "
+                                      f"exec {SSHD} -D -e -f {cfg}"],
                                      stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         with open(key + ".pub") as f:
             return " ".join(f.read().split()[:2])

@@ -8,6 +8,7 @@ import pytest
 from conftest import RecordingSink
 from sshhosts import SSHTestHosts, unavailable_reason
 
+import monarch_kernel
 from monarch_kernel import MeshUsageError, RemoteError, local_mesh, ssh_mesh
 from monarch_kernel.core.workspace import workspace_key
 
@@ -203,3 +204,89 @@ def test_the_sync_and_autoreload_magics(project):
     finally:
         ip.run_cell("%mesh down wsmagic")
         ip.run_line_magic("unload_ext", "monarch_kernel")
+
+
+def sha256_of(path):
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def big_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("big") / "weights.bin"
+    with open(path, "wb") as f:
+        for _ in range(25):
+            f.write(os.urandom(8 << 20))  # 200 MiB
+    return path
+
+
+@needs_hosts
+def test_put_and_get_a_200_mb_file_with_checksums_on_each_host(mesh, hosts, big_file, tmp_path):
+    target = f"{hosts.scratch}/ckpt/weights.bin"
+    report = mesh.put(str(big_file), target)
+    assert not report.errors and report.files == [target, target] and report.bytes_moved == 2 * big_file.stat().st_size
+    assert not os.path.exists(target)  # each host has its own scratch; this machine's view is empty
+    here = sha256_of(big_file)
+    sums = mesh.run(f"import hashlib\nhashlib.sha256(open({target!r}, 'rb').read()).hexdigest()", sink=RecordingSink())
+    assert set(values(sums)) == {here}
+    got = mesh.get(target, str(tmp_path / "back"))
+    assert sorted(os.listdir(tmp_path / "back")) == ["weights.bin.host-0", "weights.bin.host-1"]
+    assert all(sha256_of(tmp_path / "back" / name) == here for name in os.listdir(tmp_path / "back"))
+    assert not got.errors
+
+
+@needs_hosts
+def test_an_interrupted_get_goes_on_from_where_it_stopped(mesh, hosts, big_file, tmp_path):
+    import signal
+    import threading
+
+    target = f"{hosts.scratch}/resume/weights.bin"
+    one = mesh.slice(hosts=1)
+    one.put(str(big_file), target)
+    back = tmp_path / "back"
+    partial = back / "weights.bin.host-1.monarch-partial"
+
+    def stop_when_started():  # the stop button, once some of the file has arrived
+        while not (partial.exists() and partial.stat().st_size >= 16 << 20):
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    stopper = threading.Thread(target=stop_when_started, daemon=True)
+    stopper.start()
+    with pytest.raises(monarch_kernel.MeshInterrupted, match="stopped"):
+        one.get(target, str(back))
+    stopper.join(5)
+    left = partial.stat().st_size
+    assert 0 < left < big_file.stat().st_size
+    resumed = one.get(target, str(back))
+    assert resumed.results[0].bytes_resumed > 0
+    assert resumed.bytes_moved == big_file.stat().st_size - resumed.results[0].bytes_resumed
+    assert sha256_of(back / "weights.bin.host-1") == sha256_of(big_file) and not partial.exists()
+    # a partial file that is not a prefix of the real one is not trusted: the get starts over
+    with open(partial, "wb") as f:
+        f.write(os.urandom(1 << 20))
+    os.unlink(back / "weights.bin.host-1")
+    again = one.get(target, str(back))
+    assert again.results[0].bytes_resumed == 0 and sha256_of(back / "weights.bin.host-1") == sha256_of(big_file)
+
+
+@needs_hosts
+def test_per_rank_paths_and_bad_paths(mesh, hosts, tmp_path):
+    mesh.run(f"import os\nos.makedirs({hosts.scratch!r}, exist_ok=True)\n"
+             f"open(os.path.join({hosts.scratch!r}, 'metrics-%s.json' % os.environ['RANK']), 'w').write(os.environ['RANK'])",
+             sink=RecordingSink())
+    report = mesh.get(f"{hosts.scratch}/metrics-{{rank}}.json", str(tmp_path / "m"))
+    names = sorted(os.listdir(tmp_path / "m"))
+    assert names == [f"metrics-{r}.json.rank-{r}" for r in range(4)] and not report.errors
+    assert (tmp_path / "m" / "metrics-3.json.rank-3").read_text() == "3"
+    with pytest.raises(MeshUsageError, match="absolute path"):
+        mesh.put(str(tmp_path), "relative/dst")
+    with pytest.raises(MeshUsageError, match="no such file"):
+        mesh.put(str(tmp_path / "nope"), "/tmp/x")
+    missing = mesh.get(f"{hosts.scratch}/nothing-here", str(tmp_path / "m"))
+    assert len(missing.errors) == 2 and "No such file" in missing.errors[0]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from monarch_kernel import __version__
-from monarch_kernel.agent import workspace
+from monarch_kernel.agent import files, workspace
 from monarch_kernel.agent.fd_output import FdOutput
 from monarch_kernel.agent.launcher import RankProcess
 from monarch_kernel.agent.rank_set import RankSet, tail_text
@@ -30,6 +30,7 @@ from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.routing import CallRouter, Send
 from monarch_kernel.wire.transport import AsyncConnection, encode
 
+HOST_OPERATIONS = {**workspace.OPERATIONS, **files.OPERATIONS}  # HostOp kinds: work for the agent itself
 
 class HostAgent:
     """Routes between one controller connection and this host's ranks."""
@@ -201,7 +202,10 @@ class HostAgent:
         if self._files is None:
             self._files = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-op")
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self._files, workspace.run, msg.kind, msg.args)
+            operation = HOST_OPERATIONS.get(msg.kind)
+            if operation is None:
+                raise KeyError(f"this agent has no operation {msg.kind!r} (another monarch_kernel version?)")
+            result = await asyncio.get_running_loop().run_in_executor(self._files, lambda: operation(**msg.args))
         except Exception as exc:  # noqa: BLE001 - the controller gets the reason
             self._to_controller(m.HostOpDone(msg.op_id, None, f"{type(exc).__name__}: {exc}"))
         else:

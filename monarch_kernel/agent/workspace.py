@@ -133,10 +133,3 @@ OPERATIONS: dict[str, Callable[..., dict[str, Any]]] = {
     "workspace.write": write_files,
 }
 
-
-def run(kind: str, args: dict[str, Any]) -> dict[str, Any]:
-    """One host operation by name (raises KeyError for an unknown one)."""
-    operation = OPERATIONS.get(kind)
-    if operation is None:
-        raise KeyError(f"this agent has no operation {kind!r}")
-    return operation(**args)

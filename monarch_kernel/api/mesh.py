@@ -17,7 +17,7 @@ from typing import Any
 
 from monarch_kernel.actors.base import Actor
 from monarch_kernel.actors.client import ActorMesh
-from monarch_kernel.api import workspace
+from monarch_kernel.api import transfer, workspace
 from monarch_kernel.api.futures import MeshFuture, raise_failures
 from monarch_kernel.api.sinks import IdleOutput, OutputSink, default_sink, report_timing
 from monarch_kernel.controller.hosts import HostKind, HostSpec
@@ -298,6 +298,22 @@ class Mesh:
         """
         return workspace.sync(self._runtime, self._call_on, path, exclude=exclude, auto=auto, chdir=chdir,
                               force=force, max_bytes=max_bytes)
+
+    def put(self, src: str, dst: str) -> transfer.TransferReport:
+        """Copy a local file or folder to path `dst` (absolute, or ~/...) on every host of the mesh.
+
+        Once per host, all hosts at once, streamed in checksummed chunks with a progress
+        line; an interrupted put goes on from where it stopped the next time.
+        """
+        return transfer.put(self._runtime, src, dst)
+
+    def get(self, src: str, dst_dir: str = ".") -> transfer.TransferReport:
+        """Bring path `src` (absolute, or ~/...) from the hosts of this mesh or slice into local folder `dst_dir`.
+
+        Each host's copy lands as `NAME.host-H`; a path naming `{rank}` or `{local_rank}`
+        is fetched per rank as `NAME.rank-R`. Streamed, checksummed and resumable like `put`.
+        """
+        return transfer.get(self._runtime, src, dst_dir, list(self.ranks))
 
     def autoreload(self, on: bool = True) -> None:
         """Reload changed modules of the synced folders on every rank before each cell (IPython's %autoreload 2)."""

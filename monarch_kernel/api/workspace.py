@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from monarch_kernel.api.progress import progress_line, show_stdout, size_text, wait_showing
 from monarch_kernel.controller.host_ops import HostOpFailed
 from monarch_kernel.controller.hostspec import HostKind
 from monarch_kernel.controller.runtime import MeshRuntime
@@ -26,7 +26,6 @@ from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.workspace import workspace_key
 
 DEFAULT_MAX_BYTES = 1 << 30  # a sync larger than this is refused unless forced (a dataset in the folder?)
-PROGRESS_AFTER_S = 0.5  # the live line appears for syncs that take longer
 PROJECT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
 
 # how the API runs a function on some ranks: (ranks, fn(worker), label) -> each rank's value
@@ -63,7 +62,7 @@ class SyncReport:
             deleted = max(h.deleted for h in self.hosts)
             unchanged = min(h.unchanged for h in self.hosts)
             parts.append(f"{len(self.hosts)} host{'s' * (len(self.hosts) != 1)}: {files} file"
-                         f"{'s' * (files != 1)} ({_size(max(h.sent_bytes for h in self.hosts))}) sent to each, "
+                         f"{'s' * (files != 1)} ({size_text(max(h.sent_bytes for h in self.hosts))}) sent to each, "
                          f"{deleted} deleted, {unchanged} unchanged")
         if self.shared_hosts:
             parts.append(f"{', '.join(self.shared_hosts)} share{'s' * (len(self.shared_hosts) == 1)} this "
@@ -132,13 +131,6 @@ def project_folder(start: str | None = None) -> str:
         folder = parent
 
 
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
 def sync(runtime: MeshRuntime, call_on: CallOnRanks, path: str | None = None, *, exclude: Iterable[str] = (),
          auto: bool = False, chdir: bool = False, force: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
          show: Callable[[str], None] | None = None) -> SyncReport:
@@ -149,7 +141,7 @@ def sync(runtime: MeshRuntime, call_on: CallOnRanks, path: str | None = None, *,
     if not os.path.isdir(folder):
         raise MeshUsageError(f"cannot sync {path or folder}: it is not a folder here")
     entry = SyncedFolder(folder, tuple(exclude), chdir, auto, max_bytes)
-    report = _sync_folder(runtime, entry, force=force, show=show or _show)
+    report = _sync_folder(runtime, entry, force=force, show=show or show_stdout)
     workspaces_of(runtime).folders[folder] = entry
     _use_on_ranks(runtime, call_on, report, chdir)
     return report
@@ -162,7 +154,7 @@ def sync_changed(runtime: MeshRuntime, show: Callable[[str], None] | None = None
         found = scan(entry.folder, entry.excludes)
         if found.quick_state() == entry.state:
             continue
-        reports.append(_sync_folder(runtime, entry, force=False, show=show or _show, found=found, auto=True))
+        reports.append(_sync_folder(runtime, entry, force=False, show=show or show_stdout, found=found, auto=True))
     return reports
 
 
@@ -171,7 +163,7 @@ def reapply(runtime: MeshRuntime, call_on: CallOnRanks) -> None:
     ranks get the synced folders on sys.path (and autoreload) again."""
     workspaces = workspaces_of(runtime)
     for entry in workspaces.folders.values():
-        report = _sync_folder(runtime, entry, force=True, show=_show)
+        report = _sync_folder(runtime, entry, force=True, show=show_stdout)
         _use_on_ranks(runtime, call_on, report, entry.chdir)
     if workspaces.autoreload:
         set_autoreload(runtime, call_on, True)
@@ -208,9 +200,9 @@ def _sync_folder(runtime: MeshRuntime, entry: SyncedFolder, *, force: bool, show
     started = time.monotonic()
     found = found or scan(entry.folder, entry.excludes)
     if found.total_bytes > entry.max_bytes and not force:
-        biggest = ", ".join(f"{rel} ({_size(size)})" for rel, size in found.largest())
+        biggest = ", ".join(f"{rel} ({size_text(size)})" for rel, size in found.largest())
         raise MeshUsageError(
-            f"{entry.folder} holds {_size(found.total_bytes)} to sync, over the {_size(entry.max_bytes)} guard; "
+            f"{entry.folder} holds {size_text(found.total_bytes)} to sync, over the {size_text(entry.max_bytes)} guard; "
             f"the largest files: {biggest}. Exclude them (exclude=[...], --exclude, or .gitignore) or pass "
             "force=True (--force)")
     key = workspace_key(entry.folder)
@@ -224,23 +216,9 @@ def _sync_folder(runtime: MeshRuntime, entry: SyncedFolder, *, force: bool, show
 
     results: list[HostResult | BaseException] = []
     if links:
-        future = runtime.controller.run(all_hosts())
-        shown = False
-        try:
-            while True:
-                try:
-                    results = future.result(timeout=0.2)
-                    break
-                except TimeoutError:
-                    if time.monotonic() - started > PROGRESS_AFTER_S:
-                        show("\r" + _progress_line(entry.folder, progress))
-                        shown = True
-        except KeyboardInterrupt:
-            future.cancel()
-            raise MeshUsageError(f"sync of {entry.folder} was stopped; the files already sent stay, run it again "
-                                 "to finish") from None
-        if shown:
-            show("\r" + _progress_line(entry.folder, progress) + "\n")
+        results = wait_showing(runtime.controller.run(all_hosts()),
+                               lambda: progress_line(f"syncing {os.path.basename(entry.folder)}", progress),
+                               f"the sync of {entry.folder}", show)
     hosts = []
     for link, result in zip(links, results):
         if isinstance(result, HostResult):
@@ -255,12 +233,3 @@ def _sync_folder(runtime: MeshRuntime, entry: SyncedFolder, *, force: bool, show
     return report
 
 
-def _progress_line(folder: str, progress: dict[str, Progress]) -> str:
-    parts = [f"{host} {p.files_done}/{p.files_total} files, {_size(p.bytes_done)}/{_size(p.bytes_total)}"
-             for host, p in progress.items()]
-    return f"syncing {os.path.basename(folder)}: " + "; ".join(parts)
-
-
-def _show(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()

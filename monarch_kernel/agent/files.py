@@ -1,0 +1,122 @@
+"""The agent's side of `Mesh.put` and `Mesh.get`: files in and out of a host, a chunk at a time.
+
+A put lands in `PATH.monarch-partial` and is renamed into place only once the whole
+file's sha256 matches what the notebook sent, so a reader never sees half a file and an
+interrupted put resumes from what the partial file already holds. A get reads chunks at
+offsets the notebook asks for. Paths are the user's own (absolute, or `~` for the home
+folder of the host's user): the agent runs as that user and may touch what it may.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Callable
+from typing import Any
+
+from monarch_kernel.core.workspace import file_sha256, safe_relative
+
+PARTIAL = ".monarch-partial"
+
+
+def _path(path: str) -> str:
+    full = os.path.expanduser(path)
+    if not os.path.isabs(full):
+        raise ValueError(f"{path!r} is not an absolute path (or ~/...)")
+    return os.path.normpath(full)
+
+
+def prefix_sha256(path: str, length: int) -> str:
+    """sha256 of a file's first `length` bytes ("" if it is shorter or unreadable)."""
+    digest = hashlib.sha256()
+    left = length
+    try:
+        with open(path, "rb") as f:
+            while left > 0:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    return ""
+                digest.update(chunk)
+                left -= len(chunk)
+    except OSError:
+        return ""
+    return digest.hexdigest()
+
+
+def put_begin(path: str, size: int) -> dict[str, Any]:
+    """What an earlier, interrupted put left: the partial file's length and its sha256 (0, "" if none)."""
+    dest = _path(path)
+    os.makedirs(os.path.dirname(dest) or "/", exist_ok=True)
+    partial = dest + PARTIAL
+    have = os.path.getsize(partial) if os.path.isfile(partial) else 0
+    if not 0 < have <= size:
+        return {"partial": 0, "sha256": "", "path": dest}
+    return {"partial": have, "sha256": prefix_sha256(partial, have), "path": dest}
+
+
+def put_chunk(path: str, offset: int, data: Any) -> dict[str, Any]:
+    """Write a chunk of the partial file at offset."""
+    partial = _path(path) + PARTIAL
+    with open(partial, "r+b" if offset else "wb") as f:
+        f.seek(offset)
+        f.write(data)
+    return {"end": offset + len(memoryview(data))}
+
+
+def put_end(path: str, size: int, sha256: str, mode: int, mtime_ns: int) -> dict[str, Any]:
+    """Check the whole file's sha256 and put it in place (the partial stays if it does not match)."""
+    dest = _path(path)
+    partial = dest + PARTIAL
+    with open(partial, "r+b") as f:
+        f.truncate(size)
+    got = file_sha256(partial)
+    if got != sha256:
+        os.unlink(partial)
+        raise OSError(f"{dest}: checksum mismatch after writing (sha256 {got[:12]}..., expected {sha256[:12]}...)")
+    os.chmod(partial, mode & 0o7777)
+    os.utime(partial, ns=(mtime_ns, mtime_ns))
+    os.replace(partial, dest)
+    return {"path": dest}
+
+
+def describe(path: str) -> dict[str, Any]:
+    """What a get will fetch: one file (size) or a folder's files (relative path -> size)."""
+    src = _path(path)
+    info = os.stat(src)
+    if stat.S_ISDIR(info.st_mode):
+        files = {}
+        for folder, _dirs, names in os.walk(src):
+            for name in names:
+                full = os.path.join(folder, name)
+                if os.path.isfile(full) and not os.path.islink(full):
+                    files[safe_relative(os.path.relpath(full, src).replace(os.sep, "/"))] = os.path.getsize(full)
+        return {"path": src, "folder": True, "files": files}
+    return {"path": src, "folder": False, "files": {"": info.st_size}}
+
+
+def read_chunk(path: str, offset: int, size: int) -> dict[str, Any]:
+    """Bytes of a file from offset (fewer at its end)."""
+    import pickle
+
+    with open(_path(path), "rb") as f:
+        f.seek(offset)
+        data = f.read(size)
+    return {"data": pickle.PickleBuffer(data)}
+
+
+def checksum(path: str) -> dict[str, Any]:
+    """A file's sha256 and size."""
+    src = _path(path)
+    return {"sha256": file_sha256(src), "size": os.path.getsize(src)}
+
+
+OPERATIONS: dict[str, Callable[..., dict[str, Any]]] = {
+    "files.put_begin": put_begin,
+    "files.put_chunk": put_chunk,
+    "files.put_end": put_end,
+    "files.describe": describe,
+    "files.read": read_chunk,
+    "files.checksum": checksum,
+    "files.prefix": lambda path, length: {"sha256": prefix_sha256(_path(path), length)},
+}
