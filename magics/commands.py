@@ -90,6 +90,8 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("get", "SRC [DST_DIR] [--name NAME]",
                "bring path SRC from every host (or every rank: {rank} in SRC) into a local folder",
                (arg("src"), arg("dst", nargs="?", default="."), _MESH_NAME)),
+    Subcommand("env", "[--name NAME]", "Python and package versions of every host next to the notebook's",
+               (_MESH_NAME,)),
     Subcommand("autoreload", "on|off [--name NAME]",
                "reload changed modules of synced folders on the ranks before each cell",
                (arg("setting", choices=["on", "off"]), _MESH_NAME)),

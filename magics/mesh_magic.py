@@ -208,6 +208,9 @@ class MeshMagics(Magics):
     def _do_get(self, args) -> None:
         self.registry.get(args.mesh).get(args.src, args.dst)
 
+    def _do_env(self, args) -> None:
+        print(self.registry.get(args.mesh).environment().text())
+
     def _do_autoreload(self, args) -> None:
         self.registry.get(args.mesh).autoreload(args.setting == "on")
         print(f"autoreload of synced modules on the ranks: {args.setting}")

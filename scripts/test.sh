@@ -22,6 +22,11 @@ if [ ! -f .cache/widgets/node_modules/@jupyter-widgets/html-manager/dist/embed-a
   mkdir -p .cache/widgets
   (cd .cache/widgets && npm install --silent --no-audit --no-fund @jupyter-widgets/html-manager@1 requirejs@2 >/dev/null)
 fi
+# Another cloudpickle than the one installed, for a host whose versions differ from the
+# notebook's (tests/test_workspace.py: the mismatch is warned at up and by %mesh env).
+if [ ! -d .cache/old-cloudpickle/cloudpickle ]; then
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps --target .cache/old-cloudpickle "cloudpickle==3.0.0"
+fi
 # Lint (with import order) and types before the tests: both must pass.
 .venv/bin/ruff check .
 .venv/bin/mypy

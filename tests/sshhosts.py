@@ -52,9 +52,14 @@ class Host:
 class SSHTestHosts:
     """N hosts named host-0, host-1, ... reachable as root with a test-only key."""
 
-    def __init__(self, count: int, workdir: str, client_alive: tuple[int, int] = (2, 2)):
-        """client_alive: sshd's ClientAliveInterval and ClientAliveCountMax (how long a silent client lasts)."""
+    def __init__(self, count: int, workdir: str, client_alive: tuple[int, int] = (2, 2),
+                 workspace_quota: dict[int, int] | None = None):
+        """client_alive: sshd's ClientAliveInterval and ClientAliveCountMax (how long a silent client lasts).
+
+        workspace_quota: host index -> bytes: that host's workspace folder is a tmpfs this small (a full disk).
+        """
         self.client_alive = client_alive
+        self.workspace_quota = workspace_quota or {}
         self.tag = f"{os.getpid() % 100000}"
         self.workdir = workdir
         self.bridge = f"mkbr{self.tag}"
@@ -120,10 +125,13 @@ class SSHTestHosts:
             )
         log = open(os.path.join(self.workdir, f"{host.alias}_sshd.log"), "wb")
         os.makedirs(self.scratch, exist_ok=True)
+        mounts = f"mount -t tmpfs -o size=1g,mode=0700 tmpfs {self.scratch} && "
+        quota = self.workspace_quota.get(self.hosts.index(host))
+        if quota is not None:
+            os.makedirs(self.workspaces(host), exist_ok=True)
+            mounts += f"mount -t tmpfs -o size={quota},mode=0700 tmpfs {self.workspaces(host)} && "
         # `ip netns exec` gives sshd a mount namespace of its own: the tmpfs is this host's alone
-        host.sshd = subprocess.Popen(["ip", "netns", "exec", host.netns, "sh", "-c",
-                                      f"mount -t tmpfs -o size=1g,mode=0700 tmpfs {self.scratch} && "
-                                      f"exec {SSHD} -D -e -f {cfg}"],
+        host.sshd = subprocess.Popen(["ip", "netns", "exec", host.netns, "sh", "-c", f"{mounts}exec {SSHD} -D -e -f {cfg}"],
                                      stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         with open(key + ".pub") as f:
             return " ".join(f.read().split()[:2])

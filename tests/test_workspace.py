@@ -19,7 +19,8 @@ needs_hosts = pytest.mark.skipif(unavailable_reason() is not None, reason=str(un
 def hosts(tmp_path_factory):
     if unavailable_reason() is not None:
         pytest.skip(str(unavailable_reason()))
-    test_hosts = SSHTestHosts(2, str(tmp_path_factory.mktemp("wshosts")))
+    # host-1's workspace folder is a small disk of its own (a full disk on one host)
+    test_hosts = SSHTestHosts(2, str(tmp_path_factory.mktemp("wshosts")), workspace_quota={1: 8 << 20})
     try:
         yield test_hosts.start()
     finally:
@@ -30,6 +31,7 @@ def hosts(tmp_path_factory):
 def mesh(hosts):
     m = ssh_mesh([h.alias for h in hosts.hosts], gpus=2, dist="none", python=sys.executable,
                  connect_options=hosts.connect_options(), name="ws-test")
+    hosts.mesh_for_listing = m
     try:
         yield m
     finally:
@@ -49,9 +51,12 @@ def later(path, seconds=5):
 
 
 def copy_on(hosts, host, folder):
-    """The files of host's copy of folder, relative to it."""
+    """The files of host's copy of folder, relative to it, as the host itself sees them (host-1's is its own disk)."""
     root = os.path.join(hosts.workspaces(host), workspace_key(str(folder)))
-    return sorted(os.path.relpath(os.path.join(d, n), root) for d, _, names in os.walk(root) for n in names)
+    listing = hosts.mesh_for_listing.slice(hosts=hosts.hosts.index(host)).run(
+        f"import os\nsorted(os.path.relpath(os.path.join(d, n), {root!r}) for d, _, names in os.walk({root!r}) "
+        "for n in names)", sink=RecordingSink())
+    return next(iter(listing.values()))
 
 
 def values(result):
@@ -138,7 +143,7 @@ def test_modes_are_kept_and_a_big_folder_is_refused_naming_its_largest_files(mes
     with pytest.raises(MeshUsageError, match=r"(?s)over the .* guard.*weights\.bin \(300\.0 kB\)"):
         mesh.sync_workspace(str(project), max_bytes=100_000)
     mesh.sync_workspace(str(project), max_bytes=100_000, force=True)
-    copied = os.path.join(hosts.workspaces(hosts.hosts[1]), workspace_key(str(project)), "tool.sh")
+    copied = os.path.join(hosts.workspaces(hosts.hosts[0]), workspace_key(str(project)), "tool.sh")
     assert os.stat(copied).st_mode & 0o777 == 0o750
     with pytest.raises(MeshUsageError, match="not a folder"):
         mesh.sync_workspace(str(project / "missing"))
@@ -290,3 +295,45 @@ def test_per_rank_paths_and_bad_paths(mesh, hosts, tmp_path):
         mesh.put(str(tmp_path / "nope"), "/tmp/x")
     missing = mesh.get(f"{hosts.scratch}/nothing-here", str(tmp_path / "m"))
     assert len(missing.errors) == 2 and "No such file" in missing.errors[0]
+
+
+@needs_hosts
+def test_a_full_disk_on_one_host_is_named_and_the_other_host_stays_in_sync(mesh, hosts, project):
+    big = project / "data.bin"
+    with open(big, "wb") as f:
+        f.write(os.urandom(12 << 20))  # more than host-1's 8 MiB disk holds
+    report = mesh.sync_workspace(str(project), force=True)
+    assert report.errors and all(e.startswith("host-1: data.bin") for e in report.errors)
+    assert "No space left on device" in report.errors[0]
+    assert "data.bin" in copy_on(hosts, hosts.hosts[0], project)
+    os.unlink(big)  # room again: the next sync brings host-1 level and clears what it left
+    healed = mesh.sync_workspace(str(project))
+    assert not healed.errors and copy_on(hosts, hosts.hosts[1], project) == copy_on(hosts, hosts.hosts[0], project)
+
+
+@needs_hosts
+def test_another_cloudpickle_on_a_host_is_warned_at_up_and_by_env(hosts, tmp_path, capsys):
+    old = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "old-cloudpickle")
+    if not os.path.isdir(os.path.join(old, "cloudpickle")):
+        pytest.skip("scripts/test.sh installs cloudpickle 3.0.0 into .cache/old-cloudpickle")
+    python = tmp_path / "python-with-old-cloudpickle"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={old} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    with ssh_mesh([hosts.hosts[0].alias], gpus=1, dist="none", python=str(python),
+                  connect_options=hosts.connect_options(), name="ws-old") as mesh:
+        assert "host-0 has cloudpickle 3.0.0, the notebook" in capsys.readouterr().err
+        report = mesh.environment()
+        assert report.hosts["host-0"]["cloudpickle"] == "3.0.0" and len(report.mismatches) == 1
+        assert "warning: host-0 has cloudpickle 3.0.0" in report.text()
+        assert set(values(mesh.run("1 + 1", sink=RecordingSink()))) == {2}  # it still works
+
+
+@needs_hosts
+def test_a_value_whose_module_is_missing_on_the_ranks_says_which_and_suggests_sync(mesh, tmp_path, monkeypatch):
+    write(tmp_path / "onlyhere" / "onlyhere_mod.py", "class Box:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "onlyhere"))
+    import onlyhere_mod
+
+    with pytest.raises(Exception, match=r"(?s)needs module 'onlyhere_mod'.*%mesh sync"):
+        mesh.push(box=onlyhere_mod.Box())
+    assert mesh.environment().mismatches == []

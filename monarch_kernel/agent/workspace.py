@@ -88,6 +88,7 @@ def write_files(key: str, files: list[tuple[str, int, int, int, int, Any]], dele
                 written += 1
         except OSError as exc:
             errors.append(f"{rel}: {exc.strerror or exc}")
+            _discard(root, rel)  # a full disk: free what this file took, so that the other files still land
         except ValueError as exc:
             errors.append(f"{rel}: {exc}")
     for rel in deletes:
@@ -105,6 +106,13 @@ def write_files(key: str, files: list[tuple[str, int, int, int, int, Any]], dele
         except (OSError, ValueError) as exc:
             errors.append(f"{rel}: {getattr(exc, 'strerror', None) or exc}")
     return {"root": root, "written": written, "bytes": done_bytes, "deleted": len(deletes), "errors": errors}
+
+
+def _discard(root: str, rel: str) -> None:
+    try:
+        os.unlink(os.path.join(root, safe_relative(rel)) + PARTIAL)
+    except (OSError, ValueError):
+        pass
 
 
 def _make_parent(root: str, dest: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from monarch_kernel.actors.base import Actor
 from monarch_kernel.actors.client import ActorMesh
-from monarch_kernel.api import transfer, workspace
+from monarch_kernel.api import environment, transfer, workspace
 from monarch_kernel.api.futures import MeshFuture, raise_failures
 from monarch_kernel.api.sinks import IdleOutput, OutputSink, default_sink, report_timing
 from monarch_kernel.controller.hosts import HostKind, HostSpec
@@ -315,6 +315,10 @@ class Mesh:
         """
         return transfer.get(self._runtime, src, dst_dir, list(self.ranks))
 
+    def environment(self) -> environment.EnvReport:
+        """Python, torch, cloudpickle and monarch_kernel versions of each host next to the notebook's."""
+        return environment.check(self._runtime, self._call_on)
+
     def autoreload(self, on: bool = True) -> None:
         """Reload changed modules of the synced folders on every rank before each cell (IPython's %autoreload 2)."""
         workspace.set_autoreload(self._runtime, self._call_on, on)
@@ -432,7 +436,10 @@ def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, e
             raise MeshInterrupted(f"starting mesh {name!r} was interrupted; nothing of it is left running",
                                   []) from None
         raise MeshStartError(f"mesh {name!r} failed to start: {exc}") from exc
-    return Mesh(runtime, Shape.grid(hosts=len(hosts), gpus=gpus))
+    mesh = Mesh(runtime, Shape.grid(hosts=len(hosts), gpus=gpus))
+    if any(h.kind != HostKind.LOCAL for h in hosts):  # another machine may run other versions: say so now
+        environment.warn_if_mismatched(runtime, mesh._call_on)
+    return mesh
 
 
 def _cuda_count() -> int:

@@ -58,12 +58,15 @@ class SyncReport:
         """One line (and one per problem)."""
         parts = []
         if self.hosts:
-            files = max(h.sent_files for h in self.hosts)
-            deleted = max(h.deleted for h in self.hosts)
-            unchanged = min(h.unchanged for h in self.hosts)
-            parts.append(f"{len(self.hosts)} host{'s' * (len(self.hosts) != 1)}: {files} file"
-                         f"{'s' * (files != 1)} ({size_text(max(h.sent_bytes for h in self.hosts))}) sent to each, "
-                         f"{deleted} deleted, {unchanged} unchanged")
+            counts = {(h.sent_files, h.sent_bytes, h.deleted, h.unchanged) for h in self.hosts}
+            if len(counts) == 1:
+                files, sent, deleted, unchanged = counts.pop()
+                parts.append(f"{len(self.hosts)} host{'s' * (len(self.hosts) != 1)}: {files} file"
+                             f"{'s' * (files != 1)} ({size_text(sent)}) sent to each, {deleted} deleted, "
+                             f"{unchanged} unchanged")
+            else:
+                parts += [f"{h.host}: {h.sent_files} sent ({size_text(h.sent_bytes)}), {h.deleted} deleted, "
+                          f"{h.unchanged} unchanged" for h in self.hosts]
         if self.shared_hosts:
             parts.append(f"{', '.join(self.shared_hosts)} share{'s' * (len(self.shared_hosts) == 1)} this "
                          "filesystem: nothing copied")

@@ -273,8 +273,11 @@ async def sync_host(ops: HostOps, link: HostLink, key: str, found: Scan, progres
     async def settle(limit: int) -> None:
         while len(in_flight) > limit:
             done = await in_flight.pop(0)
-            result.errors += done["errors"]
-            failed.update(line.split(":", 1)[0] for line in done["errors"])
+            for line in done["errors"]:  # one line per file (its later chunks fail the same way)
+                rel = line.split(":", 1)[0]
+                if rel not in failed:
+                    failed.add(rel)
+                    result.errors.append(line)
 
     batch: list[tuple[str, int, int, int, int, Any]] = []
     batch_bytes = 0

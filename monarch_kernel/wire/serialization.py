@@ -296,6 +296,12 @@ def unseal(sealed: Sealed, *, name: str | None = None) -> Any:
         return pickle.loads(sealed.data, buffers=buffers)
     except Exception as exc:
         what = f"variable {name!r}" if name else "a value"
+        if isinstance(exc, ModuleNotFoundError) and exc.name:
+            raise SerializationError(
+                f"cannot rebuild {what} here: it needs module {exc.name!r}, which this process cannot import. "
+                "If it is your code beside the notebook, `%mesh sync` (mesh.sync_workspace()) puts it on every "
+                f"host; if it is a package, install it there (`%mesh env` compares versions)."
+            ) from exc
         raise SerializationError(
             f"cannot rebuild {what} here: {type(exc).__name__}: {exc}. A module or class "
             "it needs may be missing on this side; import or define it on both sides."
