@@ -53,13 +53,14 @@ class SSHTestHosts:
     """N hosts named host-0, host-1, ... reachable as root with a test-only key."""
 
     def __init__(self, count: int, workdir: str, client_alive: tuple[int, int] = (2, 2),
-                 workspace_quota: dict[int, int] | None = None):
+                 workspace_quota: dict[int, int] | None = None, scratch_size: str = "1g"):
         """client_alive: sshd's ClientAliveInterval and ClientAliveCountMax (how long a silent client lasts).
 
         workspace_quota: host index -> bytes: that host's workspace folder is a tmpfs this small (a full disk).
         """
         self.client_alive = client_alive
         self.workspace_quota = workspace_quota or {}
+        self.scratch_size = scratch_size
         self.tag = f"{os.getpid() % 100000}"
         self.workdir = workdir
         self.bridge = f"mkbr{self.tag}"
@@ -125,7 +126,7 @@ class SSHTestHosts:
             )
         log = open(os.path.join(self.workdir, f"{host.alias}_sshd.log"), "wb")
         os.makedirs(self.scratch, exist_ok=True)
-        mounts = f"mount -t tmpfs -o size=1g,mode=0700 tmpfs {self.scratch} && "
+        mounts = f"mount -t tmpfs -o size={self.scratch_size},mode=0700 tmpfs {self.scratch} && "
         quota = self.workspace_quota.get(self.hosts.index(host))
         if quota is not None:
             os.makedirs(self.workspaces(host), exist_ok=True)

@@ -18,6 +18,9 @@ from typing import Any
 from monarch_kernel.core.workspace import file_sha256, safe_relative
 
 PARTIAL = ".monarch-partial"
+# puts in progress: destination -> (bytes hashed so far, sha256 of them), so that the end
+# needs no second read of the file (chunks arrive in order; anything else falls back to one)
+_hashing: dict[str, tuple[int, Any]] = {}
 
 
 def _path(path: str) -> str:
@@ -29,6 +32,11 @@ def _path(path: str) -> str:
 
 def prefix_sha256(path: str, length: int) -> str:
     """sha256 of a file's first `length` bytes ("" if it is shorter or unreadable)."""
+    digest = _prefix_digest(path, length)
+    return digest.hexdigest() if digest is not None else ""
+
+
+def _prefix_digest(path: str, length: int) -> Any:
     digest = hashlib.sha256()
     left = length
     try:
@@ -36,12 +44,12 @@ def prefix_sha256(path: str, length: int) -> str:
             while left > 0:
                 chunk = f.read(min(left, 1 << 20))
                 if not chunk:
-                    return ""
+                    return None
                 digest.update(chunk)
                 left -= len(chunk)
     except OSError:
-        return ""
-    return digest.hexdigest()
+        return None
+    return digest
 
 
 def put_begin(path: str, size: int) -> dict[str, Any]:
@@ -52,16 +60,27 @@ def put_begin(path: str, size: int) -> dict[str, Any]:
     have = os.path.getsize(partial) if os.path.isfile(partial) else 0
     if not 0 < have <= size:
         return {"partial": 0, "sha256": "", "path": dest}
-    return {"partial": have, "sha256": prefix_sha256(partial, have), "path": dest}
+    digest = _prefix_digest(partial, have)
+    if digest is None:
+        return {"partial": 0, "sha256": "", "path": dest}
+    _hashing[dest] = (have, digest.copy())
+    return {"partial": have, "sha256": digest.hexdigest(), "path": dest}
 
 
 def put_chunk(path: str, offset: int, data: Any) -> dict[str, Any]:
     """Write a chunk of the partial file at offset."""
-    partial = _path(path) + PARTIAL
-    with open(partial, "r+b" if offset else "wb") as f:
+    dest = _path(path)
+    with open(dest + PARTIAL, "r+b" if offset else "wb") as f:
         f.seek(offset)
         f.write(data)
-    return {"end": offset + len(memoryview(data))}
+    end = offset + len(memoryview(data))
+    hashed = (0, hashlib.sha256()) if offset == 0 else _hashing.get(dest)
+    if hashed is not None and hashed[0] == offset:
+        hashed[1].update(data)
+        _hashing[dest] = (end, hashed[1])
+    else:
+        _hashing.pop(dest, None)  # out of order: put_end reads the file back instead
+    return {"end": end}
 
 
 def put_end(path: str, size: int, sha256: str, mode: int, mtime_ns: int) -> dict[str, Any]:
@@ -70,7 +89,8 @@ def put_end(path: str, size: int, sha256: str, mode: int, mtime_ns: int) -> dict
     partial = dest + PARTIAL
     with open(partial, "r+b") as f:
         f.truncate(size)
-    got = file_sha256(partial)
+    hashed = _hashing.pop(dest, None)
+    got = hashed[1].hexdigest() if hashed is not None and hashed[0] == size else file_sha256(partial)
     if got != sha256:
         os.unlink(partial)
         raise OSError(f"{dest}: checksum mismatch after writing (sha256 {got[:12]}..., expected {sha256[:12]}...)")

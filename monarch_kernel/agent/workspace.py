@@ -26,16 +26,23 @@ def list_files(key: str) -> dict[str, Any]:
     """Every file of the copy: relative path -> (size, mtime_ns, mode)."""
     root = host_path(key)
     files: dict[str, tuple[int, int, int]] = {}
-    for folder, _dirs, names in os.walk(root):
-        for name in names:
-            path = os.path.join(folder, name)
-            try:
-                info = os.lstat(path)
-            except OSError:
-                continue
-            if stat.S_ISREG(info.st_mode) and not name.endswith(PARTIAL):
-                rel = os.path.relpath(path, root).replace(os.sep, "/")
-                files[rel] = (info.st_size, info.st_mtime_ns, stat.S_IMODE(info.st_mode))
+    stack = [("", root)]
+    while stack:
+        prefix, folder = stack.pop()
+        try:
+            entries = os.scandir(folder)
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append((prefix + entry.name + "/", entry.path))
+                    elif entry.is_file(follow_symlinks=False) and not entry.name.endswith(PARTIAL):
+                        info = entry.stat(follow_symlinks=False)
+                        files[prefix + entry.name] = (info.st_size, info.st_mtime_ns, stat.S_IMODE(info.st_mode))
+                except OSError:
+                    continue
     return {"root": root, "files": files}
 
 

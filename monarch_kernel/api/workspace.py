@@ -103,6 +103,7 @@ class MeshWorkspaces:
     def __init__(self) -> None:
         self.folders: dict[str, SyncedFolder] = {}
         self.autoreload = False
+        self.in_use: set[tuple[str, bool]] = set()  # (folder, chdir) the current ranks have on sys.path
 
     @property
     def auto(self) -> list[SyncedFolder]:
@@ -145,8 +146,11 @@ def sync(runtime: MeshRuntime, call_on: CallOnRanks, path: str | None = None, *,
         raise MeshUsageError(f"cannot sync {path or folder}: it is not a folder here")
     entry = SyncedFolder(folder, tuple(exclude), chdir, auto, max_bytes)
     report = _sync_folder(runtime, entry, force=force, show=show or show_stdout)
-    workspaces_of(runtime).folders[folder] = entry
-    _use_on_ranks(runtime, call_on, report, chdir)
+    workspaces = workspaces_of(runtime)
+    workspaces.folders[folder] = entry
+    if (folder, chdir) not in workspaces.in_use or report.errors:  # a re-sync needs no round trip to the ranks
+        _use_on_ranks(runtime, call_on, report, chdir)
+        workspaces.in_use.add((folder, chdir))
     return report
 
 
@@ -165,9 +169,11 @@ def reapply(runtime: MeshRuntime, call_on: CallOnRanks) -> None:
     """After a restart: sync again (the hosts may be new: a new Slurm allocation), then the fresh
     ranks get the synced folders on sys.path (and autoreload) again."""
     workspaces = workspaces_of(runtime)
+    workspaces.in_use.clear()  # fresh ranks
     for entry in workspaces.folders.values():
         report = _sync_folder(runtime, entry, force=True, show=show_stdout)
         _use_on_ranks(runtime, call_on, report, entry.chdir)
+        workspaces.in_use.add((entry.folder, entry.chdir))
     if workspaces.autoreload:
         set_autoreload(runtime, call_on, True)
 

@@ -150,8 +150,8 @@ async def _put_file(ops: HostOps, link: HostLink, path: str, target: str, progre
             return data
         return asyncio.ensure_future(send())
 
-    def finish(_at: int, data: bytes) -> None:
-        digest.update(data)  # here, in file order (the reads themselves may finish in any order)
+    async def finish(_at: int, data: bytes) -> None:
+        await asyncio.to_thread(digest.update, data)  # in file order; off the loop (hashlib lets go of the GIL)
         progress.bytes_done += len(data)
         result.bytes_moved += len(data)
 
@@ -200,8 +200,11 @@ async def _get_file(ops: HostOps, link: HostLink, remote: str, local: str, size:
 
         async def finish(_at: int, answer: Any) -> None:
             data = answer["data"]
-            digest.update(data)
-            await asyncio.to_thread(out.write, data)
+            def take() -> None:
+                digest.update(data)
+                out.write(data)
+
+            await asyncio.to_thread(take)
             progress.bytes_done += len(data)
             result.bytes_moved += len(data)
 

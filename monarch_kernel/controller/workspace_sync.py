@@ -24,6 +24,8 @@ from monarch_kernel.controller.state import HostLink
 from monarch_kernel.core.workspace import file_sha256
 
 CHUNK = 8 << 20  # bytes per write operation (small files share one)
+BATCH_FILES = 1024  # files per write operation at most (a frame holds 4096 buffers)
+OUT_OF_BAND = 64 << 10  # data this large travels as its own buffer, smaller rides inside the frame
 WINDOW = 4  # write operations in flight per host
 ALWAYS_EXCLUDED = (".git/", "__pycache__/", "*.pyc", ".ipynb_checkpoints/", ".mypy_cache/", ".pytest_cache/",
                    ".ruff_cache/", "*.monarch-partial")
@@ -231,10 +233,52 @@ class HostResult:
     state: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # what the copy now holds
 
 
-def _read(path: str, offset: int, size: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(size)
+Piece = tuple[str, int, int]  # (relative path, offset, length): part of a file for one write
+
+
+def plan_writes(found: Scan, sends: list[str]) -> list[list[Piece]]:
+    """The writes that carry `sends`: small files share one (up to CHUNK bytes, BATCH_FILES files),
+    a large file goes in CHUNK-sized pieces."""
+    writes: list[list[Piece]] = []
+    batch: list[Piece] = []
+    batch_bytes = 0
+    for rel in sends:
+        size = found.files[rel].size
+        if size >= CHUNK:
+            writes += [[(rel, at, min(CHUNK, size - at))] for at in range(0, size, CHUNK)]
+            continue
+        if batch and (batch_bytes + size > CHUNK or len(batch) >= BATCH_FILES):
+            writes.append(batch)
+            batch, batch_bytes = [], 0
+        batch.append((rel, 0, size))
+        batch_bytes += size
+    if batch:
+        writes.append(batch)
+    return writes
+
+
+def read_pieces(found: Scan, pieces: list[Piece]) -> tuple[list[tuple[str, int, int, int, int, Any]],
+                                                            list[tuple[str, str]]]:
+    """The pieces as write records (rel, mode, mtime_ns, offset, size, data), and the files that could not be read.
+
+    Large data travels out of band (no copy into the frame); small files ride in it.
+    """
+    chunks, problems = [], []
+    for rel, offset, length in pieces:
+        local = found.files[rel]
+        try:
+            with open(local.path, "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+        except OSError as exc:
+            problems.append((rel, f"cannot read it here: {exc.strerror or exc}"))
+            continue
+        if len(data) != length:
+            problems.append((rel, "changed while syncing (its size now differs); sync again"))
+            continue
+        chunks.append((rel, local.mode, local.mtime_ns, offset, local.size,
+                       pickle.PickleBuffer(data) if length >= OUT_OF_BAND else data))
+    return chunks, problems
 
 
 async def sync_host(ops: HostOps, link: HostLink, key: str, found: Scan, progress: Progress) -> HostResult:
@@ -279,42 +323,22 @@ async def sync_host(ops: HostOps, link: HostLink, key: str, found: Scan, progres
                     failed.add(rel)
                     result.errors.append(line)
 
-    batch: list[tuple[str, int, int, int, int, Any]] = []
-    batch_bytes = 0
-
-    async def flush(extra: dict[str, Any] | None = None) -> None:
-        nonlocal batch, batch_bytes
-        if batch or extra:
-            in_flight.append(ops.send(link, "workspace.write", {"key": key, "files": batch, "deletes": [],
-                                                                "touches": {}, **(extra or {})}))
-            batch, batch_bytes = [], 0
+    for pieces in plan_writes(found, sends):
+        pieces = [piece for piece in pieces if piece[0] not in failed]  # the rest of a file that failed: skip
+        chunks, problems = await asyncio.to_thread(read_pieces, found, pieces)
+        for rel, why in problems:
+            if rel not in failed:
+                failed.add(rel)
+                result.errors.append(f"{rel}: {why}")
+        progress.bytes_done += sum(len(memoryview(c[5])) for c in chunks)
+        progress.files_done += sum(1 for c in chunks if c[3] + len(memoryview(c[5])) >= c[4])
+        if chunks:
+            in_flight.append(ops.send(link, "workspace.write", {"key": key, "files": chunks, "deletes": [],
+                                                                "touches": {}}))
             await settle(WINDOW)
-
-    for rel in sends:
-        local = found.files[rel]
-        offset = 0
-        while True:
-            want = min(CHUNK, local.size - offset)
-            try:
-                data = await asyncio.to_thread(_read, local.path, offset, want) if want else b""
-            except OSError as exc:
-                result.errors.append(f"{rel}: cannot read it here: {exc.strerror or exc}")
-                failed.add(rel)
-                break
-            if len(data) != want:
-                result.errors.append(f"{rel}: changed while syncing (size now differs); sync again")
-                failed.add(rel)
-                break
-            batch.append((rel, local.mode, local.mtime_ns, offset, local.size, pickle.PickleBuffer(data)))
-            batch_bytes += len(data)
-            offset += len(data)
-            progress.bytes_done += len(data)
-            if batch_bytes >= CHUNK:
-                await flush()
-            if offset >= local.size:
-                break
-        progress.files_done += 1
-    await flush({"deletes": deletes, "touches": touches} if deletes or touches else None)
+    if deletes or touches:
+        in_flight.append(ops.send(link, "workspace.write", {"key": key, "files": [], "deletes": deletes,
+                                                            "touches": touches}))
     await settle(0)
     result.sent_files = len(sends) - len(failed & set(sends))
     result.sent_bytes = progress.bytes_done
