@@ -337,3 +337,24 @@ def test_a_value_whose_module_is_missing_on_the_ranks_says_which_and_suggests_sy
     with pytest.raises(Exception, match=r"(?s)needs module 'onlyhere_mod'.*%mesh sync"):
         mesh.push(box=onlyhere_mod.Box())
     assert mesh.environment().mismatches == []
+
+
+@needs_hosts
+def test_the_workspace_notebook_runs_end_to_end_on_the_test_hosts(hosts, tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks", "07_workspace.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    env = dict(os.environ, HOME=hosts.install_home(str(tmp_path)), MONARCH_SSH_HOSTS="host-0 host-1",
+               MONARCH_SSH_GPUS="1", MONARCH_SSH_DIST="gloo", MONARCH_SSH_PYTHON=sys.executable,
+               MONARCH_SCRATCH=f"{hosts.scratch}/nb")
+    NotebookClient(nb, timeout=300, kernel_name="python3").execute(env=env)
+    texts = ["\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in c.outputs)
+             for c in nb.cells if c.cell_type == "code"]
+    assert any("2 hosts: 1 file" in t and "sent to each" in t for t in texts), texts
+    assert any("[0-1] " in t and "TinyNet with 10 parameters" in t for t in texts), texts  # (one hostname here)
+    assert any("[0-1] TinyNet (edited) with 10 parameters has checksum: True" in t for t in texts), texts
+    assert any("['net-0.pt.rank-0', 'net-1.pt.rank-1']" in t for t in texts), "\n---\n".join(texts)
+    assert any("every host matches the notebook" in t for t in texts)
+    assert "is down" in texts[-1]

@@ -48,6 +48,11 @@ class Reloader:
                 out.append((name, module, real))
         return out
 
+    def after_cell(self) -> None:
+        """Modules a cell imported are current as of now (their next change is an edit to reload)."""
+        if self.enabled:
+            self._remember()
+
     def _remember(self) -> None:
         for name, _module, file in self._watched():
             try:

@@ -252,7 +252,10 @@ class Worker:
                 self.namespace["_mesh_shell"] = self.shell  # even after a cell cleared its globals
             if self.reloader.enabled:
                 self._user(self.reloader.check, self._warn)
-            return self._user(self.runner.run, msg.code, msg.filename)
+            try:
+                return self._user(self.runner.run, msg.code, msg.filename)
+            finally:
+                self.reloader.after_cell()
         if isinstance(msg, Pull):
             return self._user(self.runner.evaluate, msg.expr)
         if isinstance(msg, Push):
