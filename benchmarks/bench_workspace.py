@@ -83,25 +83,28 @@ def main() -> None:
         copies = [os.path.join(hosts.workspaces(h), workspace_key(tree)) for h in hosts.hosts]
         ssh = ["ssh", "-F", hosts.config, "-o", "BatchMode=yes"]
 
+        # rsync writes where our copies go, on the same disk (each host's own workspace folder)
+        rsync_copies = [os.path.join(hosts.workspaces(h), "rsync-copy") for h in hosts.hosts]
+
         def clear_copies() -> None:
-            for copy in copies:
+            for copy in copies + rsync_copies:
                 shutil.rmtree(copy, ignore_errors=True)
-            mesh.run(f"import shutil\nshutil.rmtree({hosts.scratch + '/rsync'!r}, ignore_errors=True)", sink=NullSink())
+            subprocess.run(["sync"], check=True)  # both start with nothing waiting to be written
 
         def ours() -> None:
             mesh.sync_workspace(tree, force=True)
 
         def rsync_both() -> None:
-            procs = [subprocess.Popen(["rsync", "-a", "-e", " ".join(ssh), tree + "/",
-                                       f"{h.alias}:{hosts.scratch}/rsync/"], stdout=subprocess.DEVNULL)
-                     for h in hosts.hosts]
+            procs = [subprocess.Popen(["rsync", "-a", "-e", " ".join(ssh), tree + "/", f"{h.alias}:{copy}/"],
+                                      stdout=subprocess.DEVNULL)
+                     for h, copy in zip(hosts.hosts, rsync_copies)]
             assert all(p.wait() == 0 for p in procs)
 
         first_ours, first_rsync = [], []
-        for _ in range(rounds):
-            clear_copies()
-            first_ours.append(median(ours, 1))
-            first_rsync.append(median(rsync_both, 1))
+        for i in range(rounds):  # alternate who goes first
+            for fn, out in ([(ours, first_ours), (rsync_both, first_rsync)][::1 if i % 2 == 0 else -1]):
+                clear_copies()
+                out.append(median(fn, 1))
         rows["first sync, 2 hosts"] = (statistics.median(first_ours), statistics.median(first_rsync))
         rows["re-sync, nothing changed"] = (median(ours, 10 if not args.quick else 3),
                                             median(rsync_both, 5 if not args.quick else 2))
