@@ -4,6 +4,7 @@ The cluster has two nodes of 2 CPUs; meshes ask for no GPUs (`request_gpus=False
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -313,7 +314,7 @@ def test_the_views_and_the_sidebar_show_the_job_and_warn_when_time_is_short(clus
     with slurm_mesh(nodes=1, gpus=1, dist="none", request_gpus=False, name="shorttime", time="5") as mesh:
         view = MeshView(mesh)
         line = view.snapshot.allocation
-        assert line is not None and line.startswith("Slurm job ") and ": RUNNING on node0, 4:" in line
+        assert line is not None and re.match(r"Slurm job \d+: RUNNING on node0, (4:\d\d|5:00) left", line), line
         assert "less than 10 minutes left" in line and line in view.text()
         assert "mk-allocation" in view.html() and "#c62828" in view.html()  # drawn as a warning
         widget = MeshWidget(mesh, refresh_s=60)
@@ -327,3 +328,15 @@ def test_the_views_and_the_sidebar_show_the_job_and_warn_when_time_is_short(clus
     with slurm_mesh(nodes=1, gpus=1, dist="none", request_gpus=False, name="longtime", time="30") as mesh:
         assert "less than 10 minutes" not in MeshView(mesh).snapshot.allocation
         assert "#c62828" not in MeshView(mesh).html()
+
+
+def test_a_workspace_synced_to_slurm_nodes_that_share_a_disk_is_written_once(cluster, tmp_path):
+    project = tmp_path / "proj"
+    (project / "slurm_ws_pkg").mkdir(parents=True)
+    (project / "slurm_ws_pkg" / "__init__.py").write_text("def where():\n    import socket\n    return socket.gethostname()\n")
+    with slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, name="slurmws",
+                    env={"MONARCH_KERNEL_WORKSPACE_ROOT": str(tmp_path / "home-cache")}) as mesh:
+        report = mesh.sync_workspace(str(project))
+        assert [h.shared_with for h in report.hosts] == ["", "node0"] and not report.errors
+        found = mesh.run("import slurm_ws_pkg\nslurm_ws_pkg.where()", sink=RecordingSink())
+        assert sorted(found.values()) == ["node0", "node1"]

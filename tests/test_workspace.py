@@ -246,26 +246,36 @@ def test_put_and_get_a_200_mb_file_with_checksums_on_each_host(mesh, hosts, big_
 
 
 @needs_hosts
-def test_an_interrupted_get_goes_on_from_where_it_stopped(mesh, hosts, big_file, tmp_path):
+def test_an_interrupted_get_goes_on_from_where_it_stopped(mesh, hosts, tmp_path):
     import signal
     import threading
 
+    big_file = tmp_path / "larger.bin"  # large enough that the stop lands well inside the transfer
+    with open(big_file, "wb") as f:
+        for _ in range(64):
+            f.write(os.urandom(8 << 20))  # 512 MiB
     target = f"{hosts.scratch}/resume/weights.bin"
     one = mesh.slice(hosts=1)
     one.put(str(big_file), target)
     back = tmp_path / "back"
     partial = back / "weights.bin.host-1.monarch-partial"
+    finished = threading.Event()
 
     def stop_when_started():  # the stop button, once some of the file has arrived
-        while not (partial.exists() and partial.stat().st_size >= 16 << 20):
-            time.sleep(0.005)
-        os.kill(os.getpid(), signal.SIGINT)
+        while not finished.is_set():
+            if partial.exists() and partial.stat().st_size >= 16 << 20:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.002)
 
     stopper = threading.Thread(target=stop_when_started, daemon=True)
     stopper.start()
-    with pytest.raises(monarch_kernel.MeshInterrupted, match="stopped"):
-        one.get(target, str(back))
-    stopper.join(5)
+    try:
+        with pytest.raises(monarch_kernel.MeshInterrupted, match="stopped"):
+            one.get(target, str(back))
+    finally:
+        finished.set()
+        stopper.join(5)
     left = partial.stat().st_size
     assert 0 < left < big_file.stat().st_size
     resumed = one.get(target, str(back))
@@ -358,3 +368,32 @@ def test_the_workspace_notebook_runs_end_to_end_on_the_test_hosts(hosts, tmp_pat
     assert any("['net-0.pt.rank-0', 'net-1.pt.rank-1']" in t for t in texts), "\n---\n".join(texts)
     assert any("every host matches the notebook" in t for t in texts)
     assert "is down" in texts[-1]
+
+
+@needs_hosts
+def test_hosts_that_share_a_disk_get_one_copy_written_once(hosts, project, tmp_path):
+    shared_root = str(tmp_path / "nfs-home-cache")  # as a cluster whose home folders are one NFS share
+    with ssh_mesh([h.alias for h in hosts.hosts], gpus=1, dist="none", python=sys.executable,
+                  connect_options=hosts.connect_options(), env={"MONARCH_KERNEL_WORKSPACE_ROOT": shared_root},
+                  name="ws-shared") as shared:
+        report = shared.sync_workspace(str(project))
+        assert [h.shared_with for h in report.hosts] == ["", "host-0"] and not report.errors
+        assert "host-1 shares host-0's disk: written once" in report.summary()
+        assert report.sent_bytes == sum(f.stat().st_size for f in project.rglob("*") if f.is_file())
+        assert set(values(shared.run("import wsdemo_pkg\nwsdemo_pkg.Thing().value()", sink=RecordingSink()))) == {1}
+
+
+@needs_hosts
+def test_a_file_that_changes_during_a_sync_is_named_and_the_rest_lands(mesh, project):
+    from monarch_kernel.api import workspace as ws
+    from monarch_kernel.controller.workspace_sync import scan
+
+    found = scan(str(project))  # what the sync saw ...
+    write(project / "train.py", "print('a longer training script than the one the scan saw')\n")  # ... then an edit
+    entry = ws.SyncedFolder(str(project), (), False, False, ws.DEFAULT_MAX_BYTES)
+    report = ws._sync_folder(mesh._runtime, entry, force=False, show=lambda _text: None, found=found)
+    assert report.errors == [f"host-{i}: train.py: changed while syncing (it was written to meanwhile); sync again"
+                             for i in (0, 1)]
+    assert [h.sent_files for h in report.hosts] == [2, 2]  # the other files landed
+    again = mesh.sync_workspace(str(project))
+    assert not again.errors and [h.sent_files for h in again.hosts] == [1, 1]

@@ -1,6 +1,7 @@
 """The agent's side of `Mesh.put` and `Mesh.get`: files in and out of a host, a chunk at a time.
 
-A put lands in `PATH.monarch-partial` and is renamed into place only once the whole
+A put lands in `PATH.monarch-partial-HOSTNAME` (hosts that share a disk never write the
+same file) and is renamed into place only once the whole
 file's sha256 matches what the notebook sent, so a reader never sees half a file and an
 interrupted put resumes from what the partial file already holds. A get reads chunks at
 offsets the notebook asks for. Paths are the user's own (absolute, or `~` for the home
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import stat
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +23,11 @@ PARTIAL = ".monarch-partial"
 # puts in progress: destination -> (bytes hashed so far, sha256 of them), so that the end
 # needs no second read of the file (chunks arrive in order; anything else falls back to one)
 _hashing: dict[str, tuple[int, Any]] = {}
+
+
+def _partial(dest: str) -> str:
+    """Where a put to dest lands first: named per host, so hosts that share a disk never write one file."""
+    return f"{dest}{PARTIAL}-{socket.gethostname()}"
 
 
 def _path(path: str) -> str:
@@ -56,7 +63,7 @@ def put_begin(path: str, size: int) -> dict[str, Any]:
     """What an earlier, interrupted put left: the partial file's length and its sha256 (0, "" if none)."""
     dest = _path(path)
     os.makedirs(os.path.dirname(dest) or "/", exist_ok=True)
-    partial = dest + PARTIAL
+    partial = _partial(dest)
     have = os.path.getsize(partial) if os.path.isfile(partial) else 0
     if not 0 < have <= size:
         return {"partial": 0, "sha256": "", "path": dest}
@@ -70,7 +77,7 @@ def put_begin(path: str, size: int) -> dict[str, Any]:
 def put_chunk(path: str, offset: int, data: Any) -> dict[str, Any]:
     """Write a chunk of the partial file at offset."""
     dest = _path(path)
-    with open(dest + PARTIAL, "r+b" if offset else "wb") as f:
+    with open(_partial(dest), "r+b" if offset else "wb") as f:
         f.seek(offset)
         f.write(data)
     end = offset + len(memoryview(data))
@@ -86,7 +93,7 @@ def put_chunk(path: str, offset: int, data: Any) -> dict[str, Any]:
 def put_end(path: str, size: int, sha256: str, mode: int, mtime_ns: int) -> dict[str, Any]:
     """Check the whole file's sha256 and put it in place (the partial stays if it does not match)."""
     dest = _path(path)
-    partial = dest + PARTIAL
+    partial = _partial(dest)
     with open(partial, "r+b") as f:
         f.truncate(size)
     hashed = _hashing.pop(dest, None)

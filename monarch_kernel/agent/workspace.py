@@ -14,10 +14,11 @@ import errno
 import os
 import shutil
 import stat
+import uuid
 from collections.abc import Callable
 from typing import Any
 
-from monarch_kernel.core.workspace import file_sha256, host_path, safe_relative
+from monarch_kernel.core.workspace import file_sha256, host_path, safe_relative, workspaces_root
 
 PARTIAL = ".monarch-partial"  # a file still arriving
 
@@ -43,7 +44,23 @@ def list_files(key: str) -> dict[str, Any]:
                         files[prefix + entry.name] = (info.st_size, info.st_mtime_ns, stat.S_IMODE(info.st_mode))
                 except OSError:
                     continue
-    return {"root": root, "files": files}
+    return {"root": root, "files": files, "fsid": filesystem_id()}
+
+
+def filesystem_id() -> str:
+    """A random id kept in the workspaces folder: hosts that read the same one share that disk (NFS homes)."""
+    folder = workspaces_root()
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    marker = os.path.join(folder, ".monarch-fsid")
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        with open(marker, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
+    with os.fdopen(fd, "w") as f:
+        f.write(uuid.uuid4().hex)
+    with open(marker, encoding="ascii", errors="replace") as f:  # another host may have won the race
+        return f.read().strip()
 
 
 def hash_files(key: str, paths: list[str]) -> dict[str, Any]:

@@ -9,7 +9,6 @@ before each mesh cell; when nothing changed that costs one stat walk of the fold
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 import weakref
@@ -21,7 +20,7 @@ from monarch_kernel.api.progress import progress_line, show_stdout, size_text, w
 from monarch_kernel.controller.host_ops import HostOpFailed
 from monarch_kernel.controller.hostspec import HostKind
 from monarch_kernel.controller.runtime import MeshRuntime
-from monarch_kernel.controller.workspace_sync import HostResult, Progress, Scan, scan, sync_host
+from monarch_kernel.controller.workspace_sync import HostResult, Progress, Scan, scan, sync_hosts
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.workspace import workspace_key
 
@@ -57,16 +56,20 @@ class SyncReport:
     def summary(self) -> str:
         """One line (and one per problem)."""
         parts = []
-        if self.hosts:
-            counts = {(h.sent_files, h.sent_bytes, h.deleted, h.unchanged) for h in self.hosts}
+        copies = [h for h in self.hosts if not h.shared_with]
+        if copies:
+            counts = {(h.sent_files, h.sent_bytes, h.deleted, h.unchanged) for h in copies}
             if len(counts) == 1:
                 files, sent, deleted, unchanged = counts.pop()
-                parts.append(f"{len(self.hosts)} host{'s' * (len(self.hosts) != 1)}: {files} file"
+                parts.append(f"{len(copies)} host{'s' * (len(copies) != 1)}: {files} file"
                              f"{'s' * (files != 1)} ({size_text(sent)}) sent to each, {deleted} deleted, "
                              f"{unchanged} unchanged")
             else:
                 parts += [f"{h.host}: {h.sent_files} sent ({size_text(h.sent_bytes)}), {h.deleted} deleted, "
-                          f"{h.unchanged} unchanged" for h in self.hosts]
+                          f"{h.unchanged} unchanged" for h in copies]
+        sharing = [h for h in self.hosts if h.shared_with]
+        if sharing:
+            parts.append(", ".join(f"{h.host} shares {h.shared_with}'s disk" for h in sharing) + ": written once")
         if self.shared_hosts:
             parts.append(f"{', '.join(self.shared_hosts)} share{'s' * (len(self.shared_hosts) == 1)} this "
                          "filesystem: nothing copied")
@@ -220,8 +223,7 @@ def _sync_folder(runtime: MeshRuntime, entry: SyncedFolder, *, force: bool, show
     progress = {link.name: Progress() for link in links}
 
     async def all_hosts() -> list[HostResult | BaseException]:
-        return await asyncio.gather(*(sync_host(runtime.host_ops, link, key, found, progress[link.name])
-                                      for link in links), return_exceptions=True)
+        return await sync_hosts(runtime.host_ops, links, key, found, progress)
 
     results: list[HostResult | BaseException] = []
     if links:

@@ -231,6 +231,7 @@ class HostResult:
     unchanged: int = 0
     errors: list[str] = field(default_factory=list)
     state: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # what the copy now holds
+    shared_with: str = ""  # another host of the mesh whose copy this host sees (a shared disk)
 
 
 Piece = tuple[str, int, int]  # (relative path, offset, length): part of a file for one write
@@ -268,23 +269,58 @@ def read_pieces(found: Scan, pieces: list[Piece]) -> tuple[list[tuple[str, int, 
         local = found.files[rel]
         try:
             with open(local.path, "rb") as f:
+                now = os.fstat(f.fileno())
                 f.seek(offset)
                 data = f.read(length)
         except OSError as exc:
             problems.append((rel, f"cannot read it here: {exc.strerror or exc}"))
             continue
-        if len(data) != length:
-            problems.append((rel, "changed while syncing (its size now differs); sync again"))
+        if len(data) != length or now.st_size != local.size or now.st_mtime_ns != local.mtime_ns:
+            problems.append((rel, "changed while syncing (it was written to meanwhile); sync again"))
             continue
         chunks.append((rel, local.mode, local.mtime_ns, offset, local.size,
                        pickle.PickleBuffer(data) if length >= OUT_OF_BAND else data))
     return chunks, problems
 
 
-async def sync_host(ops: HostOps, link: HostLink, key: str, found: Scan, progress: Progress) -> HostResult:
-    """Bring one host's copy of workspace `key` level with `found` (raises HostOpFailed if the host goes)."""
+async def sync_hosts(ops: HostOps, links: list[HostLink], key: str, found: Scan,
+                     progress: dict[str, Progress]) -> list[HostResult | BaseException]:
+    """Every host's copy level with `found`, all at once; hosts that share a disk are written once.
+
+    Each host first lists its copy, which also says which disk the copy is on (`fsid`):
+    on a cluster whose home folders are one NFS share, one host writes and the rest read.
+    """
+    listings = await asyncio.gather(*(ops.send(link, "workspace.list", {"key": key}) for link in links),
+                                    return_exceptions=True)
+    writer: dict[str, HostLink] = {}
+    listed: dict[str, dict[str, Any]] = {}
+    for link, listing in zip(links, listings):
+        if isinstance(listing, dict):
+            writer.setdefault(listing["fsid"], link)
+            listed[link.name] = listing
+    writers = list(writer.values())
+    written = await asyncio.gather(*(sync_host(ops, link, key, found, progress[link.name], listed[link.name])
+                                     for link in writers), return_exceptions=True)
+    by_writer = dict(zip((link.name for link in writers), written))
+    results: list[HostResult | BaseException] = []
+    for link, listing in zip(links, listings):
+        if isinstance(listing, BaseException):
+            results.append(listing)
+            continue
+        leader = writer[listing["fsid"]]
+        outcome = by_writer[leader.name]
+        if leader is link or isinstance(outcome, BaseException):
+            results.append(outcome)
+        else:
+            results.append(HostResult(link.name, root=listing["root"], unchanged=len(found.files),
+                                      state=outcome.state, shared_with=leader.name))
+    return results
+
+
+async def sync_host(ops: HostOps, link: HostLink, key: str, found: Scan, progress: Progress,
+                    listing: dict[str, Any]) -> HostResult:
+    """Bring one host's copy of workspace `key` (as `listing` shows it) level with `found`."""
     result = HostResult(link.name)
-    listing = await ops.send(link, "workspace.list", {"key": key})
     result.root = listing["root"]
     remote: dict[str, tuple[int, int, int]] = listing["files"]
     sends, maybe_same = [], []
