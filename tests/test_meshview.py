@@ -21,7 +21,7 @@ def mesh():
 
 def test_snapshot_grid_has_hosts_down_and_gpus_across(mesh):
     snap = mesh_snapshot(mesh)
-    assert snap.col_labels == ("gpus=0", "gpus=1", "gpus=2", "gpus=3") and snap.row_labels == ("hosts=0",)
+    assert snap.col_labels == ("GPU 0", "GPU 1", "GPU 2", "GPU 3") and snap.row_labels == ("localhost",)
     assert [c.rank for c in snap.rows[0]] == [0, 1, 2, 3]
     assert {c.state for c in snap.cells()} == {"idle"} and all(c.pid for c in snap.cells())
     assert not snap.has_gpu  # no GPU here: the GPU column is absent, not an error

@@ -1,5 +1,6 @@
 """The rank runtime in-process, over a real socketpair (no agent)."""
 
+import signal
 import socket
 import sys
 
@@ -14,10 +15,12 @@ from monarch_kernel.wire.transport import BlockingConnection
 @pytest.fixture
 def rank():
     a, b = socket.socketpair()
+    saved = signal.getsignal(signal.SIGINT)  # a worker installs its own handler: not for the tests after this one
     worker = Worker(BlockingConnection(a), WorkerConfig(rank=3, host="h", shm_dir=None))
     peer = BlockingConnection(b)
     yield worker, peer
     peer.close()
+    signal.signal(signal.SIGINT, saved)
 
 
 def request(worker, peer, msg):

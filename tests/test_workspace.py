@@ -256,7 +256,7 @@ def test_an_interrupted_get_goes_on_from_where_it_stopped(mesh, hosts, tmp_path)
             f.write(os.urandom(8 << 20))  # 512 MiB
     target = f"{hosts.scratch}/resume/weights.bin"
     one = mesh.slice(hosts=1)
-    one.put(str(big_file), target)
+    assert [r.host for r in one.put(str(big_file), target).results] == ["host-1"]  # a slice's hosts only
     back = tmp_path / "back"
     partial = back / "weights.bin.host-1.monarch-partial"
     finished = threading.Event()

@@ -300,12 +300,12 @@ class Mesh:
                               force=force, max_bytes=max_bytes)
 
     def put(self, src: str, dst: str) -> transfer.TransferReport:
-        """Copy a local file or folder to path `dst` (absolute, or ~/...) on every host of the mesh.
+        """Copy a local file or folder to path `dst` (absolute, or ~/...) on every host of this mesh or slice.
 
         Once per host, all hosts at once, streamed in checksummed chunks with a progress
         line; an interrupted put goes on from where it stopped the next time.
         """
-        return transfer.put(self._runtime, src, dst)
+        return transfer.put(self._runtime, src, dst, list(self.ranks))
 
     def get(self, src: str, dst_dir: str = ".") -> transfer.TransferReport:
         """Bring path `src` (absolute, or ~/...) from the hosts of this mesh or slice into local folder `dst_dir`.

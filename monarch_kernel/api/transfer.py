@@ -72,14 +72,15 @@ def _check_host_path(path: str, what: str) -> None:
                              "would depend on each host's working folder")
 
 
-def put(runtime: MeshRuntime, src: str, dst: str, show: Callable[[str], None] = show_stdout) -> TransferReport:
-    """Copy a local file or folder to path `dst` on every host of the mesh (see `Mesh.put`)."""
+def put(runtime: MeshRuntime, src: str, dst: str, ranks: list[int],
+        show: Callable[[str], None] = show_stdout) -> TransferReport:
+    """Copy a local file or folder to path `dst` on every host of `ranks` (see `Mesh.put`)."""
     _require_open(runtime)
     local = os.path.realpath(os.path.expanduser(src))
     if not os.path.exists(local):
         raise MeshUsageError(f"cannot put {src}: no such file or folder here")
     _check_host_path(dst, "put destination")
-    links = list(runtime.state.links)
+    links = [link for link in runtime.state.links if any(r in ranks for r in link.ranks)]
     progress = {link.name: Progress() for link in links}
     jobs = [put_host(runtime.host_ops, link, local, dst, progress[link.name]) for link in links]
     return _run(runtime, "put", src, [link.name for link in links], jobs, progress, show)

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 from monarch_kernel.core.ranksets import rank_label
 from monarch_kernel.core.status import RankStatus, allocation_is_short
 from monarch_kernel.core.texttable import text_table
+from monarch_kernel.views import theme
 from monarch_kernel.views.base import TextHtmlView
 
 if TYPE_CHECKING:
     from monarch_kernel.api.mesh import Mesh
 
 ALLOCATION_MAX_AGE_S = 5.0  # a redrawn view asks the scheduler at most this often
-STATE_COLOURS: dict[str, str] = {RankStatus.IDLE: "#2e7d32", RankStatus.BUSY: "#1565c0", RankStatus.DEAD: "#c62828",
-                 RankStatus.UNRESPONSIVE: "#ef6c00", RankStatus.STARTING: "#757575"}
+STATE_COLOURS: dict[str, str] = {state: colour for state, (colour, _glyph) in theme.STATES.items()}
 
 
 @dataclass(frozen=True)
@@ -108,9 +108,13 @@ def mesh_snapshot(mesh: Mesh, title_suffix: str = "") -> MeshSnapshot:
               if load is not None else ())))
     rows = tuple(tuple(cells[i:i + cols]) for i in range(0, len(cells), cols))
     leading = dims[:-1]
-    row_labels = tuple(", ".join(f"{name}={value}" for (name, _), (_, value) in zip(leading, row[0].coords))
-                       for row in rows) if leading else ("",) * len(rows)
-    col_labels = tuple(f"{dims[-1][0]}={i}" for i in range(cols)) if dims else ("",)
+    if [name for name, _ in dims] == ["hosts", "gpus"]:  # the usual mesh: host names down, GPU indices across
+        row_labels = tuple(row[0].host for row in rows)
+        col_labels = tuple(f"GPU {i}" for i in range(cols))
+    else:
+        row_labels = tuple(", ".join(f"{name}={value}" for (name, _), (_, value) in zip(leading, row[0].coords))
+                           for row in rows) if leading else ("",) * len(rows)
+        col_labels = tuple(f"{dims[-1][0]}={i}" for i in range(cols)) if dims else ("",)
     title = (f"mesh {mesh.name!r} {mesh.shape} dist={mesh.backend}" + title_suffix
              + (": shut down" if mesh.closed else ""))
     allocation = None if mesh.closed else mesh.allocation_line(ALLOCATION_MAX_AGE_S)
@@ -128,32 +132,75 @@ def snapshot_text(snap: MeshSnapshot) -> str:
 
 
 def cell_html(c: RankCell, has_gpu: bool) -> str:
-    """One rank's cell: a coloured card."""
-    colour = STATE_COLOURS.get(c.state, "#000")
+    """One rank's tile: the theme's card, its state as a badge (glyph and word), what it does, its load."""
+    colour = theme.state_colour(c.state)
     detail = html.escape(c.detail)
-    load = html.escape(c.load_text(has_gpu))
     return (f"<div class='mk-rank' data-rank='{c.rank}' data-state='{c.state}' "
-            f"style='border-left:6px solid {colour};padding:3px 6px;font:11px sans-serif;background:#f7f7f7'>"
-            f"<b>{html.escape(c.label)}</b> <span style='color:{colour};font-weight:bold'>{c.state}</span><br>"
-            f"pid {c.pid or '-'} {detail}<br><span style='color:#555'>{load}</span></div>")
+            f"style='border-left:6px solid {colour};padding:3px 6px;font:11px {theme.FONT};background:{theme.CARD};"
+            f"color:{theme.TEXT}'>"
+            f"<b>{html.escape(c.label)}</b> {theme.state_badge(c.state)}<br>"
+            f"<span class='mk-rank-detail'>pid {c.pid or '-'} {detail}</span>{_load_bars(c, has_gpu)}</div>")
+
+
+def _load_bars(c: RankCell, has_gpu: bool) -> str:
+    """CPU, memory (and GPU) as small labelled bars; nothing before the first load report."""
+    if c.cpu_percent is None:
+        return ""
+    bars = [("cpu", min(100.0, c.cpu_percent), f"{c.cpu_percent:.0f}%"), ("rss", None, _mib(c.rss_bytes))]
+    if has_gpu and c.gpu_total_bytes:
+        used = 100 * (c.gpu_used_bytes or 0) / c.gpu_total_bytes
+        bars.append(("gpu", used, f"{_mib(c.gpu_used_bytes)}/{_mib(c.gpu_total_bytes)} {c.gpu_util_percent or 0:.0f}%"))
+    out = []
+    for name, percent, text in bars:
+        track = " " if percent is None else (
+            f"<span style='display:inline-block;width:40px;height:6px;background:{theme.TRACK};margin:0 4px;"
+            f"vertical-align:middle'><span style='display:block;height:6px;width:{max(2.0, percent):.0f}%;"
+            f"background:{theme.TEXT}'></span></span>")
+        out.append(f"<span class='mk-load'>{name}{track}{html.escape(text)}</span>")
+    return "<br>" + " ".join(out)
+
+
+COLLAPSE_ROWS = 8  # beyond this many rows, each row starts folded into its summary line
+
+
+def summary(cells: list[RankCell]) -> str:
+    """`3 busy, 1 idle; rss 1.2 GiB`: states by count, and memory in all."""
+    counts: dict[str, int] = {}
+    for c in cells:
+        counts[c.state] = counts.get(c.state, 0) + 1
+    states = ", ".join(f"{n} {state}" for state, n in sorted(counts.items(), key=lambda item: -item[1]))
+    rss = sum(c.rss_bytes or 0 for c in cells)
+    return states + (f"; rss {_mib(rss)}" if rss else "")
 
 
 def snapshot_html(snap: MeshSnapshot) -> str:
-    """The grid as HTML: one card per rank, coloured by state."""
+    """The grid as HTML: a tile per rank, a summary per row and for the mesh; rows fold when there are many."""
     head = "<th></th>" + "".join(f"<th>{html.escape(x)}</th>" for x in snap.col_labels)
-    body = "".join(
-        f"<tr><th>{html.escape(label)}</th>" + "".join(f"<td>{cell_html(c, snap.has_gpu)}</td>" for c in row) + "</tr>"
-        for label, row in zip(snap.row_labels, snap.rows))
-    return (f"<div class='mk-mesh'><b>{html.escape(snap.title)}</b>{allocation_html(snap.allocation)}"
-            f"<table>{head}{body}</table></div>")
+    fold = len(snap.rows) > COLLAPSE_ROWS
+    rows = []
+    for label, row in zip(snap.row_labels, snap.rows):
+        name = (f"<b>{html.escape(label)}</b><br><span class='mk-row-summary' style='font-weight:normal'>"
+                f"{html.escape(summary(list(row)))}</span>")
+        tiles = "".join(f"<td>{cell_html(c, snap.has_gpu)}</td>" for c in row)
+        if fold:  # one line per row, opened on a click (no script: <details>)
+            rows.append(f"<tr><th style='text-align:left;vertical-align:top'>{name}</th><td colspan='{len(row)}'>"
+                        f"<details class='mk-row'><summary>{len(row)} ranks</summary><table><tr>{tiles}</tr></table>"
+                        "</details></td></tr>")
+        else:
+            rows.append(f"<tr><th style='text-align:left;vertical-align:top'>{name}</th>{tiles}</tr>")
+    header = "" if fold else f"<tr>{head}</tr>"
+    return (f"<div class='mk-mesh' style='color:{theme.TEXT};font-family:{theme.FONT}'>"
+            f"<b>{html.escape(snap.title)}</b>{allocation_html(snap.allocation)}"
+            f"<div class='mk-mesh-summary'>{len(snap.cells())} ranks: {html.escape(summary(snap.cells()))}</div>"
+            f"<table>{header}{''.join(rows)}</table></div>")
 
 
 def allocation_html(line: str | None) -> str:
     """The scheduler's job line, in warning colours when its time is nearly up ("" without one)."""
     if not line:
         return ""
-    style = "color:#c62828;font-weight:bold" if allocation_is_short(line) else "color:#555"
-    return f"<div class='mk-allocation' style='{style};font:12px sans-serif'>{html.escape(line)}</div>"
+    text = theme.badge(html.escape(line), theme.WARNING) if allocation_is_short(line) else html.escape(line)
+    return f"<div class='mk-allocation' style='color:{theme.TEXT};font:12px {theme.FONT}'>{text}</div>"
 
 
 def snapshot_rich(snap: MeshSnapshot) -> Any:

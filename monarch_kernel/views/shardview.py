@@ -17,6 +17,7 @@ from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.ranksets import format_ranks, rank_label
 from monarch_kernel.core.sharding import Block, Placement, TensorLayout, layout_from
 from monarch_kernel.core.texttable import text_table
+from monarch_kernel.views import theme
 from monarch_kernel.views.base import TextHtmlView
 
 if TYPE_CHECKING:
@@ -147,13 +148,14 @@ class ShardingView(TextHtmlView):
         lay = self.layout
         if not lay.is_dtensor:
             rows = "".join(
-                f"<tr><td style='color:{rank_colour(p.rank)}'>&#9632; {html.escape(self.label(p.rank))}</td>"
+                f"<tr><td>{theme.swatch(rank_colour(p.rank))}{html.escape(self.label(p.rank))}</td>"
                 f"<td>{list(p.local_shape)}</td><td>{p.dtype}</td><td>{html.escape(p.device)}</td>"
                 f"<td>{_bytes(p.nbytes)}</td><td>{p.checksum:.6g}</td></tr>" for p in lay.pieces)
             caption = html.escape(self.title())
-            return (f"<div class='mk-sharding'><b>{caption}</b><table><tr><th>rank</th><th>shape</th>"
+            return (f"<div class='mk-sharding' style='color:{theme.TEXT}'><b>{caption}</b><table><tr><th>rank</th><th>shape</th>"
                     f"<th>dtype</th><th>device</th><th>bytes</th><th>checksum</th></tr>{rows}</table></div>")
-        parts = [f"<div class='mk-sharding'><b>{html.escape(self.title())}</b>"]
+        parts = [f"<div class='mk-sharding' style='color:{theme.TEXT};font-family:{theme.FONT}'>"
+                 f"<b>{html.escape(self.title())}</b>"]
         parts += [f"<div><i>{html.escape(note)}</i></div>" for note in self.notes()]
         for facet in lay.facets(self.rows, self.cols):
             if facet:
@@ -162,10 +164,10 @@ class ShardingView(TextHtmlView):
         empty = lay.empty_pieces()
         if empty:
             parts.append("<div class='mk-empty'>empty shards (no elements): " + ", ".join(
-                f"<span style='color:{rank_colour(p.rank)}'>{html.escape(self.label(p.rank))}</span>"
+                f"<span>{theme.swatch(rank_colour(p.rank))}{html.escape(self.label(p.rank))}</span>"
                 for p in empty) + "</div>")
-        parts.append("<div>bytes per rank: " + ", ".join(
-            f"<span style='color:{rank_colour(p.rank)}'>{p.rank}: {_bytes(p.nbytes)}</span>" for p in lay.pieces)
+        parts.append("<div class='mk-legend'>bytes per rank: " + ", ".join(
+            f"<span>{theme.swatch(rank_colour(p.rank))}{p.rank}: {_bytes(p.nbytes)}</span>" for p in lay.pieces)
             + "</div></div>")
         return "".join(parts)
 
@@ -174,7 +176,7 @@ class ShardingView(TextHtmlView):
         total_h = sum(line[0].rows[1] - line[0].rows[0] for line in grid) or 1
         cols = " ".join(f"{max(1, round(360 * (b.cols[1] - b.cols[0]) / total_w))}px" for b in grid[0])
         rows = " ".join(f"{max(24, round(200 * (line[0].rows[1] - line[0].rows[0]) / total_h))}px" for line in grid)
-        label = "font:10px monospace;color:#555;align-self:center"
+        label = f"font:10px {theme.MONO};color:{theme.TEXT};align-self:center"
         cells = ["<div></div>"] + [
             f"<div style='{label};text-align:center'>{f'dim {self.cols} {_range(b.cols)}' if self.cols is not None else ''}</div>"
             for b in grid[0]]
@@ -186,21 +188,22 @@ class ShardingView(TextHtmlView):
                 f"grid-template-rows:auto {rows};gap:2px;margin:4px 0'>{''.join(cells)}</div>")
 
     def _block_html(self, b: Block) -> str:
-        colours = [rank_colour(r) for r in b.ranks] or ["#ddd"]
+        colours = [rank_colour(r) for r in b.ranks] or ["#dddddd"]
         if len(colours) == 1:
-            background = colours[0]
+            background = f"linear-gradient({colours[0]}, {colours[0]})"  # an image layer, so a hatch can lie over it
         else:
             step = 100 / len(colours)
             stops = ", ".join(f"{c} {i * step:.0f}% {(i + 1) * step:.0f}%" for i, c in enumerate(colours))
             background = f"linear-gradient(135deg, {stops})"
         partial = bool(self.layout.partial)
-        hatch = ("background-image:repeating-linear-gradient(45deg, rgba(255,255,255,.35) 0 6px, transparent 6px 12px),"
-                 if partial else "")
+        # a Partial (unreduced) tensor: light stripes over the ranks' colours
+        hatch = "repeating-linear-gradient(45deg, rgba(255,255,255,.35) 0 6px, transparent 6px 12px), " if partial else ""
         title = f"rows {_range(b.rows)} cols {_range(b.cols)}: {self._holders(b)}" + (" (unreduced)" if partial else "")
         text = self._holders(b) + (" &Sigma; partial" if partial else "")
+        ink = theme.text_on(*colours, *([theme.lighter(c, 0.35) for c in colours] if partial else []))
         return (f"<div class='mk-block' data-ranks='{','.join(map(str, b.ranks))}' "
                 f"data-rows='{b.rows[0]}:{b.rows[1]}' data-cols='{b.cols[0]}:{b.cols[1]}' title='{html.escape(title)}' "
-                f"style='{hatch}background:{background};color:white;font:11px sans-serif;padding:2px;"
+                f"style='background:{hatch}{background};color:{ink};font:11px {theme.FONT};padding:2px;"
                 f"overflow:hidden'>{text}</div>")
 
     def __rich__(self) -> Any:

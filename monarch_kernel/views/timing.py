@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from monarch_kernel.views import theme
 from monarch_kernel.views.base import TextHtmlView
 
 MIN_SHOWN_S = 0.1  # runs faster than this on every rank (and without failures) show no bars
@@ -85,14 +86,32 @@ class TimingView(TextHtmlView):
             pct = 0 if not t.seconds or not self.longest else max(1, round(100 * t.seconds / self.longest))
             colour = "#d62728" if not t.ok else "#ff7f0e" if self.is_straggler(t) else "#4e79a7"
             note = self._note(t)
+            marks = "".join(
+                f"<span class='{cls}' title='{title}' style='position:absolute;top:-2px;height:12px;left:{at:.1f}%;"
+                f"border-left:2px {style} {theme.TEXT}'></span>"
+                for cls, title, at, style in self._marks())
             rows.append(
                 f"<div class='mk-timing-row' data-rank='{t.rank}' style='display:flex;align-items:center;gap:6px'>"
-                f"<span style='width:14em;font:11px monospace'>{html.escape(t.label)}</span>"
-                f"<span style='display:inline-block;width:200px;background:#eee;height:8px'>"
-                f"<span style='display:block;width:{pct}%;height:8px;background:{colour}'></span></span>"
-                f"<span style='font:11px monospace'>{_seconds(t.seconds)} {html.escape(note)}</span></div>")
+                f"<span style='width:14em;font:11px {theme.MONO}'>{html.escape(t.label)}</span>"
+                f"<span style='position:relative;display:inline-block;width:200px;background:{theme.TRACK};height:8px'>"
+                f"<span style='display:block;width:{pct}%;height:8px;background:{colour}'></span>{marks}</span>"
+                f"<span style='font:11px {theme.MONO}'>{_seconds(t.seconds)} {html.escape(note)}</span></div>")
         head = html.escape(self.heading())
-        return f"<div class='mk-timing'><div style='font:11px sans-serif;color:#555'>{head}</div>{''.join(rows)}</div>"
+        legend = ("" if self.median is None or not self.longest else
+                  " (solid mark: median; dashed: the straggler threshold)")
+        return (f"<div class='mk-timing' style='color:{theme.TEXT}'><div style='font:11px {theme.FONT}'>{head}"
+                f"{legend}</div>{''.join(rows)}</div>")
+
+    def _marks(self) -> list[tuple[str, str, float, str]]:
+        """Where the median and the straggler threshold fall on the bars (percent of the longest)."""
+        if self.median is None or not self.longest:
+            return []
+        marks = [("mk-median", f"median {_seconds(self.median)}", 100 * self.median / self.longest, "solid")]
+        threshold = max(self.median * self.straggler_factor, self.median + MIN_STRAGGLER_GAP_S)
+        if threshold <= self.longest:
+            marks.append(("mk-threshold", f"straggler beyond {_seconds(threshold)}", 100 * threshold / self.longest,
+                          "dashed"))
+        return marks
 
     def __rich__(self) -> Any:
         from rich.text import Text
