@@ -18,7 +18,7 @@ import urllib.request
 
 import nbformat
 import pytest
-from chromium import artifact, browser, missing
+from chromium import artifact, browser, contrast_report, missing
 
 PANEL = "#monarch-kernel-meshes"
 MESH = f'{PANEL} .mk-mesh[data-mesh="lab"]'
@@ -209,6 +209,26 @@ def test_a_ranks_logs_and_inserting_a_mesh_cell(page):
     source = page.evaluate("window.jupyterapp.shell.currentWidget.content.activeCell.model.sharedModel.getSource()")
     assert source.startswith("%%mesh --name lab")
     page.locator(PANEL).screenshot(path=artifact("meshes_sidebar.png"))
+
+
+@pytest.mark.parametrize("theme", ["JupyterLab Dark", "JupyterLab Light"])  # (light last: the tests after expect it)
+def test_the_panel_reads_in_the_light_and_the_dark_theme(page, theme):
+    page.evaluate("name => window.jupyterapp.commands.execute('apputils:change-theme', {theme: name})", theme)
+    page.wait_for_function("name => document.body.dataset.jpThemeName === name", arg=theme, timeout=30_000)
+    page.wait_for_selector(f'{MESH} .mk-rank[data-rank="1"] .mk-rank-state')
+    dark = theme.endswith("Dark")  # the theme's stylesheet is swapped in after the attribute changes: wait for it
+    page.wait_for_function("""([selector, dark]) => {
+        const m = getComputedStyle(document.querySelector(selector)).backgroundColor.match(/\\d+/g);
+        const level = m ? (+m[0] + +m[1] + +m[2]) / 3 : 128;
+        return dark ? level < 100 : level > 155; }""", arg=[PANEL, dark], timeout=30_000)
+    measured = contrast_report(page, f"{PANEL} *")
+    page.locator(PANEL).screenshot(path=artifact(f"meshes_sidebar_{theme.split()[-1].lower()}.png"))
+    assert len(measured) > 10
+    poor = [m for m in measured if m["ratio"] < 4.5]
+    assert not poor, poor[:10]
+    states = page.locator(f"{MESH} .mk-rank-state").all_inner_texts()
+    assert states and all(text.split()[-1] in ("idle", "busy", "dead", "unresponsive", "starting") and
+                          not text.split()[0].isalpha() for text in states)  # a glyph, then the word
 
 
 def test_switching_notebooks_switches_the_panel(page):

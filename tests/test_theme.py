@@ -13,7 +13,7 @@ import os
 import sys
 
 import pytest
-from chromium import artifact, browser, missing
+from chromium import artifact, browser, contrast_report, missing
 
 from monarch_kernel.core.sharding import LocalPiece, Placement, TensorLayout
 from monarch_kernel.views import theme
@@ -29,50 +29,6 @@ pytestmark = pytest.mark.skipif(missing() is not None or None in THEMES.values()
 
 AA = 4.5
 
-# for every element with its own text: the WCAG contrast of its colour over its background
-MEASURE = """
-() => {
-  const parse = (s) => { const m = s.match(/rgba?\\(([^)]+)\\)/); if (!m) return null;
-    const p = m[1].split(',').map(x => parseFloat(x)); return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1]; };
-  const over = (top, under) => { const a = top[3];
-    return [top[0] * a + under[0] * (1 - a), top[1] * a + under[1] * (1 - a), top[2] * a + under[2] * (1 - a), 1]; };
-  const lum = (c) => { const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4); };
-    return 0.2126 * f(c[0]) + 0.7152 * f(c[1]) + 0.0722 * f(c[2]); };
-  const ratio = (a, b) => { const x = lum(a), y = lum(b); return (Math.max(x, y) + 0.05) / (Math.min(x, y) + 0.05); };
-  // the colours behind an element: its own and its ancestors' backgrounds, gradients as all their stops
-  const backgrounds = (el) => {
-    const layers = [];
-    for (let node = el; node && node.nodeType === 1; node = node.parentElement) {
-      const style = getComputedStyle(node);
-      const image = style.backgroundImage;
-      if (image && image.includes('linear-gradient')) {
-        // opaque stops are the colours; a translucent stop (a hatch) may lie over any of them
-        const all = (image.match(/rgba?\\([^)]+\\)/g) || []).map(parse);
-        const stops = all.filter(c => c[3] >= 1), hatches = all.filter(c => c[3] > 0 && c[3] < 1);
-        return {layers, base: stops.concat(...hatches.map(h => stops.map(c => over(h, c))))};
-      }
-      const colour = parse(style.backgroundColor);
-      if (colour && colour[3] > 0) { layers.push(colour); if (colour[3] >= 1) return {layers, base: null}; }
-    }
-    return {layers, base: [[255, 255, 255, 1]]};
-  };
-  const out = [];
-  for (const el of document.querySelectorAll('.view *')) {
-    const own = [...el.childNodes].filter(n => n.nodeType === 3 && n.textContent.trim()).map(n => n.textContent.trim());
-    if (!own.length || el.offsetParent === null) continue;
-    const {layers, base} = backgrounds(el);
-    const fg = parse(getComputedStyle(el).color);
-    let worst = 99;
-    for (const bottom of (base || [layers.pop()])) {
-      let bg = bottom;
-      for (let i = layers.length - 1; i >= 0; i--) bg = over(layers[i], bg);
-      worst = Math.min(worst, ratio(over(fg, bg), bg));
-    }
-    out.push({text: own.join(' ').slice(0, 40), ratio: worst, cls: el.className || el.tagName});
-  }
-  return out;
-}
-"""
 
 
 def mesh_html(hosts: int, gpus: int) -> str:
@@ -114,7 +70,7 @@ def test_every_label_reads_in_both_jupyterlab_themes(name, tmp_path):
         tab = chromium.new_page(viewport={"width": 1300, "height": 1000})
         tab.goto(f"file://{tmp_path}/views.html")
         tab.evaluate("() => document.querySelectorAll('details').forEach(d => d.open = true)")  # every tile shown
-        measured = tab.evaluate(MEASURE)
+        measured = contrast_report(tab, '.view *')
         tab.screenshot(path=artifact(f"views_{name}_theme.png"), full_page=True)
     assert len(measured) > 300  # tiles, badges, bars' labels, blocks: every one measured
     poor = [m for m in measured if m["ratio"] < AA]

@@ -26,6 +26,15 @@ function esc(text: unknown): string {
     .replace(/"/g, '&quot;');
 }
 
+/** A glyph per rank state, beside its word (the kernel's views use the same ones). */
+const STATE_GLYPHS: Record<string, string> = {
+  idle: '\u25cf',
+  busy: '\u25b6',
+  dead: '\u2716',
+  unresponsive: '\u26a0',
+  starting: '\u2026'
+};
+
 function shapeText(shape: Record<string, number>): string {
   return Object.entries(shape)
     .map(([dim, size]) => `${dim} ${size}`)
@@ -238,12 +247,14 @@ export class MeshesPanel extends Widget {
     const title = `rank ${r.rank} (${where}) on ${r.host}, pid ${r.pid ?? '-'}: ${r.state}` +
       `${r.detail ? ` \u2014 ${r.detail}` : ''}\nClick for its recent output.`;
     const colour = colours[r.state];
+    // the state as a badge: glyph and word in white on the state's colour (readable in any theme,
+    // and not told by colour alone), as in the notebook's mesh view
     return (
       `<div class="mk-rank mk-state-${esc(r.state)}" data-action="logs" data-mesh="${esc(mesh.name)}" ` +
       `data-rank="${r.rank}" data-state="${esc(r.state)}" title="${esc(title)}"` +
       `${colour ? ` style="border-left-color:${esc(colour)}"` : ''}>` +
       `<span class="mk-rank-id">${r.rank}</span> <span class="mk-rank-state"` +
-      `${colour ? ` style="color:${esc(colour)}"` : ''}>${esc(r.state)}</span>` +
+      `${colour ? ` style="background:${esc(colour)}"` : ''}>${STATE_GLYPHS[r.state] ?? '?'} ${esc(r.state)}</span>` +
       `<div class="mk-rank-detail">${esc(r.detail)}</div><div class="mk-rank-load">${esc(load)}</div></div>`
     );
   }
