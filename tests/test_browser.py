@@ -67,7 +67,7 @@ def test_sharding_views_render_their_blocks(page):
     assert {("0", "0:2", "0:3"), ("1", "2:4", "0:3"), ("2", "4:5", "0:3")} <= found
     assert ("0,1,2,3", "0:4", "0:4") in found  # the Partial tensor, on every rank
     assert "empty shards (no elements): localhost:3 (rank 3)" in tab.locator(".mk-sharding").nth(1).inner_text()
-    assert "Σ partial" in tab.locator(".mk-sharding").nth(2).inner_text()
+    assert "Σ Partial(sum)" in tab.locator(".mk-sharding").nth(2).inner_text()
     tab.locator(".mk-sharding").first.screenshot(path=str(site / "sharding.png"))
     assert (site / "sharding.png").stat().st_size > 1000
 

@@ -7,6 +7,7 @@ import pytest
 
 from monarch_kernel import local_mesh, visualize_sharding
 from monarch_kernel.core.sharding import LocalPiece, Placement, TensorLayout
+from monarch_kernel.views.shardview import ShardingView
 
 SETUP = """
 import os, torch
@@ -81,7 +82,8 @@ def test_partial_is_marked_unreduced_not_replicated(mesh):
     assert view.layout.partial == (Placement("partial", reduce_op="sum"),)
     text = view.text()
     assert "Partial(sum)" in text and "unreduced" in text and "partial" in text.splitlines()[-2]
-    assert "&Sigma; partial" in view.html()
+    page = view.html()
+    assert "&Sigma; Partial(sum)" in page and "unreduced, Partial(sum)" in page  # on the block, and in its hover text
 
 
 def test_3d_tensor_is_faceted_on_the_dim_not_drawn(mesh):
@@ -139,3 +141,10 @@ def test_strided_sharding_is_reported_clearly(mesh):
     text = visualize_sharding(mesh, "strided").text()
     assert "placements (StridedShard(0, split_factor=2), Shard(0))" in text
     assert "interleaved, not one range" in text
+
+
+def test_each_block_says_its_global_slice_holders_and_bytes_on_hover():
+    pieces = tuple(LocalPiece(r, (3, 8), (3 * r, 0), 96, "cpu", "float32") for r in range(2))
+    view = ShardingView(TensorLayout("w", (6, 8), "float32", pieces, (Placement("shard", 0),), (2,), ("x",)))
+    page = view.html()
+    assert "title='w[3:6, 0:8]: rank 1, 96 B per holder'" in page

@@ -10,6 +10,7 @@ device and whether the values are identical; for a module, a table of its parame
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +136,22 @@ class ShardingView(TextHtmlView):
                 + [self._holders(b) + partial for b in line] for line in grid]
         return text_table([[""] + head] + body, indent="    ")
 
+    def _slice_text(self, b: Block) -> str:
+        """The block's global slice, e.g. `w[0:3, 4:8]` (dims not drawn: whole, or the facet's)."""
+        shape = self.layout.global_shape
+        parts = [f"{b.rows[0]}:{b.rows[1]}" if d == self.rows else f"{b.cols[0]}:{b.cols[1]}" if d == self.cols
+                 else f"0:{n}" for d, n in enumerate(shape)]
+        return f"{self.layout.name}[{', '.join(parts)}]"
+
+    def _block_bytes(self, b: Block) -> int:
+        """Bytes of the block's elements (the other dims taken whole)."""
+        shape = self.layout.global_shape
+        elements = 1
+        for d, n in enumerate(shape):
+            elements *= (b.rows[1] - b.rows[0]) if d == self.rows else (b.cols[1] - b.cols[0]) if d == self.cols else n
+        sized = next((p for p in self.layout.pieces if math.prod(p.local_shape)), None)
+        return elements * (sized.nbytes // math.prod(sized.local_shape)) if sized else 0
+
     def _holders(self, block: Block) -> str:
         if not block.ranks:
             return "(nobody)"
@@ -198,8 +215,10 @@ class ShardingView(TextHtmlView):
         partial = bool(self.layout.partial)
         # a Partial (unreduced) tensor: light stripes over the ranks' colours
         hatch = "repeating-linear-gradient(45deg, rgba(255,255,255,.35) 0 6px, transparent 6px 12px), " if partial else ""
-        title = f"rows {_range(b.rows)} cols {_range(b.cols)}: {self._holders(b)}" + (" (unreduced)" if partial else "")
-        text = self._holders(b) + (" &Sigma; partial" if partial else "")
+        ops = ", ".join(str(p) for p in self.layout.partial)
+        title = (f"{self._slice_text(b)}: {self._holders(b)}, {_bytes(self._block_bytes(b))} per holder"
+                 + (f" - unreduced, {ops} (each holder has a partial value; the sum is the tensor)" if partial else ""))
+        text = self._holders(b) + (f" &Sigma; {html.escape(ops)}" if partial else "")
         ink = theme.text_on(*colours, *([theme.lighter(c, 0.35) for c in colours] if partial else []))
         return (f"<div class='mk-block' data-ranks='{','.join(map(str, b.ranks))}' "
                 f"data-rows='{b.rows[0]}:{b.rows[1]}' data-cols='{b.cols[0]}:{b.cols[1]}' title='{html.escape(title)}' "
