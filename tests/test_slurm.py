@@ -309,6 +309,7 @@ def test_the_views_and_the_sidebar_show_the_job_and_warn_when_time_is_short(clus
     from magics.registry import MeshRegistry
     from magics.sidebar import describe_meshes
     from monarch_kernel.views.meshview import MeshView
+    from monarch_kernel.views.theme import WARNING
     from monarch_kernel.views.widgets import MeshWidget
 
     with slurm_mesh(nodes=1, gpus=1, dist="none", request_gpus=False, name="shorttime", time="5") as mesh:
@@ -316,7 +317,7 @@ def test_the_views_and_the_sidebar_show_the_job_and_warn_when_time_is_short(clus
         line = view.snapshot.allocation
         assert line is not None and re.match(r"Slurm job \d+: RUNNING on node0, (4:\d\d|5:00) left", line), line
         assert "less than 10 minutes left" in line and line in view.text()
-        assert "mk-allocation" in view.html() and "#c62828" in view.html()  # drawn as a warning
+        assert "mk-allocation" in view.html() and f"class='mk-badge' style='background:{WARNING}" in view.html()  # a warning
         widget = MeshWidget(mesh, refresh_s=60)
         try:
             assert "less than 10 minutes left" in widget._allocation.value
@@ -327,7 +328,7 @@ def test_the_views_and_the_sidebar_show_the_job_and_warn_when_time_is_short(clus
         assert describe_meshes(registry)[0]["allocation"].startswith("Slurm job ")
     with slurm_mesh(nodes=1, gpus=1, dist="none", request_gpus=False, name="longtime", time="30") as mesh:
         assert "less than 10 minutes" not in MeshView(mesh).snapshot.allocation
-        assert "#c62828" not in MeshView(mesh).html()
+        assert "class='mk-badge'" not in MeshView(mesh).html()
 
 
 def test_a_workspace_synced_to_slurm_nodes_that_share_a_disk_is_written_once(cluster, tmp_path):
