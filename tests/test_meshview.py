@@ -104,3 +104,23 @@ def test_a_rank_running_an_endpoint_shows_busy_with_its_name(mesh):
         assert wait_until(lambda: mesh_snapshot(mesh).rows[0][2].state == "idle", 0.3)
     finally:
         future.get(timeout=10)
+
+
+def test_the_widget_sums_up_each_host_and_folds_hosts_when_there_are_many(mesh, monkeypatch):
+    import monarch_kernel.views.widgets as widgets_module
+
+    flat = MeshWidget(mesh, refresh_s=60)
+    try:
+        assert "4 ranks: 4 idle" in flat._summary.value and "4 idle" in flat._row_heads[0].value
+    finally:
+        flat.close()
+    monkeypatch.setattr(widgets_module, "COLLAPSE_ROWS", 0)  # as with more hosts than fit: fold every host
+    folded = MeshWidget(mesh, refresh_s=60)
+    try:
+        assert folded._folded is not None and folded._folded.get_title(0).startswith("localhost: 4 idle")
+        assert folded._folded.selected_index is None and len(folded.cards) == 4
+        future = mesh.slice(gpus=1).run_async("import time\ntime.sleep(1.0)", name="fold")
+        assert wait_until(lambda: (folded.refresh(), folded._folded.get_title(0))[1].startswith("localhost: 3 idle, 1 busy"), 2)
+        future.get()
+    finally:
+        folded.close()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 
-from monarch_kernel.views.meshview import allocation_html, cell_html, mesh_snapshot, snapshot_text
+from monarch_kernel.views.meshview import COLLAPSE_ROWS, allocation_html, cell_html, mesh_snapshot, snapshot_text, summary
 
 if TYPE_CHECKING:
     from monarch_kernel.api.mesh import Mesh
@@ -35,22 +35,31 @@ class MeshWidget(widgets.VBox):
         self._has_gpu = snap.has_gpu
         self._title = widgets.HTML(f"<b>{html.escape(snap.title)}</b>")
         self._allocation = widgets.HTML(allocation_html(snap.allocation))
+        self._summary = widgets.HTML(self._summary_html(snap))
         self.cards: dict[int, widgets.HTML] = {}
-        children: list[widgets.Widget] = [widgets.HTML("")]
-        children += [widgets.HTML(f"<b>{html.escape(label)}</b>") for label in snap.col_labels]
-        for label, row in zip(snap.row_labels, snap.rows):
-            children.append(widgets.HTML(f"<b>{html.escape(label)}</b>"))
-            for cell in row:
-                card = widgets.HTML(cell_html(cell, snap.has_gpu))
-                button = widgets.Button(description="output", tooltip=f"what rank {cell.rank} printed lately",
-                                        layout=widgets.Layout(width="70px", height="22px"))
-                button.on_click(lambda _b, rank=cell.rank: self.show_output(rank))
-                self.cards[cell.rank] = card
-                children.append(widgets.VBox([card, button]))
-        grid = widgets.GridBox(children, layout=widgets.Layout(
-            grid_template_columns=f"auto repeat({len(snap.col_labels)}, minmax(190px, 1fr))", grid_gap="4px"))
+        self._row_heads: list[widgets.HTML] = []
+        self._folded: widgets.Accordion | None = None
+        columns = f"repeat({len(snap.col_labels)}, minmax(190px, 1fr))"
+        if len(snap.rows) > COLLAPSE_ROWS:  # many hosts: one folded section per host, titled by its summary
+            sections = [widgets.GridBox([self._tile(cell, snap.has_gpu) for cell in row],
+                                        layout=widgets.Layout(grid_template_columns=columns, grid_gap="4px"))
+                        for row in snap.rows]
+            self._folded = widgets.Accordion(children=sections, selected_index=None)
+            for i, (label, row) in enumerate(zip(snap.row_labels, snap.rows)):
+                self._folded.set_title(i, f"{label}: {summary(list(row))}")
+            grid: widgets.Widget = self._folded
+        else:
+            children: list[widgets.Widget] = [widgets.HTML("")]
+            children += [widgets.HTML(f"<b>{html.escape(label)}</b>") for label in snap.col_labels]
+            for label, row in zip(snap.row_labels, snap.rows):
+                head = widgets.HTML(self._row_html(label, list(row)))
+                self._row_heads.append(head)
+                children.append(head)
+                children += [self._tile(cell, snap.has_gpu) for cell in row]
+            grid = widgets.GridBox(children, layout=widgets.Layout(grid_template_columns=f"auto {columns}",
+                                                                   grid_gap="4px"))
         self.output = widgets.Output()
-        super().__init__([self._title, self._allocation, grid, self.output])
+        super().__init__([self._title, self._allocation, self._summary, grid, self.output])
         self._text = snapshot_text(snap)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, args=(refresh_s,), name="mesh-widget", daemon=True)
@@ -58,6 +67,23 @@ class MeshWidget(widgets.VBox):
         MeshWidget._live.append(self)
         while len(MeshWidget._live) > MAX_LIVE:
             MeshWidget._live.pop(0)._stop.set()
+
+    def _tile(self, cell: Any, has_gpu: bool) -> widgets.Widget:
+        """A rank's card and its output button."""
+        card = widgets.HTML(cell_html(cell, has_gpu))
+        button = widgets.Button(description="output", tooltip=f"what rank {cell.rank} printed lately",
+                                layout=widgets.Layout(width="70px", height="22px"))
+        button.on_click(lambda _b, rank=cell.rank: self.show_output(rank))
+        self.cards[cell.rank] = card
+        return widgets.VBox([card, button])
+
+    @staticmethod
+    def _row_html(label: str, row: list[Any]) -> str:
+        return f"<b>{html.escape(label)}</b><br><span style='font-size:11px'>{html.escape(summary(row))}</span>"
+
+    @staticmethod
+    def _summary_html(snap: Any) -> str:
+        return f"<span style='font-size:12px'>{len(snap.cells())} ranks: {html.escape(summary(snap.cells()))}</span>"
 
     def refresh(self) -> int:
         """Take a snapshot and update the cards that changed; returns how many did."""
@@ -74,6 +100,15 @@ class MeshWidget(widgets.VBox):
             self._title.value = f"<b>{html.escape(snap.title)}</b>"
         if self._allocation.value != allocation_html(snap.allocation):
             self._allocation.value = allocation_html(snap.allocation)
+        if self._summary.value != self._summary_html(snap):
+            self._summary.value = self._summary_html(snap)
+        for i, (label, row) in enumerate(zip(snap.row_labels, snap.rows)):
+            if i < len(self._row_heads) and self._row_heads[i].value != self._row_html(label, list(row)):
+                self._row_heads[i].value = self._row_html(label, list(row))
+            if self._folded is not None and i < len(self._folded.children):
+                title = f"{label}: {summary(list(row))}"
+                if self._folded.get_title(i) != title:
+                    self._folded.set_title(i, title)
         return changed
 
     def show_output(self, rank: int) -> None:
