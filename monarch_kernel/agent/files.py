@@ -17,7 +17,7 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
-from monarch_kernel.core.workspace import file_sha256, safe_relative
+from monarch_kernel.core.workspace import file_sha256, prefix_digest, safe_relative
 
 PARTIAL = ".monarch-partial"
 # puts in progress: destination -> (bytes hashed so far, sha256 of them), so that the end
@@ -39,24 +39,8 @@ def _path(path: str) -> str:
 
 def prefix_sha256(path: str, length: int) -> str:
     """sha256 of a file's first `length` bytes ("" if it is shorter or unreadable)."""
-    digest = _prefix_digest(path, length)
+    digest = prefix_digest(path, length)
     return digest.hexdigest() if digest is not None else ""
-
-
-def _prefix_digest(path: str, length: int) -> Any:
-    digest = hashlib.sha256()
-    left = length
-    try:
-        with open(path, "rb") as f:
-            while left > 0:
-                chunk = f.read(min(left, 1 << 20))
-                if not chunk:
-                    return None
-                digest.update(chunk)
-                left -= len(chunk)
-    except OSError:
-        return None
-    return digest
 
 
 def put_begin(path: str, size: int) -> dict[str, Any]:
@@ -67,7 +51,7 @@ def put_begin(path: str, size: int) -> dict[str, Any]:
     have = os.path.getsize(partial) if os.path.isfile(partial) else 0
     if not 0 < have <= size:
         return {"partial": 0, "sha256": "", "path": dest}
-    digest = _prefix_digest(partial, have)
+    digest = prefix_digest(partial, have)
     if digest is None:
         return {"partial": 0, "sha256": "", "path": dest}
     _hashing[dest] = (have, digest.copy())

@@ -18,23 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from monarch_kernel.controller.host_ops import HostOps
+from monarch_kernel.controller.host_ops import HostOps, Progress
 from monarch_kernel.controller.state import HostLink
-from monarch_kernel.core.workspace import safe_relative
+from monarch_kernel.core.workspace import prefix_digest, safe_relative
 
 CHUNK = 8 << 20
 WINDOW = 4
 PARTIAL = ".monarch-partial"
-
-
-@dataclass
-class Progress:
-    """What one host's transfer has moved so far (read by the notebook's thread)."""
-
-    files_total: int = 0
-    bytes_total: int = 0
-    files_done: int = 0
-    bytes_done: int = 0
 
 
 @dataclass
@@ -46,20 +36,6 @@ class TransferResult:
     bytes_moved: int = 0
     bytes_resumed: int = 0  # already there from an interrupted transfer
     errors: list[str] = field(default_factory=list)
-
-
-def _prefix_digest(path: str, length: int) -> Any:
-    """A sha256 object fed with a file's first `length` bytes (None if it is shorter)."""
-    digest = hashlib.sha256()
-    left = length
-    with open(path, "rb") as f:
-        while left > 0:
-            chunk = f.read(min(left, 1 << 20))
-            if not chunk:
-                return None
-            digest.update(chunk)
-            left -= len(chunk)
-    return digest
 
 
 def _read(path: str, offset: int, size: int) -> bytes:
@@ -127,7 +103,7 @@ async def _put_file(ops: HostOps, link: HostLink, path: str, target: str, progre
     begin = await ops.send(link, "files.put_begin", {"path": target, "size": size})
     digest, offset = hashlib.sha256(), 0
     if begin["partial"]:
-        ours = await asyncio.to_thread(_prefix_digest, path, begin["partial"])
+        ours = await asyncio.to_thread(prefix_digest, path, begin["partial"])
         if ours is not None and ours.hexdigest() == begin["sha256"]:
             digest, offset = ours, begin["partial"]
             result.bytes_resumed += offset
@@ -187,7 +163,7 @@ async def _get_file(ops: HostOps, link: HostLink, remote: str, local: str, size:
     have = os.path.getsize(partial) if os.path.isfile(partial) else 0
     if 0 < have <= size:
         theirs = await ops.send(link, "files.prefix", {"path": remote, "length": have})
-        ours = await asyncio.to_thread(_prefix_digest, partial, have)
+        ours = await asyncio.to_thread(prefix_digest, partial, have)
         if ours is not None and ours.hexdigest() == theirs["sha256"]:
             digest, offset = ours, have
             result.bytes_resumed += have

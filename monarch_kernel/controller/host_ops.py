@@ -8,10 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 from monarch_kernel.controller.state import HostLink
 from monarch_kernel.wire import messages as m
+
+
+@dataclass
+class Progress:
+    """Files and bytes moved so far to or from one host (the notebook's thread reads it for the live line)."""
+
+    files_total: int = 0
+    bytes_total: int = 0
+    files_done: int = 0
+    bytes_done: int = 0
 
 
 class HostOpFailed(RuntimeError):

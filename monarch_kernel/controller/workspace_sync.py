@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from monarch_kernel.controller.host_ops import HostOps
+from monarch_kernel.controller.host_ops import HostOps, Progress
 from monarch_kernel.controller.state import HostLink
 from monarch_kernel.core.workspace import file_sha256
 
@@ -207,16 +207,6 @@ def local_sha256(path: str) -> str:
 
 
 # ---------------------------------------------------------------- one host
-
-
-@dataclass
-class Progress:
-    """Bytes and files sent so far to one host (read by the notebook's thread for the live line)."""
-
-    files_total: int = 0
-    bytes_total: int = 0
-    files_done: int = 0
-    bytes_done: int = 0
 
 
 @dataclass

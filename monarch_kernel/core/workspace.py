@@ -12,6 +12,7 @@ import hashlib
 import os
 import posixpath
 import re
+from typing import Any
 
 ROOT_ENV = "MONARCH_KERNEL_WORKSPACE_ROOT"
 _KEY = re.compile(r"[A-Za-z0-9_.-]{1,80}-[0-9a-f]{12}")
@@ -47,6 +48,23 @@ def file_sha256(path: str) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def prefix_digest(path: str, length: int) -> Any:
+    """A sha256 object fed with a file's first `length` bytes (None if the file is shorter or unreadable)."""
+    digest = hashlib.sha256()
+    left = length
+    try:
+        with open(path, "rb") as f:
+            while left > 0:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    return None
+                digest.update(chunk)
+                left -= len(chunk)
+    except OSError:
+        return None
+    return digest
 
 
 def safe_relative(path: str) -> str:
