@@ -15,7 +15,7 @@ kernel -> frontend:
    "rank": R, "logs": [[stream, line], ...]}                 (rank and logs for "logs")
   {"type": "loaded"}   on a comm the kernel opens itself when the extension loads, so an open
       panel that found no monarch_kernel there links up at once (it closes that comm)
-"meshes" also carries "colours": {state: CSS colour}, the mesh widget's.
+"meshes" also carries "colours": {state: CSS colour} and "glyphs": {state: symbol}, the mesh widget's.
 MESH: {"name", "kind" ("local"|"ssh"), "shape": {dim: size}, "hosts": [...], "dist",
        "state" ("up"|"down"), "default": bool,
        "ranks": [{"rank", "coords", "host", "pid", "state", "detail", "cpu", "rss"}, ...]}
@@ -31,6 +31,7 @@ import threading
 from typing import Any
 
 from monarch_kernel.views.meshview import ALLOCATION_MAX_AGE_S, STATE_COLOURS, mesh_snapshot
+from monarch_kernel.views.theme import STATE_GLYPHS
 
 from .registry import MeshRegistry
 
@@ -122,7 +123,7 @@ class SidebarChannel:
         if force or key != self._last or full != self._last_full:
             self._last, self._last_full = key, json.dumps(meshes, sort_keys=True)
             self.comm.send({"type": "meshes", "version": PROTOCOL_VERSION, "meshes": meshes,
-                            "colours": STATE_COLOURS})
+                            "colours": STATE_COLOURS, "glyphs": STATE_GLYPHS})
 
     def on_msg(self, msg: dict[str, Any]) -> None:
         """Handle one request from the frontend (anything malformed gets an error reply)."""

@@ -47,6 +47,11 @@ export class MeshLink implements IDisposable {
     return this._colours;
   }
 
+  /** The kernel's symbol per rank state. */
+  get glyphs(): Record<string, string> {
+    return this._glyphs;
+  }
+
   get kernel(): Kernel.IKernelConnection | null {
     return this._kernel;
   }
@@ -68,6 +73,7 @@ export class MeshLink implements IDisposable {
       if (data.type === 'meshes') {
         this._meshes = data.meshes;
         this._colours = data.colours ?? this._colours;
+        this._glyphs = data.glyphs ?? this._glyphs;
         this._setState('ready', true);
       } else if (data.type === 'result') {
         this._results.emit(data);
@@ -184,6 +190,7 @@ export class MeshLink implements IDisposable {
   private _state: LinkState = 'no-kernel';
   private _meshes: IMesh[] = [];
   private _colours: Record<string, string> = {};
+  private _glyphs: Record<string, string> = {};
   private _disposed = false;
   private _changed = new Signal<this, void>(this);
   private _results = new Signal<this, IResultMessage>(this);

@@ -26,15 +26,6 @@ function esc(text: unknown): string {
     .replace(/"/g, '&quot;');
 }
 
-/** A glyph per rank state, beside its word (the kernel's views use the same ones). */
-const STATE_GLYPHS: Record<string, string> = {
-  idle: '\u25cf',
-  busy: '\u25b6',
-  dead: '\u2716',
-  unresponsive: '\u26a0',
-  starting: '\u2026'
-};
-
 function shapeText(shape: Record<string, number>): string {
   return Object.entries(shape)
     .map(([dim, size]) => `${dim} ${size}`)
@@ -161,10 +152,10 @@ export class MeshesPanel extends Widget {
         '<code>%mesh up local --gpus 2</code>.</p>';
       return;
     }
-    patchChildren(body, link.meshes.map(mesh => this._meshParts(mesh, link.colours)));
+    patchChildren(body, link.meshes.map(mesh => this._meshParts(mesh, link.colours, link.glyphs)));
   }
 
-  private _meshParts(mesh: IMesh, colours: Record<string, string>): IContainer {
+  private _meshParts(mesh: IMesh, colours: Record<string, string>, glyphs: Record<string, string>): IContainer {
     const name = esc(mesh.name);
     const open = !this._collapsed.has(mesh.name);
     const meta = [mesh.kind, shapeText(mesh.shape), mesh.dist === 'none' ? 'no dist' : mesh.dist]
@@ -213,7 +204,7 @@ export class MeshesPanel extends Widget {
         key: 'grid',
         tag: 'div',
         attributes: { class: 'mk-grid' },
-        parts: mesh.ranks.map(r => ({ key: String(r.rank), html: this._rankHtml(mesh, r, colours) }))
+        parts: mesh.ranks.map(r => ({ key: String(r.rank), html: this._rankHtml(mesh, r, colours, glyphs) }))
       });
     }
     const logs = this._logs;
@@ -237,7 +228,7 @@ export class MeshesPanel extends Widget {
     };
   }
 
-  private _rankHtml(mesh: IMesh, r: IRank, colours: Record<string, string>): string {
+  private _rankHtml(mesh: IMesh, r: IRank, colours: Record<string, string>, glyphs: Record<string, string>): string {
     const where = Object.entries(r.coords)
       .map(([dim, i]) => `${dim}=${i}`)
       .join(' ');
@@ -254,7 +245,7 @@ export class MeshesPanel extends Widget {
       `data-rank="${r.rank}" data-state="${esc(r.state)}" title="${esc(title)}"` +
       `${colour ? ` style="border-left-color:${esc(colour)}"` : ''}>` +
       `<span class="mk-rank-id">${r.rank}</span> <span class="mk-rank-state"` +
-      `${colour ? ` style="background:${esc(colour)}"` : ''}>${STATE_GLYPHS[r.state] ?? '?'} ${esc(r.state)}</span>` +
+      `${colour ? ` style="background:${esc(colour)}"` : ''}>${esc(glyphs[r.state] ?? '?')} ${esc(r.state)}</span>` +
       `<div class="mk-rank-detail">${esc(r.detail)}</div><div class="mk-rank-load">${esc(load)}</div></div>`
     );
   }

@@ -37,6 +37,8 @@ export interface IMeshesMessage {
   version: number;
   meshes: IMesh[];
   colours?: Record<string, string>;
+  /** A symbol per rank state, shown before its word (so no state is told by colour alone). */
+  glyphs?: Record<string, string>;
 }
 
 /** kernel -> panel: the outcome of an action. */

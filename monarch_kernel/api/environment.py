@@ -8,15 +8,13 @@ only when something differs.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from monarch_kernel.api.workspace import CallOnRanks
 from monarch_kernel.controller.runtime import MeshRuntime
 from monarch_kernel.core.texttable import text_table
 from monarch_kernel.core.versions import versions
-
-CallOnRanks = Callable[[list[int], Callable[[Any], Any], str], Any]
 
 
 @dataclass

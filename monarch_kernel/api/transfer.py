@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from monarch_kernel.api.progress import progress_line, show_stdout, size_text, wait_showing
-from monarch_kernel.controller.file_transfer import Progress, TransferResult, get_host, put_host
-from monarch_kernel.controller.host_ops import HostOpFailed
+from monarch_kernel.controller.file_transfer import TransferResult, get_host, put_host
+from monarch_kernel.controller.host_ops import HostOpFailed, Progress
 from monarch_kernel.controller.runtime import MeshRuntime
 from monarch_kernel.core.errors import MeshUsageError
 

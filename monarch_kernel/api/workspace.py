@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monarch_kernel.api.progress import progress_line, show_stdout, size_text, wait_showing
-from monarch_kernel.controller.host_ops import HostOpFailed
+from monarch_kernel.controller.host_ops import HostOpFailed, Progress
 from monarch_kernel.controller.hostspec import HostKind
 from monarch_kernel.controller.runtime import MeshRuntime
-from monarch_kernel.controller.workspace_sync import HostResult, Progress, Scan, scan, sync_hosts
+from monarch_kernel.controller.workspace_sync import HostResult, Scan, scan, sync_hosts
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.workspace import workspace_key
 

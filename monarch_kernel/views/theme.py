@@ -28,6 +28,7 @@ STATES: dict[str, tuple[str, str]] = {
     RankStatus.UNRESPONSIVE: ("#8d3c00", "\u26a0"),  # ⚠ unresponsive
     RankStatus.STARTING: ("#424242", "\u2026"),  # … starting
 }
+STATE_GLYPHS: dict[str, str] = {state: glyph for state, (_colour, glyph) in STATES.items()}  # also sent to the sidebar
 WARNING = "#b71c1c"  # badges that warn (little time left on an allocation)
 
 
