@@ -162,15 +162,17 @@ def main() -> None:
         hosts.stop()
         cluster.stop()
 
-    print("| asking for 2 nodes -> first result from each (median of rounds) | seconds | vs monarch-kernel (no dist) |")
-    print("|---|---|---|")
+    print("| asking for 2 nodes -> first result from each (median of rounds) | seconds | each round | "
+          "vs monarch-kernel (no dist) |")
+    print("|---|---|---|---|")
     base = statistics.median(next(iter(ready.values())) or [float("nan")])
     for name, times in ready.items():
         if times:
             median = statistics.median(times)
-            print(f"| {name} | {median:.2f} s ({len(times)} rounds) | {median / base:.2f}x |")
+            each = ", ".join(f"{t:.2f}" for t in times)
+            print(f"| {name} | {median:.2f} s | {each} | {median / base:.2f}x |")
         else:
-            print(f"| {name} | did not run (see stderr) | |")
+            print(f"| {name} | did not run (see stderr) | | |")
     print()
     columns = list(paths)
     print("| 2 nodes x 2 ranks (medians) | " + " | ".join(columns) + " | direct / stdio | direct / SSH |")

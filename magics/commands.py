@@ -37,7 +37,7 @@ class Subcommand:
 _MESH_NAME = arg("--name", dest="mesh", default=None)
 
 SUBCOMMANDS: tuple[Subcommand, ...] = (
-    Subcommand("up", "local [--gpus N] [--name NAME] [--dist gloo|nccl|none] [--env K=V ...]\n"
+    Subcommand("up", "local [--gpus N] [--name NAME] [--dist gloo|nccl|none] [--env K=V ...] [--preload M,M]\n"
                "%mesh up ssh HOST [HOST ...] --gpus N [--dist ...] [--python P] [--setup CMD] [--master-addr A]\n"
                "             [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]\n"
                "%mesh up slurm --nodes N --gpus G [--partition P] [--time T] [--account A] [--qos Q]\n"
@@ -50,6 +50,9 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                    arg("--name", default=None),
                    arg("--dist", choices=BACKENDS, default=None),
                    arg("--env", nargs="*", default=[], metavar="K=V"),
+                   arg("--preload", default=None, metavar="MODULE,MODULE",
+                       help="modules each host imports once before forking ranks (default: torch, "
+                            "unless --dist none; '' for none)"),
                    arg("--timeout", type=float, default=None),
                    arg("--python", default="python3"),
                    arg("--setup", default=None),

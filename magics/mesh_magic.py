@@ -124,7 +124,8 @@ class MeshMagics(Magics):
         if args.kind == "local":
             if args.hosts:
                 raise UsageError(f"%mesh up local takes no hosts (got {' '.join(args.hosts)}); did you mean ssh?")
-            mesh = local_mesh(args.gpus, dist=args.dist or "gloo", name=name, env=env, timeout=args.timeout or 120.0)
+            mesh = local_mesh(args.gpus, dist=args.dist or "gloo", name=name, env=env, timeout=args.timeout or 120.0,
+                              preload=args.preload)
         elif args.kind == "slurm":
             if args.hosts:
                 raise UsageError(f"%mesh up slurm takes no hosts (got {' '.join(args.hosts)}): Slurm chooses "
@@ -137,13 +138,14 @@ class MeshMagics(Magics):
                               dist=args.dist or "nccl", env=env, name=args.name if args.reuse else name,
                               keep=args.keep,
                               wait_timeout=args.wait_timeout, timeout=args.timeout or 180.0,
-                              master_addr=args.master_addr, direct=not args.no_direct)
+                              master_addr=args.master_addr, direct=not args.no_direct, preload=args.preload)
         else:
             if not args.hosts or args.gpus is None:
                 raise UsageError("%mesh up ssh HOST [HOST ...] --gpus N: give the hosts and ranks per host")
             mesh = ssh_mesh(args.hosts, args.gpus, dist=args.dist or "nccl", python=args.python, setup=args.setup,
                             env=env, name=name, connect_timeout=args.connect_timeout,
-                            master_addr=args.master_addr, ship_package=args.ship, timeout=args.timeout or 180.0)
+                            master_addr=args.master_addr, ship_package=args.ship, timeout=args.timeout or 180.0,
+                            preload=args.preload)
         self.registry.add(mesh)
         self._show_status(mesh)
 

@@ -16,9 +16,10 @@ kernel -> frontend:
   {"type": "loaded"}   on a comm the kernel opens itself when the extension loads, so an open
       panel that found no monarch_kernel there links up at once (it closes that comm)
 "meshes" also carries "colours": {state: CSS colour} and "glyphs": {state: symbol}, the mesh widget's.
-MESH: {"name", "kind" ("local"|"ssh"), "shape": {dim: size}, "hosts": [...], "dist",
-       "state" ("up"|"down"), "default": bool,
-       "ranks": [{"rank", "coords", "host", "pid", "state", "detail", "cpu", "rss"}, ...]}
+MESH: {"name", "kind" ("local"|"ssh"|"slurm"), "shape": {dim: size}, "hosts": [...], "dist",
+       "state" ("up"|"down"), "default": bool, "allocation": str | None,
+       "ranks": [{"rank", "coords", "host", "local_rank", "pid", "state", "detail", "cpu", "rss",
+                  "gpu_used", "gpu_total", "gpu_util"}, ...]}
 
 Actions run on a helper thread, so a restart never holds up the kernel's message loop.
 """
@@ -40,6 +41,7 @@ PROTOCOL_VERSION = 1
 UPDATE_INTERVAL_S = 0.5  # state changes reach the panel this fast
 LOADS_INTERVAL_S = 2.0  # load and "busy for N s" changes this fast
 MAX_QUEUED_ACTIONS = 16
+LOAD_KEYS = ("cpu", "rss", "detail", "gpu_used", "gpu_util")  # changes sent at the loads' pace
 MAX_OPEN_CHANNELS = 8  # panels that vanished without closing their comm (page reloads) are retired
 
 
@@ -57,8 +59,9 @@ def describe_meshes(registry: MeshRegistry) -> list[dict[str, Any]]:
         if not mesh.closed:
             entry["allocation"] = mesh.allocation_line(ALLOCATION_MAX_AGE_S)
             entry["ranks"] = [
-                {"rank": c.rank, "coords": dict(c.coords), "host": c.host, "pid": c.pid, "state": str(c.state),
-                 "detail": c.detail, "cpu": c.cpu_percent, "rss": c.rss_bytes}
+                {"rank": c.rank, "coords": dict(c.coords), "host": c.host, "local_rank": c.local_rank, "pid": c.pid,
+                 "state": str(c.state), "detail": c.detail, "cpu": c.cpu_percent, "rss": c.rss_bytes,
+                 "gpu_used": c.gpu_used_bytes, "gpu_total": c.gpu_total_bytes, "gpu_util": c.gpu_util_percent}
                 for c in mesh_snapshot(mesh).cells()]
         out.append(entry)
     return out
@@ -117,7 +120,7 @@ class SidebarChannel:
         with `loads`, changes of load and busy detail count too."""
         meshes = describe_meshes(self.registry)
         # loads and "busy for N s" change all the time: news only every LOADS_INTERVAL_S
-        key = json.dumps([{**m, "ranks": [{k: v for k, v in r.items() if k not in ("cpu", "rss", "detail")}
+        key = json.dumps([{**m, "ranks": [{k: v for k, v in r.items() if k not in LOAD_KEYS}
                                            for r in m["ranks"]]} for m in meshes], sort_keys=True)
         full = json.dumps(meshes, sort_keys=True) if loads else self._last_full
         if force or key != self._last or full != self._last_full:

@@ -44,7 +44,8 @@ def artifact(name: str) -> str:
 def contrast_report(tab, selector: str) -> list[dict]:
     """For every visible element under `selector` with text of its own: the WCAG contrast of its
     computed colour over its computed background (composited through translucent ancestors; every
-    stop of a gradient, with any translucent hatch over it, is checked and the worst one kept)."""
+    stop of a gradient, with any translucent hatch over it, is checked and the worst one kept), and the
+    classes of it and its nearest ancestors (`path`), to tell which view a label belongs to."""
     return tab.evaluate(_CONTRAST_JS, selector)
 
 
@@ -86,7 +87,11 @@ _CONTRAST_JS = """
       for (let i = layers.length - 1; i >= 0; i--) bg = over(layers[i], bg);
       worst = Math.min(worst, ratio(over(fg, bg), bg));
     }
-    out.push({text: own.join(' ').slice(0, 40), ratio: worst, cls: el.className || el.tagName});
+    const path = [];  // the classes of the element and its ancestors: which view a label belongs to
+    for (let node = el; node && node.nodeType === 1 && path.length < 8; node = node.parentElement) {
+      if (typeof node.className === 'string' && node.className) path.push(node.className);
+    }
+    out.push({text: own.join(' ').slice(0, 40), ratio: worst, cls: el.className || el.tagName, path: path.join(' < ')});
   }
   return out;
 }

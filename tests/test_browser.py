@@ -2,14 +2,16 @@
 
 Debian's chromium runs headless (no sandbox, no background networking) under playwright;
 the widget renderer (@jupyter-widgets/html-manager, installed by scripts/test.sh with
-npm) is served from disk, so nothing is fetched from the network.
+npm) is served from disk, so nothing is fetched from the network. The notebook is
+exported twice, with JupyterLab's light and dark themes (nbconvert's lab template carries
+both), and every label of its outputs must read in each (WCAG AA).
 """
 
 import os
 import shutil
 
 import pytest
-from chromium import artifact, browser, missing
+from chromium import artifact, browser, contrast_report, missing
 from test_notebooks import HERE, execute
 
 WIDGETS = os.path.join(HERE, ".cache", "widgets", "node_modules")
@@ -27,22 +29,47 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing() is not None, reaso
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory):
+def site(tmp_path_factory):
+    """The executed notebook as a page per JupyterLab theme (index.html: light, dark.html: dark)."""
     from nbconvert import HTMLExporter
 
     site = tmp_path_factory.mktemp("site")
     nb = execute("05_visualize.ipynb")
     assert nb.metadata.get("widgets"), "nbclient stored no widget state"
-    exporter = HTMLExporter(template_name="lab", require_js_url="require.js", widget_renderer_url="embed-amd.js")
-    body, _ = exporter.from_notebook_node(nb)
-    (site / "index.html").write_text(body)
+    for theme, name in (("light", "index.html"), ("dark", "dark.html")):
+        exporter = HTMLExporter(template_name="lab", theme=theme, require_js_url="require.js",
+                                widget_renderer_url="embed-amd.js")
+        body, _ = exporter.from_notebook_node(nb)
+        (site / name).write_text(body)
     shutil.copytree(RENDERER, site, dirs_exist_ok=True)
     shutil.copy(REQUIRE, site / "require.js")
+    return site
+
+
+@pytest.fixture(scope="module")
+def page(site):
     with browser() as chromium:
         tab = chromium.new_page(viewport={"width": 1400, "height": 1000})
         tab.goto(f"file://{site}/index.html")
         tab.wait_for_selector(".mk-rank", timeout=60_000)
         yield tab, site
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_the_executed_notebook_reads_in_both_themes(site, theme):
+    with browser() as chromium:
+        tab = chromium.new_page(viewport={"width": 1400, "height": 1000})
+        tab.goto(f"file://{site}/{'index' if theme == 'light' else 'dark'}.html")
+        tab.wait_for_selector(".widget-gridbox .mk-rank", timeout=60_000)  # the live widgets rendered
+        background = tab.evaluate("getComputedStyle(document.body).backgroundColor")
+        measured = contrast_report(tab, ".jp-OutputArea-output *")
+        tab.screenshot(path=artifact(f"05_visualize_{theme}.png"), full_page=True)
+    levels = [int(v) for v in background[background.index("(") + 1:background.index(")")].split(",")[:3]]
+    assert (sum(levels) / 3 < 100) == (theme == "dark"), background  # the theme really is the one asked for
+    kinds = {kind: [m for m in measured if kind in m["path"]] for kind in ("mk-rank", "mk-timing-row", "mk-block")}
+    assert all(kinds.values()), {k: len(v) for k, v in kinds.items()}  # tiles, timing labels, sharding blocks
+    poor = [m for m in measured if m["ratio"] < 4.5]
+    assert not poor, poor[:10]
 
 
 def test_mesh_grid_renders_every_rank(page):

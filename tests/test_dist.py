@@ -51,6 +51,41 @@ def test_no_process_group(backend, sink):
         assert list(vm.values()) == [False, False]
 
 
+LIGHT_CELL = """
+import os, sys
+before = "torch" in sys.modules
+import torch, torch.distributed as dist
+try:
+    dist.init_process_group()
+    advice = None
+except RuntimeError as exc:
+    advice = str(exc)
+(before, torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"]), advice)
+"""
+
+
+def test_without_a_process_group_ranks_start_light_and_set_torch_up_at_first_import(sink):
+    from monarch_kernel import local_mesh
+
+    with local_mesh(gpus=2, dist="none") as mesh:
+        for before, threads_shared, advice in mesh.run(LIGHT_CELL, sink=sink).values():
+            assert before is False  # nothing imported torch before the user did
+            assert threads_shared  # the cores are shared among the host's ranks, as when torch is preloaded
+            assert advice is not None and "without a process group" in advice  # the mesh's own advice
+
+
+def test_preload_imports_modules_before_ranks_fork(sink):
+    from monarch_kernel import MeshStartError, MeshUsageError, local_mesh
+
+    with local_mesh(gpus=2, dist="none", preload=["torch", "email.mime.text"]) as mesh:
+        loaded = mesh.run("import sys\n('torch' in sys.modules, 'email.mime.text' in sys.modules)", sink=sink)
+        assert list(loaded.values()) == [(True, True)] * 2
+    with pytest.raises(MeshStartError, match=r"(?s)cannot preload 'no_such_module_here'.*ModuleNotFoundError"):
+        local_mesh(gpus=1, dist="none", preload=["no_such_module_here"])
+    with pytest.raises(MeshUsageError, match="module names"):
+        local_mesh(gpus=1, dist="none", preload=["torch; rm -rf"])
+
+
 STORE_CELL = """
 import os, socket, stat, torch.distributed as dist
 store = dist.distributed_c10d._get_default_store()

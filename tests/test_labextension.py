@@ -23,6 +23,23 @@ from chromium import artifact, browser, contrast_report, missing
 PANEL = "#monarch-kernel-meshes"
 MESH = f'{PANEL} .mk-mesh[data-mesh="lab"]'
 SLEEP_CELL = "%%mesh\nimport time\nprint('napping on rank', __import__('os').environ['RANK'])\ntime.sleep(60)"
+# a 32-host x 4-GPU mesh as the kernel would describe it (every state, loads, GPUs), sent through
+# the real comm: the panel cannot tell it from a live one (only this machine cannot start one)
+BIG_CELL = """%load_ext monarch_kernel
+from monarch_kernel.magics import sidebar
+STATES = ["idle", "busy", "dead", "unresponsive", "starting"]
+HOSTS = [f"node{h:02d}" for h in range(32)]
+def synthetic(registry):
+    ranks = [{"rank": r, "coords": {"hosts": r // 4, "gpus": r % 4}, "host": HOSTS[r // 4], "local_rank": r % 4,
+              "pid": 1000 + r, "state": STATES[r % 5], "detail": "cell 3 for 1.2 s" if r % 5 == 1 else "",
+              "cpu": float(r % 90), "rss": (200 + r) << 20, "gpu_used": (r % 79 + 1) << 30, "gpu_total": 80 << 30,
+              "gpu_util": float(r % 100)} for r in range(128)]
+    return [{"name": "big", "kind": "slurm", "shape": {"hosts": 32, "gpus": 4}, "hosts": HOSTS, "dist": "nccl",
+             "state": "up", "default": True, "ranks": ranks,
+             "allocation": "Slurm job 7: RUNNING on node[00-31], 1:58:00 left"}]
+sidebar.describe_meshes = synthetic
+"""
+BIG = f'{PANEL} .mk-mesh[data-mesh="big"]'
 
 
 def _why_not() -> str | None:
@@ -59,6 +76,7 @@ def server(tmp_path_factory):
     _notebook(root / "mesh.ipynb", "%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist none --name lab",
               SLEEP_CELL)
     _notebook(root / "plain.ipynb", "1 + 1")
+    _notebook(root / "big.ipynb", BIG_CELL)
     token, port = secrets.token_hex(16), _free_port()
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
                JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(home / "settings"),
@@ -147,6 +165,16 @@ def _wait_for_text(tab, index: int, text: str, timeout: float) -> str:
     return shown
 
 
+def _use_theme(page, theme: str) -> None:
+    """Switch JupyterLab's theme and wait until its stylesheet applies (it is swapped in after the attribute)."""
+    page.evaluate("name => window.jupyterapp.commands.execute('apputils:change-theme', {theme: name})", theme)
+    page.wait_for_function("name => document.body.dataset.jpThemeName === name", arg=theme, timeout=30_000)
+    page.wait_for_function("""([selector, dark]) => {
+        const m = getComputedStyle(document.querySelector(selector)).backgroundColor.match(/\\d+/g);
+        const level = m ? (+m[0] + +m[1] + +m[2]) / 3 : 128;
+        return dark ? level < 100 : level > 155; }""", arg=[PANEL, theme.endswith('Dark')], timeout=30_000)
+
+
 def test_the_extension_is_installed_and_enabled():
     listed = subprocess.run([sys.executable, "-m", "jupyterlab.labextensions", "list"],
                             capture_output=True, text=True).stderr
@@ -213,14 +241,8 @@ def test_a_ranks_logs_and_inserting_a_mesh_cell(page):
 
 @pytest.mark.parametrize("theme", ["JupyterLab Dark", "JupyterLab Light"])  # (light last: the tests after expect it)
 def test_the_panel_reads_in_the_light_and_the_dark_theme(page, theme):
-    page.evaluate("name => window.jupyterapp.commands.execute('apputils:change-theme', {theme: name})", theme)
-    page.wait_for_function("name => document.body.dataset.jpThemeName === name", arg=theme, timeout=30_000)
+    _use_theme(page, theme)
     page.wait_for_selector(f'{MESH} .mk-rank[data-rank="1"] .mk-rank-state')
-    dark = theme.endswith("Dark")  # the theme's stylesheet is swapped in after the attribute changes: wait for it
-    page.wait_for_function("""([selector, dark]) => {
-        const m = getComputedStyle(document.querySelector(selector)).backgroundColor.match(/\\d+/g);
-        const level = m ? (+m[0] + +m[1] + +m[2]) / 3 : 128;
-        return dark ? level < 100 : level > 155; }""", arg=[PANEL, dark], timeout=30_000)
     measured = contrast_report(page, f"{PANEL} *")
     page.locator(PANEL).screenshot(path=artifact(f"meshes_sidebar_{theme.split()[-1].lower()}.png"))
     assert len(measured) > 10
@@ -229,6 +251,32 @@ def test_the_panel_reads_in_the_light_and_the_dark_theme(page, theme):
     states = page.locator(f"{MESH} .mk-rank-state").all_inner_texts()
     assert states and all(text.split()[-1] in ("idle", "busy", "dead", "unresponsive", "starting") and
                           not text.split()[0].isalpha() for text in states)  # a glyph, then the word
+
+
+@pytest.mark.parametrize("theme", ["JupyterLab Dark", "JupyterLab Light"])
+def test_a_128_rank_mesh_folds_its_32_hosts_into_summary_lines(page, theme):
+    _open(page, "big.ipynb")
+    _run_cell(page, 0)
+    _use_theme(page, theme)
+    page.wait_for_selector(f"{BIG} .mk-host", timeout=30_000)
+    hosts = page.locator(f"{BIG} .mk-host")
+    assert hosts.count() == 32
+    assert page.locator(f"{BIG} .mk-rank").count() == 0  # past 8 hosts each starts folded into its line
+    assert "128 ranks: 26 idle" in page.locator(f"{BIG} .mk-counts").inner_text()
+    first = page.locator(f'{BIG} .mk-host[data-host="node00"]')
+    assert first.locator(".mk-host-summary").inner_text().startswith("1 idle")  # ranks 0-3: idle, busy, dead, unresponsive
+    first.locator('button[data-action="toggle-host"]').click()
+    page.wait_for_selector(f'{BIG} .mk-host[data-host="node00"] .mk-rank[data-rank="3"]')
+    tile = first.locator('.mk-rank[data-rank="1"]').inner_text()
+    assert "GPU 1" in tile and "busy" in tile and "cell 3 for 1.2 s" in tile and "gpu" in tile
+    assert first.locator(".mk-bar").count() == 8  # cpu and GPU bars on each of the 4 tiles
+    measured = contrast_report(page, f"{BIG} *")
+    page.locator(PANEL).screenshot(path=artifact(f"meshes_sidebar_128_{theme.split()[-1].lower()}.png"))
+    assert len(measured) > 40
+    poor = [m for m in measured if m["ratio"] < 4.5]
+    assert not poor, poor[:10]
+    first.locator('button[data-action="toggle-host"]').click()  # folded again
+    page.wait_for_selector(f'{BIG} .mk-host[data-host="node00"] .mk-rank', state="detached")
 
 
 def test_switching_notebooks_switches_the_panel(page):

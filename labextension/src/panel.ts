@@ -4,6 +4,15 @@
  */
 import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
+import {
+  addIcon,
+  caretDownIcon,
+  caretRightIcon,
+  closeIcon,
+  LabIcon,
+  refreshIcon,
+  stopIcon
+} from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
 import { LinkState, MeshLink } from './connection';
@@ -11,6 +20,8 @@ import { IContainer, IPart, patchChildren } from './patch';
 import { IMesh, IRank, IResultMessage } from './protocol';
 
 const LOG_LINES = 40;
+/** Past this many hosts, each host starts folded into its summary line (as in the mesh widget). */
+const FOLD_HOSTS = 8;
 
 const STATE_TEXT: Record<Exclude<LinkState, 'ready'>, string> = {
   'no-kernel': 'This notebook has no running kernel.',
@@ -50,7 +61,52 @@ function stateCounts(ranks: IRank[]): string {
   for (const r of ranks) {
     counts.set(r.state, (counts.get(r.state) ?? 0) + 1);
   }
-  return [...counts.entries()].map(([state, n]) => `${n} ${state}`).join(' \u00b7 ');
+  return [...counts.entries()]
+    .sort((a, b) => b[1] - a[1])
+    .map(([state, n]) => `${n} ${state}`)
+    .join(' \u00b7 ');
+}
+
+/** `3 busy · 1 idle · rss 1.2 GiB`: a host's (or the mesh's) ranks at a glance, as the widget says it. */
+function summary(ranks: IRank[]): string {
+  const rss = ranks.reduce((total, r) => total + (r.rss ?? 0), 0);
+  return stateCounts(ranks) + (rss ? ` \u00b7 rss ${bytesText(rss)}` : '');
+}
+
+/** A JupyterLab toolbar-style button: the theme's icon and a short word. */
+function iconButton(icon: LabIcon, action: string, label: string, title: string, data: Record<string, string>,
+                    enabled = true): string {
+  const attributes = Object.entries(data)
+    .map(([key, value]) => ` data-${key}="${esc(value)}"`)
+    .join('');
+  return (
+    `<button class="mk-button jp-Button jp-mod-minimal jp-mod-small" data-action="${action}"${attributes} ` +
+    `title="${esc(title)}"${enabled ? '' : ' disabled'}>${icon.svgstr}<span>${esc(label)}</span></button>`
+  );
+}
+
+/** A small labelled bar (cpu, gpu): the same language as the mesh widget's tiles. */
+function bar(name: string, percent: number | null, text: string): string {
+  const track =
+    percent === null
+      ? ' '
+      : `<span class="mk-bar" role="img" aria-label="${esc(name)} ${esc(text)}">` +
+        `<span style="width:${Math.max(2, Math.min(100, percent)).toFixed(0)}%"></span></span>`;
+  return `<span class="mk-load">${esc(name)}${track}${esc(text)}</span>`;
+}
+
+/** Ranks by host, in the mesh's host order. */
+function byHost(mesh: IMesh): [string, IRank[]][] {
+  const groups = new Map<string, IRank[]>();
+  for (const host of mesh.hosts) {
+    groups.set(host, []);
+  }
+  for (const r of mesh.ranks) {
+    const list = groups.get(r.host) ?? [];
+    list.push(r);
+    groups.set(r.host, list);
+  }
+  return [...groups.entries()].filter(([, ranks]) => ranks.length);
 }
 
 interface IShownLogs {
@@ -162,21 +218,21 @@ export class MeshesPanel extends Widget {
       .map(esc)
       .join(' \u00b7 ');
     const up = mesh.state === 'up';
-    const button = (action: string, label: string, title: string) =>
-      `<button class="mk-button" data-action="${action}" data-mesh="${name}" title="${esc(title)}"` +
-      `${up ? '' : ' disabled'}>${label}</button>`;
+    const data = { mesh: mesh.name };
+    const toggle = open ? caretDownIcon : caretRightIcon;
     const parts: (IPart | IContainer)[] = [
       {
         key: 'head',
         html:
           `<div class="mk-mesh-head"><button class="mk-toggle" data-action="toggle" data-mesh="${name}" ` +
-          `aria-expanded="${open}" title="Show or hide the ranks">${open ? '\u25be' : '\u25b8'}</button>` +
+          `aria-expanded="${open}" title="Show or hide the ranks">${toggle.svgstr}</button>` +
           `<span class="mk-name">${name}</span>${mesh.default ? '<span class="mk-badge">default</span>' : ''}` +
           `<span class="mk-mesh-state">${esc(mesh.state)}</span></div>`
       },
+      { key: 'meta', html: `<div class="mk-meta">${meta}</div>` },
       {
-        key: 'meta',
-        html: `<div class="mk-meta">${meta} \u00b7 <span class="mk-counts">${esc(stateCounts(mesh.ranks))}</span></div>`
+        key: 'counts',
+        html: `<div class="mk-counts" title="the mesh's ranks">${mesh.ranks.length} ranks: ${esc(summary(mesh.ranks))}</div>`
       }
     ];
     if (mesh.allocation) {
@@ -186,25 +242,28 @@ export class MeshesPanel extends Widget {
         html: `<div class="mk-allocation${short ? ' mk-warn' : ''}" title="the Slurm job">${esc(mesh.allocation)}</div>`
       });
     }
-    if (mesh.hosts.length) {
+    if (mesh.hosts.length && !(open && mesh.ranks.length)) {  // else each host heads its own section
       parts.push({ key: 'hosts', html: `<div class="mk-hosts" title="hosts">${mesh.hosts.map(esc).join(', ')}</div>` });
     }
     parts.push({
       key: 'actions',
       html:
         '<div class="mk-actions">' +
-        button('interrupt', 'Interrupt', 'Interrupt what runs on every rank') +
-        button('restart', 'Restart', 'A fresh mesh of the same shape (namespaces are lost)') +
-        button('down', 'Down', 'Stop every rank of this mesh') +
-        button('insert', 'Insert cell', `Insert a %%mesh --name ${mesh.name} cell below the active one`) +
+        iconButton(stopIcon, 'interrupt', 'Interrupt', 'Interrupt what runs on every rank', data, up) +
+        iconButton(refreshIcon, 'restart', 'Restart', 'A fresh mesh of the same shape (namespaces are lost)', data,
+                   up) +
+        iconButton(closeIcon, 'down', 'Down', 'Stop every rank of this mesh', data, up) +
+        iconButton(addIcon, 'insert', 'Cell', `Insert a %%mesh --name ${mesh.name} cell below the active one`,
+                   data, up) +
         '</div>'
     });
     if (open && mesh.ranks.length) {
+      const hosts = byHost(mesh);
       parts.push({
-        key: 'grid',
+        key: 'hosts-grid',
         tag: 'div',
-        attributes: { class: 'mk-grid' },
-        parts: mesh.ranks.map(r => ({ key: String(r.rank), html: this._rankHtml(mesh, r, colours, glyphs) }))
+        attributes: { class: 'mk-host-list' },
+        parts: hosts.map(([host, ranks]) => this._hostParts(mesh, host, ranks, hosts.length, colours, glyphs))
       });
     }
     const logs = this._logs;
@@ -228,25 +287,60 @@ export class MeshesPanel extends Widget {
     };
   }
 
+  /** One host: its name and summary line, and (unfolded) a tile per rank, GPU by GPU. */
+  private _hostParts(mesh: IMesh, host: string, ranks: IRank[], hostCount: number, colours: Record<string, string>,
+                     glyphs: Record<string, string>): IContainer {
+    const key = `${mesh.name}\u0000${host}`;
+    const open = this._hostOpen.get(key) ?? hostCount <= FOLD_HOSTS;
+    const toggle = open ? caretDownIcon : caretRightIcon;
+    const parts: (IPart | IContainer)[] = [
+      {
+        key: 'head',
+        html:
+          `<div class="mk-host-head"><button class="mk-toggle" data-action="toggle-host" data-mesh="${esc(mesh.name)}" ` +
+          `data-host="${esc(host)}" aria-expanded="${open}" title="Show or hide this host's ranks">` +
+          `${toggle.svgstr}</button><span class="mk-host-name">${esc(host)}</span>` +
+          `<span class="mk-host-summary">${esc(summary(ranks))}</span></div>`
+      }
+    ];
+    if (open) {
+      parts.push({
+        key: 'grid',
+        tag: 'div',
+        attributes: { class: 'mk-grid' },
+        parts: ranks.map(r => ({ key: String(r.rank), html: this._rankHtml(mesh, r, colours, glyphs) }))
+      });
+    }
+    return { key: `host:${host}`, tag: 'div', attributes: { class: 'mk-host', 'data-host': host }, parts };
+  }
+
   private _rankHtml(mesh: IMesh, r: IRank, colours: Record<string, string>, glyphs: Record<string, string>): string {
     const where = Object.entries(r.coords)
       .map(([dim, i]) => `${dim}=${i}`)
       .join(' ');
-    const load = [r.cpu === null || r.cpu === undefined ? '' : `cpu ${r.cpu.toFixed(0)}%`, bytesText(r.rss)]
-      .filter(Boolean)
-      .join(' \u00b7 ');
     const title = `rank ${r.rank} (${where}) on ${r.host}, pid ${r.pid ?? '-'}: ${r.state}` +
       `${r.detail ? ` \u2014 ${r.detail}` : ''}\nClick for its recent output.`;
     const colour = colours[r.state];
+    const loads: string[] = [];
+    if (r.cpu !== null && r.cpu !== undefined) {
+      loads.push(bar('cpu', r.cpu, `${r.cpu.toFixed(0)}%`), bar('rss', null, bytesText(r.rss)));
+    }
+    if (r.gpu_total) {
+      const used = r.gpu_used ?? 0;
+      loads.push(bar('gpu', (100 * used) / r.gpu_total,
+                     `${bytesText(used)}/${bytesText(r.gpu_total)} ${(r.gpu_util ?? 0).toFixed(0)}%`));
+    }
     // the state as a badge: glyph and word in white on the state's colour (readable in any theme,
     // and not told by colour alone), as in the notebook's mesh view
     return (
       `<div class="mk-rank mk-state-${esc(r.state)}" data-action="logs" data-mesh="${esc(mesh.name)}" ` +
       `data-rank="${r.rank}" data-state="${esc(r.state)}" title="${esc(title)}"` +
       `${colour ? ` style="border-left-color:${esc(colour)}"` : ''}>` +
-      `<span class="mk-rank-id">${r.rank}</span> <span class="mk-rank-state"` +
-      `${colour ? ` style="background:${esc(colour)}"` : ''}>${esc(glyphs[r.state] ?? '?')} ${esc(r.state)}</span>` +
-      `<div class="mk-rank-detail">${esc(r.detail)}</div><div class="mk-rank-load">${esc(load)}</div></div>`
+      `<div class="mk-rank-top"><span class="mk-rank-id">GPU ${r.local_rank ?? '?'} \u00b7 r${r.rank}</span>` +
+      `<span class="mk-rank-state"${colour ? ` style="background:${esc(colour)}"` : ''}>` +
+      `${esc(glyphs[r.state] ?? '?')} ${esc(r.state)}</span></div>` +
+      `<div class="mk-rank-detail">${esc(r.detail || `pid ${r.pid ?? '-'}`)}</div>` +
+      `<div class="mk-rank-load">${loads.join(' ')}</div></div>`
     );
   }
 
@@ -267,6 +361,13 @@ export class MeshesPanel extends Widget {
         }
         this._render();
         break;
+      case 'toggle-host': {
+        const key = `${mesh}\u0000${target.dataset.host ?? ''}`;
+        const shown = target.getAttribute('aria-expanded') === 'true';
+        this._hostOpen.set(key, !shown);
+        this._render();
+        break;
+      }
       case 'close-logs':
         this._logs = null;
         this._render();
@@ -354,5 +455,6 @@ export class MeshesPanel extends Widget {
   private _notebook: NotebookPanel | null = null;
   private _link: MeshLink | null = null;
   private _collapsed = new Set<string>();
+  private _hostOpen = new Map<string, boolean>(); // hosts the user folded or unfolded, by mesh and name
   private _logs: IShownLogs | null = null;
 }

@@ -10,11 +10,17 @@ export interface IRank {
   rank: number;
   coords: Record<string, number>;
   host: string;
+  /** Its index on its host (its GPU). */
+  local_rank: number;
   pid: number | null;
   state: string;
   detail: string;
   cpu: number | null;
   rss: number | null;
+  /** GPU memory used and in all, and utilization (percent); null on hosts without a GPU. */
+  gpu_used: number | null;
+  gpu_total: number | null;
+  gpu_util: number | null;
 }
 
 /** One mesh the kernel holds. */

@@ -30,21 +30,12 @@ def _read_env_line(fd: int) -> dict[str, str]:
 
 
 def _warm_imports() -> None:
-    """Import what ranks need before forking them, so each starts ready."""
-    try:
-        import torch  # noqa: F401
-        import torch.distributed  # noqa: F401
-    except ImportError:
-        pass
+    """Import what every rank needs before forking them (torch, when wanted, comes with `Preload`)."""
     import cloudpickle  # noqa: F401
 
     from monarch_kernel.rank import capture, cell, dist, worker  # noqa: F401
 
-    # What torch made at import lives as long as the process: out of the garbage
-    # collector's sight, a full collection on a rank takes a millisecond instead of
-    # stalling whatever runs then (a print, an endpoint) for ~150 ms; and forked ranks
-    # share those pages instead of copying them when the collector touches them.
-    gc.collect()
+    gc.collect()  # see agent.preload: forked ranks share what is frozen here
     gc.freeze()
 
 

@@ -23,6 +23,7 @@ from monarch_kernel import __version__
 from monarch_kernel.agent import files, workspace
 from monarch_kernel.agent.fd_output import FdOutput
 from monarch_kernel.agent.launcher import RankProcess
+from monarch_kernel.agent.preload import Preloader
 from monarch_kernel.agent.rank_set import RankSet, tail_text
 from monarch_kernel.core.failures import exit_text
 from monarch_kernel.wire import handshake
@@ -37,7 +38,8 @@ class HostAgent:
 
     def __init__(self, host: str):
         self.host = host
-        self.ranks = RankSet(host, self)
+        self.preloader = Preloader()
+        self.ranks = RankSet(host, self, self.preloader)
         self.pending: dict[int, tuple[set[int], list[m.Result]]] = {}  # req_id -> (waiting ranks, results)
         self.controller: AsyncConnection | None = None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -58,6 +60,7 @@ class HostAgent:
             m.CancelCall: lambda msg: self.router.cancel(msg, from_above=True),
             m.InputReply: self._deliver,
             m.Ping: lambda msg: self._to_controller(m.Pong(msg.seq)),
+            m.Preload: lambda msg: self.preloader.start(msg.modules),
             m.BindStore: lambda msg: self._bind_store(msg.addr),
             m.StartRanks: lambda msg: self._spawn(self._start(msg)),
             m.Shutdown: lambda msg: self._spawn(self.shutdown("the controller asked", asked=True)),

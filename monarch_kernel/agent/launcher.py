@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -121,8 +120,7 @@ def _become_rank(spec: m.RankSpec, start: m.StartRanks, conn: socket.socket, hb:
 
     os.environ.update(start.env)
     os.environ.update(rank_environment(spec, start.dist, store.port, start.node_rank))
-    if "torch" in sys.modules:
-        limit_threads(spec.local_world_size)
+    limit_threads(spec.local_world_size)
 
     def setup() -> str:
         return init_process_group(spec, start.dist, store)

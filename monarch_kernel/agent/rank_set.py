@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from monarch_kernel.agent.launcher import RankProcess, fork_rank
 from monarch_kernel.agent.load import LoadSampler
+from monarch_kernel.agent.preload import Preloader
 from monarch_kernel.core.failures import exit_text
 from monarch_kernel.rank.dist import StoreSpec
 from monarch_kernel.wire import messages as m
@@ -48,9 +49,10 @@ class RankListener(Protocol):
 class RankSet:
     """This host's rank processes."""
 
-    def __init__(self, host: str, listener: RankListener):
+    def __init__(self, host: str, listener: RankListener, preloader: Preloader | None = None):
         self.host = host
         self.listener = listener
+        self.preloader = preloader or Preloader()
         self.procs: dict[int, RankProcess] = {}
         self.local_ranks: set[int] = set()  # every rank of this host, alive or not
         self.health = m.HealthTimings()
@@ -129,6 +131,7 @@ class RankSet:
 
     async def _start(self, msg: m.StartRanks) -> tuple[m.RankInfo, ...]:
         await self.stop_all(1.0)
+        await self.preloader.ready()  # forked ranks start with the preloaded modules
         self.health = msg.health
         self.local_ranks = {spec.rank for spec in msg.ranks}
         store = self._store_for(msg)

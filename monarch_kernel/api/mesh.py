@@ -39,6 +39,7 @@ _spawns = itertools.count(1)
 BACKENDS = ("gloo", "nccl", "none")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 class Mesh:
@@ -371,23 +372,24 @@ def _seal_named(values: dict[str, Any], shm_dir: str | None) -> Sealed:
 
 def local_mesh(gpus: int | None = None, *, dist: str = "gloo", name: str | None = None,
                env: dict[str, str] | None = None, timeout: float = 120.0,
-               health: HealthTimings | None = None) -> Mesh:
+               health: HealthTimings | None = None, preload: Sequence[str] | None = None) -> Mesh:
     """Start `gpus` ranks on this machine, shape {hosts: 1, gpus: N}.
 
     `gpus` defaults to the number of CUDA devices (or 2 without any). `dist` is the
     torch.distributed backend: "gloo", "nccl" or "none". `health` sets how soon silent
-    ranks and hosts count as failed (the defaults suit most uses).
+    ranks and hosts count as failed (the defaults suit most uses). `preload` names modules
+    each host imports once before forking its ranks (default: torch, unless dist="none").
     """
     if gpus is None:
         gpus = _cuda_count() or 2
-    return _start_mesh([HostSpec("localhost")], gpus, dist, name, env, timeout, None, health)
+    return _start_mesh([HostSpec("localhost")], gpus, dist, name, env, timeout, None, health, preload=preload)
 
 
 def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "python3",
              setup: str | None = None, env: dict[str, str] | None = None, name: str | None = None,
              connect_options: dict[str, Any] | None = None, connect_timeout: float = 30.0,
              master_addr: str | None = None, ship_package: bool = False, timeout: float = 180.0,
-             health: HealthTimings | None = None) -> Mesh:
+             health: HealthTimings | None = None, preload: Sequence[str] | None = None) -> Mesh:
     """Start `gpus` ranks on each SSH host, shape {hosts: len(hosts), gpus: N}.
 
     Hosts are `host`, `user@host` or `user@host:port`, resolved through ~/.ssh/config;
@@ -396,18 +398,19 @@ def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "
     pass ship_package=True to copy this package's source to a temporary folder);
     `setup` is a shell snippet run first (e.g. "source ~/env.sh"); `master_addr` is
     host 0's address as the other hosts reach it (default: the one we connected to).
+    `preload`: as for `local_mesh`.
     """
     if not hosts:
         raise MeshUsageError("ssh_mesh() needs at least one host, e.g. ssh_mesh(['gpu-a'], gpus=8)")
     specs = [HostSpec(h, HostKind.SSH, target=h, python=python, setup=setup, options=dict(connect_options or {}),
                       connect_timeout_s=connect_timeout, ship_package=ship_package)
              for h in hosts]
-    return _start_mesh(specs, gpus, dist, name, env, timeout, master_addr, health)
+    return _start_mesh(specs, gpus, dist, name, env, timeout, master_addr, health, preload=preload)
 
 
 def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, env: dict[str, str] | None,
-                timeout: float, master_addr: str | None, health: HealthTimings | None,
-                allocation: Allocation | None = None) -> Mesh:
+                timeout: float, master_addr: str | None, health: HealthTimings | None, *,
+                allocation: Allocation | None = None, preload: Sequence[str] | None = None) -> Mesh:
     if not isinstance(gpus, int) or gpus < 1:
         raise MeshUsageError(f"gpus={gpus!r}: give a positive number of ranks per host, e.g. gpus=4")
     if dist not in BACKENDS:
@@ -424,7 +427,7 @@ def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, e
         raise MeshUsageError(f"master_addr={master_addr!r} names no host: give the address at which the "
                              "other hosts reach the first one (never 0.0.0.0 or an empty one)")
     spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings(),
-                    allocation=allocation)
+                    preload=_preload_list(preload, dist), allocation=allocation)
     runtime = MeshRuntime(spec, idle_output=IdleOutput().write, report_timing=report_timing)
     try:
         runtime.start()
@@ -440,6 +443,19 @@ def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, e
     if any(h.kind != HostKind.LOCAL for h in hosts):  # another machine may run other versions: say so now
         environment.warn_if_mismatched(runtime, mesh._call_on)
     return mesh
+
+
+def _preload_list(preload: Sequence[str] | None, dist: str) -> tuple[str, ...]:
+    """What each agent imports before forking: as asked, else torch when there is a process group."""
+    if preload is None:
+        return () if dist == "none" else ("torch",)
+    if isinstance(preload, str):
+        preload = [part for part in preload.split(",") if part.strip()]
+    names = tuple(part.strip() for part in preload)
+    bad = [n for n in names if not _MODULE.fullmatch(n)]
+    if bad:
+        raise MeshUsageError(f"preload={bad!r}: give module names (e.g. preload=['torch', 'transformers'])")
+    return names
 
 
 def _cuda_count() -> int:

@@ -273,8 +273,10 @@ class MeshRuntime:
     def _on_message(self, link: HostLink, msg: Any) -> None:
         link.last_pong = self._clock()
         if not link.answered:  # the agent's first frame says which version it runs
-            link.answered = True  # (until then it may still be importing torch)
+            link.answered = True
             problem = handshake.mismatch(msg, link.name, __version__)
+            if problem is None and self.spec.preload:  # it imports them while the other hosts connect
+                link.send(m.Preload(self.spec.preload))
             if link.greeted is not None and not link.greeted.done():
                 if problem is None:
                     link.greeted.set_result(None)

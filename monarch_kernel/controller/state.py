@@ -65,6 +65,7 @@ class MeshSpec:
     master_addr: str | None = None  # host 0's address as the other hosts reach it (default: as we reach it)
     start_timeout_s: float = 120.0
     health: m.HealthTimings = m.HealthTimings()
+    preload: tuple[str, ...] = ("torch",)  # imported by each agent before it forks ranks
     allocation: Allocation | None = field(default=None, compare=False)  # a scheduler's job the mesh runs in
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import importlib.util
 import platform
+import sys
 
 PACKAGES = ("torch", "cloudpickle", "monarch_kernel")
 
@@ -13,10 +16,23 @@ def versions(_worker: object = None) -> dict[str, str]:
 
     (A rank calls it as fn(worker), so it takes and ignores one argument.)
     """
-    found = {"python": platform.python_version()}
-    for name in PACKAGES:
+    return {"python": platform.python_version(), **{name: package_version(name) for name in PACKAGES}}
+
+
+def package_version(name: str) -> str:
+    """The version of `name` as this process would import it, without importing it if it is not loaded.
+
+    (A rank started light must not pay torch's import just to be asked its version.)
+    """
+    module = sys.modules.get(name)
+    if module is None and importlib.util.find_spec(name) is None:
+        return "-"
+    if module is None:
         try:
-            found[name] = str(getattr(importlib.import_module(name), "__version__", "?"))
-        except ImportError:
-            found[name] = "-"
-    return found
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:  # a source folder on sys.path (a shipped package)
+            pass
+    try:
+        return str(getattr(module or importlib.import_module(name), "__version__", "?"))
+    except ImportError:
+        return "-"

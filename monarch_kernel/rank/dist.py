@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from monarch_kernel.core.addresses import is_unspecified
 from monarch_kernel.rank import user_process_groups
+from monarch_kernel.rank.after_import import when_imported
 from monarch_kernel.wire.messages import DistConfig, RankSpec
 
 
@@ -110,24 +112,50 @@ def limit_threads(local_world_size: int) -> None:
     else:
         threads = max(1, (os.cpu_count() or 1) // max(1, local_world_size))
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch = sys.modules.get("torch")  # not yet imported: torch reads OMP_NUM_THREADS when it is
+    if torch is not None:
+        torch.set_num_threads(threads)
+
+
+def _select_device(spec: RankSpec) -> Any:
+    """This rank's CUDA device (local rank N uses GPU N), made current; None on hosts without one."""
     import torch
 
-    torch.set_num_threads(threads)
-
-
-def init_process_group(spec: RankSpec, dist: DistConfig, where: StoreSpec) -> str:
-    """Set the rank's device and initialize the default process group; returns a summary."""
-    import torch
-    import torch.distributed as tdist
-
-    device = None
     if torch.cuda.is_available() and torch.cuda.device_count() > spec.local_rank:
         device = torch.device("cuda", spec.local_rank)
         torch.cuda.set_device(device)
+        return device
+    return None
+
+
+def _without_group(spec: RankSpec, dist: DistConfig, timeout: timedelta) -> Any:
+    """A rank of a mesh without a process group: its device, and init_process_group's advice."""
+    torch = sys.modules["torch"]
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
+    if threads:
+        torch.set_num_threads(threads)
+    device = _select_device(spec)
+    user_process_groups.install("none", dist.world_size, spec.rank, None, timeout)
+    return device
+
+
+def init_process_group(spec: RankSpec, dist: DistConfig, where: StoreSpec) -> str:
+    """Set the rank's device and initialize the default process group; returns a summary.
+
+    Without a process group on a rank forked without torch, that waits for the user's first
+    `import torch` (a mesh started with dist="none" and no preload starts light).
+    """
     timeout = timedelta(seconds=dist.timeout_s)
+    if dist.backend == "none" and "torch" not in sys.modules:
+        when_imported("torch", lambda _torch: _without_group(spec, dist, timeout))
+        return f"rank {spec.rank}: no process group (torch is set up when first imported)"
     if dist.backend == "none":
-        user_process_groups.install("none", dist.world_size, spec.rank, None, timeout)
+        device = _without_group(spec, dist, timeout)
         return f"rank {spec.rank}: no process group" + (f", device {device}" if device else "")
+    import torch
+    import torch.distributed as tdist
+
+    device = _select_device(spec)
     if dist.backend == "nccl" and device is None:
         raise RuntimeError(
             f"--dist nccl needs a CUDA GPU for local rank {spec.local_rank}, but this host has "

@@ -90,6 +90,23 @@ class ShardingView(TextHtmlView):
         return (f"DTensor {lay.name}: {lay.dtype} {list(lay.global_shape)} over DeviceMesh ({mesh}), "
                 f"placements ({', '.join(map(str, lay.placements))})")
 
+    def axis_text(self, dim: int | None) -> str:
+        """A drawn dim, named by its size and how it is split: `dim 0: 6 rows, split over dp (2)`."""
+        if dim is None:
+            return ""
+        lay = self.layout
+        names = lay.mesh_dim_names or tuple(f"dim{i}" for i in range(len(lay.mesh_shape)))
+        over = [f"{name} ({size})" for name, size, p in zip(names, lay.mesh_shape, lay.placements)
+                if p.kind in ("shard", "strided_shard") and p.dim == dim]
+        unit = "rows" if dim == self.rows else "columns"
+        return f"dim {dim}: {lay.global_shape[dim]} {unit}, " + (
+            f"split over {' x '.join(over)}" if over else "not split")
+
+    def axes_line(self, down: str = "down:", across: str = "across:") -> str:
+        """Both drawn dims, each after its direction word (arrows in HTML)."""
+        return "   ".join(f"{word} {self.axis_text(d)}" for word, d in ((down, self.rows), (across, self.cols))
+                           if d is not None)
+
     def notes(self) -> list[str]:
         """What to know before reading the blocks (strided or partial placements)."""
         lay = self.layout
@@ -121,7 +138,7 @@ class ShardingView(TextHtmlView):
         lay = self.layout
         if not lay.is_dtensor:
             return "\n".join([self.title(), *("  " + line for line in self._piece_lines())])
-        lines = [self.title(), *("  " + note for note in self.notes())]
+        lines = [self.title(), *("  " + note for note in self.notes()), "  " + self.axes_line()]
         for facet in lay.facets(self.rows, self.cols):
             if facet:
                 lines.append(f"  at {_facet_label(facet)}:")
@@ -174,6 +191,8 @@ class ShardingView(TextHtmlView):
         parts = [f"<div class='mk-sharding' style='color:{theme.TEXT};font-family:{theme.FONT}'>"
                  f"<b>{html.escape(self.title())}</b>"]
         parts += [f"<div><i>{html.escape(note)}</i></div>" for note in self.notes()]
+        axes = html.escape(self.axes_line("\u2193", "\u2192"))
+        parts.append(f"<div class='mk-axes' style='font:11px {theme.FONT}'>{axes}</div>")
         for facet in lay.facets(self.rows, self.cols):
             if facet:
                 parts.append(f"<div>at {html.escape(_facet_label(facet))}</div>")
@@ -234,7 +253,7 @@ class ShardingView(TextHtmlView):
         if not self.layout.is_dtensor:
             parts += [Text("  " + line) for line in self._piece_lines()]
             return Group(*parts)
-        parts += [Text("  " + note) for note in self.notes()]
+        parts += [Text("  " + note) for note in self.notes()] + [Text("  " + self.axes_line(), style="dim")]
         for facet in self.layout.facets(self.rows, self.cols):
             grid = self.layout.blocks(self.rows, self.cols, facet)
             title = ("at " + ", ".join(f"dim {d} {_range(r)}" for d, r in facet.items())) if facet else None

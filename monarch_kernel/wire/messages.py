@@ -162,6 +162,13 @@ class StartRanks:
 
 
 @dataclass(frozen=True)
+class Preload:
+    """Modules to import before forking ranks (the controller's first message to an agent)."""
+
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class BindStore:
     """Bind rank 0's rendezvous socket on this host (to addr); answered by StoreBound."""
 
