@@ -142,6 +142,7 @@ def main() -> None:
             sys.exit(f"cannot build the test cluster or hosts here: {why}")
     import monarch_kernel
 
+    os.chdir(tempfile.mkdtemp(prefix="bench-slurm-"))  # the peers write job scripts and slurm-N.out files here
     cluster = SlurmTestCluster(2, tempfile.mkdtemp(prefix="slurmlab-"))
     hosts = SSHTestHosts(2, tempfile.mkdtemp())
     try:
