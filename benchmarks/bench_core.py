@@ -1,9 +1,11 @@
-"""Core benchmark: monarch-kernel vs IPython Parallel vs PyTorch Monarch vs a raw socket floor.
+"""Core benchmark: monarch-kernel vs IPython Parallel vs PyTorch Monarch vs Ray vs a raw socket floor.
 
 Each system runs in its own subprocess (so runtimes do not disturb each other) with 4
 workers, and reports raw timings as JSON; this script prints medians, p99 and ratios.
+The raw floor also measures an in-process copy of 64 MiB (numpy's `copy()`), the bar a
+pull from a rank on the same host is held to.
 
-    python benchmarks/bench_core.py [--quick] [--only ours,raw,ipyparallel,monarch]
+    python benchmarks/bench_core.py [--quick] [--only ours,raw,ipyparallel,monarch,ray]
 """
 
 from __future__ import annotations
@@ -164,6 +166,51 @@ def bench_monarch(quick: bool) -> dict:
     return res
 
 
+def bench_ray(quick: bool) -> dict:
+    """Ray with 4 actors: a pull is `ray.get` of an array an actor returned (zero-copy from its
+    shared-memory store); a push is one `ray.put` that every actor then gets."""
+    import numpy as np
+    import ray
+
+    res: dict = {}
+    t = time.perf_counter()
+    ray.init(num_cpus=WORKERS, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+
+    @ray.remote
+    class Worker:
+        def __init__(self):
+            import torch  # noqa: F401 - as every system's startup row imports torch
+
+            self.block = np.ones(MIB64, dtype=np.uint8)
+
+        def ping(self):
+            return None
+
+        def pull(self):
+            return self.block
+
+        def touch(self, array):
+            return int(array[-1])
+
+    actors = [Worker.remote() for _ in range(WORKERS)]
+    try:
+        ray.get([a.ping.remote() for a in actors])
+        res["startup (import torch)"] = [time.perf_counter() - t]
+        n = 100 if quick else 500
+        res["no-op broadcast (API)"] = timed(lambda: ray.get([a.ping.remote() for a in actors]), n, 20)
+        res["pull 64 MiB (s)"] = timed(lambda: ray.get(actors[0].pull.remote()), 5 if quick else 15, 2)
+        x = np.ones(MIB64, dtype=np.uint8)
+
+        def push():
+            ref = ray.put(x)
+            ray.get([a.touch.remote(ref) for a in actors])
+
+        res["push 64 MiB to 4 (s)"] = timed(push, 5 if quick else 15, 2)
+    finally:
+        ray.shutdown()
+    return res
+
+
 def bench_raw(quick: bool) -> dict:
     """The floor: a parent and 4 children on bare Unix socketpairs.
 
@@ -201,6 +248,10 @@ def bench_raw(quick: bool) -> dict:
             got += socks[0].recv_into(view[got:])
 
     res["pull 64 MiB (s)"] = timed(pull, 5 if quick else 15, 2)
+    import numpy as np
+
+    block = np.ones(MIB64, dtype=np.uint8)
+    res["copy 64 MiB in process (s)"] = timed(block.copy, 5 if quick else 15, 2)
     data = bytes(MIB64)
 
     def push():
@@ -236,9 +287,10 @@ def _raw_child(sock) -> None:
             sock.sendall(b"k")
 
 
-SYSTEMS = {"ours": bench_ours, "raw": bench_raw, "ipyparallel": bench_ipyparallel, "monarch": bench_monarch}
+SYSTEMS = {"ours": bench_ours, "raw": bench_raw, "ipyparallel": bench_ipyparallel, "monarch": bench_monarch,
+           "ray": bench_ray}
 ROWS = ["startup (import torch)", "restart", "no-op broadcast (API)", "no-op broadcast (magic)",
-        "pull 64 MiB (s)", "push 64 MiB to 4 (s)", "4 x 1,000 lines shown"]
+        "pull 64 MiB (s)", "push 64 MiB to 4 (s)", "copy 64 MiB in process (s)", "4 x 1,000 lines shown"]
 
 
 # ------------------------------------------------------------------ driver

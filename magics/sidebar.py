@@ -19,7 +19,7 @@ kernel -> frontend:
 MESH: {"name", "kind" ("local"|"ssh"|"slurm"), "shape": {dim: size}, "hosts": [...], "dist",
        "state" ("up"|"down"), "default": bool, "allocation": str | None,
        "ranks": [{"rank", "coords", "host", "local_rank", "pid", "state", "detail", "cpu", "rss",
-                  "gpu_used", "gpu_total", "gpu_util"}, ...]}
+                  "mem_total", "gpu_used", "gpu_total", "gpu_util"}, ...]}
 
 Actions run on a helper thread, so a restart never holds up the kernel's message loop.
 """
@@ -61,6 +61,7 @@ def describe_meshes(registry: MeshRegistry) -> list[dict[str, Any]]:
             entry["ranks"] = [
                 {"rank": c.rank, "coords": dict(c.coords), "host": c.host, "local_rank": c.local_rank, "pid": c.pid,
                  "state": str(c.state), "detail": c.detail, "cpu": c.cpu_percent, "rss": c.rss_bytes,
+                 "mem_total": c.host_memory_bytes,
                  "gpu_used": c.gpu_used_bytes, "gpu_total": c.gpu_total_bytes, "gpu_util": c.gpu_util_percent}
                 for c in mesh_snapshot(mesh).cells()]
         out.append(entry)

@@ -32,8 +32,8 @@ HOSTS = [f"node{h:02d}" for h in range(32)]
 def synthetic(registry):
     ranks = [{"rank": r, "coords": {"hosts": r // 4, "gpus": r % 4}, "host": HOSTS[r // 4], "local_rank": r % 4,
               "pid": 1000 + r, "state": STATES[r % 5], "detail": "cell 3 for 1.2 s" if r % 5 == 1 else "",
-              "cpu": float(r % 90), "rss": (200 + r) << 20, "gpu_used": (r % 79 + 1) << 30, "gpu_total": 80 << 30,
-              "gpu_util": float(r % 100)} for r in range(128)]
+              "cpu": float(r % 90), "rss": (200 + r) << 20, "mem_total": 64 << 30,
+              "gpu_used": (r % 79 + 1) << 30, "gpu_total": 80 << 30, "gpu_util": float(r % 100)} for r in range(128)]
     return [{"name": "big", "kind": "slurm", "shape": {"hosts": 32, "gpus": 4}, "hosts": HOSTS, "dist": "nccl",
              "state": "up", "default": True, "ranks": ranks,
              "allocation": "Slurm job 7: RUNNING on node[00-31], 1:58:00 left"}]
@@ -269,7 +269,7 @@ def test_a_128_rank_mesh_folds_its_32_hosts_into_summary_lines(page, theme):
     page.wait_for_selector(f'{BIG} .mk-host[data-host="node00"] .mk-rank[data-rank="3"]')
     tile = first.locator('.mk-rank[data-rank="1"]').inner_text()
     assert "GPU 1" in tile and "busy" in tile and "cell 3 for 1.2 s" in tile and "gpu" in tile
-    assert first.locator(".mk-bar").count() == 8  # cpu and GPU bars on each of the 4 tiles
+    assert first.locator(".mk-bar").count() == 16  # cpu, memory, GPU memory and utilization on each of the 4 tiles
     measured = contrast_report(page, f"{BIG} *")
     page.locator(PANEL).screenshot(path=artifact(f"meshes_sidebar_128_{theme.split()[-1].lower()}.png"))
     assert len(measured) > 40

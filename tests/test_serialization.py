@@ -1,3 +1,4 @@
+import gc
 import os
 import pickle
 import threading
@@ -76,9 +77,13 @@ def test_large_buffers_go_through_shared_memory(shm_dir):
     assert len(pickle.dumps(sealed, protocol=5)) < 4096
     back = unseal(sealed)
     assert torch.equal(back, t)
-    assert not os.path.exists(refs[0].path)  # consumed by the single receiver
     back += 1  # private, writable mapping
     assert back[0].item() == 1.0
+    assert os.path.exists(refs[0].path)  # kept while the receiver maps it...
+    del back
+    gc.collect()
+    assert not os.path.exists(refs[0].path)  # ...then free for the next buffer of its size
+    assert [n for n in os.listdir(shm_dir) if n.startswith("free-")]
 
 
 def test_shared_buffers_are_copy_on_write_and_released_by_sender(shm_dir):
@@ -89,7 +94,10 @@ def test_shared_buffers_are_copy_on_write_and_released_by_sender(shm_dir):
     assert second.sum().item() == 0  # one receiver's writes are invisible to another
     assert all(os.path.exists(p) for p in sealed.shm_paths())
     release(sealed)
-    assert not any(os.path.exists(p) for p in sealed.shm_paths())
+    assert all(os.path.exists(p) for p in sealed.shm_paths())  # both receivers still map it
+    del first, second
+    gc.collect()
+    assert not any(os.path.exists(p) for p in sealed.shm_paths())  # the last one let go: recycled
 
 
 def test_unpicklable_value_names_the_variable():

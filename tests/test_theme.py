@@ -35,7 +35,7 @@ def mesh_html(hosts: int, gpus: int) -> str:
     states = list(theme.STATES)
     cells = [RankCell(r, (("hosts", r // gpus), ("gpus", r % gpus)), f"node{r // gpus}", r % gpus, 1000 + r,
                       states[r % len(states)], "cell 3 for 1.2 s" if states[r % len(states)] == "busy" else "",
-                      12.0 + r, (200 + r) << 20, (r + 1) << 30, 80 << 30, 40.0)
+                      12.0 + r, (200 + r) << 20, (r + 1) << 30, 80 << 30, 40.0, 64 << 30)
              for r in range(hosts * gpus)]
     rows = tuple(tuple(cells[i:i + gpus]) for i in range(0, len(cells), gpus))
     snap = MeshSnapshot(f"mesh 'm' {{hosts: {hosts}, gpus: {gpus}}} dist=nccl", tuple(f"node{h}" for h in range(hosts)),
@@ -84,6 +84,7 @@ def test_a_128_rank_grid_folds_hosts_into_summary_rows():
     page = mesh_html(32, 4)
     assert page.count("<details class='mk-row'>") == 32 and page.count("class='mk-rank'") == 128
     assert "128 ranks:" in page and "node31" in page
+    assert page.count("class='mk-bar'") == 128 * 4  # cpu, memory of the host's, GPU memory, GPU utilization
     small = mesh_html(2, 4)
     assert "<details" not in small and "<th>GPU 3</th>" in small
 

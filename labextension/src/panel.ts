@@ -323,12 +323,13 @@ export class MeshesPanel extends Widget {
     const colour = colours[r.state];
     const loads: string[] = [];
     if (r.cpu !== null && r.cpu !== undefined) {
-      loads.push(bar('cpu', r.cpu, `${r.cpu.toFixed(0)}%`), bar('rss', null, bytesText(r.rss)));
+      const memory = r.mem_total ? (100 * (r.rss ?? 0)) / r.mem_total : null;
+      loads.push(bar('cpu', r.cpu, `${r.cpu.toFixed(0)}%`), bar('mem', memory, bytesText(r.rss)));
     }
     if (r.gpu_total) {
       const used = r.gpu_used ?? 0;
-      loads.push(bar('gpu', (100 * used) / r.gpu_total,
-                     `${bytesText(used)}/${bytesText(r.gpu_total)} ${(r.gpu_util ?? 0).toFixed(0)}%`));
+      loads.push(bar('gpu', (100 * used) / r.gpu_total, `${bytesText(used)}/${bytesText(r.gpu_total)}`),
+                 bar('util', r.gpu_util ?? 0, `${(r.gpu_util ?? 0).toFixed(0)}%`));
     }
     // the state as a badge: glyph and word in white on the state's colour (readable in any theme,
     // and not told by colour alone), as in the notebook's mesh view

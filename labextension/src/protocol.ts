@@ -17,6 +17,8 @@ export interface IRank {
   detail: string;
   cpu: number | null;
   rss: number | null;
+  /** The host's memory in all (bytes), to scale rss against. */
+  mem_total: number | null;
   /** GPU memory used and in all, and utilization (percent); null on hosts without a GPU. */
   gpu_used: number | null;
   gpu_total: number | null;

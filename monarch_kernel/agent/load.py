@@ -25,6 +25,7 @@ class RankLoad:
     gpu_total_bytes: int | None = None
     gpu_util_percent: float | None = None
     activity: str = ""  # the endpoint its actors run, e.g. "Trainer.step 1.5s"
+    host_memory_bytes: int | None = None  # the host's memory in all (MemTotal), to scale rss against
 
 
 class LoadSampler:
@@ -33,6 +34,7 @@ class LoadSampler:
     def __init__(self) -> None:
         self._last: dict[int, tuple[float, float]] = {}  # pid -> (wall time, cpu seconds)
         self._nvml = _nvml()
+        self._memory = _host_memory()
 
     def sample(self, ranks: dict[int, tuple[int, int]], activity: dict[int, str] | None = None) -> list[RankLoad]:
         """Loads of {rank: (pid, local_rank)}; ranks whose /proc entry vanished are skipped."""
@@ -46,7 +48,8 @@ class LoadSampler:
             self._last[pid] = (now, cpu_s)
             percent = 0.0 if before is None or now <= before[0] else 100.0 * (cpu_s - before[1]) / (now - before[0])
             gpu = self._gpu(local_rank)
-            loads.append(RankLoad(rank, round(max(0.0, percent), 1), rss, *gpu, (activity or {}).get(rank, "")))
+            loads.append(RankLoad(rank, round(max(0.0, percent), 1), rss, *gpu, (activity or {}).get(rank, ""),
+                                  self._memory))
         alive = {pid for pid, _ in ranks.values()}
         for pid in list(self._last):
             if pid not in alive:
@@ -74,6 +77,18 @@ def _proc(pid: int) -> tuple[float | None, int]:
     except (OSError, IndexError, ValueError):
         return None, 0
     return (int(fields[11]) + int(fields[12])) / _TICKS, resident * _PAGE
+
+
+def _host_memory() -> int | None:
+    """MemTotal of /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _nvml():

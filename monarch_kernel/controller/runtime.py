@@ -29,7 +29,7 @@ from monarch_kernel.core.errors import MeshStartError, MeshUsageError
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.calls import register_sender, unregister_sender
-from monarch_kernel.wire.serialization import carries_shm_refs
+from monarch_kernel.wire.serialization import carries_shm_refs, forget_mappings
 from monarch_kernel.wire.transport import FrameError
 
 Handler = Callable[[HostLink, Any], None]
@@ -223,6 +223,7 @@ class MeshRuntime:
         finally:
             shutil.rmtree(self.state.run_dir, ignore_errors=True)
             shutil.rmtree(self.state.shm_dir, ignore_errors=True)
+            forget_mappings(self.state.shm_dir)  # what this process kept mapped of it goes too
             if self.spec.allocation is not None:
                 self.spec.allocation.release()
 

@@ -42,6 +42,7 @@ class RankCell:
     gpu_used_bytes: int | None = None
     gpu_total_bytes: int | None = None
     gpu_util_percent: float | None = None
+    host_memory_bytes: int | None = None
 
     @property
     def label(self) -> str:
@@ -104,8 +105,8 @@ def mesh_snapshot(mesh: Mesh, title_suffix: str = "") -> MeshSnapshot:
         load = s.load
         cells.append(RankCell(
             point.rank, tuple(point.items()), s.host, s.local_rank, s.pid, s.state, _detail(s),
-            *((load.cpu_percent, load.rss_bytes, load.gpu_used_bytes, load.gpu_total_bytes, load.gpu_util_percent)
-              if load is not None else ())))
+            *((load.cpu_percent, load.rss_bytes, load.gpu_used_bytes, load.gpu_total_bytes, load.gpu_util_percent,
+               load.host_memory_bytes) if load is not None else ())))
     rows = tuple(tuple(cells[i:i + cols]) for i in range(0, len(cells), cols))
     leading = dims[:-1]
     if [name for name, _ in dims] == ["hosts", "gpus"]:  # the usual mesh: host names down, GPU indices across
@@ -143,20 +144,23 @@ def cell_html(c: RankCell, has_gpu: bool) -> str:
 
 
 def _load_bars(c: RankCell, has_gpu: bool) -> str:
-    """CPU, memory (and GPU) as small labelled bars; nothing before the first load report."""
+    """CPU, memory (of the host's), and GPU memory and utilization as small labelled bars;
+    nothing before the first load report."""
     if c.cpu_percent is None:
         return ""
-    bars = [("cpu", min(100.0, c.cpu_percent), f"{c.cpu_percent:.0f}%"), ("rss", None, _mib(c.rss_bytes))]
+    memory = 100 * (c.rss_bytes or 0) / c.host_memory_bytes if c.host_memory_bytes else None
+    bars = [("cpu", min(100.0, c.cpu_percent), f"{c.cpu_percent:.0f}%"), ("mem", memory, _mib(c.rss_bytes))]
     if has_gpu and c.gpu_total_bytes:
         used = 100 * (c.gpu_used_bytes or 0) / c.gpu_total_bytes
-        bars.append(("gpu", used, f"{_mib(c.gpu_used_bytes)}/{_mib(c.gpu_total_bytes)} {c.gpu_util_percent or 0:.0f}%"))
+        bars += [("gpu", used, f"{_mib(c.gpu_used_bytes)}/{_mib(c.gpu_total_bytes)}"),
+                 ("util", c.gpu_util_percent or 0.0, f"{c.gpu_util_percent or 0:.0f}%")]
     out = []
     for name, percent, text in bars:
         track = " " if percent is None else (
-            f"<span style='display:inline-block;width:40px;height:6px;background:{theme.TRACK};margin:0 4px;"
-            f"vertical-align:middle'><span style='display:block;height:6px;width:{max(2.0, percent):.0f}%;"
-            f"background:{theme.TEXT}'></span></span>")
-        out.append(f"<span class='mk-load'>{name}{track}{html.escape(text)}</span>")
+            f"<span class='mk-bar' style='display:inline-block;width:40px;height:6px;background:{theme.TRACK};"
+            f"margin:0 4px;vertical-align:middle'><span style='display:block;height:6px;"
+            f"width:{max(2.0, min(100.0, percent)):.0f}%;background:{theme.TEXT}'></span></span>")
+        out.append(f"<span class='mk-load' style='white-space:nowrap'>{name}{track}{html.escape(text)}</span>")
     return "<br>" + " ".join(out)
 
 

@@ -1,0 +1,122 @@
+"""Buffers through shared memory on one host: written once, mapped by the receivers, and their
+files recycled (never while anyone still maps them), with nothing left behind."""
+
+import collections
+import gc
+import os
+import time
+
+import numpy as np
+import pytest
+
+from monarch_kernel import local_mesh
+from monarch_kernel.wire import serialization
+from monarch_kernel.wire.serialization import release, seal, unseal
+
+MIB = 1 << 20
+
+
+def _files(folder: str, prefix: str) -> list[str]:
+    return [n for n in os.listdir(folder) if n.startswith(prefix)]
+
+
+def _wait_until_released(folder: str, timeout: float = 10.0) -> None:
+    """Until no buffer is held (every receiver's object is gone and its file recycled)."""
+    deadline = time.monotonic() + timeout
+    while _files(folder, "buf-") or _files(folder, "hold-"):
+        gc.collect()
+        assert time.monotonic() < deadline, f"still held: {sorted(os.listdir(folder))}"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    with local_mesh(gpus=2, dist="none", preload=["numpy"]) as mesh:
+        yield mesh
+
+
+def test_a_thousand_pulls_reuse_files_and_never_touch_a_value_still_held(pair, sink):
+    folder = pair._runtime.state.shm_dir
+    pair.run("import numpy as np\nn = 0\ndef next_block():\n    global n\n    n += 1\n"
+             "    return np.full(1 << 20, n % 251, dtype=np.uint8)", sink=sink)
+    _pull_a_thousand(pair.slice(gpus=0))
+    assert len(os.listdir(folder)) < 60, sorted(os.listdir(folder))  # a pool the size of what is held
+    _wait_until_released(folder)
+    assert all(int(n.split("-")[1]) == MIB for n in _files(folder, "free-"))
+
+
+def _pull_a_thousand(one) -> None:
+    held: collections.deque = collections.deque(maxlen=20)  # pulled values still alive while more arrive
+    for i in range(1, 1001):
+        (value,) = list(one.pull("next_block()").values())
+        assert value.nbytes == MIB and value[0] == value[-1] == i % 251
+        if i % 7 == 0:
+            value[:4096] = 0  # the receiver may write: its own copy of that page, never the file's
+        held.append((i, value))
+        for j, old in held:
+            assert old[-1] == j % 251 and old[MIB // 2] == j % 251  # what was pulled before is as it was
+
+
+def test_a_push_is_written_once_and_recycled_when_every_rank_lets_go(pair, sink):
+    folder = pair._runtime.state.shm_dir
+    pair.run("kept = []", sink=sink)
+    for i in range(12):
+        pair.push(x=np.full(4 * MIB, i, dtype=np.uint8))
+        pair.run("kept.append(x)", sink=sink)
+    sums = pair.run("[(int(k[0]), int(k[-1])) for k in kept]", sink=sink)
+    assert list(sums.values()) == [[(i, i) for i in range(12)]] * 2  # every push intact on every rank
+    assert len(_files(folder, "buf-")) == 12  # each push written once for both ranks, held while kept
+    pair.run("kept.clear()\ndel x\nimport gc\ngc.collect()", sink=sink)
+    _wait_until_released(folder)
+    assert _files(folder, "free-")  # ready for the next push
+
+
+def test_the_mesh_folder_goes_with_the_mesh(sink):
+    with local_mesh(gpus=1, dist="none") as mesh:
+        folder = mesh._runtime.state.shm_dir
+        mesh.run("import numpy as np\nx = np.ones(2 << 20, dtype=np.uint8)", sink=sink)
+        (value,) = mesh.pull("x").values()
+        assert os.path.isdir(folder)
+    assert not os.path.exists(folder)
+    assert value.sum() == 2 << 20  # a value pulled before stays readable after the mesh is gone
+    assert _mapped_here(folder)
+    del value
+    gc.collect()
+    assert not _mapped_here(folder)  # and once it is gone, this process keeps nothing of the folder
+
+
+def _mapped_here(folder: str) -> bool:
+    with open("/proc/self/maps") as maps:
+        return folder in maps.read()
+
+
+def test_the_free_pool_is_bounded(tmp_path, monkeypatch):
+    folder = tmp_path / "monarch-pool"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setattr(serialization, "SHM_POOL_BYTES", 8 * MIB)
+    values = [unseal(seal(np.full(size, 1, dtype=np.uint8), shm_dir=str(folder)))
+              for size in (MIB, 2 * MIB, 4 * MIB, 4 * MIB)]
+    del values
+    gc.collect()
+    free = _files(str(folder), "free-")
+    assert sum(int(n.split("-")[1]) for n in free) == 11 * MIB  # four free files; the next claim trims them
+    unseal(seal(np.full(16 * MIB, 1, dtype=np.uint8), shm_dir=str(folder)))
+    gc.collect()
+    assert sum(int(n.split("-")[1]) for n in _files(str(folder), "free-")) <= 8 * MIB + 16 * MIB
+
+
+def test_a_shared_buffer_outlives_the_sender_until_every_receiver_lets_go(tmp_path):
+    folder = tmp_path / "monarch-shared"
+    folder.mkdir(mode=0o700)
+    sealed = seal(np.arange(MIB, dtype=np.uint8), shm_dir=str(folder), shared=True)
+    first, second = unseal(sealed), unseal(sealed)
+    release(sealed)  # every receiver answered; both still map it
+    assert len(_files(str(folder), "buf-")) == 1 and len(_files(str(folder), "hold-")) == 2
+    del first
+    gc.collect()
+    assert _files(str(folder), "buf-") and not _files(str(folder), "free-")
+    claimed = seal(np.zeros(MIB, dtype=np.uint8), shm_dir=str(folder))  # may not take the held file
+    assert int(second[-1]) == (MIB - 1) % 256 and unseal(claimed).sum() == 0
+    del second
+    gc.collect()
+    assert not _files(str(folder), "hold-") and len(_files(str(folder), "free-")) >= 1
