@@ -6,8 +6,10 @@ timings as JSON; this script prints medians, p99 and ratios.
     python benchmarks/bench_actors.py [--quick] [--only ours,raw,ray,monarch]
 
 Rows: a call_one round trip (one small argument, one small reply), a call to all 4,
-1,000 calls in flight to one actor (reported as calls per second), and a call to one
-actor with a 64 MiB float32 tensor argument (reported as GB/s).
+1,000 calls in flight to one actor (reported as calls per second), a call to one
+actor with a 64 MiB float32 tensor argument (reported as GB/s), and a plain (sync)
+endpoint that calls another actor and waits, per call: one on its own rank (ours: served
+by the rank while the endpoint waits) and one on another rank (Ray: another actor process).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ WORKERS = 4
 PIPELINED = 1000
 MIB64 = 64 << 20
 ROWS = ["call_one round trip", "call to all 4", "pipelined calls/s (1,000 in flight)",
-        "64 MiB tensor argument"]
+        "64 MiB tensor argument", "sync actor -> actor, same rank", "sync actor -> actor, other rank"]
+RELAYED = 200  # calls a relaying endpoint makes per measurement
 
 
 def _counts(quick: bool) -> tuple[int, int, int]:
@@ -71,9 +74,25 @@ def bench_ours(quick: bool) -> dict:
         def nbytes(self, t):
             return t.numel()
 
+    class Relay(Actor):
+        def __init__(self, echo):
+            self.echo = echo
+
+        @endpoint
+        def relay(self, rank, count):
+            target = self.echo.slice(gpus=rank)
+            for i in range(count):
+                target.ping.call_one(i).get()
+
     mesh = local_mesh(gpus=WORKERS, dist="none")
     try:
-        return _measure_actor_mesh(mesh.spawn("echo", Echo), quick)
+        echo = mesh.spawn("echo", Echo)
+        res = _measure_actor_mesh(echo, quick)
+        relay = mesh.spawn("relay", Relay, echo).slice(gpus=0)
+        n = 5 if quick else 15
+        for row, rank in (("sync actor -> actor, same rank", 0), ("sync actor -> actor, other rank", 1)):
+            res[row] = [t / RELAYED for t in timed(lambda r=rank: relay.relay.call_one(r, RELAYED).get(), n, 1)]
+        return res
     finally:
         mesh.shutdown()
 
@@ -92,16 +111,30 @@ def bench_ray(quick: bool) -> dict:
         def nbytes(self, t):
             return t.numel()
 
+    @ray.remote
+    class Relay:
+        def __init__(self, echo):
+            self.echo = echo
+
+        def relay(self, count):
+            for i in range(count):
+                ray.get(self.echo.ping.remote(i))
+
     actors = [Echo.remote() for _ in range(WORKERS)]
     ray.get([a.ping.remote(0) for a in actors])
     t = torch.randn(MIB64 // 4)
     try:
-        return _measure(
+        res = _measure(
             lambda: ray.get(actors[0].ping.remote(1)),
             lambda: ray.get([a.ping.remote(1) for a in actors]),
             lambda: ray.get([actors[0].ping.remote(i) for i in range(PIPELINED)]),
             lambda: ray.get(actors[0].nbytes.remote(t)),
             quick)
+        relay = Relay.remote(actors[1])  # each Ray actor is its own process: every call is "another rank"
+        ray.get(relay.relay.remote(1))
+        res["sync actor -> actor, other rank"] = [
+            t / RELAYED for t in timed(lambda: ray.get(relay.relay.remote(RELAYED)), 5 if quick else 15, 1)]
+        return res
     finally:
         ray.shutdown()
 

@@ -26,6 +26,7 @@ _EXPORTS = {
     "ActorFuture": "monarch_kernel.actors.client",
     "ActorMesh": "monarch_kernel.actors.client",
     "ActorDiedError": "monarch_kernel.core.errors",
+    "ActorDeadlockError": "monarch_kernel.core.errors",
     "ActorError": "monarch_kernel.core.errors",
     "CellSyntaxError": "monarch_kernel.core.errors",
     "MeshError": "monarch_kernel.core.errors",
@@ -53,6 +54,7 @@ _EXPORTS = {
 __all__ = [
     "Actor",
     "ActorDiedError",
+    "ActorDeadlockError",
     "ActorError",
     "ActorFailureEvent",
     "ActorFuture",
@@ -90,6 +92,7 @@ if TYPE_CHECKING:
     from monarch_kernel.api.futures import MeshFuture
     from monarch_kernel.api.mesh import Mesh, local_mesh, ssh_mesh
     from monarch_kernel.core.errors import (
+        ActorDeadlockError,
         ActorDiedError,
         ActorError,
         CellSyntaxError,

@@ -298,9 +298,8 @@ def test_actor_to_actor_calls(mesh, counters, relays):
     assert values == sorted(v + 1 + (r != 0) for r, v in before.items())
     # an async endpoint may await an actor on its own rank
     assert relays.ask_own_rank.call().get().by_rank() == counters.add.call(0).get().by_rank()
-    # a sync one would wait on itself: a clear error instead of a hang
-    with pytest.raises(ActorError, match="would wait on itself"):
-        relays.slice(gpus=2).ask_own_rank_blocking.call_one().get(timeout=5)
+    # and so may a sync one: the rank serves its other actors while the endpoint waits
+    assert relays.ask_own_rank_blocking.call().get(timeout=10).by_rank() == counters.add.call(0).get().by_rank()
 
 
 def test_mesh_cells_see_the_actors_of_their_rank(mesh, counters):
@@ -311,14 +310,14 @@ def test_mesh_cells_see_the_actors_of_their_rank(mesh, counters):
     assert ranks == {0: 0, 1: 1, 2: 2, 3: 3}
 
 
-def test_a_cell_may_call_actors_on_other_ranks(mesh, counters, relays):
+def test_a_cell_may_call_actors_on_other_ranks_and_its_own(mesh, counters, relays):
     code = ("from monarch_kernel import current_rank\n"
             "others = actors['relays'].counters.slice(gpus=slice(1, 4))\n"
             "sorted(others.where.call().get().by_rank())")
     assert mesh.slice(gpus=0).run(code).item(hosts=0) == [1, 2, 3]
-    with pytest.raises(RemoteError, match="would wait on itself") as caught:
-        mesh.slice(gpus=0).run("actors['relays'].counters.add.call(0).get()")
-    assert type(caught.value) is RemoteError and caught.value.failures[0].error_type == "MeshUsageError"
+    # its own rank's sync actors are served while the cell waits
+    everyone = mesh.slice(gpus=0).run("actors['relays'].counters.add.call(0).get(timeout=10).by_rank()")
+    assert sorted(everyone.item(hosts=0)) == [0, 1, 2, 3]
 
 
 def test_timeout_cancels_a_sync_endpoint_and_frees_the_actor(counters):

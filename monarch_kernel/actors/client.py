@@ -162,6 +162,7 @@ class ActorMesh:
         label = f"{self.class_name}.{endpoint_name}"
 
         pending = sender.calls.new(ranks, label, on_reply)
+        pending.actor = self.key
         if sealed.shm_paths():  # shared-memory arguments: remove them once every rank answered
 
             def replied(reply: ActorReply) -> None:

@@ -17,6 +17,10 @@ class MeshUsageError(MeshError, ValueError):
     """The caller asked for something that cannot be done (bad slice, bad option...)."""
 
 
+class ActorDeadlockError(MeshUsageError):
+    """Actors on one rank wait on each other in a cycle (or an actor on itself): none could ever go on."""
+
+
 class MeshNotRunningError(MeshError):
     """The mesh was shut down or never came up; start one with `%mesh up` or local_mesh()."""
 

@@ -6,6 +6,13 @@ endpoints run inline on the rank's main thread, so an interrupt reaches them as
 KeyboardInterrupt; async endpoints run as tasks on the rank's event loop, so an actor
 awaiting another call does not hold up the other actors of the rank.
 
+Each actor is its own unit: while a sync endpoint (or a `%%mesh` cell) waits on actor
+calls, the main thread serves the other actors' mailboxes from inside that wait, so a
+sync endpoint may block on another actor of its own rank (as in Ray or Monarch). What
+cannot finish is reported instead of hanging: an actor waiting on itself, actors of the
+rank waiting on each other in a cycle, or a wait on an async endpoint of the rank (the
+event loop that would run it is the thread that waits): `ActorDeadlockError`, naming them.
+
 The rank's `CallSender` lives here too: actor meshes used inside an endpoint or a
 `%%mesh` cell send their calls through the rank's host agent.
 """
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import inspect
 import linecache
 import signal
@@ -25,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monarch_kernel.actors.base import current_point, is_endpoint
-from monarch_kernel.core.errors import ConnectionClosed, MeshUsageError, SerializationError
+from monarch_kernel.core.errors import ActorDeadlockError, ConnectionClosed, MeshUsageError, SerializationError
 from monarch_kernel.core.shape import Point, Shape
 from monarch_kernel.rank.cell import describe_failure
 from monarch_kernel.wire.calls import CallKey, CallTable, PendingCall, set_default_sender
@@ -60,16 +68,26 @@ class _Mailbox:
 class RankSender:
     """Sends this rank's own actor calls through its host agent."""
 
-    def __init__(self, rank: int, send: Callable[[Any], None], shm_dir: str | None):
+    def __init__(self, rank: int, send: Callable[[Any], None], shm_dir: str | None,
+                 wait_serving: Callable[[PendingCall, int, float | None], bool]):
         self.caller_id = rank
         self.own_rank = rank
         self.calls = CallTable()
         self._send = send
         self._shm_dir = shm_dir
+        self._wait_serving = wait_serving  # the main thread's wait: it serves the rank's actors meanwhile
+        self._post_local: Callable[[ActorCall], None] | None = None  # calls to this rank's own actors
 
     def send_call(self, msg: ActorCall) -> None:
-        """Hand a call to the host agent, which routes it."""
-        self._send(msg)
+        """Hand a call to the host agent, which routes it; this rank's own part goes straight to its
+        actors (every call of this sender to them takes that one way, so their order holds)."""
+        if self.own_rank not in msg.ranks or self._post_local is None:
+            self._send(msg)
+            return
+        others = tuple(r for r in msg.ranks if r != self.own_rank)
+        if others:
+            self._send(dataclasses.replace(msg, ranks=others))
+        self._post_local(dataclasses.replace(msg, ranks=(self.own_rank,)))
 
     def send_cancel(self, msg: CancelCall) -> None:
         """Ask the ranks of a call to stop it."""
@@ -83,12 +101,15 @@ class RankSender:
         """Calls go out as they are made (no queue to flush)."""
 
     def wait_for_replies(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
-        """Replies are delivered by the rank's reader thread: just wait."""
+        """Replies are delivered by the rank's reader thread; the main thread serves the rank's
+        other actors while it waits (see the module's note), other threads just wait."""
+        if threading.current_thread() is threading.main_thread():
+            return self._wait_serving(pending, count, timeout)
         return pending.wait(count, timeout)
 
     def must_not_wait_on(self, ranks: tuple[int, ...]) -> bool:
-        """Blocking on our own rank from its main thread would wait forever."""
-        return self.own_rank in ranks and threading.current_thread() is threading.main_thread()
+        """Never refused up front: a wait that could not end is found while waiting (ActorDeadlockError)."""
+        return False
 
     def host_of(self, rank: int) -> str:
         """Ranks do not track where other ranks run."""
@@ -121,14 +142,18 @@ class ActorHost:
         self._shm_dir = shm_dir
         self._lock = threading.Lock()  # guards the three below (reader thread vs main)
         self._cancelled: dict[CallKey, None] = {}  # may come before its call (other route)
-        self._running_sync: CallKey | None = None
+        self._running_sync: list[CallKey] = []  # sync calls on the main thread, outermost first
         self._tasks: dict[CallKey, asyncio.Task] = {}
         self._doing: dict[CallKey, tuple[str, float]] = {}  # endpoints running: label, start time
         self.reported = ""  # the activity last told to the agent
         self.on_idle: Callable[[], None] | None = None  # tells the agent, when set
         self._reply_via: dict[CallKey, Callable[[Any], None]] = {}  # loop thread only
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.sender = RankSender(rank, send, shm_dir)
+        self._inbox: deque[tuple[ActorCall, Any]] = deque()  # (call, reply route) in arrival order, for main
+        self._wake = threading.Condition()  # a call or a reply arrived (for the main thread's waits)
+        self._serving: list[tuple[_Mailbox, str]] = []  # (actor, endpoint label) of the sync calls running, outermost first
+        self.sender = RankSender(rank, send, shm_dir, self.wait_serving)
+        self.sender._post_local = self.post_local
         set_default_sender(self.sender)
 
     # ------------------------------------------------------------ spawning
@@ -177,7 +202,7 @@ class ActorHost:
             self._cancelled[key] = None
             while len(self._cancelled) > MAX_REMEMBERED_CANCELS:  # of calls that already ended
                 del self._cancelled[next(iter(self._cancelled))]
-            if self._running_sync == key:
+            if key in self._running_sync:  # (if others run nested above it, they are stopped with it)
                 signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
             task = self._tasks.get(key)
         if task is not None and self.loop is not None:
@@ -202,7 +227,79 @@ class ActorHost:
         if self.reported and not self._doing and self.on_idle is not None:
             self.on_idle()  # the agent was told we are busy: say at once that we are not
 
+    def post(self, msg: ActorCall, reply_via: Callable[[Any], None] | None = None) -> None:
+        """Called by the reader thread (or a caller on this rank): a call for one of our actors,
+        delivered by the main thread (its loop, or a wait that serves)."""
+        self._inbox.append((msg, reply_via))
+        self.notify()
+
+    def post_local(self, msg: ActorCall) -> None:
+        """A call from this rank to its own actors: no trip through the agent, the reply comes back here."""
+        self.post(msg, self._local_reply)
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.pump)  # for a caller that does not wait (it may never)
+
+    def _local_reply(self, reply: ActorReply) -> None:
+        self.sender.calls.deliver(reply)
+        self.notify()
+
+    def notify(self) -> None:
+        """A call or a reply arrived: wake the main thread if it waits serving (`wait_serving`)."""
+        with self._wake:
+            self._wake.notify_all()
+
     # ------------------------------------------------------------ loop side
+    def pump(self) -> None:
+        """Deliver the calls that arrived, in order (main thread: the loop, or a wait that serves)."""
+        while self._inbox:
+            self.deliver(*self._inbox.popleft())
+
+    def wait_serving(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
+        """The main thread's wait for `count` replies: meanwhile it serves the calls that arrive for
+        the rank's other actors. Raises ActorDeadlockError when the wait could never end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if len(pending.replies) >= count:
+                return True
+            self._check_wait(pending)
+            if self._inbox:
+                self.pump()
+                continue
+            with self._wake:
+                if self._inbox or len(pending.replies) >= count:
+                    continue
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._wake.wait(0.5 if remaining is None else min(remaining, 0.5))
+
+    def _check_wait(self, pending: PendingCall) -> None:
+        """Raise if waiting on `pending` could never end (see the module's note)."""
+        if self.rank not in pending.outstanding:
+            return
+        box = self._mailboxes.get(pending.actor)
+        if box is None or not box.busy:
+            return  # it will be served from this wait (or answered as not found)
+        waiter = self._serving[-1][1] if self._serving else "this %%mesh cell"
+        target = type(box.instance).__name__
+        for i, (running, label) in enumerate(self._serving):
+            if running is box:
+                if i == len(self._serving) - 1:
+                    raise ActorDeadlockError(
+                        f"{waiter} on rank {self.rank} waits on {pending.label} of its own actor, which serves "
+                        f"one message at a time and is busy in {waiter}: an actor cannot wait on itself. Call the "
+                        "method directly (self.method(...)), or make the endpoint async def and await the call.")
+                cycle = " -> ".join([lbl for _, lbl in self._serving[i:]] + [pending.label])
+                raise ActorDeadlockError(
+                    f"deadlock on rank {self.rank}: {waiter} waits on {pending.label}, but {target} is busy in "
+                    f"{label}, which waits on {waiter.split('.')[0]} in turn ({cycle}); actors that wait on each "
+                    "other in a cycle never finish. Break the cycle: do not call back, or make one of the "
+                    "endpoints async def and await the call.")
+        raise ActorDeadlockError(
+            f"{waiter} on rank {self.rank} waits on {pending.label}, an async endpoint of this rank; it runs "
+            "on the rank's event loop, which is the thread that waits. Make the waiting endpoint async def "
+            f"and await the call, or make {pending.label} a plain def.")
+
     def deliver(self, msg: ActorCall, reply_via: Callable[[Any], None] | None = None) -> None:
         """Queue a call on its actor's mailbox and serve the mailbox if idle.
 
@@ -257,22 +354,43 @@ class ActorHost:
                 with self._lock:
                     self._tasks[key] = task
             else:
-                self._serve_sync(box, msg, method, label, args, kwargs)
+                box.busy = True  # its later calls wait, even those served from inside this one's waits
+                try:
+                    self._serve_sync(box, msg, method, label, args, kwargs)
+                finally:
+                    box.busy = False
 
     def _serve_sync(self, box: _Mailbox, msg: ActorCall, method, label: str, args, kwargs) -> None:
         key = (msg.caller, msg.call_id)
-        token = current_point.set(box.point)
         with self._lock:
-            self._running_sync = key
+            if key in self._cancelled:  # the stop came after the mailbox's check, before this: no signal reached it
+                cancelled = True
+            else:
+                cancelled = False
+                self._running_sync.append(key)
+        if cancelled:
+            self._reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "", interrupted=True))
+            return
+        token = current_point.set(box.point)
+        self._serving.append((box, label))
         started = time.perf_counter()
         self._doing[key] = (label, time.monotonic())
+        def run() -> Any:
+            # inside user code already (a SIGINT from now on raises here); a stop that came before,
+            # while the signal would have been ignored, is caught by this check
+            with self._lock:
+                if key in self._cancelled:
+                    raise KeyboardInterrupt
+            return method(*args, **kwargs)
+
         try:
-            value, failure = self._run_user(method, *args, **kwargs), None
+            value, failure = self._run_user(run), None
         except BaseException as exc:  # noqa: BLE001 - every endpoint error goes to its caller
             value, failure = None, describe_failure(exc)
         finally:
+            self._serving.pop()
             with self._lock:
-                self._running_sync = None
+                self._running_sync.remove(key)
             self._ended(key)
             current_point.reset(token)
         self._reply(msg, value, failure, time.perf_counter() - started)

@@ -183,12 +183,14 @@ class Worker:
     def _route(self, loop: asyncio.AbstractEventLoop, msg: Any) -> None:
         if isinstance(msg, ActorReply):
             self.actors.sender.calls.deliver(msg)
+            self.actors.notify()  # the main thread may be waiting on it while serving other actors
         elif isinstance(msg, CancelCall):
             self.actors.cancel(msg)
         elif isinstance(msg, InputReply):
             self._on_input_reply(msg)
         elif isinstance(msg, ActorCall):
-            loop.call_soon_threadsafe(self.actors.deliver, msg)
+            self.actors.post(msg)  # delivered by the loop, or by a wait on the main thread that serves
+            loop.call_soon_threadsafe(self.actors.pump)
         else:
             loop.call_soon_threadsafe(self._handle_request, msg)
 
@@ -268,11 +270,11 @@ class Worker:
         raise TypeError(f"unknown request {type(msg).__name__}")
 
     def _user(self, fn, *args, **kwargs) -> Any:
-        self.in_user_code = True
+        outer, self.in_user_code = self.in_user_code, True  # (an endpoint served inside another's wait)
         try:
             return fn(*args, **kwargs)
         finally:
-            self.in_user_code = False
+            self.in_user_code = outer
 
     def _warn(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)

@@ -70,6 +70,7 @@ class PendingCall:
         self.call_id = call_id
         self.ranks = ranks
         self.label = label
+        self.actor = ""  # the key of the actor mesh called (a rank waiting on its own actors checks it)
         self.replies: dict[int, ActorReply] = {}
         self.arrivals: list[int] = []  # ranks in the order their replies came
         self.on_reply = on_reply

@@ -1,0 +1,252 @@
+"""Scale harness: meshes of 1 to 32 SSH hosts x 4 ranks on network-namespace test hosts (needs root).
+
+Every host is a network namespace with its own OpenSSH sshd (tests/sshhosts.py), so each
+agent is a real SSH session; ranks start light (dist="none", nothing preloaded), so 32
+agents and 128 ranks fit on a small machine. For each mesh size, in one run:
+
+- ready: from `ssh_mesh(...)` to every rank ready;
+- no-op broadcast (median) and the controller's CPU per broadcast (this process, every thread);
+- 1,000 printed lines per rank until the cell returns with all of them grouped;
+- the longest `mesh.status()` call while every rank prints (is the notebook side still responsive?);
+- push of 16 MiB to all hosts;
+- a rank killed (SIGKILL) until the mesh reports it dead;
+- a host's link cut until the mesh reports its ranks lost;
+- `down` until no process of ours is left on any host.
+
+The table is printed (hosts across) and written with a plot of each row against the
+number of hosts to --out (default artifacts/): bench_scale.md and bench_scale.png.
+This machine has 2 cores for all hosts at once, so growth here is CPU contention as much
+as protocol; the shape of the curves is the point.
+
+    sudo .venv/bin/python benchmarks/bench_scale.py [--hosts 1,4,16,32] [--ranks 4] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+from common import NullSink, format_seconds  # noqa: E402
+
+LINES_CODE = "for i in range(1000):\n    print('line', i)"
+MIB16 = 16 << 20
+
+
+class LinesSink(NullSink):
+    """Groups lines as the notebook view does, so the row includes grouping 128 ranks' output."""
+
+    def __init__(self, ranks):
+        from monarch_kernel.views.output import OutputGroups
+
+        self.model = OutputGroups(ranks)
+
+    def output(self, rank, stream, text):
+        self.model.add(rank, stream, text)
+
+    def close(self):
+        from monarch_kernel.views.output import render_text
+
+        self.model.finish()
+        self.text = render_text(self.model)
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    """Seconds until predicate() holds (polled every 5 ms); raises after timeout."""
+    start = time.perf_counter()
+    while not predicate():
+        if time.perf_counter() - start > timeout:
+            raise TimeoutError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.005)
+    return time.perf_counter() - start
+
+
+def our_pids(hosts, chosen) -> list[int]:
+    """Processes in the chosen hosts' namespaces other than their sshd listeners."""
+    listeners = {h.sshd.pid for h in chosen if h.sshd is not None}
+    found = []
+    for host in chosen:
+        for pid in hosts.pids(host):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if pid in listeners or b"sshd" in cmd.split(b"\0")[0] and b"-D" in cmd:
+                continue  # the host's own sshd (and the `ip netns exec` shell that became it)
+            if b"monarch_kernel" in cmd or b"python" in cmd:
+                found.append(pid)
+    return found
+
+
+def measure(hosts, count: int, ranks: int, quick: bool) -> dict[str, float]:
+    import numpy as np
+
+    import monarch_kernel
+    from monarch_kernel.core.status import RankStatus
+
+    chosen = hosts.hosts[:count]
+    res: dict[str, float] = {}
+    t = time.perf_counter()
+    mesh = monarch_kernel.ssh_mesh([h.alias for h in chosen], gpus=ranks, dist="none", preload=[],
+                                   python=sys.executable, connect_options=hosts.connect_options(),
+                                   name=f"scale{count}", timeout=600)
+    res["ready"] = time.perf_counter() - t
+    try:
+        n = 30 if quick else 100
+        mesh.run("pass", sink=NullSink())
+        times = []
+        cpu0 = time.process_time()
+        for _ in range(n):
+            t = time.perf_counter()
+            mesh.run("pass", sink=NullSink())
+            times.append(time.perf_counter() - t)
+        res["controller CPU per broadcast"] = (time.process_time() - cpu0) / n
+        res["no-op broadcast"] = statistics.median(times)
+
+        worst = [0.0]
+        printing = threading.Event()
+
+        def probe_status() -> None:
+            while printing.is_set():
+                t = time.perf_counter()
+                mesh.status()
+                worst[0] = max(worst[0], time.perf_counter() - t)
+                time.sleep(0.01)
+
+        sink = LinesSink(mesh.ranks)
+        printing.set()
+        prober = threading.Thread(target=probe_status, daemon=True)
+        prober.start()
+        t = time.perf_counter()
+        mesh.run(LINES_CODE, sink=sink, timeout=600)
+        res["1,000 lines per rank, shown"] = time.perf_counter() - t
+        printing.clear()
+        prober.join()
+        res["longest status() while printing"] = worst[0]
+        assert sink.text.count("line 999") == 1, sink.text[-300:]  # every rank's lines, grouped as one
+
+        x = np.ones(MIB16, dtype=np.uint8)
+        mesh.push(x=x)
+        pushes = []
+        for _ in range(2 if quick else 5):
+            t = time.perf_counter()
+            mesh.push(x=x)
+            pushes.append(time.perf_counter() - t)
+        res["push 16 MiB to all"] = statistics.median(pushes)
+
+        victim = mesh.status()[-1]
+        state = {s.rank: s for s in mesh.status()}
+        os.kill(victim.pid, signal.SIGKILL)
+        res["killed rank reported"] = wait_for(
+            lambda: next(s for s in mesh.status() if s.rank == victim.rank).state == RankStatus.DEAD,
+            30, "the killed rank's death")
+        assert all(s.state != RankStatus.DEAD for s in mesh.status() if s.rank != victim.rank), state
+
+        lost = chosen[0] if count > 1 else None  # (a one-host mesh has no other host to keep)
+        if lost is not None:
+            hosts.cut_link(lost)
+            try:
+                res["cut host reported"] = wait_for(
+                    lambda: all(s.state == RankStatus.DEAD for s in mesh.status() if s.host == lost.alias),
+                    60, "the cut host's loss")
+            finally:
+                hosts.restore_link(lost)
+    finally:
+        t = time.perf_counter()
+        mesh.shutdown()
+        try:
+            res["down until nothing is left"] = time.perf_counter() - t + wait_for(
+                lambda: not our_pids(hosts, chosen), 60, "every process ending")
+        except TimeoutError as exc:
+            print(f"{count} hosts: {exc}: {our_pids(hosts, chosen)}", file=sys.stderr)
+    return res
+
+
+ROWS = ["ready", "no-op broadcast", "controller CPU per broadcast", "1,000 lines per rank, shown",
+        "longest status() while printing", "push 16 MiB to all", "killed rank reported", "cut host reported",
+        "down until nothing is left"]
+
+
+def table(results: dict[int, dict[str, float]], ranks: int) -> str:
+    counts = sorted(results)
+    lines = ["| " + " | ".join(["hosts x ranks"] + [f"{c} x {ranks} ({c * ranks} ranks)" for c in counts]
+                               + [f"{counts[-1]} vs {counts[0]} hosts"]) + " |",
+             "|" + "---|" * (len(counts) + 2)]
+    for row in ROWS:
+        cells = []
+        for c in counts:
+            value = results[c].get(row)
+            if value is None:
+                cells.append("-")
+            elif row == "push 16 MiB to all":
+                cells.append(f"{format_seconds(value)} ({c * MIB16 / value / 1e9:.2f} GB/s out)")
+            else:
+                cells.append(format_seconds(value))
+        first, last = results[counts[0]].get(row), results[counts[-1]].get(row)
+        growth = f"{last / first:.1f}x" if first and last else "-"
+        lines.append(f"| {row} | " + " | ".join(cells) + f" | {growth} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[int, dict[str, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted(results)
+    fig, axes = plt.subplots(3, 3, figsize=(13, 10))
+    for ax, row in zip(axes.flat, ROWS):
+        xs = [c for c in counts if row in results[c]]
+        ax.plot(xs, [results[c][row] * 1000 for c in xs], marker="o")
+        ax.set_title(row, fontsize=10)
+        ax.set_xlabel("hosts")
+        ax.set_ylabel("ms")
+        ax.set_xticks(counts)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hosts", default="1,4,16,32")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=os.path.join(HERE, "..", "artifacts"))
+    args = parser.parse_args()
+    from sshhosts import SSHTestHosts
+    from sshhosts import unavailable_reason as no_ssh
+
+    if no_ssh():
+        sys.exit(f"cannot build the test hosts here: {no_ssh()}")
+    counts = sorted(int(c) for c in args.hosts.split(","))
+    hosts = SSHTestHosts(counts[-1], tempfile.mkdtemp(prefix="scale-"), client_alive=(5, 3))
+    results: dict[int, dict[str, float]] = {}
+    try:
+        hosts.start()
+        for count in counts:
+            print(f"{count} hosts x {args.ranks} ranks ...", file=sys.stderr, flush=True)
+            results[count] = measure(hosts, count, args.ranks, args.quick)
+    finally:
+        hosts.stop()
+    text = table(results, args.ranks)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_scale.md"), "w") as f:
+        f.write(text + "\n")
+    plot(results, os.path.join(args.out, "bench_scale.png"))
+    print(f"\n(table and plot in {os.path.abspath(args.out)}: bench_scale.md, bench_scale.png)")
+
+
+if __name__ == "__main__":
+    main()

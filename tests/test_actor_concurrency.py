@@ -1,0 +1,202 @@
+"""Each actor its own unit: a sync endpoint may block on another actor of its own rank, cycles
+are reported (not hung), interrupts still stop a blocked endpoint, and each sender's order holds."""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import cloudpickle
+import pytest
+
+from monarch_kernel import Actor, ActorError, MeshInterrupted, MeshTimeoutError, current_rank, endpoint, local_mesh
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import this file
+
+
+class Counter(Actor):
+    def __init__(self):
+        self.value = 0
+
+    @endpoint
+    def incr(self, by):
+        self.value += by
+        return self.value
+
+    @endpoint
+    def sleep(self, seconds):
+        time.sleep(seconds)
+        return "slept"
+
+    @endpoint
+    async def later(self):
+        return "later"
+
+
+class Caller(Actor):
+    """Holds a handle to the Counter mesh, which has an actor on its own rank too."""
+
+    def __init__(self, counters):
+        self.counters = counters
+
+    @endpoint
+    def relay(self):  # a plain (sync) endpoint, as a new user writes it
+        return self.counters.incr.call(1).get(timeout=20).by_rank()
+
+    @endpoint
+    def relay_slow(self, seconds):
+        mine = self.counters.slice(gpus=current_rank()["gpus"])
+        return mine.sleep.call_one(seconds).get()
+
+    @endpoint
+    def wait_on_async(self):
+        return self.counters.slice(gpus=current_rank()["gpus"]).later.call_one().get(timeout=10)
+
+
+class Ping(Actor):
+    """Two of these on each rank call each other: a cycle."""
+
+    def __init__(self):
+        self.other = None
+
+    @endpoint
+    def meet(self, other):
+        self.other = other
+
+    @endpoint
+    def ask(self):
+        return self.other.slice(gpus=current_rank()["gpus"]).answer_back.call_one().get(timeout=10)
+
+    @endpoint
+    def answer_back(self):
+        return self.other.slice(gpus=current_rank()["gpus"]).noop.call_one().get(timeout=10)
+
+    @endpoint
+    def noop(self):
+        return "noop"
+
+
+class Recorder(Actor):
+    def __init__(self):
+        self.log = []
+
+    @endpoint
+    def record(self, sender, i):
+        self.log.append((sender, i))
+
+    @endpoint
+    def logged(self):
+        return self.log
+
+
+class Sender(Actor):
+    def __init__(self, recorder):
+        self.recorder = recorder.slice(gpus=0)
+
+    @endpoint
+    def send_many(self, count):
+        me = current_rank().rank
+        futures = [self.recorder.record.call_one(me, i) for i in range(count)]
+        for future in futures:
+            future.get(timeout=60)
+        return count
+
+
+class MixedSender(Actor):
+    """Calls its own rank's recorder both alone and as part of a call to every rank."""
+
+    def __init__(self, recorders):
+        self.recorders = recorders
+
+    @endpoint
+    def send_mixed(self, count):
+        mine = self.recorders.slice(gpus=current_rank()["gpus"])
+        futures = [(self.recorders if i % 2 else mine).record.call(99, i) for i in range(count)]
+        for future in futures:
+            future.get(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    m = local_mesh(gpus=4, dist="none", name=f"concurrency-{os.getpid()}")
+    yield m
+    m.shutdown()
+
+
+@pytest.fixture(scope="module")
+def counters(mesh):
+    return mesh.spawn("counters", Counter)
+
+
+def test_a_sync_endpoint_blocks_on_an_actor_of_its_own_rank(mesh, counters):
+    callers = mesh.spawn("callers", Caller, counters)
+    before = counters.incr.call(0).get().by_rank()
+    seen = callers.slice(gpus=0).relay.call_one().get(timeout=20)
+    assert seen == {r: v + 1 for r, v in before.items()}  # rank 0's Counter answered rank 0's Caller
+    everyone = callers.relay.call().get(timeout=30)  # every rank's Caller at once
+    assert all(len(by_rank) == 4 for by_rank in everyone.values())
+
+
+def test_actors_calling_each_other_in_a_cycle_are_reported_with_both_names(mesh):
+    first, second = mesh.spawn("first", Ping), mesh.spawn("second", Ping)
+    first.meet.call(second).get()
+    second.meet.call(first).get()
+    start = time.monotonic()
+    with pytest.raises(ActorError, match="deadlock") as info:
+        first.slice(gpus=1).ask.call_one().get(timeout=20)
+    assert time.monotonic() - start < 10  # reported, not hung
+    text = str(info.value) + " ".join(f.message for f in info.value.failures)
+    assert "Ping.ask" in text and "Ping.answer_back" in text and "ActorDeadlockError" in text
+    assert first.slice(gpus=1).noop.call_one().get(timeout=10) == "noop"  # both serve again
+
+
+def test_an_actor_waiting_on_itself_is_told_so(mesh):
+    pings = mesh.spawn("self_ping", Ping)
+    pings.meet.call(pings).get()  # its "other" is itself
+    with pytest.raises(ActorError, match="cannot wait on itself"):
+        pings.slice(gpus=2).answer_back.call_one().get(timeout=20)
+
+
+def test_waiting_on_an_async_endpoint_of_the_same_rank_says_what_to_change(mesh, counters):
+    callers = mesh.spawn("async_callers", Caller, counters)
+    with pytest.raises(ActorError, match="async def"):
+        callers.slice(gpus=3).wait_on_async.call_one().get(timeout=20)
+    assert counters.slice(gpus=3).later.call_one().get(timeout=10) == "later"  # the loop serves it after
+
+
+def test_a_blocked_sync_endpoint_stops_on_a_timeout_and_on_the_stop_button(mesh, counters):
+    callers = mesh.spawn("slow_callers", Caller, counters)
+    target = callers.slice(gpus=1)
+    start = time.monotonic()
+    with pytest.raises(MeshTimeoutError):
+        target.relay_slow.call_one(30).get(timeout=0.5)
+    assert time.monotonic() - start < 3
+    assert counters.slice(gpus=1).incr.call_one(0).get(timeout=5) is not None  # both actors free again
+    assert target.relay_slow.call_one(0).get(timeout=10) == "slept"
+
+    main = threading.main_thread().ident
+    threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT)).start()  # the stop button
+    start = time.monotonic()
+    with pytest.raises(MeshInterrupted, match="KeyboardInterrupt"):
+        target.relay_slow.call_one(30).get()
+    assert time.monotonic() - start < 3
+    assert target.relay_slow.call_one(0).get(timeout=10) == "slept"
+
+
+def test_each_senders_order_holds_with_four_senders_and_a_thousand_messages_each(mesh):
+    recorder = mesh.spawn("recorder", Recorder)
+    senders = mesh.spawn("senders", Sender, recorder)
+    assert set(senders.send_many.call(1000).get(timeout=120).values()) == {1000}
+    log = recorder.slice(gpus=0).logged.call_one().get(timeout=30)
+    assert len(log) == 4000
+    for sender in range(4):
+        assert [i for s, i in log if s == sender] == list(range(1000))
+
+
+def test_calls_to_the_own_rank_alone_and_with_others_keep_their_order(mesh):
+    recorders = mesh.spawn("mixed_recorders", Recorder)
+    mixed = mesh.spawn("mixed", MixedSender, recorders)
+    mixed.slice(gpus=2).send_mixed.call_one(400).get(timeout=60)
+    assert recorders.slice(gpus=2).logged.call_one().get(timeout=30) == [(99, i) for i in range(400)]
+    assert recorders.slice(gpus=0).logged.call_one().get(timeout=30) == [(99, i) for i in range(1, 400, 2)]
