@@ -106,6 +106,24 @@ def test_push_and_pull_to_remote_hosts_carry_the_bytes(mesh):
     assert all(torch.equal(v, x * 2) for v in mesh.pull("x * 2").values())
 
 
+def test_a_push_or_pull_longer_than_the_silence_limit_does_not_lose_the_host(hosts, sink):
+    """A 1 GiB push over SSH took 7 s: the agent's pong waited behind it, and after 3 s the
+    healthy host was declared lost with its ranks. Bytes arriving, and pongs the agent sends
+    unasked, now count as signs of life."""
+    import numpy as np
+
+    quick = HealthTimings(ping_interval_s=0.2, host_lost_after_s=0.8)
+    with ssh_mesh([hosts.hosts[0].alias], gpus=1, dist="none", preload=[], python=sys.executable,
+                  connect_options=hosts.connect_options(), name="slow-bytes", health=quick) as mesh:
+        big = np.ones(320 << 20, dtype=np.uint8)  # several times longer to move than the limit
+        started = time.monotonic()
+        mesh.push(big=big)
+        (back,) = mesh.pull("big").values()
+        assert time.monotonic() - started > 2 * quick.host_lost_after_s  # the test means something here
+        assert back.nbytes == big.nbytes and int(back[-1]) == 1
+        assert [str(s.state) for s in mesh.status()] == ["idle"]
+
+
 def test_slices_by_host(mesh, sink):
     assert mesh.slice(hosts=1).pull("dist.get_rank()").by_rank() == {2: 2, 3: 3}
     vm = mesh.slice(hosts=slice(0, 2), gpus=1).run("import os\nos.environ['LOCAL_RANK']", sink=sink)

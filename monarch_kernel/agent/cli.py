@@ -88,7 +88,7 @@ async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None, direct
             sock, agent.on_controller_message, agent.on_controller_closed))
     for sig in (signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, partial(_on_signal, agent, sig))
-    watchers = [loop.create_task(agent.watch_ranks())]
+    watchers = [loop.create_task(agent.watch_ranks()), loop.create_task(agent.send_heartbeats())]
     if args.stdio:  # over SSH a cut network may never close the channel: watch for silence
         watchers.append(loop.create_task(agent.watch_controller()))
     await agent.done

@@ -244,6 +244,13 @@ class HostAgent:
                 self._send_loads()
             self.ranks.ping(now)
 
+    async def send_heartbeats(self) -> None:
+        """Tell the controller we are alive every ping interval, unasked: its pings can wait for seconds
+        behind a large frame it is sending us (a push), and its silence timer must not count those."""
+        while True:
+            await asyncio.sleep(self.ranks.health.ping_interval_s)
+            self._to_controller(m.Pong(0))
+
     async def watch_controller(self) -> None:
         """If the controller falls silent for controller_silence_s, stop every rank (SSH agents only).
 

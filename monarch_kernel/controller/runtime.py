@@ -264,6 +264,10 @@ class MeshRuntime:
             for link in self.state.links:
                 if not link.is_open:
                     continue
+                received = getattr(link.conn, "last_received", None)
+                if received is not None and received != link.last_bytes:  # part of a large frame (a pull) since
+                    link.last_bytes = received  # the last tick: a sign of life, though no message is complete
+                    link.last_pong = max(link.last_pong, now)
                 if link.answered and now - link.last_pong > self.spec.health.host_lost_after_s:
                     self._on_lost(link, TimeoutError(f"no heartbeat for {now - link.last_pong:.1f} s"))
                     link.close()

@@ -272,7 +272,13 @@ class ChannelConnection:
         self._channel = channel
         self._session = session
         self._closed = False
-        session.attach(FrameProtocol(on_message, on_close))
+        self._protocol = FrameProtocol(on_message, on_close)
+        session.attach(self._protocol)
+
+    @property
+    def last_received(self) -> float:
+        """When bytes last arrived (time.monotonic()), complete frame or not."""
+        return self._protocol.last_received
 
     def send(self, msg: Any) -> None:
         """Queue one message (never blocks; asyncssh buffers and flow-controls)."""

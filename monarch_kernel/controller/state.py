@@ -187,6 +187,7 @@ class HostLink:
     store_port: asyncio.Future[int] | None = None
     last_pong: float = 0.0
     answered: bool = False
+    last_bytes: float | None = None  # the connection's last_received at the previous ping tick
     log_path: str = ""
 
     @property

@@ -15,6 +15,7 @@ import pickle
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._flat = False
         self._broken = False
         self.transport: asyncio.Transport | None = None
+        self.last_received = time.monotonic()  # bytes are a sign of life, even halfway through a large frame
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """asyncio: the transport is ready."""
@@ -102,6 +104,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         """asyncio: nbytes were read into the buffer (a frame we cannot read closes the connection)."""
+        self.last_received = time.monotonic()
         if self._broken:
             return
         try:
@@ -230,6 +233,11 @@ class AsyncConnection:
         reader, protocol = await loop.connect_read_pipe(
             lambda: FrameProtocol(on_message, on_close), os.fdopen(read_fd, "rb", buffering=0))
         return cls(writer, protocol, reader)  # type: ignore[arg-type]  # a pipe's write transport
+
+    @property
+    def last_received(self) -> float:
+        """When bytes last arrived (time.monotonic()), complete frame or not."""
+        return self._protocol.last_received
 
     def send(self, msg: Any) -> None:
         """Queue one message (never blocks)."""
