@@ -264,9 +264,7 @@ class MeshRuntime:
             for link in self.state.links:
                 if not link.is_open:
                     continue
-                received = getattr(link.conn, "last_received", None)
-                if received is not None and received != link.last_bytes:  # part of a large frame (a pull) since
-                    link.last_bytes = received  # the last tick: a sign of life, though no message is complete
+                if _made_progress(link):
                     link.last_pong = max(link.last_pong, now)
                 if link.answered and now - link.last_pong > self.spec.health.host_lost_after_s:
                     self._on_lost(link, TimeoutError(f"no heartbeat for {now - link.last_pong:.1f} s"))
@@ -411,3 +409,18 @@ def _quiet_future(loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
 def _reason(exc: BaseException) -> str:
     text = str(exc)
     return text.split(": ", 1)[1] if text.startswith("host ") and ": " in text else (text or type(exc).__name__)
+
+
+def _made_progress(link: HostLink) -> bool:
+    """Whether bytes moved on the link since the last ping tick, though no message completed.
+
+    Part of a large frame arrived (a pull), or the peer took part of what we queued for it (a
+    push): either way the host is alive, and its pong may simply be queued behind those bytes,
+    here or on its side (an oversubscribed machine, or a slow link). A cut link moves nothing.
+    """
+    received = getattr(link.conn, "last_received", None)
+    backlog_of = getattr(link.conn, "backlog", None)
+    backlog = backlog_of() if backlog_of is not None else 0
+    moved = (received is not None and received != link.last_bytes) or backlog < link.last_backlog
+    link.last_bytes, link.last_backlog = received, backlog
+    return moved

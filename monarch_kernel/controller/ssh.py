@@ -280,6 +280,10 @@ class ChannelConnection:
         """When bytes last arrived (time.monotonic()), complete frame or not."""
         return self._protocol.last_received
 
+    def backlog(self) -> int:
+        """Bytes queued for the agent that SSH has not sent yet (its flow control holds them)."""
+        return self._channel.get_write_buffer_size()
+
     def send(self, msg: Any) -> None:
         """Queue one message (never blocks; asyncssh buffers and flow-controls)."""
         self.send_chunks(encode(msg))

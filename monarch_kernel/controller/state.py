@@ -188,6 +188,7 @@ class HostLink:
     last_pong: float = 0.0
     answered: bool = False
     last_bytes: float | None = None  # the connection's last_received at the previous ping tick
+    last_backlog: int = 0  # bytes queued for the agent at the previous ping tick
     log_path: str = ""
 
     @property

@@ -239,6 +239,10 @@ class AsyncConnection:
         """When bytes last arrived (time.monotonic()), complete frame or not."""
         return self._protocol.last_received
 
+    def backlog(self) -> int:
+        """Bytes queued here, not yet taken by the peer's side."""
+        return self._transport.get_write_buffer_size()
+
     def send(self, msg: Any) -> None:
         """Queue one message (never blocks)."""
         self.send_chunks(encode(msg))
