@@ -9,8 +9,10 @@ Messages (JSON), frontend -> kernel:
   {"type": "action", "action": "logs", "mesh": NAME, "rank": R, "lines": N}
 kernel -> frontend:
   {"type": "meshes", "version": 1, "meshes": [MESH, ...]}   on open, on refresh, and
-      whenever a state changes (checked twice a second while the comm is open); changes
-      of load (cpu, rss) and busy detail are sent every 2 s
+      whenever more than ranks changed (a mesh came or went, its state or job line)
+  {"type": "ranks", "version": 1, "changes": {NAME: [RANK, ...]}}   only the ranks that
+      changed otherwise (checked twice a second while the comm is open); changes of load
+      (cpu, rss, GPU) and busy detail count every 2 s
   {"type": "result", "action": ..., "mesh": NAME, "ok": bool, "message": str,
    "rank": R, "logs": [[stream, line], ...]}                 (rank and logs for "logs")
   {"type": "loaded"}   on a comm the kernel opens itself when the extension loads, so an open
@@ -26,7 +28,6 @@ Actions run on a helper thread, so a restart never holds up the kernel's message
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 from typing import Any
@@ -43,6 +44,27 @@ LOADS_INTERVAL_S = 2.0  # load and "busy for N s" changes this fast
 MAX_QUEUED_ACTIONS = 16
 LOAD_KEYS = ("cpu", "rss", "detail", "gpu_used", "gpu_util")  # changes sent at the loads' pace
 MAX_OPEN_CHANNELS = 8  # panels that vanished without closing their comm (page reloads) are retired
+
+
+def rank_changes(sent: list[dict[str, Any]] | None, meshes: list[dict[str, Any]],
+                 loads: bool) -> dict[str, list[dict[str, Any]]] | None:
+    """{mesh: [ranks that changed]} since `sent`, loads counted only if `loads`; None when more than
+    ranks changed (a mesh came or went, its state or job line changed): then every mesh is sent."""
+    if sent is None or len(sent) != len(meshes):
+        return None
+    changes: dict[str, list[dict[str, Any]]] = {}
+    for old, new in zip(sent, meshes):
+        if ({k: v for k, v in old.items() if k != "ranks"} != {k: v for k, v in new.items() if k != "ranks"}
+                or [r["rank"] for r in old["ranks"]] != [r["rank"] for r in new["ranks"]]):
+            return None
+        changed = [n for o, n in zip(old["ranks"], new["ranks"]) if _shown(o, loads) != _shown(n, loads)]
+        if changed:
+            changes[new["name"]] = changed
+    return changes
+
+
+def _shown(rank: dict[str, Any], loads: bool) -> dict[str, Any]:
+    return rank if loads else {k: v for k, v in rank.items() if k not in LOAD_KEYS}
 
 
 def describe_meshes(registry: MeshRegistry) -> list[dict[str, Any]]:
@@ -81,7 +103,7 @@ class SidebarChannel:
     def __init__(self, comm: Any, registry: MeshRegistry):
         self.comm = comm
         self.registry = registry
-        self._last = self._last_full = ""
+        self._sent: list[dict[str, Any]] | None = None  # what the panel was told (its picture of the meshes)
         self._closed = threading.Event()
         if hasattr(comm, "_reply_subshell_for"):
             # ipykernel 7.4 routes a frontend's comm messages to the subshell that last published
@@ -117,17 +139,22 @@ class SidebarChannel:
             pass
 
     def push(self, force: bool = False, loads: bool = False) -> None:
-        """Send the meshes if their states changed since the last message (or if forced);
-        with `loads`, changes of load and busy detail count too."""
+        """Send what changed since the last message (or everything, if forced): only the ranks that
+        changed while the meshes are the same ones, else every mesh; with `loads`, changes of load
+        and busy detail count too (they change all the time: news every LOADS_INTERVAL_S)."""
         meshes = describe_meshes(self.registry)
-        # loads and "busy for N s" change all the time: news only every LOADS_INTERVAL_S
-        key = json.dumps([{**m, "ranks": [{k: v for k, v in r.items() if k not in LOAD_KEYS}
-                                           for r in m["ranks"]]} for m in meshes], sort_keys=True)
-        full = json.dumps(meshes, sort_keys=True) if loads else self._last_full
-        if force or key != self._last or full != self._last_full:
-            self._last, self._last_full = key, json.dumps(meshes, sort_keys=True)
+        changes = None if force else rank_changes(self._sent, meshes, loads)
+        if changes == {}:
+            return
+        if changes is None:
+            self._sent = meshes
             self.comm.send({"type": "meshes", "version": PROTOCOL_VERSION, "meshes": meshes,
                             "colours": STATE_COLOURS, "glyphs": STATE_GLYPHS})
+            return
+        for mesh in self._sent or []:
+            changed = {r["rank"]: r for r in changes.get(mesh["name"], [])}
+            mesh["ranks"] = [changed.get(r["rank"], r) for r in mesh["ranks"]]
+        self.comm.send({"type": "ranks", "version": PROTOCOL_VERSION, "changes": changes})
 
     def on_msg(self, msg: dict[str, Any]) -> None:
         """Handle one request from the frontend (anything malformed gets an error reply)."""

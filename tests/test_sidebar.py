@@ -1,5 +1,6 @@
 """The Meshes sidebar's comm protocol, spoken to a real kernel as JupyterLab would."""
 
+import copy
 import queue
 import time
 import uuid
@@ -17,6 +18,8 @@ class Panel:
         self.kernel = kernel
         self.comm_id = uuid.uuid4().hex
         self.inbox: list[dict] = []
+        self.raw: list[dict] = []  # every message as sent
+        self.meshes: list[dict] = []
         self._send("comm_open", {"comm_id": self.comm_id, "target_name": TARGET, "data": {}})
 
     def _send(self, msg_type: str, content: dict) -> None:
@@ -37,8 +40,21 @@ class Panel:
             except queue.Empty:
                 continue
             if msg["msg_type"] == "comm_msg" and msg["content"]["comm_id"] == self.comm_id:
-                self.inbox.append(msg["content"]["data"])
+                self.receive(msg["content"]["data"])
         raise TimeoutError(f"nothing matched within {timeout} s; got {self.inbox[-3:]}")
+
+    def receive(self, data: dict) -> None:
+        """Keep the picture of the meshes as the panel does: a "ranks" message patches it, and is
+        also filed as the "meshes" message it amounts to (so tests look at what the panel shows)."""
+        self.raw.append(data)
+        if data.get("type") == "meshes":
+            self.meshes = copy.deepcopy(data["meshes"])
+        elif data.get("type") == "ranks":
+            for mesh in self.meshes:
+                changed = {r["rank"]: r for r in data["changes"].get(mesh["name"], [])}
+                mesh["ranks"] = [changed.get(r["rank"], r) for r in mesh["ranks"]]
+            data = {"type": "meshes", "meshes": copy.deepcopy(self.meshes), "patched": True}
+        self.inbox.append(data)
 
     def close(self) -> None:
         self._send("comm_close", {"comm_id": self.comm_id, "data": {}})
@@ -87,6 +103,23 @@ def test_busy_ranks_are_pushed_and_interrupt_ends_a_background_run(kernel):
         assert time.monotonic() - start < 5
         done = kernel.execute("try:\n    fut.get()\nexcept KeyboardInterrupt as e:\n    print('stopped:', type(e).__name__)")
         assert "stopped: MeshInterrupted" in done.text()
+    finally:
+        panel.close()
+
+
+def test_only_the_ranks_that_changed_travel(kernel):
+    panel = Panel(kernel)
+    try:
+        panel.wait_for(meshes_with(lambda ms: ms and all(r["state"] == "idle" for r in ms[0]["ranks"])))
+        run = kernel.execute("from monarch_kernel.magics import current_mesh\n"
+                             "one = current_mesh().slice(gpus=1).run_async('import time\\ntime.sleep(2)', name='one')",
+                             30)
+        assert run.status == "ok", run.text()
+        panel.wait_for(meshes_with(lambda ms: [r["state"] for r in ms[0]["ranks"]] == ["idle", "busy"]), 5)
+        delta = next(d for d in panel.raw if d.get("type") == "ranks" and any(
+            r["state"] == "busy" for r in d["changes"].get("side", [])))
+        assert [r["rank"] for r in delta["changes"]["side"]] == [1]  # rank 0 did not change: it stayed home
+        panel.wait_for(meshes_with(lambda ms: all(r["state"] == "idle" for r in ms[0]["ranks"])), 10)
     finally:
         panel.close()
 

@@ -7,7 +7,7 @@ import { Kernel, KernelMessage as KM } from '@jupyterlab/services';
 import { IDisposable } from '@lumino/disposable';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { Action, IMesh, IMeshesMessage, IResultMessage, TARGET } from './protocol';
+import { Action, IMesh, IMeshesMessage, IRanksMessage, IResultMessage, TARGET } from './protocol';
 
 /** Where the link stands. */
 export type LinkState =
@@ -69,11 +69,22 @@ export class MeshLink implements IDisposable {
     const comm = kernel.createComm(TARGET);
     this._comm = comm;
     comm.onMsg = (msg: KM.ICommMsgMsg) => {
-      const data = msg.content.data as unknown as IMeshesMessage | IResultMessage;
+      const data = msg.content.data as unknown as IMeshesMessage | IRanksMessage | IResultMessage;
       if (data.type === 'meshes') {
         this._meshes = data.meshes;
         this._colours = data.colours ?? this._colours;
         this._glyphs = data.glyphs ?? this._glyphs;
+        this._setState('ready', true);
+      } else if (data.type === 'ranks') {
+        // only what changed travels (a 128-rank mesh sends one rank when one rank changes)
+        this._meshes = this._meshes.map(mesh => {
+          const changed = data.changes[mesh.name];
+          if (!changed) {
+            return mesh;
+          }
+          const byRank = new Map(changed.map(r => [r.rank, r]));
+          return { ...mesh, ranks: mesh.ranks.map(r => byRank.get(r.rank) ?? r) };
+        });
         this._setState('ready', true);
       } else if (data.type === 'result') {
         this._results.emit(data);

@@ -49,6 +49,13 @@ export interface IMeshesMessage {
   glyphs?: Record<string, string>;
 }
 
+/** kernel -> panel: only these ranks changed (the meshes are otherwise as last sent). */
+export interface IRanksMessage {
+  type: 'ranks';
+  version: number;
+  changes: Record<string, IRank[]>;
+}
+
 /** kernel -> panel: the outcome of an action. */
 export interface IResultMessage {
   type: 'result';
@@ -65,7 +72,7 @@ export interface ILoadedMessage {
   type: 'loaded';
 }
 
-export type KernelMessage = IMeshesMessage | IResultMessage | ILoadedMessage;
+export type KernelMessage = IMeshesMessage | IRanksMessage | IResultMessage | ILoadedMessage;
 
 /** The actions the panel can ask for. */
 export type Action = 'interrupt' | 'restart' | 'down' | 'logs';
