@@ -135,3 +135,16 @@ def test_a_line_without_end_is_kept_bounded_and_costs_linear_time():
     assert [len(g.text) for g in model.groups] == [OPEN_LINE_MAX, OPEN_LINE_MAX]
     assert model.dropped_chars == (32 << 20) - OPEN_LINE_MAX + OPEN_LINE_MAX  # the end of each long line
     assert "characters of lines longer than" in render_text(model)
+
+
+def test_groups_of_128_ranks_are_named_compactly():
+    ranks = list(range(128))
+    model = OutputGroups(ranks)
+    for r in ranks:
+        model.add(r, "stdout", "loss 0.25\n" if r != 64 else "loss nan\n")
+        model.add(r, "stdout", f"{'even' if r % 2 == 0 else 'odd'}\n")
+        model.add(r, "stdout", "done\n")
+    model.finish()
+    lines = [" ".join(line.split()) for line in render_text(model).splitlines()]  # (tags are padded)
+    assert lines == ["[all but 64] loss 0.25", "[64] loss nan", "[0-126 step 2] even", "[1-127 step 2] odd",
+                     "[0-127] done"]  # never a list of 64 numbers

@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 
-from monarch_kernel.core.ranksets import format_ranks
+from monarch_kernel.core.ranksets import compact_ranks
 from monarch_kernel.core.termtext import OPEN_LINE_MAX, open_line, shown_line
 
 MAX_SHOWN_LINES = 10_000
@@ -213,13 +213,14 @@ def _align(per_rank: dict[int, list[tuple[str, str]]]) -> list[Group]:
     return merged
 
 
-def _tag(group: Group, cache: dict | None = None) -> str:
+def _tag(group: Group, cache: dict | None = None, among: list[int] | None = None) -> str:
+    """`[0-3]`, `[all but 64]`, `[0-126 step 2]`: the shortest name of the group's ranks."""
     if cache is None:
-        return f"[{format_ranks(group.ranks)}]"
+        return f"[{compact_ranks(group.ranks, among or ())}]"
     key = tuple(group.ranks)
     tag = cache.get(key)
     if tag is None:
-        tag = cache[key] = f"[{format_ranks(group.ranks)}]"
+        tag = cache[key] = f"[{compact_ranks(group.ranks, among or ())}]"
     return tag
 
 
@@ -242,7 +243,7 @@ def render_text(model: OutputGroups, start: int = 0, stop: int | None = None, *,
     if not groups:
         return _dropped_note(model) if tail else ""
     cache: dict = {}
-    tags = [_tag(g, cache) for g in groups]
+    tags = [_tag(g, cache, model.all_ranks) for g in groups]
     width = max(map(len, tags))
     markers = {"notice": "!", "stderr": ":", "stdout": " "}
     lines = [f"{tag.ljust(width)}{markers[g.stream]}{g.text}" for tag, g in zip(tags, groups)]
@@ -263,10 +264,10 @@ def render_html(model: OutputGroups) -> str:
     if not groups:
         return ""
     cache: dict = {}
-    width = max(len(_tag(g, cache)) for g in groups)
+    width = max(len(_tag(g, cache, model.all_ranks)) for g in groups)
     rows = []
     for g in groups:
-        tag = html.escape(_tag(g, cache).ljust(width))
+        tag = html.escape(_tag(g, cache, model.all_ranks).ljust(width))
         rows.append(f"<span style='{_STYLE[g.stream]}'><span style='opacity:.55'>{tag}</span> "
                     f"{html.escape(g.text)}</span>")
     note = _dropped_note(model)
