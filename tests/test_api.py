@@ -6,7 +6,7 @@ import sys
 import monarch_kernel
 
 PUBLIC = {
-    "Actor", "ActorDiedError", "ActorError", "ActorFailureEvent", "ActorFuture", "ActorMesh",
+    "Actor", "ActorDeadlockError", "ActorDiedError", "ActorError", "ActorFailureEvent", "ActorFuture", "ActorMesh",
     "current_rank", "endpoint", "visualize_sharding",
     "CellSyntaxError", "HealthTimings", "Mesh", "MeshError", "MeshFuture", "MeshInterrupted", "MeshNotRunningError",
     "MeshStartError", "MeshTimeoutError", "MeshUsageError", "Point", "RankDiedError", "RankFailure",

@@ -59,9 +59,10 @@ def under_torchrun(tmp_path_factory):
                                   capture_output=True, text=True, timeout=300, env={**os.environ, **THREADS})
             # torch's own teardown race: under plain torchrun a gloo rank now and then aborts in
             # destroy_process_group ("terminate called without an active exception") after its work
-            # is done (seen once in CI, in tp_train); the reference run failed, not the mesh: run it again
+            # is done (seen in CI in tp_train, and twice in a row in fsdp_train); the reference run failed,
+            # not the mesh: run it again, up to three times
             crashed = any(TEARDOWN_CRASH in path.read_text() for path in logs.rglob("stderr.log"))
-            if done.returncode == 0 or not crashed or attempt:
+            if done.returncode == 0 or not crashed or attempt == 2:
                 break
         assert done.returncode == 0, done.stderr[-3000:]
         printed = "".join(path.read_text() for path in logs.rglob("stdout.log"))
