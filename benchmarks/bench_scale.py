@@ -8,7 +8,7 @@ agents and 128 ranks fit on a small machine. For each mesh size, in one run:
 - no-op broadcast (median) and the controller's CPU per broadcast (this process, every thread);
 - 1,000 printed lines per rank until the cell returns with all of them grouped;
 - the longest `mesh.status()` call while every rank prints (is the notebook side still responsive?);
-- push of 16 MiB to all hosts;
+- push of 16 MiB (`--push-mib`) to all hosts;
 - a rank killed (SIGKILL) until the mesh reports it dead;
 - a host's link cut until the mesh reports its ranks lost;
 - `down` until no process of ours is left on any host.
@@ -22,7 +22,11 @@ processes on 2 cores) that a healthy host can get no CPU for seconds, so those m
 started with a 15 s loss limit instead of 3 s (the "loss limit" row): the cut-host row
 then measures that limit plus the time to notice.
 
-    sudo .venv/bin/python benchmarks/bench_scale.py [--hosts 1,4,16,32] [--ranks 4] [--quick]
+    sudo .venv/bin/python benchmarks/bench_scale.py [--hosts 1,4,16,32] [--ranks 4] [--push-mib 16] [--quick]
+
+A simulated thousand: `--hosts 8 --ranks 128 --push-mib 1` (1,024 light ranks, about 4.5 MiB of
+memory each; a remote host's agent copies a push to each of its ranks, so 128 ranks per host
+on 2 cores need a small push).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ sys.path.insert(0, HERE)
 from common import NullSink, format_seconds  # noqa: E402
 
 LINES_CODE = "for i in range(1000):\n    print('line', i)"
-MIB16 = 16 << 20
+PUSH_BYTES = [16 << 20]  # --push-mib
 
 
 class LinesSink(NullSink):
@@ -140,14 +144,14 @@ def measure(hosts, count: int, ranks: int, quick: bool) -> dict[str, float]:
         res["longest status() while printing"] = worst[0]
         assert sink.text.count("line 999") == 1, sink.text[-300:]  # every rank's lines, grouped as one
 
-        x = np.ones(MIB16, dtype=np.uint8)
+        x = np.ones(PUSH_BYTES[0], dtype=np.uint8)
         mesh.push(x=x)
         pushes = []
         for _ in range(2 if quick else 5):
             t = time.perf_counter()
             mesh.push(x=x)
             pushes.append(time.perf_counter() - t)
-        res["push 16 MiB to all"] = statistics.median(pushes)
+        res["push to all"] = statistics.median(pushes)
 
         victim = mesh.status()[-1]
         state = {s.rank: s for s in mesh.status()}
@@ -178,13 +182,14 @@ def measure(hosts, count: int, ranks: int, quick: bool) -> dict[str, float]:
 
 
 ROWS = ["loss limit", "ready", "no-op broadcast", "controller CPU per broadcast", "1,000 lines per rank, shown",
-        "longest status() while printing", "push 16 MiB to all", "killed rank reported", "cut host reported",
+        "longest status() while printing", "push to all", "killed rank reported", "cut host reported",
         "down until nothing is left"]
 
 
 def table(results: dict[int, dict[str, float]], ranks: int) -> str:
     counts = sorted(results)
-    lines = ["| " + " | ".join(["hosts x ranks"] + [f"{c} x {ranks} ({c * ranks} ranks)" for c in counts]
+    lines = [f"(push row: {PUSH_BYTES[0] >> 20} MiB to every host)",
+             "| " + " | ".join(["hosts x ranks"] + [f"{c} x {ranks} ({c * ranks} ranks)" for c in counts]
                                + [f"{counts[-1]} vs {counts[0]} hosts"]) + " |",
              "|" + "---|" * (len(counts) + 2)]
     for row in ROWS:
@@ -195,8 +200,8 @@ def table(results: dict[int, dict[str, float]], ranks: int) -> str:
                 cells.append("-")
             elif row == "loss limit":
                 cells.append(f"{value:.0f} s")
-            elif row == "push 16 MiB to all":
-                cells.append(f"{format_seconds(value)} ({c * MIB16 / value / 1e9:.2f} GB/s out)")
+            elif row == "push to all":
+                cells.append(f"{format_seconds(value)} ({c * PUSH_BYTES[0] / value / 1e9:.2f} GB/s out)")
             else:
                 cells.append(format_seconds(value))
         first, last = results[counts[0]].get(row), results[counts[-1]].get(row)
@@ -230,6 +235,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hosts", default="1,4,16,32")
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--push-mib", type=int, default=16, help="the push row's size per host")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=os.path.join(HERE, "..", "artifacts"))
     args = parser.parse_args()
@@ -239,6 +245,7 @@ def main() -> None:
     if no_ssh():
         sys.exit(f"cannot build the test hosts here: {no_ssh()}")
     counts = sorted(int(c) for c in args.hosts.split(","))
+    PUSH_BYTES[0] = args.push_mib << 20
     hosts = SSHTestHosts(counts[-1], tempfile.mkdtemp(prefix="scale-"), client_alive=(5, 3))
     results: dict[int, dict[str, float]] = {}
     try:
