@@ -15,7 +15,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import NullSink, benchmark_main, figure, timed  # noqa: E402
+from common import GroupingSink, NullSink, benchmark_main, figure, timed  # noqa: E402
 
 WORKERS = 4
 MIB64 = 64 << 20
@@ -29,20 +29,6 @@ def bench_ours(quick: bool) -> dict:
     import torch
 
     import monarch_kernel
-    from monarch_kernel.views.output import OutputGroups, render_text
-
-    class TextSink(NullSink):
-        """Groups lines as the notebook view does and renders the final text."""
-
-        def __init__(self, ranks):
-            self.model = OutputGroups(ranks)
-
-        def output(self, rank, stream, text):
-            self.model.add(rank, stream, text)
-
-        def close(self):
-            self.model.finish()
-            self.text = render_text(self.model)
 
     res: dict = {}
     startups = []
@@ -76,7 +62,7 @@ def bench_ours(quick: bool) -> dict:
     res["push 64 MiB to 4 (s)"] = timed(lambda: mesh.push(t=x), 5 if quick else 15, 2)
 
     def lines():
-        sink = TextSink(mesh.ranks)
+        sink = GroupingSink(mesh.ranks)
         mesh.run(LINES_CODE, sink=sink)
         assert sink.text.count("\n") == 999, sink.text[-200:]  # 1,000 deduped lines
 

@@ -43,28 +43,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
-from common import NullSink, format_seconds  # noqa: E402
+from common import GroupingSink, NullSink, format_seconds  # noqa: E402
 
 LINES_CODE = "for i in range(1000):\n    print('line', i)"
 PUSH_BYTES = [16 << 20]  # --push-mib
-
-
-class LinesSink(NullSink):
-    """Groups lines as the notebook view does, so the row includes grouping 128 ranks' output."""
-
-    def __init__(self, ranks):
-        from monarch_kernel.views.output import OutputGroups
-
-        self.model = OutputGroups(ranks)
-
-    def output(self, rank, stream, text):
-        self.model.add(rank, stream, text)
-
-    def close(self):
-        from monarch_kernel.views.output import render_text
-
-        self.model.finish()
-        self.text = render_text(self.model)
 
 
 def wait_for(predicate, timeout: float, what: str) -> float:
@@ -132,7 +114,7 @@ def measure(hosts, count: int, ranks: int, quick: bool) -> dict[str, float]:
                 worst[0] = max(worst[0], time.perf_counter() - t)
                 time.sleep(0.01)
 
-        sink = LinesSink(mesh.ranks)
+        sink = GroupingSink(mesh.ranks)
         printing.set()
         prober = threading.Thread(target=probe_status, daemon=True)
         prober.start()

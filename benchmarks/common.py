@@ -33,6 +33,25 @@ class NullSink:
     def close(self): pass
 
 
+class GroupingSink(NullSink):
+    """Groups lines as the notebook view does and renders the final text (`.text`), so a row
+    that prints includes the grouping."""
+
+    def __init__(self, ranks):
+        from monarch_kernel.views.output import OutputGroups
+
+        self.model = OutputGroups(ranks)
+
+    def output(self, rank, stream, text):
+        self.model.add(rank, stream, text)
+
+    def close(self):
+        from monarch_kernel.views.output import render_text
+
+        self.model.finish()
+        self.text = render_text(self.model)
+
+
 def run_system(script: str, name: str, quick: bool) -> dict:
     """Run one system's benchmark (`script --child name`) in a fresh interpreter.
 
