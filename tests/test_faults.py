@@ -233,7 +233,7 @@ def test_folders_of_a_killed_kernel_are_swept_by_the_next_mesh(tmp_path):
     """F13: after SIGKILL of the kernel its /dev/shm and /tmp mesh folders stayed forever."""
     import tempfile
 
-    from monarch_kernel.controller.state import OWNER_FILE, sweep_stale_folders
+    from monarch_kernel.core.folders import OWNER_FILE, sweep_stale_folders
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that no longer runs

@@ -124,6 +124,32 @@ def test_a_push_or_pull_longer_than_the_silence_limit_does_not_lose_the_host(hos
         assert [str(s.state) for s in mesh.status()] == ["idle"]
 
 
+def test_a_push_to_several_ranks_of_a_remote_host_is_written_once_there_and_mapped_by_each(hosts, sink):
+    """A remote host's agent copied a push to each of its ranks through their sockets; now it
+    writes the value once to the host's shared memory and each rank maps it (copy-on-write)."""
+    import numpy as np
+
+    with ssh_mesh([hosts.hosts[0].alias], gpus=3, dist="none", preload=[], python=sys.executable,
+                  connect_options=hosts.connect_options(), name="shared-push") as mesh:
+        big = np.arange(6 << 20, dtype=np.uint8)
+        mesh.push(big=big)
+        mapped = mesh.run("import numpy as np\nbig[:4] = 7  # each rank's own copy of what it writes\n"
+                          "[line.split()[-1] for line in open('/proc/self/maps') if 'monarch-agent-' in line]",
+                          sink=sink)
+        files = {tuple(paths) for paths in mapped.values()}
+        assert len(files) == 1 and len(next(iter(files))) == 1  # one file, the same on every rank
+        folder = os.path.dirname(next(iter(files))[0])  # (the test hosts share this machine's /dev/shm)
+        assert list(mesh.run("int(big[:4].sum()), int(big[4:].sum() % 251)", sink=sink).values()) == \
+            [(28, int(big[4:].astype(np.int64).sum() % 251))] * 3
+        mesh.run("del big\nimport gc\ngc.collect()", sink=sink)
+        deadline = time.monotonic() + 10
+        while any(n.startswith(("buf-", "hold-")) for n in os.listdir(folder)):  # every rank let go
+            assert time.monotonic() < deadline, os.listdir(folder)
+            time.sleep(0.02)
+        assert any(n.startswith("free-") for n in os.listdir(folder))  # kept for the next push
+    assert not os.path.exists(folder)  # the agent's folder goes with it
+
+
 def test_slices_by_host(mesh, sink):
     assert mesh.slice(hosts=1).pull("dist.get_rank()").by_rank() == {2: 2, 3: 3}
     vm = mesh.slice(hosts=slice(0, 2), gpus=1).run("import os\nos.environ['LOCAL_RANK']", sink=sink)

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -26,12 +29,15 @@ from monarch_kernel.agent.launcher import RankProcess
 from monarch_kernel.agent.preload import Preloader
 from monarch_kernel.agent.rank_set import RankSet, tail_text
 from monarch_kernel.core.failures import exit_text
+from monarch_kernel.core.folders import owned_folder, private_shm_dir, sweep_stale_folders
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.routing import CallRouter, Send
+from monarch_kernel.wire.serialization import SHM_THRESHOLD, Sealed, ShmRef, release, share
 from monarch_kernel.wire.transport import AsyncConnection, encode
 
 HOST_OPERATIONS = {**workspace.OPERATIONS, **files.OPERATIONS}  # HostOp kinds: work for the agent itself
+SHARED_FIELDS = {m.Push: "values", m.Call: "fn"}  # requests whose large values the ranks of a host share
 
 class HostAgent:
     """Routes between one controller connection and this host's ranks."""
@@ -49,6 +55,8 @@ class HostAgent:
         self._tasks: set[asyncio.Task[None]] = set()
         self._fd_output = FdOutput()
         self._files: concurrent.futures.ThreadPoolExecutor | None = None  # host operations, in order
+        self._shm_dir: str | None = None  # made with the first push shared by several ranks (see _shared)
+        self._release_when_gathered: dict[int, Sealed] = {}
         self.router = CallRouter(next_hop=self._hop, serves=lambda rank: rank in self.ranks.local_ranks,
                                  why_dead=lambda rank: f"rank {rank} on {host} is not running",
                                  upstream=self._to_controller)
@@ -110,10 +118,28 @@ class HostAgent:
         for rank in msg.ranks:
             self._fd_note(rank, None)
         self._fd_output.refill(msg.ranks)
-        chunks = encode(msg.body)
+        body = self._shared(msg.body) if len(msg.ranks) > 1 else msg.body
+        chunks = encode(body)
         waiting = {rank for rank in msg.ranks if self.ranks.send(rank, chunks)}  # dead ones: already known
         self.pending[req_id] = (waiting, [])
+        if body is not msg.body:
+            self._release_when_gathered[req_id] = getattr(body, SHARED_FIELDS[type(body)])
         self._maybe_gathered(req_id)
+
+    def _shared(self, body: Any) -> Any:
+        """A push (or call) for several ranks with its large values written once to this host's
+        shared memory, which each rank maps, instead of a copy per rank through its socket."""
+        field_name = SHARED_FIELDS.get(type(body))
+        if field_name is None:
+            return body
+        sealed = getattr(body, field_name)
+        if self._shm_dir is None:
+            if not any(memoryview(b).nbytes >= SHM_THRESHOLD for b in sealed.buffers if not isinstance(b, ShmRef)):
+                return body  # (nothing to share: no folder needed)
+            sweep_stale_folders()  # ours from agents that were killed
+            self._shm_dir = owned_folder(private_shm_dir(f"agent-{os.getpid()}"))
+        shared = share(sealed, self._shm_dir)
+        return body if shared is sealed else dataclasses.replace(body, **{field_name: shared})
 
     def _deliver(self, msg: m.InputReply) -> None:
         chunks = encode(msg)
@@ -124,6 +150,9 @@ class HostAgent:
         waiting, results = self.pending[req_id]
         if not waiting:
             del self.pending[req_id]
+            shared = self._release_when_gathered.pop(req_id, None)
+            if shared is not None:
+                release(shared)  # every rank answered: each holds its own link while it maps the values
             self._to_controller(m.Gathered(req_id, tuple(results)))
 
     def _hop(self, rank: int) -> Send | None:
@@ -227,6 +256,8 @@ class HostAgent:
         finally:
             self.ranks.kill_all()
             self.ranks.close()
+            if self._shm_dir is not None:
+                shutil.rmtree(self._shm_dir, ignore_errors=True)
             if self.controller is not None:
                 self.controller.close()
             if not self.done.done():

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import queue
-import shutil
 import tempfile
 import threading
 import time
@@ -25,6 +23,7 @@ from monarch_kernel.controller.events import RequestEvent
 from monarch_kernel.controller.hosts import HostSpec
 from monarch_kernel.core.errors import MeshNotRunningError
 from monarch_kernel.core.failures import FailureKind, RankFailure, exit_text
+from monarch_kernel.core.folders import owned_folder, private_shm_dir, sweep_stale_folders
 from monarch_kernel.core.status import RankStatus
 from monarch_kernel.core.termtext import LineLog
 from monarch_kernel.wire import messages as m
@@ -220,8 +219,8 @@ class MeshState:
         self.history: deque[TimingRecord] = deque(maxlen=HISTORY_RECORDS)
         self.closed = False
         sweep_stale_folders()
-        self.run_dir = _owned_folder(tempfile.mkdtemp(prefix=f"monarch-{name}-"))
-        self.shm_dir = _owned_folder(_private_shm_dir(name))
+        self.run_dir = owned_folder(tempfile.mkdtemp(prefix=f"monarch-{name}-"))
+        self.shm_dir = owned_folder(private_shm_dir(name))
         self._local_ranks: tuple[list[HostLink], frozenset[int]] = ([], frozenset())
 
     def by_link(self, ranks: Iterable[int] | None) -> Iterator[tuple[HostLink, tuple[int, ...]]]:
@@ -312,55 +311,3 @@ class MeshState:
         return None
 
 
-OWNER_FILE = ".owner"  # the pid of the kernel a mesh folder belongs to
-
-
-def _owned_folder(path: str) -> str:
-    """Mark a mesh folder with this process's pid, so a later kernel can tell when it is stale."""
-    with open(os.path.join(path, OWNER_FILE), "w") as f:
-        f.write(str(os.getpid()))
-    return path
-
-
-def sweep_stale_folders() -> list[str]:
-    """Remove mesh folders of this user whose kernel is gone (it was killed: no cleanup ran).
-
-    Only folders named `monarch-*`, owned by this user and marked with the pid of a
-    process that no longer exists are removed; they hold sockets and shared-memory buffers.
-    """
-    removed = []
-    for base in {"/dev/shm", tempfile.gettempdir()}:
-        try:
-            names = [n for n in os.listdir(base) if n.startswith("monarch-")]
-        except OSError:
-            continue
-        for name in names:
-            path = os.path.join(base, name)
-            try:
-                if os.lstat(path).st_uid != os.getuid():
-                    continue
-                with open(os.path.join(path, OWNER_FILE)) as f:
-                    pid = int(f.read().strip())
-            except (OSError, ValueError):
-                continue  # not a folder of ours, or one from before owners were written
-            if not _pid_exists(pid):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-    return removed
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _private_shm_dir(name: str) -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    path = tempfile.mkdtemp(prefix=f"monarch-{name}-", dir=base)
-    os.chmod(path, 0o700)
-    return path
