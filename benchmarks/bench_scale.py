@@ -24,9 +24,7 @@ then measures that limit plus the time to notice.
 
     sudo .venv/bin/python benchmarks/bench_scale.py [--hosts 1,4,16,32] [--ranks 4] [--push-mib 16] [--quick]
 
-A simulated thousand: `--hosts 8 --ranks 128 --push-mib 1` (1,024 light ranks, about 4.5 MiB of
-memory each; a remote host's agent copies a push to each of its ranks, so 128 ranks per host
-on 2 cores need a small push).
+A simulated thousand: `--hosts 8 --ranks 128` (1,024 light ranks, about 4.5 MiB of memory each).
 """
 
 from __future__ import annotations
