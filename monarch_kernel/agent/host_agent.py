@@ -33,7 +33,7 @@ from monarch_kernel.core.folders import owned_folder, private_shm_dir, sweep_sta
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.routing import CallRouter, Send
-from monarch_kernel.wire.serialization import SHM_THRESHOLD, Sealed, ShmRef, release, share
+from monarch_kernel.wire.serialization import Sealed, release, share, shareable
 from monarch_kernel.wire.transport import AsyncConnection, encode
 
 HOST_OPERATIONS = {**workspace.OPERATIONS, **files.OPERATIONS}  # HostOp kinds: work for the agent itself
@@ -133,9 +133,9 @@ class HostAgent:
         if field_name is None:
             return body
         sealed = getattr(body, field_name)
+        if not shareable(sealed):
+            return body
         if self._shm_dir is None:
-            if not any(memoryview(b).nbytes >= SHM_THRESHOLD for b in sealed.buffers if not isinstance(b, ShmRef)):
-                return body  # (nothing to share: no folder needed)
             sweep_stale_folders()  # ours from agents that were killed
             self._shm_dir = owned_folder(private_shm_dir(f"agent-{os.getpid()}"))
         shared = share(sealed, self._shm_dir)

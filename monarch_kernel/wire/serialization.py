@@ -560,11 +560,16 @@ def carries_shm_refs(msg: Any) -> bool:
     return False
 
 
+def shareable(sealed: Sealed) -> bool:
+    """Whether the blob has buffers in its frame large enough to go through shared memory."""
+    return any(not isinstance(b, ShmRef) and memoryview(b).nbytes >= SHM_THRESHOLD for b in sealed.buffers)
+
+
 def share(sealed: Sealed, shm_dir: str) -> Sealed:
     """The same blob with its large in-frame buffers written once to shared memory for several
     receivers on this host (a host agent handing one push to all its ranks); `release` it when
     they have all answered. Buffers that cannot be written stay in the frame."""
-    if not any(not isinstance(b, ShmRef) and memoryview(b).nbytes >= SHM_THRESHOLD for b in sealed.buffers):
+    if not shareable(sealed):
         return sealed
     return Sealed(sealed.data, [b if isinstance(b, ShmRef) or memoryview(b).nbytes < SHM_THRESHOLD
                                 else _to_shm(memoryview(b), shm_dir, shared=True) for b in sealed.buffers])
