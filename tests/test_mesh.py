@@ -330,11 +330,12 @@ def test_restart_gives_fresh_ranks_and_shutdown_leaves_nothing(sink):
 
 
 def test_restarted_ranks_keep_answering_heartbeats():
-    quick = HealthTimings(heartbeat_interval_s=0.05, unresponsive_after_s=0.3)
+    # (1 s, not less: on the 2-core CI machine a busy moment once kept a healthy rank silent 0.3 s)
+    quick = HealthTimings(heartbeat_interval_s=0.05, unresponsive_after_s=1.0)
     with local_mesh(gpus=2, dist="none", name="restart-heartbeat", health=quick) as mesh:
         mesh.restart()
         # three times as long as the agent waits before calling a silent rank unresponsive
-        assert not wait_until(lambda: any(s.state != "idle" for s in mesh.status()), 1.0)
+        assert not wait_until(lambda: any(s.state != "idle" for s in mesh.status()), 3.0)
 
 
 def test_what_ranks_imported_at_start_is_out_of_the_collectors_sight(mesh4, sink):
