@@ -68,13 +68,7 @@ class ActorFuture(Future[T]):
     def _wait(self, timeout: float | None) -> bool:
         if self.done():
             return True
-        sender = self._mesh._sender()
-        if sender.must_not_wait_on(self._pending.outstanding):
-            raise MeshUsageError(
-                f"{self._pending.label}: this rank would wait on itself (its main thread serves its own actors). "
-                "In an endpoint, make it `async def` and `await` the call; in a %%mesh cell, call the actors "
-                "of other ranks (or call from the notebook)")
-        return sender.wait_for_replies(self._pending, self._count, timeout)
+        return self._mesh._sender().wait_for_replies(self._pending, self._count, timeout)
 
     async def _wait_async(self) -> None:
         self._mesh._sender().flush_calls()

@@ -100,10 +100,6 @@ class ControllerSender:
         """The shared-memory folder, if every one of these ranks runs on this machine."""
         return self._state.shm_dir_for(ranks)
 
-    def must_not_wait_on(self, ranks: tuple[int, ...]) -> bool:
-        """The notebook's thread may always wait (replies arrive on the loop thread)."""
-        return False
-
     def host_of(self, rank: int) -> str:
         """The host a rank runs on."""
         return self._state.host_of(rank)

@@ -107,10 +107,6 @@ class RankSender:
             return self._wait_serving(pending, count, timeout)
         return pending.wait(count, timeout)
 
-    def must_not_wait_on(self, ranks: tuple[int, ...]) -> bool:
-        """Never refused up front: a wait that could not end is found while waiting (ActorDeadlockError)."""
-        return False
-
     def host_of(self, rank: int) -> str:
         """Ranks do not track where other ranks run."""
         return ""

@@ -199,9 +199,6 @@ class CallSender(Protocol):
     def wait_for_replies(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
         """Block until `count` replies are in (True) or the timeout passes (False)."""
 
-    def must_not_wait_on(self, ranks: tuple[int, ...]) -> bool:
-        """Whether blocking on these ranks from this thread would wait on itself."""
-
     def host_of(self, rank: int) -> str:
         """The host a rank runs on ("" where unknown)."""
 
