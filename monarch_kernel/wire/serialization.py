@@ -205,7 +205,8 @@ def _to_shm(buf: memoryview, shm_dir: str, shared: bool) -> ShmRef | memoryview:
 
     /dev/shm may be full (Docker's default is 64 MB), or out of descriptors or over a file
     size limit: the bytes then travel in the frame, and no partial file is left behind.
-    One receiver's buffer goes into a recycled file of its size class when one is free.
+    The buffer goes into a recycled file of its size class when one is free; a `shared` one
+    (several receivers) is held by the sender's link until `release`.
     """
     nbytes = memoryview(buf).nbytes
     ref = _claim_free(shm_dir, nbytes, shared)
