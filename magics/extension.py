@@ -6,6 +6,7 @@ import atexit
 import threading
 from typing import Any
 
+from monarch_kernel.actors import procs
 from monarch_kernel.api import sinks
 from monarch_kernel.api.mesh import Mesh
 from monarch_kernel.core.failures import set_traceback_rewriter
@@ -52,6 +53,7 @@ def load_ipython_extension(ipython) -> None:
     if sidebar.register(ipython, registry):  # the JupyterLab Meshes panel talks to this comm target
         sidebar.announce(ipython)  # an open panel links up now, not at its next look
     atexit.register(registry.shutdown_all)
+    procs.mesh_started.append(registry.adopt)  # meshes a Monarch program starts show up too
     _state.update(registry=registry, magics=magics)
 
 
@@ -102,6 +104,8 @@ def unload_ipython_extension(ipython) -> None:
         magics._set_auto(None)
     registry.shutdown_all()
     atexit.unregister(registry.shutdown_all)
+    if registry.adopt in procs.mesh_started:
+        procs.mesh_started.remove(registry.adopt)
     sinks.set_default_sink_factory(None)
     sinks.set_timing_reporter(None)
     set_traceback_rewriter(None)

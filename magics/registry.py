@@ -12,6 +12,23 @@ class MeshRegistry:
     def __init__(self) -> None:
         self._meshes: dict[str, Mesh] = {}
         self._current: str | None = None
+        self._adopted: set[str] = set()  # started by a program (spawn_procs), not by %mesh up
+
+    def adopt(self, mesh: Mesh) -> None:
+        """A mesh a program started (Monarch's spawn_procs): listed and usable like the others, the
+        default, and forgotten once it is shut down."""
+        self._prune()
+        old = self._meshes.get(mesh.name)
+        if old is not None and not old.closed:
+            return  # a name in use keeps its mesh (the program's mesh is still reachable through its handle)
+        self._meshes[mesh.name] = mesh
+        self._adopted.add(mesh.name)
+        self._current = mesh.name
+
+    def _prune(self) -> None:
+        for name in [n for n in self._adopted if n in self._meshes and self._meshes[n].closed]:
+            self._adopted.discard(name)
+            self.remove(name)
 
     def add(self, mesh: Mesh) -> None:
         """Register a new mesh and make it the default."""
@@ -22,6 +39,7 @@ class MeshRegistry:
 
     def get(self, name: str | None = None) -> Mesh:
         """The named mesh, or the default one."""
+        self._prune()
         if name is None:
             if self._current is None:
                 raise MeshNotRunningError("no mesh is up: start one with %mesh up local --gpus 4")
@@ -47,6 +65,7 @@ class MeshRegistry:
 
     def names(self) -> list[str]:
         """Names in start order."""
+        self._prune()
         return list(self._meshes)
 
     @property

@@ -28,6 +28,9 @@ RULES = {
     "api": {"core", "wire", "actors", "controller"},
     "views": {"core", "wire", "actors", "controller", "api"},
     "magics": {"core", "wire", "actors", "rank", "controller", "api", "views"},
+    # Monarch's API for programs, in the notebook and on ranks: its notebook-only parts (starting
+    # processes) import api/ inside functions that ranks never call (checked on real ranks below)
+    "monarch": {"core", "wire", "actors", "api"},
 }
 ROOT_MODULES = {"monarch_kernel", "monarch_kernel.__main__"}  # the lazy re-exports and the CLI
 NOTEBOOK_ONLY = ("monarch_kernel.controller", "monarch_kernel.api", "monarch_kernel.views", "monarch_kernel.magics")
@@ -189,6 +192,7 @@ def test_real_ranks_load_no_notebook_code(mesh4):
     relays = mesh4.spawn("arch_relays", Relay)
     assert relays.slice(gpus=0).peers.call_one(relays).get() == 4
     mesh4.run("from monarch_kernel import current_rank\ncurrent_rank()\nimport monarch_kernel\nmonarch_kernel.Actor")
+    mesh4.run("from monarch_kernel.monarch.actor import *\nthis_proc()\nChannel.open()")  # Monarch's API too
     loaded = mesh4.run("import sys\nsorted(m for m in sys.modules)").values()
     for modules in loaded:
         assert [m for m in modules if m.startswith(NOTEBOOK_ONLY) or m.split(".")[0] in HEAVY] == []

@@ -70,3 +70,8 @@ def test_actors_notebook_trains_with_a_parameter_server():
     assert 'raise ValueError(f"batch index must be >= 0, got {batch}")' in failure
     assert "Cell In[2], line 41, in check" in failure  # named like IPython names local cells
     assert "[0] updates:" in texts(cell_with(nb, 'actors["server"]'))
+    monarch = texts(cell_with(nb, "from monarch_kernel.monarch.actor import"))  # the "coming from Monarch" part
+    assert "samples: [(0, 0), (0, 10), (0, 20), (1, 0), (1, 10), (1, 20)]" in monarch
+    assert "sum of scales: 20" in monarch
+    status = texts(cell_with(nb, "%mesh status samplers"))  # a mesh started by spawn_procs is a mesh like any
+    assert "samplers" in status and "rank" in status

@@ -93,6 +93,22 @@ def test_a_mesh_on_two_nodes_works_like_any_other_and_leaves_nothing(cluster):
     assert wait_until(lambda: all(not p for p in node_processes(cluster).values()), 15), node_processes(cluster)
 
 
+def test_monarch_host_mesh_of_a_slurm_mesh_spawns_procs_in_the_same_job(cluster):
+    mesh = slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, name="slurm-hosts")
+    try:
+        procs = mesh.host_mesh().spawn_procs(per_host={"gpus": 2}, name="slurm-procs")
+        assert procs.extent == {"hosts": 2, "gpus": 2}
+        where = procs.spawn("where", Where)
+        assert list(where.node.call().get(timeout=30).values()) == ["node0", "node0", "node1", "node1"]
+        assert len(ours_in_queue(cluster)) == 1  # no second allocation: the same job's nodes
+        procs.stop()
+        assert len(ours_in_queue(cluster)) == 1 and mesh.run("1", sink=RecordingSink()).item(hosts=1, gpus=0) == 1
+    finally:
+        mesh.shutdown()
+    assert wait_until(lambda: ours_in_queue(cluster) == [], 15)  # the job ends with the mesh that made it
+    assert wait_until(lambda: all(not p for p in node_processes(cluster).values()), 15), node_processes(cluster)
+
+
 def test_a_request_slurm_refuses_fails_at_once_with_its_words(cluster):
     started = time.monotonic()
     with pytest.raises(MeshStartError, match="(?i)invalid partition.*\n.*hint: `sinfo -s`"):

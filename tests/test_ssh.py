@@ -89,6 +89,36 @@ def test_actors_across_hosts(mesh):
     assert relay.ask.call_one().get() == ([(2, 11), (3, 12)], (1, 101))
 
 
+def test_monarch_host_mesh_of_an_ssh_mesh_spawns_procs_on_its_hosts(mesh, hosts):
+    from monarch_kernel.monarch.actor import Actor, Channel, current_rank, endpoint
+
+    class Where(Actor):
+        @endpoint
+        def where(self, port):
+            port.send((dict(current_rank()), os.getpid()))
+            return os.getpid()
+
+    host_mesh = mesh.host_mesh()
+    assert host_mesh.extent == {"hosts": 2}
+    baseline = processes(hosts)
+    procs = host_mesh.spawn_procs(per_host={"gpus": 3}, name="ssh-monarch", dist="none")
+    try:
+        assert procs.extent == {"hosts": 2, "gpus": 3}
+        where = procs.spawn("where", Where)
+        port, receiver = Channel.open()  # answers from the remote hosts come back through the controller
+        pids = where.where.call(port).get()
+        seen = sorted((receiver.recv().get(timeout=30) for _ in range(6)), key=lambda s: tuple(s[0].values()))
+        assert [coords for coords, _ in seen] == [{"hosts": h, "gpus": g} for h in range(2) for g in range(3)]
+        running = processes(hosts)  # each host runs the 3 processes of its row
+        for h, host in enumerate(hosts.hosts):
+            assert {pid for coords, pid in seen if coords["hosts"] == h} <= running[host.alias] - baseline[host.alias]
+        assert sorted(pids.values()) == sorted(pid for _, pid in seen)
+        assert mesh.run("1").item(hosts=1, gpus=1) == 1  # the first mesh is untouched
+    finally:
+        procs.stop()
+    assert wait_until(back_to(hosts, baseline), 20)  # its processes are gone from both hosts
+
+
 def test_input_on_remote_ranks_is_answered_from_the_notebook(mesh, sink, monkeypatch):
     asked = []
     monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "typed")

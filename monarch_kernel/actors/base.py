@@ -7,6 +7,7 @@ defines actor classes, and ranks build and serve their instances.
 from __future__ import annotations
 
 import contextvars
+import linecache
 import os
 from collections.abc import Callable
 from typing import Any
@@ -15,20 +16,43 @@ from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.shape import Point, Shape
 
 ENDPOINT_MARK = "_monarch_endpoint"
+PORT_MARK = "_monarch_explicit_port"
+SYSTEM_ACTOR = "__procs__"  # the key of each rank's system actor, which spawns and stops actors for others
 
 # The coordinates of the actor whose endpoint (or constructor) runs in this context.
 current_point: contextvars.ContextVar[Point | None] = contextvars.ContextVar("monarch_current_point", default=None)
+# The spawn key ("name#N") of the actor whose endpoint (or constructor) runs in this context: it owns
+# the actor meshes spawned there.
+current_actor: contextvars.ContextVar[str | None] = contextvars.ContextVar("monarch_current_actor", default=None)
 
 
-def endpoint(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark an Actor method (sync or `async def`) as callable from other processes."""
-    setattr(fn, ENDPOINT_MARK, True)
-    return fn
+def endpoint(fn: Callable[..., Any] | None = None, *, explicit_response_port: bool = False,
+             **_options: Any) -> Any:
+    """Mark an Actor method (sync or `async def`) as callable from other processes.
+
+    `@endpoint` or `@endpoint(explicit_response_port=True)`: then the method's first argument
+    (after self) is a Port, and the caller's answer is what the method sends through it (now,
+    or later from another endpoint); its return value is ignored. Other options of Monarch's
+    decorator (`propagate`, `instrument`) are accepted and have no effect here.
+    """
+
+    def mark(method: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(method, ENDPOINT_MARK, True)
+        if explicit_response_port:
+            setattr(method, PORT_MARK, True)
+        return method
+
+    return mark if fn is None else mark(fn)
 
 
 def is_endpoint(method: Any) -> bool:
     """Whether a method (bound or not) was marked with @endpoint."""
     return bool(getattr(getattr(method, "__func__", method), ENDPOINT_MARK, False))
+
+
+def takes_port(method: Any) -> bool:
+    """Whether an endpoint answers through a Port it is given (explicit_response_port=True)."""
+    return bool(getattr(getattr(method, "__func__", method), PORT_MARK, False))
 
 
 class Actor:
@@ -58,3 +82,23 @@ def current_rank() -> Point:
     world = int(os.environ.get("WORLD_SIZE", per_host))
     shape = Shape.grid(hosts=world // per_host, gpus=per_host)
     return next(p for p in shape.points() if p.rank == rank)
+
+
+def current_size() -> dict[str, int]:
+    """Inside an endpoint: the size of each dim of this actor's mesh, e.g. {'gpus': 4}."""
+    return dict(current_rank().extent)
+
+
+def class_sources(cls: type) -> dict[str, list[str]]:
+    """Source lines of the cells that define cls (and its bases), for tracebacks where it runs."""
+    sources: dict[str, list[str]] = {}
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            fn = getattr(value, "__func__", value)
+            code = getattr(fn, "__code__", None)
+            if code is None or code.co_filename in sources or os.path.exists(code.co_filename):
+                continue
+            lines = linecache.getlines(code.co_filename)
+            if lines:
+                sources[code.co_filename] = lines
+    return sources

@@ -12,12 +12,15 @@ sender's order.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from monarch_kernel.actors.base import SYSTEM_ACTOR
+from monarch_kernel.actors.ports import Port
 from monarch_kernel.core.errors import (
     ActorDiedError,
     ActorError,
@@ -26,9 +29,10 @@ from monarch_kernel.core.errors import (
     raise_for,
 )
 from monarch_kernel.core.failures import FailureKind, RankFailure
-from monarch_kernel.core.future import Future
+from monarch_kernel.core.future import DoneFuture, Future
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import Selector, Shape
+from monarch_kernel.core.supervision import MeshFailure, report_unhandled
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire.calls import CallSender, PendingCall, find_sender
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall
@@ -107,6 +111,10 @@ class ActorMesh:
 
     def __init__(self, mesh_name: str, actor: str, class_name: str, endpoints: frozenset[str], shape: Shape,
                  key: str | None = None):
+        clash = endpoints & _handle_names()
+        if clash:
+            raise MeshUsageError(f"{class_name} has endpoints named {sorted(clash)}, which actor mesh handles use "
+                                 "for themselves (slice, stop, ...); rename those endpoints")
         self.mesh_name = mesh_name
         self.name = actor
         self.key = key or actor  # which spawn of `actor` this handle calls (name#N)
@@ -128,8 +136,52 @@ class ActorMesh:
 
     def slice(self, **selectors: Selector | None) -> ActorMesh:
         """The actors on a slice: `trainers.slice(hosts=0, gpus=slice(0, 2))`."""
-        return ActorMesh(self.mesh_name, self.name, self.class_name, self.endpoints, self.shape.slice(**selectors),
-                         self.key)
+        return self._with(self.shape.slice(**selectors))
+
+    def flatten(self, name: str) -> ActorMesh:
+        """The same actors along one dim named `name`."""
+        return self._with(self.shape.flatten(name))
+
+    def rename(self, **names: str) -> ActorMesh:
+        """The same actors with dims renamed: `trainers.rename(gpus="tp")`."""
+        return self._with(self.shape.rename(**names))
+
+    def split(self, **spec: Sequence[str] | int) -> ActorMesh:
+        """The same actors with dims split: `trainers.split(hosts=("dp", "pp"), pp=2)`."""
+        return self._with(self.shape.split(**spec))
+
+    def size(self, dim: str | None = None) -> int:
+        """How many actors (along `dim`, or in all)."""
+        return len(self.shape) if dim is None else self.shape.sizes[dim]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Dim sizes by name."""
+        return self.shape.sizes
+
+    def _with(self, shape: Shape) -> ActorMesh:
+        sliced = ActorMesh(self.mesh_name, self.name, self.class_name, self.endpoints, shape, self.key)
+        sliced._supervised = self.__dict__.get("_supervised", "")
+        return sliced
+
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        """Stop these actors (their queued calls fail; later calls say they were stopped)."""
+        system_actors(self.mesh_name, self.shape).stop_actors.call(self.key).get()
+        return DoneFuture(None)
+
+    @property
+    def initialized(self) -> Future[None]:
+        """Done: spawn() returns once every constructor ran."""
+        return DoneFuture(None)
+
+    def supervise_from_notebook(self) -> None:
+        """The notebook owns these actors: a rank's death, or a failed broadcast, goes to its fault hook."""
+        self._supervised = "notebook"
+
+        def died(rank: int, why: str) -> None:
+            report_unhandled(MeshFailure(self.name, self.class_name, rank, "died", why))
+
+        self._sender().watch_failures(self.ranks, died)
 
     def on_failure(self, callback: Callable[[ActorFailureEvent], None]) -> None:
         """Call callback(ActorFailureEvent) on a helper thread when a rank of this actor mesh dies."""
@@ -181,6 +233,17 @@ class ActorMesh:
             sender.send_cancel(CancelCall(sender.caller_id, pending.call_id, outstanding))
 
 
+def system_actors(mesh_name: str, shape: Shape) -> ActorMesh:
+    """The system actor of each rank of `shape` (spawn_actors, stop_actors): see rank/actor_host.py."""
+    return ActorMesh(mesh_name, SYSTEM_ACTOR, "processes", frozenset({"spawn_actors", "stop_actors"}), shape,
+                     SYSTEM_ACTOR)
+
+
+@functools.cache
+def _handle_names() -> frozenset[str]:
+    return frozenset(n for n in dir(ActorMesh) if not n.startswith("_"))
+
+
 class EndpointHandle:
     """`actors.step`: the ways to call one endpoint on an actor mesh."""
 
@@ -216,13 +279,38 @@ class EndpointHandle:
         """Call every actor without waiting; failures are printed when they come back."""
         mesh = self._mesh
         label = f"{mesh.class_name}.{self._name}"
+        supervised = mesh.__dict__.get("_supervised", "")  # who owns these actors: "notebook", "actor" or unknown
 
         def report(reply: ActorReply) -> None:
-            if reply.failure is not None:
+            f = reply.failure
+            if f is None:
+                return
+            if supervised and f.error_type in _KIND_OF_ERROR:
+                return  # a death reaches the owner as such; a mesh shut down is nobody's failure
+            if supervised == "notebook":
+                report_unhandled(MeshFailure(mesh.name, mesh.class_name, reply.rank, "exception",
+                                             f"broadcast {label} raised {f.message}", f.traceback))
+            else:
                 print(f"monarch_kernel: broadcast {label} failed on rank {reply.rank}: "
-                      f"{reply.failure.message}\n{reply.failure.traceback}", file=sys.stderr, flush=True)
+                      f"{f.message}\n{f.traceback}", file=sys.stderr, flush=True)
 
         mesh._send(self._name, mesh.ranks, args, kwargs, want_value=False, on_reply=report)
+
+    def send_to_port(self, port: Port[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                     selection: str = "all") -> None:
+        """Call without waiting; every actor's answer goes through `port` (Monarch's `send`)."""
+        mesh = self._mesh
+        if selection not in ("all", "choose"):
+            raise MeshUsageError(f"selection={selection!r}: use 'all' or 'choose'")
+        ranks = mesh.ranks
+        if selection == "choose":
+            sender = mesh._sender()
+            live = [r for r in ranks if sender.is_alive(r)] or list(ranks)
+            ranks = (live[next(ActorMesh._choices) % len(live)],)
+        sender = mesh._sender()
+        sealed = seal((args, kwargs), shm_dir=sender.shm_dir_for(ranks), shared=True)
+        sender.send_call(ActorCall(port._owner, port._port_id, mesh.key, self._name, sealed, ranks, True,
+                                   to_port=True))
 
     def stream(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Iterator[ReplyFuture]:
         """Call every actor; yield each reply (a done future with .rank) as it arrives."""
@@ -236,32 +324,16 @@ class EndpointHandle:
         return f"<endpoint {self._mesh.class_name}.{self._name} on ranks {format_ranks(self._mesh.ranks)}>"
 
 
-class ReplyFuture(Future[Any]):
+class ReplyFuture(DoneFuture[Any]):
     """One rank's reply from `stream()`: already done; `.get()` returns it or raises."""
 
     def __init__(self, mesh: ActorMesh, pending: PendingCall, rank: int):
-        super().__init__()
+        super().__init__(None)
         self._mesh, self._pending, self.rank = mesh, pending, rank
         self.point = next(p for p in mesh.shape.points() if p.rank == rank)
 
-    def done(self) -> bool:
-        """Always True."""
-        return True
-
-    def _wait(self, timeout: float | None) -> bool:
-        return True
-
-    async def _wait_async(self) -> None:
-        return None
-
-    def _cancel(self) -> None:
-        return None
-
     def _finish(self) -> Any:
         return _single(self._pending, self._mesh, self.rank)
-
-    def _stopped(self, why: str, error_type: type[BaseException]) -> BaseException:
-        return error_type(why)
 
     def __repr__(self) -> str:
         return f"<reply of {self._pending.label} from rank {self.rank}>"
@@ -311,3 +383,41 @@ def _single(pending: PendingCall, mesh: ActorMesh, rank: int | None = None) -> A
     rank = pending.ranks[0] if rank is None else rank
     _raise_failures(pending, mesh, (rank,), None)
     return _value(pending.replies[rank])
+
+
+# ------------------------------------------------------------------ Monarch's helpers
+
+
+def send(endpoint: EndpointHandle, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+         port: Port[Any] | None = None, selection: str = "all") -> None:
+    """Call an endpoint without waiting (Monarch's `send`): answers go through `port`, or nowhere."""
+    if port is None:
+        if selection == "choose":
+            endpoint.choose(*args, **(kwargs or {}))
+        else:
+            endpoint.broadcast(*args, **(kwargs or {}))
+        return
+    endpoint.send_to_port(port, tuple(args), dict(kwargs or {}), selection)
+
+
+class Accumulator:
+    """Fold the answers of a call into one value: `Accumulator(counters.value, 0, operator.add)`."""
+
+    def __init__(self, endpoint: EndpointHandle, identity: Any, combine: Callable[[Any, Any], Any]):
+        self._endpoint = endpoint
+        self._identity = identity
+        self._combine = combine
+
+    def accumulate(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Call every actor; the future gives combine(...combine(identity, a1)..., aN), in arrival order."""
+        mesh = self._endpoint._mesh
+        pending = mesh._send(self._endpoint._name, mesh.ranks, args, kwargs)
+
+        def fold(p: PendingCall) -> Any:
+            _raise_failures(p, mesh, mesh.ranks, None)
+            value = self._identity
+            for rank in p.arrivals:
+                value = self._combine(value, _value(p.replies[rank]))
+            return value
+
+        return ActorFuture(mesh, pending, fold)

@@ -28,6 +28,7 @@ from monarch_kernel.agent.fd_output import FdOutput
 from monarch_kernel.agent.launcher import RankProcess
 from monarch_kernel.agent.preload import Preloader
 from monarch_kernel.agent.rank_set import RankSet, tail_text
+from monarch_kernel.agent.relays import UP_TYPES, AgentRelays
 from monarch_kernel.core.failures import exit_text
 from monarch_kernel.core.folders import owned_folder, private_shm_dir, sweep_stale_folders
 from monarch_kernel.wire import handshake
@@ -73,12 +74,18 @@ class HostAgent:
             m.StartRanks: lambda msg: self._spawn(self._start(msg)),
             m.Shutdown: lambda msg: self._spawn(self.shutdown("the controller asked", asked=True)),
             m.HostOp: lambda msg: self._spawn(self._host_op(msg)),
+            m.RelayServe: lambda msg: self._spawn(self.relays.serve(msg)),
+            m.RelayJoin: lambda msg: self._spawn(self.relays.join(msg)),
+            m.RelayDown: lambda msg: self.relays.down(msg),
+            m.RelayStop: lambda msg: self.relays.stop(),
         }
+        self.relays = AgentRelays(self._send_controller, self._fan_out)  # its place in a relay tree, if any
         self._from_rank: dict[type, Callable[[int, Any], None]] = {
             m.Result: self._result,
             m.ActorReply: lambda rank, msg: self.router.reply(msg, owed=True),
             m.ActorCall: lambda rank, msg: self.router.call(msg),
             m.CancelCall: lambda rank, msg: self.router.cancel(msg),
+            m.OwnActors: lambda rank, msg: self._to_controller(msg),
         }
 
     # ------------------------------------------------------------ the controller
@@ -108,6 +115,13 @@ class HostAgent:
         task.add_done_callback(self._tasks.discard)
 
     def _to_controller(self, msg: Any) -> None:
+        """Send to the controller: output and results up the relay tree when this agent is in one."""
+        if self.relays.active and isinstance(msg, UP_TYPES):
+            self.relays.up(msg)
+        else:
+            self._send_controller(msg)
+
+    def _send_controller(self, msg: Any) -> None:
         if self.controller is None:
             self._outbox.append(msg)  # the connection is still being set up
         elif not self.controller.closed:
@@ -252,6 +266,7 @@ class HostAgent:
         except OSError:
             pass
         try:
+            self.relays.stop()
             await asyncio.wait_for(self.ranks.stop_all(0.5, asked=asked), timeout=3)
         finally:
             self.ranks.kill_all()

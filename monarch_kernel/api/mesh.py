@@ -8,21 +8,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
-import linecache
 import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from monarch_kernel.actors.base import Actor
+from monarch_kernel.actors.base import Actor, class_sources
 from monarch_kernel.actors.client import ActorMesh
+from monarch_kernel.actors.procs import HostMesh
 from monarch_kernel.api import environment, transfer, workspace
 from monarch_kernel.api.futures import MeshFuture, raise_failures
 from monarch_kernel.api.sinks import IdleOutput, OutputSink, default_sink, report_timing
 from monarch_kernel.controller.hosts import HostKind, HostSpec
 from monarch_kernel.controller.runtime import MeshRuntime
-from monarch_kernel.controller.state import Allocation, MeshSpec, RankSnapshot, Request
+from monarch_kernel.controller.state import RELAY_BRANCHING, Allocation, MeshSpec, RankSnapshot, Request
 from monarch_kernel.core.addresses import is_unspecified
 from monarch_kernel.core.errors import MeshInterrupted, MeshStartError, MeshUsageError, SerializationError
 from monarch_kernel.core.ranksets import format_ranks
@@ -247,13 +249,19 @@ class Mesh:
             raise MeshUsageError(f"spawn() needs a subclass of monarch_kernel.Actor, got {actor_class!r}")
         if not name or not isinstance(name, str):
             raise MeshUsageError("spawn() needs a name for the actor mesh, e.g. mesh.spawn('trainers', Trainer)")
-        shape, sources, key = self._shape, notebook_sources(actor_class), f"{name}#{next(_spawns)}"
+        shape, sources, key = self._shape, class_sources(actor_class), f"{name}#{next(_spawns)}"
 
         def create(worker: Any) -> str:
             return str(worker.actors.spawn(name, key, actor_class, args, kwargs, shape, sources))
 
         self._call_in_worker(create, f"spawn({name!r}, {actor_class.__name__})")
         return ActorMesh(self.name, name, actor_class.__name__, actor_class._endpoints, shape, key)
+
+    def host_mesh(self) -> HostMesh:
+        """This mesh's hosts as a Monarch-style HostMesh (dim `hosts`): `spawn_procs` starts new
+        processes there with this mesh's settings (backend, environment, Slurm job)."""
+        hosts = self._runtime.spec.hosts
+        return HostMesh(hosts, Shape.grid(hosts=len(hosts)), functools.partial(_start_like, self))
 
     def describe(self, expr: str) -> ValueMesh[Any]:
         """What `expr` is on each rank (tensor, DTensor or module), as metadata: shapes, placements, bytes.
@@ -346,21 +354,6 @@ class Mesh:
         return f"<Mesh {self.name!r} {self._shape} dist={self.backend}: {text}>"
 
 
-def notebook_sources(cls: type) -> dict[str, list[str]]:
-    """Source lines of the cells that define cls (and its bases), for remote tracebacks."""
-    sources: dict[str, list[str]] = {}
-    for klass in cls.__mro__:
-        for value in vars(klass).values():
-            fn = getattr(value, "__func__", value)
-            code = getattr(fn, "__code__", None)
-            if code is None or code.co_filename in sources or os.path.exists(code.co_filename):
-                continue
-            lines = linecache.getlines(code.co_filename)
-            if lines:
-                sources[code.co_filename] = lines
-    return sources
-
-
 def _seal_named(values: dict[str, Any], shm_dir: str | None) -> Sealed:
     try:
         return seal(values, shm_dir=shm_dir, shared=True)
@@ -389,7 +382,8 @@ def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "
              setup: str | None = None, env: dict[str, str] | None = None, name: str | None = None,
              connect_options: dict[str, Any] | None = None, connect_timeout: float = 30.0,
              master_addr: str | None = None, ship_package: bool = False, timeout: float = 180.0,
-             health: HealthTimings | None = None, preload: Sequence[str] | None = None) -> Mesh:
+             health: HealthTimings | None = None, preload: Sequence[str] | None = None,
+             relay_branching: int = RELAY_BRANCHING) -> Mesh:
     """Start `gpus` ranks on each SSH host, shape {hosts: len(hosts), gpus: N}.
 
     Hosts are `host`, `user@host` or `user@host:port`, resolved through ~/.ssh/config;
@@ -398,19 +392,22 @@ def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "
     pass ship_package=True to copy this package's source to a temporary folder);
     `setup` is a shell snippet run first (e.g. "source ~/env.sh"); `master_addr` is
     host 0's address as the other hosts reach it (default: the one we connected to).
-    `preload`: as for `local_mesh`.
+    `preload`: as for `local_mesh`. Past `relay_branching` hosts, the controller sends broadcasts
+    to that many hosts and their agents relay them to the others (authenticated links).
     """
     if not hosts:
         raise MeshUsageError("ssh_mesh() needs at least one host, e.g. ssh_mesh(['gpu-a'], gpus=8)")
     specs = [HostSpec(h, HostKind.SSH, target=h, python=python, setup=setup, options=dict(connect_options or {}),
                       connect_timeout_s=connect_timeout, ship_package=ship_package)
              for h in hosts]
-    return _start_mesh(specs, gpus, dist, name, env, timeout, master_addr, health, preload=preload)
+    return _start_mesh(specs, gpus, dist, name, env, timeout, master_addr, health, preload=preload,
+                       relay_branching=relay_branching)
 
 
 def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, env: dict[str, str] | None,
                 timeout: float, master_addr: str | None, health: HealthTimings | None, *,
-                allocation: Allocation | None = None, preload: Sequence[str] | None = None) -> Mesh:
+                allocation: Allocation | None = None, preload: Sequence[str] | None = None,
+                relay_branching: int = RELAY_BRANCHING) -> Mesh:
     if not isinstance(gpus, int) or gpus < 1:
         raise MeshUsageError(f"gpus={gpus!r}: give a positive number of ranks per host, e.g. gpus=4")
     if dist not in BACKENDS:
@@ -426,8 +423,10 @@ def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, e
     if master_addr is not None and is_unspecified(master_addr):
         raise MeshUsageError(f"master_addr={master_addr!r} names no host: give the address at which the "
                              "other hosts reach the first one (never 0.0.0.0 or an empty one)")
+    if not isinstance(relay_branching, int) or relay_branching < 1:
+        raise MeshUsageError(f"relay_branching={relay_branching!r}: give the number of hosts a relay sends to (>= 1)")
     spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings(),
-                    preload=_preload_list(preload, dist), allocation=allocation)
+                    preload=_preload_list(preload, dist), allocation=allocation, relay_branching=relay_branching)
     runtime = MeshRuntime(spec, idle_output=IdleOutput().write, report_timing=report_timing)
     try:
         runtime.start()
@@ -443,6 +442,23 @@ def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, e
     if any(h.kind != HostKind.LOCAL for h in hosts):  # another machine may run other versions: say so now
         environment.warn_if_mismatched(runtime, mesh._call_on)
     return mesh
+
+
+def _start_like(like: Mesh, hosts: tuple[HostSpec, ...], gpus: int, name: str | None,
+                options: dict[str, Any]) -> Mesh:
+    """A new mesh on some of `like`'s hosts, with its settings unless `options` say otherwise."""
+    spec = like._runtime.spec
+    allocation = spec.allocation
+    if allocation is not None and dataclasses.is_dataclass(allocation) and hasattr(allocation, "owned"):
+        allocation = dataclasses.replace(allocation, owned=False)  # its own mesh ends the job
+    known = {"dist", "env", "preload", "timeout", "master_addr", "health"}
+    if set(options) - known:
+        raise MeshUsageError(f"spawn_procs() on a mesh's hosts takes {', '.join(sorted(known))}; "
+                             f"not {', '.join(sorted(set(options) - known))}")
+    return _start_mesh(list(hosts), gpus, options.get("dist", spec.backend), name, options.get("env", spec.env),
+                       options.get("timeout", spec.start_timeout_s), options.get("master_addr", spec.master_addr),
+                       options.get("health", spec.health), allocation=allocation,
+                       preload=options.get("preload", spec.preload), relay_branching=spec.relay_branching)
 
 
 def _preload_list(preload: Sequence[str] | None, dist: str) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from monarch_kernel.api.mesh import _NAME, Mesh, _mesh_numbers, _start_mesh
 from monarch_kernel.controller import slurm
+from monarch_kernel.controller.state import RELAY_BRANCHING
 from monarch_kernel.core.errors import MeshInterrupted, MeshUsageError
 from monarch_kernel.wire.messages import HealthTimings
 
@@ -19,7 +20,7 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
                env: dict[str, str] | None = None, name: str | None = None, keep: bool = False,
                wait_timeout: float | None = None, timeout: float = 180.0, master_addr: str | None = None,
                health: HealthTimings | None = None, direct: bool = True,
-               preload: Sequence[str] | None = None) -> Mesh:
+               preload: Sequence[str] | None = None, relay_branching: int = RELAY_BRANCHING) -> Mesh:
     """Start `gpus` ranks on each of `nodes` nodes of a new Slurm allocation (or of job `job`).
 
     While the job is pending one line shows its state and Slurm's reason; Ctrl-C (the stop
@@ -30,7 +31,7 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
     asks for no GPUs (CPU nodes: `gpus` is then only the number of ranks per node).
     Each agent offers a direct TCP link that only this kernel can join (it proves a secret
     sent on the step's stdin); `direct=False` keeps all traffic on srun's stdio (slower for data).
-    `preload`: as for `local_mesh`.
+    `preload` and `relay_branching`: as for `local_mesh` and `ssh_mesh`.
     """
     reuse_name = name
     name = name or f"mesh{next(_mesh_numbers)}"
@@ -54,7 +55,7 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
     allocation.python, allocation.setup, allocation.direct = python or sys.executable, setup, direct
     try:
         return _start_mesh(list(allocation.host_specs()), gpus, dist, name, env, timeout, master_addr, health,
-                           allocation=allocation, preload=preload)
+                           allocation=allocation, preload=preload, relay_branching=relay_branching)
     except BaseException:
         allocation.release()  # a mesh that did not start leaves no allocation behind (unless keep)
         raise

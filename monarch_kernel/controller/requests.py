@@ -77,7 +77,7 @@ class RequestBook:
                 rank_state.busy_since = now
             rank_state.inflight.append(req.req_id)
             alive.append(rank)
-        state.send_to_ranks(alive, lambda local: m.ToRanks(local, body))
+        state.send_work(alive, body)
         self._maybe_complete(req)
 
     def _maybe_complete(self, req: Request) -> None:

@@ -17,9 +17,10 @@ from typing import Any
 
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.state import MeshState
+from monarch_kernel.controller.supervision import Supervisors
 from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.wire import messages as m
-from monarch_kernel.wire.calls import CallTable, PendingCall, death_reply
+from monarch_kernel.wire.calls import CallTable, PendingCall, death_reply, poll_until
 from monarch_kernel.wire.lane_client import Lane, LanePool
 from monarch_kernel.wire.routing import CallRouter, Send
 from monarch_kernel.wire.transport import encode
@@ -41,6 +42,7 @@ class ControllerSender:
                                  why_dead=self._why_dead, deliver_here=self.calls.deliver, here_id=m.CONTROLLER)
         self.lanes = LanePool(state.shm_dir, loop.loop, self._on_lane_message)
         self._watchers: list[tuple[frozenset[int], Callable[[int, str], None]]] = []
+        self.supervisors = Supervisors(self.calls, self.send_call, state.is_alive)  # actor meshes actors own
 
     def _hop(self, rank: int) -> Send | None:
         link = self._state.link_of(rank)
@@ -96,6 +98,15 @@ class ControllerSender:
         if not self._state.closed:
             self._loop.call(self.router.cancel, msg)
 
+    def send_port(self, msg: m.ActorReply) -> None:
+        """Send a message through a Port that a rank opened."""
+        self._state.require_open()
+        self._loop.call(self.router.reply, msg)
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Poll ready() until it holds or the timeout passes (ports in the notebook wait on their own)."""
+        return poll_until(ready, timeout)
+
     def shm_dir_for(self, ranks: Iterable[int]) -> str | None:
         """The shared-memory folder, if every one of these ranks runs on this machine."""
         return self._state.shm_dir_for(ranks)
@@ -123,6 +134,7 @@ class ControllerSender:
         """Fail every call owed by a dead rank, and tell whoever watches it."""
         self.calls.fail_rank(rank, why)  # calls sent over its direct lane
         self.router.rank_died(rank, why)
+        self.supervisors.rank_died(rank, why)
         for ranks, callback in self._watchers:
             if rank in ranks:
                 threading.Thread(target=callback, args=(rank, why), name="mesh-supervision", daemon=True).start()
@@ -134,3 +146,4 @@ class ControllerSender:
             for rank in call.outstanding:
                 self.calls.deliver(death_reply(m.CONTROLLER, call.call_id, rank, why, "MeshRestarted"))
         self.router.forget()
+        self.supervisors.forget()

@@ -12,7 +12,9 @@ import atexit
 import dataclasses
 import os
 import shutil
+import sys
 import time
+import traceback
 import weakref
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -22,6 +24,7 @@ from monarch_kernel import __version__
 from monarch_kernel.controller.host_ops import HostOps
 from monarch_kernel.controller.hosts import HostConnection, HostSpec, open_host
 from monarch_kernel.controller.loop import ControllerLoop
+from monarch_kernel.controller.relays import ControllerRelays
 from monarch_kernel.controller.requests import IdleOutput, RequestBook
 from monarch_kernel.controller.router import ControllerSender, TimingReporter
 from monarch_kernel.controller.state import HostLink, MeshSpec, MeshState, RankSnapshot, RankState
@@ -51,6 +54,7 @@ class MeshRuntime:
         self.state = MeshState(spec.name)
         self.sender = ControllerSender(self.state, self.controller, report_timing)  # actor calls
         self.requests = RequestBook(self.state, self.controller, self.sender, idle_output or (lambda *_: None))
+        self.relays = ControllerRelays(spec.relay_branching, _notice)  # fan-out through agents, past branching hosts
         self._heartbeat: asyncio.Task[None] | None = None
         self.host_ops = HostOps()  # work for the agents themselves (workspace files)
         self._lifecycle = asyncio.Lock()  # one restart or shutdown at a time (a double click, two cells)
@@ -64,6 +68,11 @@ class MeshRuntime:
             m.ActorReply: lambda link, msg: self.sender.router.reply(msg, owed=True),
             m.ActorCall: lambda link, msg: self.sender.router.call(msg),
             m.CancelCall: lambda link, msg: self.sender.router.cancel(msg),
+            m.OwnActors: lambda link, msg: self.sender.supervisors.own(msg),
+            m.RelayUp: self._on_relayed,
+            m.RelayListening: self.relays.listening,
+            m.RelayJoined: self.relays.joined,
+            m.RelayLost: lambda link, msg: self._relay_lost(msg.host, msg.why),
             m.HostLoad: self._on_load,
             m.Pong: lambda link, msg: None,  # any message counts as a sign of life
             m.RanksStarted: self._on_started,
@@ -98,6 +107,10 @@ class MeshRuntime:
     def snapshot(self) -> list[RankSnapshot]:
         """Frozen states of all ranks."""
         return self.state.snapshot()
+
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes the controller has sent each host's agent so far, by host name."""
+        return {link.name: link.conn.bytes_sent if link.conn is not None else 0 for link in self.state.links}
 
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout: float | None = None) -> None:
@@ -159,6 +172,9 @@ class MeshRuntime:
         # one host: its ranks meet in a FileStore there; several: rank 0's TCPStore on MASTER_ADDR
         multi_host = self.spec.backend != "none" and len(links) > 1
         port = await self._bind_store(links[0], started[0], master) if multi_host else 0
+        if not self.relays.active:  # (a restart that kept every agent keeps their tree)
+            await self.relays.setup(links)
+            self.state.relay_route = self.relays.route if self.relays.active else None
         for link, host in zip(links, hosts):
             specs = tuple(m.RankSpec(r, i, self.spec.gpus) for i, r in enumerate(link.ranks))
             link.send(m.StartRanks(ranks=specs, dist=dist, env=dict(self.spec.env),
@@ -237,6 +253,8 @@ class MeshRuntime:
     async def _close_links(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        self.relays.stop()
+        self.state.relay_route = None
         links = self.state.links
         for link in links:
             self.host_ops.lost(link, "the mesh went down or restarted")
@@ -295,7 +313,11 @@ class MeshRuntime:
             self._on_lost(link, FrameError("it named a shared-memory file here, which only local processes may"))
             link.close()
             return
-        handler(link, msg)
+        try:
+            handler(link, msg)
+        except Exception:  # noqa: BLE001 - a bug in handling one message must not drop this host's connection
+            _notice(f"mesh {self.name!r}: handling {type(msg).__name__} from host {link.name} failed:\n"
+                    f"{traceback.format_exc()}")
 
     def _on_load(self, link: HostLink, msg: m.HostLoad) -> None:
         for load in msg.loads:
@@ -364,6 +386,44 @@ class MeshRuntime:
                 self.requests.rank_exited(rank, None, None, (why,), expected=False, host_lost=True)
         if any(w is not None and not w.done() for w in (link.greeted, link.started)):
             asyncio.get_running_loop().create_task(self._fail_start(link))
+        self.relays.lost(link, exc)
+        self._cut_off(link.index, f"its relay host {link.name} was lost")
+
+    def _relay_lost(self, host: int, why: str) -> None:
+        """A relay link broke: `host` and the hosts below it can no longer be reached for work."""
+        link = self.state.links[host] if 0 <= host < len(self.state.links) else None
+        if link is None or not self.relays.active:
+            return
+        self._cut_off(host, f"the relay link to host {link.name} broke: {why}", include=True)
+
+    def _cut_off(self, host: int, why: str, include: bool = False) -> None:
+        """Declare lost the hosts below `host` in the relay tree (and `host` itself with include):
+        their ranks fail now, their agents are told to stop; the rest of the mesh goes on."""
+        cut = [self.state.links[i] for i in ([host] if include else []) + self.relays.cut_off(host)]
+        cut = [link for link in cut if link.is_open]
+        if not cut:
+            return
+        _notice(f"mesh {self.name!r}: {len(cut)} host{'s' if len(cut) > 1 else ''} cut off "
+                f"({', '.join(link.name for link in cut)}): {why}; their ranks are lost, the other hosts go on; "
+                "%mesh restart (mesh.restart()) brings them back\n")
+        for link in cut:
+            link.send(m.Shutdown())
+            link.close()
+        for link in cut:
+            self._host_lost(link, RuntimeError(f"cut off from the controller: {why}"))
+
+    def _on_relayed(self, link: HostLink, msg: m.RelayUp) -> None:
+        """Output and results of hosts below `link`'s, combined on the way up."""
+        for inner in msg.msgs:
+            handler = self._handlers.get(type(inner))
+            if not isinstance(inner, RELAYED_UP) or handler is None:
+                continue
+            if link.host is not None and link.host.remote is not None and carries_shm_refs(inner):
+                self._on_lost(link, FrameError("it relayed a shared-memory file name, which only local processes "
+                                               "may send"))
+                link.close()
+                return
+            handler(link, inner)
 
     async def _fail_start(self, link: HostLink) -> None:
         why = await link.host.explain_exit(link.log_path) if link.host is not None else "its agent exited"
@@ -424,3 +484,15 @@ def _made_progress(link: HostLink) -> bool:
     moved = (received is not None and received != link.last_bytes) or backlog < link.last_backlog
     link.last_bytes, link.last_backlog = received, backlog
     return moved
+
+
+RELAYED_UP = (m.Output, m.Display, m.Gathered)  # what may come up a relay tree (see agent/relays.py)
+
+
+def _notice(text: str) -> None:
+    """Tell the notebook something about the mesh as a whole (it lands in the running cell)."""
+    try:
+        sys.stderr.write(f"monarch_kernel: {text}")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass

@@ -274,6 +274,7 @@ class ChannelConnection:
         self._closed = False
         self._protocol = FrameProtocol(on_message, on_close)
         session.attach(self._protocol)
+        self.bytes_sent = 0  # what send() has queued in all
 
     @property
     def last_received(self) -> float:
@@ -292,7 +293,12 @@ class ChannelConnection:
         """Queue an already encoded frame."""
         if self.closed:
             raise ConnectionClosed("the SSH channel is closed")
-        self._channel.write(b"".join(chunks) if len(chunks) > 1 else bytes(chunks[0]))
+        data = b"".join(chunks) if len(chunks) > 1 else bytes(chunks[0])
+        self.bytes_sent += len(data)
+        try:
+            self._channel.write(data)
+        except BrokenPipeError as exc:  # the agent's side closed first: asyncssh has not told our session yet
+            raise ConnectionClosed(f"the SSH channel is closed ({exc})") from None
 
     def close(self) -> None:
         """Close the channel (the agent sees end of input and exits)."""

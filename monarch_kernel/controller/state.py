@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from monarch_kernel.controller.events import RequestEvent
 from monarch_kernel.controller.hosts import HostSpec
-from monarch_kernel.core.errors import MeshNotRunningError
+from monarch_kernel.core.errors import ConnectionClosed, MeshNotRunningError
 from monarch_kernel.core.failures import FailureKind, RankFailure, exit_text
 from monarch_kernel.core.folders import owned_folder, private_shm_dir, sweep_stale_folders
 from monarch_kernel.core.status import RankStatus
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from monarch_kernel.wire.transport import AsyncConnection
 
 RANK_LOG_LINES = 500
+RELAY_BRANCHING = 16  # the default: hosts the controller (and each relay) sends a broadcast to itself
 HISTORY_RECORDS = 50_000
 
 
@@ -65,6 +66,7 @@ class MeshSpec:
     start_timeout_s: float = 120.0
     health: m.HealthTimings = m.HealthTimings()
     preload: tuple[str, ...] = ("torch",)  # imported by each agent before it forks ranks
+    relay_branching: int = RELAY_BRANCHING  # past this many hosts, agents relay the controller's broadcasts
     allocation: Allocation | None = field(default=None, compare=False)  # a scheduler's job the mesh runs in
 
 
@@ -201,10 +203,13 @@ class HostLink:
             self.conn.close()
 
     def send(self, msg: Any) -> bool:
-        """Send if the link is open; False if it is not."""
+        """Send if the link is open; False if it is not (or closed as we sent: its loss is reported apart)."""
         if self.conn is None or self.conn.closed:
             return False
-        self.conn.send(msg)
+        try:
+            self.conn.send(msg)
+        except ConnectionClosed:
+            return False
         return True
 
 
@@ -222,6 +227,8 @@ class MeshState:
         self.run_dir = owned_folder(tempfile.mkdtemp(prefix=f"monarch-{name}-"))
         self.shm_dir = owned_folder(private_shm_dir(name))
         self._local_ranks: tuple[list[HostLink], frozenset[int]] = ([], frozenset())
+        # sends work down the relay tree while there is one (controller/relays.py): (links, by_link, body)
+        self.relay_route: Callable[[list[HostLink], Iterable[tuple[HostLink, tuple[int, ...]]], Any], None] | None = None
 
     def by_link(self, ranks: Iterable[int] | None) -> Iterator[tuple[HostLink, tuple[int, ...]]]:
         """(link, its ranks among `ranks`) for each open link holding some (None: all ranks)."""
@@ -232,6 +239,13 @@ class MeshState:
             local = tuple(link.ranks) if chosen is None else tuple(r for r in link.ranks if r in chosen)
             if local:
                 yield link, local
+
+    def send_work(self, ranks: Iterable[int], body: Any) -> None:
+        """ToRanks(ranks, body) to the hosts holding them: through the relay tree while there is one."""
+        if self.relay_route is not None:
+            self.relay_route(self.links, self.by_link(ranks), body)
+        else:
+            self.send_to_ranks(ranks, lambda local: m.ToRanks(local, body))
 
     def send_to_ranks(self, ranks: Iterable[int] | None, make: Callable[[tuple[int, ...]], Any]) -> None:
         """Send make(local ranks) to the agent of each host holding some of `ranks`."""

@@ -101,3 +101,30 @@ class Future(ABC, Generic[T]):
         except KeyboardInterrupt:
             pass  # a second Ctrl-C: stop waiting for tracebacks
         return self._stopped(why, error_type)
+
+
+class DoneFuture(Future[T]):
+    """A future that is already done: what an operation that finished at once returns."""
+
+    def __init__(self, value: T):
+        super().__init__()
+        self._value = value
+
+    def done(self) -> bool:
+        """Always True."""
+        return True
+
+    def _wait(self, timeout: float | None) -> bool:
+        return True
+
+    async def _wait_async(self) -> None:
+        return None
+
+    def _cancel(self) -> None:
+        return None
+
+    def _finish(self) -> T:
+        return self._value
+
+    def _stopped(self, why: str, error_type: type[BaseException]) -> BaseException:
+        return error_type(why)

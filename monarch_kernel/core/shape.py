@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.ranksets import format_ranks
@@ -19,10 +19,15 @@ Selector = int | slice | Sequence[int]
 
 @dataclass(frozen=True)
 class Point(Mapping[str, int]):
-    """A position in a Shape: its coordinates by dim name, and its global rank."""
+    """A position in a Shape: its coordinates by dim name, and its global rank.
+
+    `extent` is the shape's dims (name, size), so that `point.extent` tells the size of
+    the mesh the point is in (what Monarch's `current_size()` reads).
+    """
 
     coords: tuple[tuple[str, int], ...]
     rank: int
+    extent: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
     def __getitem__(self, dim: str) -> int:
         for name, value in self.coords:
@@ -83,7 +88,7 @@ class Shape:
         """Every point, row-major."""
         ranges = [range(n) for _, n in self.dims]
         for idx, coords in enumerate(itertools.product(*ranges)):
-            yield Point(tuple(zip(self.names, coords)), self.ranks[idx])
+            yield Point(tuple(zip(self.names, coords)), self.ranks[idx], self.dims)
 
     def index_of(self, **coords: int) -> int:
         """Row-major position of the point with these coordinates (all dims required)."""
@@ -131,8 +136,74 @@ class Shape:
             raise MeshUsageError(f"ranks {unknown} are not in this mesh (ranks {format_ranks(self.ranks)})")
         return Shape((("ranks", len(ranks)),), tuple(ranks))
 
+    def flatten(self, name: str) -> Shape:
+        """All dims folded into one named `name`, in row-major order: {hosts: 2, gpus: 4} -> {name: 8}."""
+        _check_dim_name(name)
+        return Shape(((name, len(self.ranks)),), self.ranks)
+
+    def rename(self, **names: str) -> Shape:
+        """The same points with dims renamed: `shape.rename(gpus="tp")`."""
+        for old, new in names.items():
+            if old not in self.names:
+                raise MeshUsageError(f"no dim named {old!r} to rename; this mesh has dims {self.names}")
+            _check_dim_name(new)
+        dims = tuple((names.get(n, n), size) for n, size in self.dims)
+        _check_unique([n for n, _ in dims])
+        return Shape(dims, self.ranks)
+
+    def split(self, **spec: Sequence[str] | int) -> Shape:
+        """Split dims into several, row-major: `split(hosts=("dp", "pp"), pp=2)` turns {hosts: 4} into
+        {dp: 2, pp: 2}. A new dim's size is given by name (`pp=2`); at most one per split may be left out."""
+        splits: dict[str, tuple[str, ...]] = {}
+        sizes: dict[str, int] = {}
+        for key, value in spec.items():
+            if key in self.names:
+                if isinstance(value, (str, int)) or not all(isinstance(p, str) for p in value):
+                    raise MeshUsageError(f"split({key}=...): give the new dims' names as a tuple, "
+                                         f"e.g. {key}=('dp', 'pp')")
+                splits[key] = tuple(value)
+            elif isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+                sizes[key] = value
+            else:
+                raise MeshUsageError(f"split(): {key!r} is not a dim of {self.names}, so it must be the positive "
+                                     f"size of a new dim (got {value!r})")
+        dims: list[tuple[str, int]] = []
+        for name, size in self.dims:
+            parts = splits.get(name, (name,))
+            unknown = [p for p in parts if p not in sizes]
+            given = 1
+            for p in parts:
+                given *= sizes.get(p, 1)
+            if len(unknown) > 1:
+                raise MeshUsageError(f"cannot split {name} ({size}) into {parts}: give the size of all but "
+                                     f"one, e.g. {unknown[1]}=2")
+            if unknown:
+                if size % given:
+                    raise MeshUsageError(f"{name} has size {size}, which {parts} with sizes "
+                                         f"{[sizes.get(p, '?') for p in parts]} do not divide")
+                sizes[unknown[0]] = size // given
+            elif given != size:
+                raise MeshUsageError(f"{name} has size {size}, but {parts} have sizes "
+                                     f"{[sizes[p] for p in parts]} (product {given})")
+            dims.extend((p, sizes.pop(p)) for p in parts)
+        if sizes:
+            raise MeshUsageError(f"split(): sizes given for dims that no split names: {sorted(sizes)}")
+        _check_unique([n for n, _ in dims])
+        return Shape(tuple(dims), self.ranks)
+
     def __str__(self) -> str:
         return "{" + ", ".join(f"{k}: {v}" for k, v in self.dims) + "}"
+
+
+def _check_dim_name(name: object) -> None:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise MeshUsageError(f"dim name {name!r}: use an identifier, e.g. 'gpus' or 'dp'")
+
+
+def _check_unique(names: list[str]) -> None:
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise MeshUsageError(f"dim names must differ; {repeated} would appear twice")
 
 
 def _strides(sizes: list[int]) -> list[int]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import html
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
 from monarch_kernel.core.ranksets import format_ranks
-from monarch_kernel.core.shape import Point, Shape
+from monarch_kernel.core.shape import Point, Selector, Shape
 from monarch_kernel.core.texttable import text_table
 
 T = TypeVar("T")
@@ -41,6 +41,39 @@ class ValueMesh(Generic[T]):
     def items(self) -> Iterator[tuple[Point, T]]:
         """(Point, value) pairs; a Point maps dim names to coordinates and has .rank."""
         return zip(self.shape.points(), self._values)
+
+    def get(self, index: int) -> T:
+        """The value at row-major position `index` of this (sliced) shape."""
+        return self._values[index]
+
+    def slice(self, **selectors: Selector | None) -> ValueMesh[T]:
+        """The values on a slice: `vm.slice(hosts=0)` (an int drops the dim, a slice keeps it)."""
+        return self._reshaped(self.shape.slice(**selectors))
+
+    def flatten(self, name: str) -> ValueMesh[T]:
+        """The same values along one dim named `name`."""
+        return ValueMesh(self.shape.flatten(name), self._values)
+
+    def rename(self, **names: str) -> ValueMesh[T]:
+        """The same values with dims renamed: `vm.rename(gpus="tp")`."""
+        return ValueMesh(self.shape.rename(**names), self._values)
+
+    def split(self, **spec: Sequence[str] | int) -> ValueMesh[T]:
+        """The same values with dims split: `vm.split(hosts=("dp", "pp"), pp=2)`."""
+        return ValueMesh(self.shape.split(**spec), self._values)
+
+    def size(self, dim: str | None = None) -> int:
+        """How many values (along `dim`, or in all)."""
+        return len(self._values) if dim is None else self.shape.sizes[dim]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Dim sizes by name."""
+        return self.shape.sizes
+
+    def _reshaped(self, shape: Shape) -> ValueMesh[T]:
+        position = {rank: i for i, rank in enumerate(self.shape.ranks)}
+        return ValueMesh(shape, [self._values[position[r]] for r in shape.ranks])
 
     def by_rank(self) -> dict[int, T]:
         """Values keyed by global rank."""

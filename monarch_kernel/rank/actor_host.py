@@ -32,12 +32,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from monarch_kernel.actors.base import current_point, is_endpoint
+from monarch_kernel.actors.base import SYSTEM_ACTOR, current_actor, current_point, endpoint, is_endpoint, takes_port
+from monarch_kernel.actors.ports import Port
 from monarch_kernel.core.errors import ActorDeadlockError, ConnectionClosed, MeshUsageError, SerializationError
 from monarch_kernel.core.shape import Point, Shape
+from monarch_kernel.core.supervision import SUPERVISE
 from monarch_kernel.rank.cell import describe_failure
-from monarch_kernel.wire.calls import CallKey, CallTable, PendingCall, set_default_sender
-from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure
+from monarch_kernel.wire.calls import PORTS, CallKey, CallTable, PendingCall, poll_until, set_default_sender
+from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, OwnActors
 from monarch_kernel.wire.serialization import seal, unseal
 
 MAX_REMEMBERED_CANCELS = 10_000
@@ -46,36 +48,56 @@ MAX_REMEMBERED_CANCELS = 10_000
 @dataclass
 class _Mailbox:
     name: str
+    key: str
     instance: Any
     shape: Shape
     point: Point
     queue: deque = field(default_factory=deque)
     busy: bool = False
-    endpoints: dict = field(default_factory=dict)  # name -> (bound method, is async, label)
+    endpoints: dict = field(default_factory=dict)  # name -> (bound method, is async, label, takes a port)
 
-    def endpoint(self, name: str) -> tuple[Any, bool, str] | None:
+    def endpoint(self, name: str) -> tuple[Any, bool, str, bool] | None:
         """The endpoint called `name` (looked up once per name), or None."""
         found = self.endpoints.get(name)
         if found is None:
             method = getattr(self.instance, name, None)
-            if method is None or not is_endpoint(method):
-                return None  # only @endpoint methods answer calls
+            if method is None or not (is_endpoint(method) or name == SUPERVISE):
+                return None  # only @endpoint methods answer calls (and __supervise__, asked by the controller)
             found = self.endpoints[name] = (method, inspect.iscoroutinefunction(method),
-                                            f"{type(self.instance).__name__}.{name}")
+                                            f"{type(self.instance).__name__}.{name}", takes_port(method))
         return found
+
+
+class _Procs:
+    """The system actor of every rank (key SYSTEM_ACTOR): actors on other ranks spawn and stop actors here."""
+
+    def __init__(self, host: ActorHost):
+        self._host = host
+
+    @endpoint
+    def spawn_actors(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
+              sources: dict[str, list[str]]) -> str:
+        return self._host.spawn(name, key, cls, args, kwargs, shape, sources)
+
+    @endpoint
+    def stop_actors(self, key: str) -> bool:
+        return self._host.stop_key(key)
 
 
 class RankSender:
     """Sends this rank's own actor calls through its host agent."""
 
     def __init__(self, rank: int, send: Callable[[Any], None], shm_dir: str | None,
-                 wait_serving: Callable[[PendingCall, int, float | None], bool]):
+                 wait_serving: Callable[[Callable[[], bool], float | None, PendingCall | None], bool],
+                 notify: Callable[[], None], answer: Callable[[int, int, Any, Failure | None], bool]):
         self.caller_id = rank
         self.own_rank = rank
         self.calls = CallTable()
         self._send = send
         self._shm_dir = shm_dir
         self._wait_serving = wait_serving  # the main thread's wait: it serves the rank's actors meanwhile
+        self._notify = notify  # wakes that wait
+        self._answer = answer  # answers a call whose endpoint took a Port
         self._post_local: Callable[[ActorCall], None] | None = None  # calls to this rank's own actors
 
     def send_call(self, msg: ActorCall) -> None:
@@ -93,6 +115,10 @@ class RankSender:
         """Ask the ranks of a call to stop it."""
         self._send(msg)
 
+    def send_up(self, msg: OwnActors) -> None:
+        """Tell the controller that an actor of this rank owns an actor mesh (it routes the failures)."""
+        self._send(msg)
+
     def shm_dir_for(self, ranks: tuple[int, ...]) -> str | None:
         """Large arguments go through shared memory when the mesh is on one machine."""
         return self._shm_dir
@@ -104,8 +130,27 @@ class RankSender:
         """Replies are delivered by the rank's reader thread; the main thread serves the rank's
         other actors while it waits (see the module's note), other threads just wait."""
         if threading.current_thread() is threading.main_thread():
-            return self._wait_serving(pending, count, timeout)
+            return self._wait_serving(lambda: len(pending.replies) >= count, timeout, pending)
         return pending.wait(count, timeout)
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ready() (a port's message): serving, on the main thread (as for replies);
+        other threads poll."""
+        if threading.current_thread() is threading.main_thread():
+            return self._wait_serving(ready, timeout, None)
+        return poll_until(ready, timeout)
+
+    def send_port(self, msg: ActorReply) -> None:
+        """A message through another process's Port: to this rank's own port, or via the agent."""
+        if msg.caller == self.own_rank:
+            PORTS.deliver(msg)
+            self._notify()
+        else:
+            self._send(msg)
+
+    def answer(self, caller: int, call_id: int, value: Any, failure: Failure | None) -> bool:
+        """Answer a call of this rank whose endpoint took a Port (False: it has no such call waiting)."""
+        return self._answer(caller, call_id, value, failure)
 
     def host_of(self, rank: int) -> str:
         """Ranks do not track where other ranks run."""
@@ -148,9 +193,12 @@ class ActorHost:
         self._inbox: deque[tuple[ActorCall, Any]] = deque()  # (call, reply route) in arrival order, for main
         self._wake = threading.Condition()  # a call or a reply arrived (for the main thread's waits)
         self._serving: list[tuple[_Mailbox, str]] = []  # (actor, endpoint label) of the sync calls running, outermost first
-        self.sender = RankSender(rank, send, shm_dir, self.wait_serving)
+        self._answering: dict[CallKey, ActorCall] = {}  # calls whose endpoint took a Port and has not answered
+        self.sender = RankSender(rank, send, shm_dir, self.wait_serving, self.notify, self.answer_through_port)
         self.sender._post_local = self.post_local
         set_default_sender(self.sender)
+        self._mailboxes[SYSTEM_ACTOR] = _Mailbox(SYSTEM_ACTOR, SYSTEM_ACTOR, _Procs(self), Shape((), (rank,)),
+                                          Point((), rank))
 
     # ------------------------------------------------------------ spawning
     def spawn(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
@@ -164,16 +212,25 @@ class ActorHost:
         for filename, lines in sources.items():
             linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
         point = next(p for p in shape.points() if p.rank == self.rank)
-        token = current_point.set(point)
+        token, owner = current_point.set(point), current_actor.set(key)
         try:
             instance = cls(*args, **kwargs)
         finally:
             current_point.reset(token)
+            current_actor.reset(owner)
         self.stop(name, replaced=True)
         self.instances[name] = instance
         self._keys[name] = key
-        self._mailboxes[key] = _Mailbox(name, instance, shape, point)
+        self._mailboxes[key] = _Mailbox(name, key, instance, shape, point)
         return f"{cls.__name__} on rank {self.rank}"
+
+    def stop_key(self, key: str) -> bool:
+        """Stop the actors of one spawn (by key) on this rank; False if it is not (or no longer) here."""
+        box = self._mailboxes.get(key)
+        if box is None or self._keys.get(box.name) != key:
+            return False
+        self.stop(box.name)
+        return True
 
     def stop(self, name: str, *, replaced: bool = False) -> None:
         """Forget actor mesh `name` on this rank (its queued calls fail)."""
@@ -250,19 +307,21 @@ class ActorHost:
         while self._inbox:
             self.deliver(*self._inbox.popleft())
 
-    def wait_serving(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
-        """The main thread's wait for `count` replies: meanwhile it serves the calls that arrive for
-        the rank's other actors. Raises ActorDeadlockError when the wait could never end."""
+    def wait_serving(self, ready: Callable[[], bool], timeout: float | None, pending: PendingCall | None) -> bool:
+        """The main thread's wait until ready() (replies to `pending`, or a port's message): meanwhile
+        it serves the calls that arrive for the rank's other actors. Raises ActorDeadlockError when a
+        wait on `pending` could never end."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if len(pending.replies) >= count:
+            if ready():
                 return True
-            self._check_wait(pending)
+            if pending is not None:
+                self._check_wait(pending)
             if self._inbox:
                 self.pump()
                 continue
             with self._wake:
-                if self._inbox or len(pending.replies) >= count:
+                if self._inbox or ready():
                     continue
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -336,21 +395,30 @@ class ActorHost:
                     "AttributeError", f"{type(box.instance).__name__} has no endpoint {msg.endpoint!r} "
                     "(only methods marked @endpoint answer calls)", ""))
                 continue
-            method, is_async, label = found
+            method, is_async, label, with_port = found
             try:
                 args, kwargs = unseal(msg.args)
             except Exception as exc:  # noqa: BLE001
                 self._reply(msg, None, describe_failure(exc))
                 continue
+            if with_port:  # it answers through the port it is given: now, or later
+                if msg.to_port:  # sent with send(..., port=): that port, as it is
+                    args = (Port(msg.caller, msg.call_id), *args)
+                else:
+                    args = (Port(msg.caller, msg.call_id, answers=self.rank), *args)
+                    with self._lock:
+                        self._answering[key] = msg
             if is_async:
                 assert self.loop is not None, "async endpoints need the rank's event loop"
                 box.busy = True
                 task = self.loop.create_task(self._serve_async(box, msg, method, label, args, kwargs),
-                                             context=_context_at(box.point))
+                                             context=_context_at(box.point, box.key))
                 with self._lock:
                     self._tasks[key] = task
             else:
-                box.busy = True  # its later calls wait, even those served from inside this one's waits
+                # its later calls wait, even those served from inside this one's waits; the system actor
+                # is the exception: a constructor it runs may spawn on this rank again
+                box.busy = box.key != SYSTEM_ACTOR
                 try:
                     self._serve_sync(box, msg, method, label, args, kwargs)
                 finally:
@@ -367,7 +435,7 @@ class ActorHost:
         if cancelled:
             self._reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "", interrupted=True))
             return
-        token = current_point.set(box.point)
+        token, owner = current_point.set(box.point), current_actor.set(box.key)
         self._serving.append((box, label))
         started = time.perf_counter()
         self._doing[key] = (label, time.monotonic())
@@ -389,7 +457,8 @@ class ActorHost:
                 self._running_sync.remove(key)
             self._ended(key)
             current_point.reset(token)
-        self._reply(msg, value, failure, time.perf_counter() - started)
+            current_actor.reset(owner)
+        self._answer(box, msg, value, failure, time.perf_counter() - started)
 
     async def _serve_async(self, box: _Mailbox, msg: ActorCall, method, label: str, args, kwargs) -> None:
         started = time.perf_counter()
@@ -404,9 +473,29 @@ class ActorHost:
         with self._lock:
             self._tasks.pop(key, None)
         self._ended(key)
-        self._reply(msg, value, failure, time.perf_counter() - started)
+        self._answer(box, msg, value, failure, time.perf_counter() - started)
         box.busy = False
         self._drain(box)
+
+    def _answer(self, box: _Mailbox, msg: ActorCall, value: Any, failure: Failure | None, seconds: float) -> None:
+        """An endpoint ended: reply with what it returned, unless it answers through its port."""
+        found = box.endpoint(msg.endpoint)
+        if found is None or not found[3]:
+            self._reply(msg, value, failure, seconds)
+        elif failure is not None:  # it raised before answering: the caller hears why (once)
+            if msg.to_port:
+                self._reply(msg, None, failure, seconds)
+            else:
+                self.answer_through_port(msg.caller, msg.call_id, None, failure)
+
+    def answer_through_port(self, caller: int, call_id: int, value: Any, failure: Failure | None) -> bool:
+        """Answer a call whose endpoint took a Port (any thread); False if it has no call waiting."""
+        with self._lock:
+            msg = self._answering.pop((caller, call_id), None)
+        if msg is None:
+            return False
+        self._reply(msg, value, failure)
+        return True
 
     def _reply(self, msg: ActorCall, value: Any, failure: Failure | None, seconds: float | None = None) -> None:
         key = (msg.caller, msg.call_id)
@@ -420,12 +509,13 @@ class ActorHost:
             except SerializationError as exc:
                 failure = Failure("SerializationError", f"the reply of {msg.endpoint} could not be sent: {exc}", "")
         try:
-            send(ActorReply(msg.caller, msg.call_id, self.rank, sealed, failure, seconds))
+            send(ActorReply(msg.caller, msg.call_id, self.rank, sealed, failure, seconds, to_port=msg.to_port))
         except ConnectionClosed:
             pass  # the caller went away
 
 
-def _context_at(point: Point) -> contextvars.Context:
+def _context_at(point: Point, key: str) -> contextvars.Context:
     ctx = contextvars.copy_context()
     ctx.run(current_point.set, point)
+    ctx.run(current_actor.set, key)
     return ctx

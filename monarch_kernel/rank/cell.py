@@ -12,12 +12,12 @@ import ast
 import asyncio
 import inspect
 import linecache
-import traceback
 from typing import Any
 
-from monarch_kernel.core.package import PACKAGE_DIR
 from monarch_kernel.core.source import compile_cell
-from monarch_kernel.wire.messages import Failure
+from monarch_kernel.wire.describe import describe_failure
+
+__all__ = ["CellRunner", "describe_failure", "register_source"]
 
 
 def register_source(code: str, filename: str) -> None:
@@ -55,34 +55,3 @@ class CellRunner:
                 self._loop = asyncio.new_event_loop()
             return self._loop.run_until_complete(value)
         return value
-
-
-def describe_failure(exc: BaseException) -> Failure:
-    """Format an exception raised by user code, without our own frames."""
-    if isinstance(exc, SystemExit):
-        return Failure(
-            "SystemExit",
-            f"the cell called sys.exit({exc.code!r}); the rank keeps running",
-            "",
-        )
-    te = traceback.TracebackException(type(exc), exc, exc.__traceback__, compact=True)
-    _drop_own_frames(te)
-    lines = list(te.format())
-    message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    return Failure(
-        type(exc).__name__,
-        message,
-        "".join(lines),
-        interrupted=isinstance(exc, KeyboardInterrupt),
-    )
-
-
-def _drop_own_frames(first: traceback.TracebackException) -> None:
-    """Remove monarch_kernel's own frames (dispatch, signal handler) from a traceback."""
-    seen: set[int] = set()
-    te: traceback.TracebackException | None = first
-    while te is not None and id(te) not in seen:
-        seen.add(id(te))
-        te.stack = traceback.StackSummary.from_list(
-            [f for f in te.stack if not f.filename.startswith(PACKAGE_DIR)])
-        te = te.__cause__ or te.__context__

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -53,9 +55,10 @@ class CallTracker:
         return sorted(self._by_rank.get(rank, ()))
 
 
-def death_reply(caller: int, call_id: int, rank: int, why: str, error_type: str = "RankDied") -> ActorReply:
+def death_reply(caller: int, call_id: int, rank: int, why: str, error_type: str = "RankDied", *,
+                to_port: bool = False) -> ActorReply:
     """The reply a router sends on behalf of a rank that died before answering."""
-    return ActorReply(caller, call_id, rank, None, Failure(error_type, why, ""))
+    return ActorReply(caller, call_id, rank, None, Failure(error_type, why, ""), to_port=to_port)
 
 
 class PendingCall:
@@ -118,19 +121,36 @@ class PendingCall:
 
     async def wait_async(self, count: int) -> None:
         """Wait on the current asyncio loop until at least `count` replies are in."""
-        loop = asyncio.get_running_loop()
-        while True:
-            with self._lock:
-                if len(self.replies) >= count:
-                    return
-                fut = loop.create_future()
-                entry = (loop, fut)
-                self._waiters.append(entry)
-            try:
-                await fut
-            finally:
-                with self._lock:
-                    self._waiters.remove(entry)
+        await wait_registered(self._lock, lambda: len(self.replies) >= count, self._waiters)
+
+
+def poll_until(ready: Callable[[], bool], timeout: float | None, interval: float = 0.005) -> bool:
+    """Check ready() every `interval` until it holds (True) or the timeout passes (False)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not ready():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+async def wait_registered(lock: threading.Lock | threading.Condition, ready: Callable[[], bool],
+                          waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]) -> None:
+    """Wait on the running asyncio loop until ready(): each try registers a future in `waiters`
+    (under `lock`), which whoever makes ready() true wakes with `_wake` through its loop."""
+    loop = asyncio.get_running_loop()
+    while True:
+        with lock:
+            if ready():
+                return
+            fut = loop.create_future()
+            entry = (loop, fut)
+            waiters.append(entry)
+        try:
+            await fut
+        finally:
+            with lock:
+                waiters.remove(entry)
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -155,7 +175,12 @@ class CallTable:
         return call
 
     def deliver(self, reply: ActorReply) -> None:
-        """Hand a reply to its call; forget the call once every rank answered."""
+        """Hand a reply to its call; forget the call once every rank answered.
+
+        A message sent through a Port goes to this process's open port of that id instead."""
+        if reply.to_port:
+            PORTS.deliver(reply)
+            return
         with self._lock:
             call = self._calls.get(reply.call_id)
         if call is None:
@@ -178,6 +203,81 @@ class CallTable:
             return list(self._calls.values())
 
 
+class OpenPort:
+    """The receiving end of a Port in this process: the messages sent through it, in arrival order.
+
+    Thread-safe like PendingCall: messages are added by an I/O thread (or a sender in this
+    process) and taken by the notebook thread, another thread, or an asyncio task.
+    """
+
+    def __init__(self, port_id: int, once: bool):
+        self.port_id = port_id
+        self.once = once
+        self._items: deque[ActorReply] = deque()
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def add(self, msg: ActorReply) -> None:
+        """A message arrived."""
+        with self._cond:
+            self._items.append(msg)
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_wake, fut)
+
+    def ready(self) -> bool:
+        """Whether a message is waiting to be taken."""
+        return bool(self._items)
+
+    def take(self) -> ActorReply:
+        """The oldest message (call after ready() or a wait said one is there)."""
+        with self._cond:
+            return self._items.popleft()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until a message is there (True) or the timeout passes."""
+        with self._cond:
+            return self._cond.wait_for(self.ready, timeout)
+
+    async def wait_async(self) -> None:
+        """Wait on the current asyncio loop until a message is there."""
+        await wait_registered(self._cond, self.ready, self._waiters)
+
+
+class PortTable:
+    """The ports open in this process, by id (one table per process: every mesh's replies reach it)."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._ports: dict[int, OpenPort] = {}
+        self._lock = threading.Lock()
+
+    def open(self, once: bool = False) -> OpenPort:
+        """A new port; its id goes into the Port handle that others send through."""
+        with self._lock:
+            port = OpenPort(next(self._ids), once)
+            self._ports[port.port_id] = port
+        return port
+
+    def close(self, port_id: int) -> None:
+        """Forget a port: later messages to it are dropped."""
+        with self._lock:
+            self._ports.pop(port_id, None)
+
+    def deliver(self, msg: ActorReply) -> None:
+        """Hand a message to its port (a once-port takes one, then closes)."""
+        with self._lock:
+            port = self._ports.get(msg.call_id)
+            if port is not None and port.once:
+                del self._ports[msg.call_id]
+        if port is not None:
+            port.add(msg)
+
+
+PORTS = PortTable()
+
+
 class CallSender(Protocol):
     """What an actor mesh handle needs from the process it lives in (notebook or rank)."""
 
@@ -189,6 +289,12 @@ class CallSender(Protocol):
 
     def send_cancel(self, msg: CancelCall) -> None:
         """Ask the ranks of a call to stop it."""
+
+    def send_port(self, msg: ActorReply) -> None:
+        """Send a message through a Port opened by another process (`msg.caller` owns it)."""
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Block until ready() (True) or the timeout passes (False); a rank serves its actors meanwhile."""
 
     def shm_dir_for(self, ranks: tuple[int, ...]) -> str | None:
         """A shared-memory folder for large arguments to these ranks, if they are on this machine."""
@@ -233,5 +339,8 @@ def set_default_sender(sender: CallSender) -> None:
 
 
 def find_sender(mesh_name: str) -> CallSender | None:
-    """How this process reaches the ranks of mesh `mesh_name`, if it can."""
-    return _senders.get(mesh_name) or (_default_sender[0] if _default_sender else None)
+    """How this process reaches the ranks of mesh `mesh_name`, if it can ("": of the one mesh there is)."""
+    found = _senders.get(mesh_name) or (_default_sender[0] if _default_sender else None)
+    if found is None and not mesh_name and len(_senders) == 1:
+        found = next(iter(_senders.values()))
+    return found

@@ -302,6 +302,77 @@ class HostOpDone:
     error: str = ""
 
 
+# ---------------------------------------------------------------- relays (wire/relay_link.py)
+
+
+@dataclass(frozen=True)
+class RelayServe:
+    """Controller -> a relay agent: listen on `address` for these child hosts (they prove `key`).
+
+    `routes` says, for each host below this one, which child leads to it."""
+
+    key: bytes
+    address: str
+    index: int  # this host's index
+    children: tuple[int, ...]
+    routes: tuple[tuple[int, int], ...]  # (descendant host, child host)
+
+
+@dataclass(frozen=True)
+class RelayListening:
+    """A relay agent -> controller: it listens on this port (0: it could not, see `error`)."""
+
+    port: int
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class RelayJoin:
+    """Controller -> a child agent: connect to your relay parent, proving `key` as host `index`."""
+
+    address: str
+    port: int
+    key: bytes
+    index: int
+
+
+@dataclass(frozen=True)
+class RelayJoined:
+    """A child agent -> controller: its link to the parent is up (or not: `error`)."""
+
+    index: int
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class RelayLost:
+    """An agent -> controller: the relay link to host `host` broke (that host's subtree is cut off)."""
+
+    host: int
+    why: str
+
+
+@dataclass(frozen=True)
+class RelayStop:
+    """Controller -> agents: close your relay links (setting them up failed; the controller sends directly)."""
+
+
+@dataclass(frozen=True)
+class RelayDown:
+    """Down a relay tree: ToRanks(ranks, body) for each (host, ranks), the body encoded once per link."""
+
+    hosts: tuple[tuple[int, tuple[int, ...]], ...]
+    body: Any
+
+
+@dataclass(frozen=True)
+class RelayUp:
+    """Up a relay tree: what agents below sent (output and results), batched per hop, results of one
+    request combined."""
+
+    msgs: tuple[Any, ...]
+
+
 # ---------------------------------------------------------------- actor calls (any -> any)
 
 CONTROLLER = -1  # the caller id of calls made from the notebook (ranks use their rank)
@@ -322,6 +393,7 @@ class ActorCall:
     args: Sealed
     ranks: tuple[int, ...]
     want_value: bool = True
+    to_port: bool = False  # (caller, call_id) name a Port: the replies go there, and no router waits on them
 
 
 @dataclass(frozen=True)
@@ -334,6 +406,7 @@ class ActorReply:
     value: Sealed | None
     failure: Failure | None
     seconds: float | None = None  # how long the endpoint ran (None: it never ran)
+    to_port: bool = False  # a message sent through a Port (call_id is the port's id): no router owes it
 
 
 @dataclass(frozen=True)
@@ -342,6 +415,19 @@ class CancelCall:
 
     caller: int
     call_id: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OwnActors:
+    """A rank's actor spawned an actor mesh: it supervises it (rank -> agent -> controller)."""
+
+    owner_rank: int
+    owner_key: str  # the owning actor's spawn key
+    owner_label: str  # e.g. "Manager (actor mesh 'manager') on rank 0", for reports
+    key: str  # the spawn key of the owned actor mesh
+    name: str
+    class_name: str
     ranks: tuple[int, ...]
 
 

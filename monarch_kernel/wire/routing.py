@@ -46,9 +46,10 @@ class CallRouter:
         """
         hops, dead, away = self._group(msg.ranks)
         for rank in dead:
-            self.reply(death_reply(msg.caller, msg.call_id, rank, self._why_dead(rank)))
+            self.reply(death_reply(msg.caller, msg.call_id, rank, self._why_dead(rank), to_port=msg.to_port))
         for send, ranks in hops.items():
-            self.owed.add(msg.caller, msg.call_id, ranks)
+            if not msg.to_port:  # a port's messages come when they come: nobody waits on them here
+                self.owed.add(msg.caller, msg.call_id, ranks)
             send(msg if len(ranks) == len(msg.ranks) else replace(msg, ranks=tuple(ranks)))
         if away:
             self._away(msg, away, from_above)
@@ -63,7 +64,7 @@ class CallRouter:
 
     def reply(self, reply: ActorReply, *, owed: bool = False) -> None:
         """Send a reply towards its caller; with owed=True, only if that rank still owed it."""
-        if owed and not self.owed.answered(reply.caller, reply.call_id, reply.rank):
+        if owed and not reply.to_port and not self.owed.answered(reply.caller, reply.call_id, reply.rank):
             return  # late or duplicate (its death was already reported)
         if reply.caller == self._here_id and self._deliver_here is not None:
             self._deliver_here(reply)
@@ -102,4 +103,5 @@ class CallRouter:
             self._upstream(replace(msg, ranks=tuple(ranks)))
         elif isinstance(msg, ActorCall):
             for rank in ranks:
-                self.reply(death_reply(msg.caller, msg.call_id, rank, f"rank {rank} is not in this mesh"))
+                self.reply(death_reply(msg.caller, msg.call_id, rank, f"rank {rank} is not in this mesh",
+                                       to_port=msg.to_port))

@@ -72,6 +72,28 @@ def decode(meta: bytes | bytearray, buffers: list[bytearray], flat: bool = False
         raise FrameError(f"a frame could not be read ({type(exc).__name__}: {exc})") from exc
 
 
+def decode_frame(frame: bytearray) -> Any:
+    """Rebuild a message from one whole frame held in memory (its buffers are views of `frame`)."""
+    view = memoryview(frame)
+    if len(view) < _HEAD.size:
+        raise FrameError("a frame shorter than its header")
+    meta_len, count = _HEAD.unpack_from(view)
+    nbufs = count & ~_FLAT
+    check_header(meta_len, nbufs)
+    at = _HEAD.size + nbufs * _LEN.size
+    sizes = [_LEN.unpack_from(view, _HEAD.size + i * _LEN.size)[0] for i in range(nbufs)] if at <= len(view) else []
+    check_sizes(sizes)
+    if at + meta_len + sum(sizes) != len(view):
+        raise FrameError("a frame whose parts do not add up to its length")
+    meta = view[at:at + meta_len]
+    at += meta_len
+    parts = []
+    for size in sizes:
+        parts.append(view[at:at + size])
+        at += size
+    return decode(meta, parts, bool(count & _FLAT))  # type: ignore[arg-type]  # views of a writable frame
+
+
 # ------------------------------------------------------------------ asyncio side
 
 
@@ -207,6 +229,7 @@ class AsyncConnection:
         self._transport = transport
         self._protocol = protocol
         self._reader = reader  # a separate read side (pipes), else the transport reads too
+        self.bytes_sent = 0  # what send() has queued in all
 
     @classmethod
     async def from_socket(
@@ -251,7 +274,9 @@ class AsyncConnection:
         """Queue an already encoded frame (to send one encoding to many peers)."""
         if self._transport.is_closing():
             raise ConnectionClosed("connection is closed")
-        if len(chunks) > 1 and sum(memoryview(c).nbytes for c in chunks) < (1 << 16):
+        size = sum(memoryview(c).nbytes for c in chunks)
+        self.bytes_sent += size
+        if len(chunks) > 1 and size < (1 << 16):
             self._transport.write(b"".join(chunks))  # one system call for small frames
             return
         for chunk in chunks:

@@ -1,0 +1,229 @@
+"""ProcMesh and HostMesh: processes and hosts named by Monarch-style dims.
+
+>>> procs = this_host().spawn_procs(per_host={"gpus": 4})   # notebook: a new local mesh
+>>> counters = procs.spawn("counters", Counter, 0)         # one Counter per process
+>>> procs.slice(gpus=0).spawn("one", Counter, 0)
+
+A ProcMesh is a handle: its mesh's name and a Shape over the mesh's ranks. It works in
+the notebook and on ranks (pass it to an actor, which may spawn on it: that actor then
+owns, and supervises, what it spawned). Spawning goes to each rank's system actor, the
+same way from anywhere. Only the notebook starts and stops processes: a HostMesh made
+there (`this_host()`, `mesh.host_mesh()`) carries how to start a mesh on its hosts, and
+`spawn_procs` returns the new mesh's ProcMesh, shaped by the host dims then `per_host`'s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from monarch_kernel.actors.base import Actor, class_sources, current_actor
+from monarch_kernel.actors.client import ActorMesh, system_actors
+from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
+from monarch_kernel.core.future import DoneFuture, Future
+from monarch_kernel.core.shape import Selector, Shape
+from monarch_kernel.wire.calls import find_sender
+from monarch_kernel.wire.messages import OwnActors
+
+A = TypeVar("A", bound=Actor)
+# starts a mesh of `count` ranks per host on these hosts (notebook only): (hosts, count, name, options)
+StartMesh = Callable[[tuple[Any, ...], int, "str | None", dict[str, Any]], Any]
+# called with each mesh that spawn_procs starts (the notebook's %mesh registry adopts it)
+mesh_started: list[Callable[[Any], None]] = []
+_spawns = itertools.count(1)
+
+
+class _Shaped:
+    """Sizes of a handle's named dims (its `_shape`)."""
+
+    _shape: Shape
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Dim sizes by name, e.g. {'hosts': 2, 'gpus': 4} ({} for a single one)."""
+        return self._shape.sizes
+
+    @property
+    def extent(self) -> dict[str, int]:
+        """Monarch's name for `sizes`."""
+        return self._shape.sizes
+
+    def size(self, dim: str | None = None) -> int:
+        """How many (along `dim`, or in all)."""
+        return len(self._shape) if dim is None else self._shape.sizes[dim]
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+
+class ProcMesh(_Shaped):
+    """Processes of a mesh, shaped by named dims: spawn actor meshes on them."""
+
+    def __init__(self, mesh_name: str, shape: Shape, *, stop: Callable[[], None] | None = None,
+                 host_mesh: Callable[[], Any] | None = None):
+        self._mesh = mesh_name
+        self._shape = shape
+        self._stop = stop  # the notebook's way to end these processes (not carried to ranks)
+        self._host_mesh = host_mesh
+
+    # ------------------------------------------------------------ shape
+    @property
+    def shape(self) -> Shape:
+        """Dims and global ranks of these processes."""
+        return self._shape
+
+    def slice(self, **selectors: Selector | None) -> ProcMesh:
+        """Some of the processes: an int drops the dim, a slice keeps it."""
+        return self._with(self._shape.slice(**selectors))
+
+    def flatten(self, name: str) -> ProcMesh:
+        """The same processes along one dim named `name`."""
+        return self._with(self._shape.flatten(name))
+
+    def rename(self, **names: str) -> ProcMesh:
+        """The same processes with dims renamed."""
+        return self._with(self._shape.rename(**names))
+
+    def split(self, **spec: Sequence[str] | int) -> ProcMesh:
+        """The same processes with dims split, e.g. split(hosts=("dp", "pp"), pp=2)."""
+        return self._with(self._shape.split(**spec))
+
+    def _with(self, shape: Shape) -> ProcMesh:
+        return ProcMesh(self._mesh, shape, stop=None, host_mesh=self._host_mesh)
+
+    # ------------------------------------------------------------ actors
+    def spawn(self, name: str, actor_class: type[A], *args: Any, **kwargs: Any) -> ActorMesh:
+        """One `actor_class(*args, **kwargs)` per process, as actor mesh `name`; returns its handle.
+
+        Waits until every constructor ran (Monarch's returns at once): a constructor that
+        raises fails the spawn with its traceback. Spawned inside an actor, the actor owns it.
+        """
+        if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
+            raise MeshUsageError(f"spawn() needs a subclass of Actor, got {actor_class!r}")
+        if not name or not isinstance(name, str):
+            raise MeshUsageError("spawn() needs a name for the actor mesh, e.g. procs.spawn('trainers', Trainer)")
+        sender = find_sender(self._mesh)
+        if sender is None:
+            raise MeshNotRunningError(f"the processes of mesh {self._mesh!r} are gone (it was stopped or lost)")
+        key = f"{name}#{sender.caller_id}.{next(_spawns)}"
+        system = system_actors(self._mesh, self._shape)
+        system.spawn_actors.call(name, key, actor_class, args, kwargs, self._shape, class_sources(actor_class)).get()
+        actors = ActorMesh(self._mesh, name, actor_class.__name__, actor_class._endpoints, self._shape, key)
+        owner = current_actor.get()
+        send_up = getattr(sender, "send_up", None)
+        if owner is not None and send_up is not None:  # an actor spawned it: the controller routes its failures
+            actors._supervised = "actor"
+            send_up(OwnActors(sender.caller_id, owner, _owner_label(owner, sender.caller_id), key, name,
+                              actor_class.__name__, self._shape.ranks))
+        elif owner is None:
+            watch = getattr(sender, "watch_failures", None)
+            if watch is not None and getattr(sender, "own_rank", None) is None:  # the notebook owns it
+                actors.supervise_from_notebook()
+        return actors
+
+    # ------------------------------------------------------------ processes
+    def stop(self, reason: str = "stopped by client") -> Future[None]:
+        """End these processes (and their actors); only the notebook that made them can."""
+        if self._stop is None:
+            raise MeshUsageError("stop() ends processes that this notebook started (spawn_procs); a slice or a "
+                                 "handle passed to an actor cannot stop them: stop the actor meshes instead")
+        self._stop()
+        return DoneFuture(None)
+
+    @property
+    def initialized(self) -> Future[bool]:
+        """Done: spawn_procs returns once the processes are up."""
+        return DoneFuture(True)
+
+    @property
+    def host_mesh(self) -> Any:
+        """The hosts these processes run on (in the notebook)."""
+        if self._host_mesh is None:
+            raise MeshUsageError("host_mesh is known in the notebook that started these processes")
+        return self._host_mesh()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ProcMesh, (self._mesh, self._shape))
+
+    def __repr__(self) -> str:
+        return f"<ProcMesh of mesh {self._mesh!r} {self._shape}>"
+
+
+class HostMesh(_Shaped):
+    """Hosts, shaped by named dims (`hosts`, or none for one host): `spawn_procs` starts processes."""
+
+    def __init__(self, hosts: Sequence[Any], shape: Shape, start: StartMesh | None = None):
+        self._hosts = tuple(hosts)
+        self._shape = shape  # over host indices
+        self._start = start  # starts a mesh on some of these hosts
+        self._spawned: list[Any] = []  # the meshes spawn_procs started
+
+    def slice(self, **selectors: Selector | None) -> HostMesh:
+        """Some of the hosts: `hosts.slice(hosts=slice(0, 2))`."""
+        shape = self._shape.slice(**selectors)
+        picked = [self._hosts[i] for i in shape.ranks]
+        return HostMesh(picked, Shape(shape.dims, tuple(range(len(picked)))), self._start)
+
+    def spawn_procs(self, per_host: dict[str, int] | None = None, bootstrap: Callable[[], None] | None = None,
+                    name: str | None = None, **mesh_options: Any) -> ProcMesh:
+        """Start `per_host` processes on each host (e.g. {"gpus": 4}); returns their ProcMesh.
+
+        `bootstrap` runs once in each new process before it is handed out. `mesh_options`
+        go to the mesh (`dist`, `env`, `preload`, `timeout`, ...): by default a local mesh
+        is started as `%mesh up local` starts one, and processes on another mesh's hosts
+        copy that mesh's settings.
+        """
+        if self._start is None:
+            raise MeshUsageError("spawn_procs() starts processes from the notebook; on a rank, spawn actors on a "
+                                 "ProcMesh the notebook passed in")
+        per_host = dict(per_host or {})
+        for size in per_host.values():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise MeshUsageError(f"per_host={per_host!r}: each dim needs a positive size, e.g. {{'gpus': 4}}")
+        if set(per_host) & set(self._shape.names):
+            raise MeshUsageError(f"per_host dims {sorted(per_host)} repeat the host mesh's {self._shape.names}")
+        count = math.prod(per_host.values()) if per_host else 1
+        mesh = self._start(self._hosts, count, name, mesh_options)
+        try:
+            if bootstrap is not None:
+                mesh.call(lambda: bootstrap())
+        except BaseException:
+            mesh.shutdown()
+            raise
+        self._spawned.append(mesh)
+        for started in mesh_started:
+            started(mesh)
+        dims = (*self._shape.dims, *per_host.items())
+        return ProcMesh(mesh.name, Shape(dims, mesh.ranks), stop=mesh.shutdown, host_mesh=lambda: self)
+
+    def shutdown(self) -> None:
+        """Stop every process that spawn_procs started on these hosts."""
+        for mesh in self._spawned:
+            mesh.shutdown()
+        self._spawned.clear()
+
+    def stop(self) -> None:
+        """Alias of shutdown()."""
+        self.shutdown()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HostMesh, (self._hosts, self._shape))  # elsewhere it can be looked at, not spawned on
+
+    def __repr__(self) -> str:
+        names = ", ".join(getattr(h, "name", str(h)) for h in self._hosts)
+        return f"<HostMesh {self._shape} of {names}>"
+
+
+def _owner_label(key: str, rank: int) -> str:
+    return f"actor mesh {key.split('#')[0]!r} on rank {rank}"
+
+
+def this_proc_of_rank() -> ProcMesh:
+    """On a rank: the one process running this code, as a ProcMesh with no dims."""
+    sender = find_sender("")
+    rank = getattr(sender, "own_rank", None)
+    if sender is None or rank is None:
+        raise MeshUsageError("this_proc_of_rank() runs on ranks")
+    return ProcMesh("", Shape((), (rank,)))

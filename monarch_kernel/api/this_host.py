@@ -1,0 +1,49 @@
+"""`this_host()` and `this_proc()` in the notebook, as a Monarch program expects them.
+
+`this_host()` is the notebook's machine: `this_host().spawn_procs(per_host={"gpus": 4})`
+starts a local mesh as `%mesh up local --gpus 4` does. `this_proc()` is, in Monarch, the
+client's own process; here it is a one-rank local mesh started on first use, so that
+actors spawned on it never block the notebook's kernel.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from monarch_kernel.actors.procs import HostMesh, ProcMesh, mesh_started
+from monarch_kernel.api.mesh import Mesh, local_mesh
+from monarch_kernel.controller.hostspec import HostSpec
+from monarch_kernel.core.errors import MeshUsageError
+from monarch_kernel.core.shape import Shape
+
+THIS_PROC = "this_proc"  # the name of the mesh this_proc() starts
+
+_this_proc: list[tuple[ProcMesh, Mesh]] = []
+_lock = threading.Lock()
+
+
+def _start_local(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, options: dict[str, Any]) -> Mesh:
+    allowed = {"dist", "env", "preload", "timeout", "health"}
+    if set(options) - allowed:
+        raise MeshUsageError(f"spawn_procs() on this host takes {', '.join(sorted(allowed))}; "
+                             f"not {', '.join(sorted(set(options) - allowed))}")
+    return local_mesh(gpus, name=name, **options)
+
+
+def this_host() -> HostMesh:
+    """The notebook's machine, as a host mesh of one host (no dims)."""
+    return HostMesh([HostSpec("localhost")], Shape((), (0,)), _start_local)
+
+
+def this_proc() -> ProcMesh:
+    """One process on this machine for actors (a one-rank local mesh), started on first use."""
+    with _lock:
+        if _this_proc and not _this_proc[0][1].closed:
+            return _this_proc[0][0]
+        mesh = local_mesh(1, name=THIS_PROC, dist="none")
+        for started in mesh_started:
+            started(mesh)
+        procs = ProcMesh(mesh.name, Shape((), mesh.ranks), stop=mesh.shutdown)
+        _this_proc[:] = [(procs, mesh)]
+        return procs

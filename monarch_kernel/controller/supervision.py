@@ -1,0 +1,78 @@
+"""Failures of actor meshes that actors own, sent to their owners' `__supervise__`.
+
+An actor that spawns an actor mesh owns it (its rank says so with `OwnActors`). When a
+rank of an owned mesh dies, the controller calls the owner's `__supervise__(failure)`
+like an endpoint. A true answer ends it; a false one, a missing `__supervise__`, or an
+exception in it passes the failure to the owner's own owner, up to the notebook's
+`unhandled_fault_hook`. (Meshes the notebook owns are watched in the notebook itself.)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from monarch_kernel.core.supervision import SUPERVISE, MeshFailure, report_unhandled
+from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.calls import CallTable
+from monarch_kernel.wire.serialization import seal, unseal
+
+
+class Supervisors:
+    """Who owns which actor mesh, and where its failures go (loop thread only)."""
+
+    def __init__(self, calls: CallTable, send_call: Callable[[m.ActorCall], None],
+                 is_alive: Callable[[int], bool]):
+        self._calls = calls
+        self._send_call = send_call
+        self._is_alive = is_alive
+        self._owned: dict[str, m.OwnActors] = {}  # by the owned mesh's spawn key
+        self._told: set[tuple[str, int]] = set()  # (owned key, rank): each failure goes up once
+
+    def own(self, msg: m.OwnActors) -> None:
+        """An actor owns actor mesh `msg.key` now."""
+        self._owned[msg.key] = msg
+
+    def rank_died(self, rank: int, why: str) -> None:
+        """Tell the owner of every owned mesh with an actor on `rank` (once per mesh and rank)."""
+        for owned in list(self._owned.values()):
+            if rank in owned.ranks and (owned.key, rank) not in self._told and owned.owner_rank != rank:
+                self._told.add((owned.key, rank))
+                self._tell(owned, MeshFailure(owned.name, owned.class_name, rank, "died", why))
+
+    def forget(self) -> None:
+        """The ranks were replaced: what they owned is gone."""
+        self._owned.clear()
+        self._told.clear()
+
+    def _tell(self, owned: m.OwnActors, failure: MeshFailure) -> None:
+        if not self._is_alive(owned.owner_rank):
+            self._pass_on(owned, failure.passed_over(f"{owned.owner_label} (its rank is gone)"))
+            return
+        pending = self._calls.new((owned.owner_rank,), f"{owned.owner_label}.{SUPERVISE}")
+        pending.actor = owned.owner_key
+
+        def answered(reply: m.ActorReply) -> None:
+            f = reply.failure
+            if f is None:
+                if reply.value is not None and unseal(reply.value):
+                    return  # handled
+                self._pass_on(owned, failure.passed_over(owned.owner_label))
+            elif f.error_type == "AttributeError" and SUPERVISE in f.message:  # it has no __supervise__
+                self._pass_on(owned, failure.passed_over(f"{owned.owner_label} (no {SUPERVISE})"))
+            else:  # __supervise__ raised (or its rank died meanwhile): a new failure, caused by this one
+                self._pass_on(owned, MeshFailure(owned.owner_key.split("#")[0], owned.owner_label, owned.owner_rank,
+                                                 "exception", f"{SUPERVISE} raised {f.message}", f.traceback,
+                                                 failure))
+
+        pending.on_reply = answered
+        self._send_call(m.ActorCall(m.CONTROLLER, pending.call_id, owned.owner_key, SUPERVISE,
+                                    seal(((failure,), {})), (owned.owner_rank,)))
+
+    def _pass_on(self, owned: m.OwnActors, failure: MeshFailure) -> None:
+        """To the owner's owner, or to the notebook's hook (on its own thread: it runs user code)."""
+        parent = self._owned.get(owned.owner_key)
+        if parent is not None:
+            self._tell(parent, failure)
+        else:
+            threading.Thread(target=report_unhandled, args=(failure,), name="mesh-supervision", daemon=True).start()

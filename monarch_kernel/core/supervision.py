@@ -1,0 +1,71 @@
+"""Supervision, in the style of PyTorch Monarch: who hears that an actor mesh failed.
+
+The owner of an actor mesh is whoever spawned it: an actor (inside one of its endpoints
+or its constructor), or the notebook. When a rank of the mesh dies, or a broadcast to
+it fails with nobody to tell, the owner hears a `MeshFailure`: an owning actor through
+its `__supervise__(failure)` (a true result means handled), the notebook through
+`unhandled_fault_hook(failure)`. A failure an actor does not handle (a false result, or
+an exception from `__supervise__`) goes on to that actor's own owner, and so on up to
+the notebook. Unlike Monarch, the notebook's default hook prints a report in the
+notebook and keeps the kernel running (Monarch's exits the client process).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+FaultHook = Callable[["MeshFailure"], None]
+SUPERVISE = "__supervise__"  # called (like an endpoint) on the owner of an actor mesh that failed
+
+
+@dataclass(frozen=True)
+class MeshFailure:
+    """What failed: the actor mesh (`mesh_name`), its rank, what happened and how it got here."""
+
+    mesh_name: str  # the actor mesh's name, as given to spawn()
+    actor_class: str
+    rank: int | None
+    kind: str  # "died" (its process or host is gone) or "exception" (a broadcast call raised)
+    message: str
+    traceback: str = ""
+    cause: MeshFailure | None = None  # the failure a supervisor was handling when it failed in turn
+    unhandled_by: tuple[str, ...] = ()  # supervisors that returned a false value for it, innermost first
+
+    def report(self) -> str:
+        """A readable report: what failed where, why, and who saw it unhandled."""
+        where = f" on rank {self.rank}" if self.rank is not None else ""
+        lines = [f"actor mesh {self.mesh_name!r} ({self.actor_class}){where} failed: {self.message}"]
+        if self.unhandled_by:
+            lines.append(f"  not handled by: {', '.join(self.unhandled_by)}")
+        if self.traceback:
+            lines.append(self.traceback.rstrip())
+        if self.cause is not None:
+            lines.append("while handling:\n  " + self.cause.report().replace("\n", "\n  "))
+        return "\n".join(lines)
+
+    def passed_over(self, supervisor: str) -> MeshFailure:
+        """The same failure, noted as not handled by `supervisor`."""
+        return MeshFailure(self.mesh_name, self.actor_class, self.rank, self.kind, self.message, self.traceback,
+                           self.cause, (*self.unhandled_by, supervisor))
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+def default_fault_hook(failure: MeshFailure) -> None:
+    """The notebook's default for a failure no actor handled: print the report (the kernel keeps running)."""
+    print(f"monarch_kernel: unhandled actor mesh failure (set monarch_kernel.monarch.actor.unhandled_fault_hook "
+          f"to handle these)\n{failure.report()}", file=sys.stderr, flush=True)
+
+
+def report_unhandled(failure: MeshFailure) -> None:
+    """Hand a failure nobody handled to the notebook's hook (the one a program set, if any)."""
+    facade = sys.modules.get("monarch_kernel.monarch.actor")
+    hook: FaultHook = getattr(facade, "unhandled_fault_hook", default_fault_hook)
+    try:
+        hook(failure)
+    except BaseException as exc:  # noqa: BLE001 - a hook that raises must not take the kernel with it
+        print(f"monarch_kernel: unhandled_fault_hook raised {type(exc).__name__}: {exc}\n{failure.report()}",
+              file=sys.stderr, flush=True)

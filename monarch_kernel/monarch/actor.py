@@ -1,0 +1,87 @@
+"""What a Monarch program imports from `monarch.actor`, with Monarch's behaviour.
+
+>>> from monarch_kernel.monarch.actor import Actor, endpoint, this_host, current_rank
+>>> class Counter(Actor):
+...     def __init__(self, start: int):
+...         self.value = start
+...     @endpoint
+...     def incr(self) -> None:
+...         self.value += 1
+...     @endpoint
+...     def get(self) -> int:
+...         return self.value
+>>> procs = this_host().spawn_procs(per_host={"gpus": 4})
+>>> counters = procs.spawn("counters", Counter, 0)
+>>> counters.incr.broadcast()
+>>> counters.get.call().get()          # ValueMesh({gpus: 4}) of 1s
+>>> procs.stop().get()
+
+The same module works on ranks (in endpoints): `this_proc()` is then the rank's own
+process, and ProcMesh handles passed in can be spawned on. Only the notebook starts and
+stops processes. Set `unhandled_fault_hook` to decide what happens to actor mesh failures
+that no actor's `__supervise__` handled (the default prints a report in the notebook).
+"""
+
+from __future__ import annotations
+
+from monarch_kernel.actors.base import Actor, current_rank, current_size, endpoint
+from monarch_kernel.actors.client import Accumulator, ActorMesh, send
+from monarch_kernel.actors.ports import Channel, Port, PortReceiver
+from monarch_kernel.actors.procs import HostMesh, ProcMesh, this_proc_of_rank
+from monarch_kernel.core.errors import ActorError, MeshUsageError
+from monarch_kernel.core.future import Future
+from monarch_kernel.core.shape import Point
+from monarch_kernel.core.supervision import MeshFailure, default_fault_hook
+from monarch_kernel.core.values import ValueMesh
+from monarch_kernel.wire.calls import find_sender
+
+__all__ = [
+    "Accumulator",
+    "Actor",
+    "ActorError",
+    "ActorMesh",
+    "Channel",
+    "Future",
+    "HostMesh",
+    "MeshFailure",
+    "Point",
+    "Port",
+    "PortReceiver",
+    "ProcMesh",
+    "ValueMesh",
+    "current_rank",
+    "current_size",
+    "endpoint",
+    "send",
+    "this_host",
+    "this_proc",
+    "unhandled_fault_hook",
+]
+
+# What the notebook does with an actor mesh failure that no actor handled; a program may
+# replace it (monarch_kernel.monarch.actor.unhandled_fault_hook = my_hook), as in Monarch.
+unhandled_fault_hook = default_fault_hook
+
+
+def _on_rank() -> bool:
+    return getattr(find_sender(""), "own_rank", None) is not None
+
+
+def this_host() -> HostMesh:
+    """The notebook's machine as a HostMesh: `this_host().spawn_procs(per_host={"gpus": 4})`."""
+    if _on_rank():
+        raise MeshUsageError("this_host() starts processes from the notebook; in an actor, spawn on a ProcMesh "
+                             "passed in, or on this_proc()")
+    from monarch_kernel.api import this_host as notebook  # noqa: PLC0415 - notebook side only
+
+    return notebook.this_host()
+
+
+def this_proc() -> ProcMesh:
+    """The process running this code: in an endpoint, the actor's rank; in the notebook, a
+    one-rank local mesh started on first use (Monarch's is the client process itself)."""
+    if _on_rank():
+        return this_proc_of_rank()
+    from monarch_kernel.api import this_host as notebook  # noqa: PLC0415 - notebook side only
+
+    return notebook.this_proc()

@@ -1,0 +1,208 @@
+"""Monarch's API (`monarch_kernel.monarch.actor`): Monarch-style programs run with the import changed.
+
+The programs in tests/programs/monarch/ are written as for PyTorch Monarch (`from monarch.actor
+import ...`); each test changes only their import lines and runs them as a script.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import cloudpickle
+import pytest
+from conftest import wait_until
+
+from monarch_kernel import MeshUsageError
+from monarch_kernel.core.shape import Shape
+from monarch_kernel.core.values import ValueMesh
+from monarch_kernel.monarch.actor import Actor, Channel, Port, endpoint, this_host
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import this file
+PROGRAMS = Path(__file__).parent / "programs" / "monarch"
+IMPORT = re.compile(r"^(from|import) monarch\.actor\b", re.M)
+
+
+def with_our_import(source: str) -> str:
+    """The program with `monarch.actor` imports pointed at ours, and nothing else changed."""
+    return IMPORT.sub(lambda m: f"{m.group(1)} monarch_kernel.monarch.actor", source)
+
+
+@pytest.mark.parametrize("program", ["counter", "ping_pong", "generator_learner", "accumulator", "supervision"])
+@pytest.mark.timeout(180)
+def test_a_monarch_program_runs_with_only_its_import_changed(program, tmp_path):
+    source = (PROGRAMS / f"{program}.py").read_text()
+    ours = with_our_import(source)
+    changed = [(a, b) for a, b in zip(source.splitlines(), ours.splitlines()) if a != b]
+    assert changed and all(IMPORT.match(a) for a, _ in changed)  # only the import lines differ
+    script = tmp_path / f"{program}.py"
+    script.write_text(ours)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=170,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.rstrip().endswith("OK")
+
+
+def test_the_programs_cover_every_name_the_issue_lists():
+    text = "\n".join(p.read_text() for p in PROGRAMS.glob("*.py"))
+    for name in ["Actor", "endpoint", "this_host", "this_proc", "spawn_procs", ".spawn(", ".stop()",
+                 "current_rank", "current_size", "ValueMesh", "Future", ".call(", ".call_one(", ".choose(",
+                 ".broadcast(", ".stream(", "Accumulator", "Channel", "Port", "send(", ".slice(", ".flatten(",
+                 ".rename(", ".split(", "__supervise__", "explicit_response_port", "await "]:
+        assert name in text, name
+
+
+# ------------------------------------------------------------------ shapes and value meshes
+
+
+def test_split_flatten_and_rename_keep_the_ranks_in_row_major_order():
+    shape = Shape.grid(hosts=4, gpus=2)
+    split = shape.split(hosts=("dp", "pp"), pp=2)
+    assert split.dims == (("dp", 2), ("pp", 2), ("gpus", 2)) and split.ranks == shape.ranks
+    assert split.slice(pp=1, gpus=0).ranks == (2, 6)
+    assert shape.flatten("rank").dims == (("rank", 8),)
+    assert shape.rename(gpus="tp").names == ("hosts", "tp")
+    with pytest.raises(MeshUsageError, match="do not divide"):
+        shape.split(hosts=("dp", "pp"), pp=3)
+    with pytest.raises(MeshUsageError, match="all but one"):
+        shape.split(hosts=("dp", "pp"))
+    with pytest.raises(MeshUsageError, match="twice"):
+        shape.rename(gpus="hosts")
+    with pytest.raises(MeshUsageError, match="no dim named"):
+        shape.rename(nodes="hosts")
+
+
+def test_a_value_mesh_slices_like_its_mesh():
+    vm = ValueMesh(Shape.grid(hosts=2, gpus=3), list(range(6)))
+    assert list(vm.slice(gpus=2).values()) == [2, 5]
+    assert vm.slice(hosts=1).item(gpus=0) == 3
+    assert vm.flatten("r").item(r=4) == 4
+    assert vm.rename(gpus="tp").item(hosts=1, tp=2) == 5
+    assert vm.get(5) == 5 and vm.size() == 6 and vm.size("gpus") == 3 and vm.sizes == {"hosts": 2, "gpus": 3}
+
+
+# ------------------------------------------------------------------ on a live mesh
+
+
+class Answerer(Actor):
+    def __init__(self):
+        self.port: Port | None = None
+
+    @endpoint(explicit_response_port=True)
+    def later(self, port: Port) -> None:
+        self.port = port
+
+    @endpoint
+    def now(self, value):
+        assert self.port is not None
+        self.port.send(value)
+        return "sent"
+
+    @endpoint
+    def again(self):
+        assert self.port is not None
+        self.port.send("twice")
+
+    @endpoint
+    def holder(self):
+        return self.port
+
+    @endpoint
+    def send_through(self, port: Port):
+        port.send("from elsewhere")
+
+
+class Raiser(Actor):
+    @endpoint(explicit_response_port=True)
+    def fails(self, port: Port) -> None:
+        raise ValueError("before answering")
+
+
+@pytest.fixture(scope="module")
+def procs():
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, dist="none")
+    yield procs
+    procs.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_calls_port_answers_once_and_only_on_its_rank(procs):
+    answerers = procs.spawn("answerers", Answerer)
+    first = answerers.slice(gpus=0)
+    pending = first.later.call_one()
+    assert first.now.call_one(7).get() == "sent"
+    assert pending.get(timeout=10) == 7
+    with pytest.raises(Exception, match="already answered its call"):
+        first.again.call_one().get()
+    port = first.holder.call_one().get()  # the call's port, carried to another rank, cannot answer there
+    with pytest.raises(Exception, match="answers a call made to rank 0"):
+        answerers.slice(gpus=1).send_through.call_one(port).get()
+
+
+@pytest.mark.timeout(60)
+def test_an_endpoint_that_raises_before_answering_its_port_fails_the_call(procs):
+    raisers = procs.spawn("raisers", Raiser)
+    with pytest.raises(Exception, match="before answering"):
+        raisers.slice(gpus=1).fails.call_one().get(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_receive_times_out_and_a_closed_receiver_drops_later_messages(procs):
+    answerers = procs.spawn("senders", Answerer)
+    port, receiver = Channel.open()
+    with pytest.raises(Exception, match="timed out"):
+        receiver.recv().get(timeout=0.2)
+    answerers.slice(gpus=1).send_through.call_one(port).get()
+    assert receiver.recv().get(timeout=10) == "from elsewhere"
+    del receiver
+    answerers.slice(gpus=1).send_through.call_one(port).get()  # nobody listens: no error, nothing kept
+
+
+def test_endpoint_names_that_handles_use_are_refused(procs):
+    class Clashing(Actor):
+        @endpoint
+        def stop(self):
+            return None
+
+    with pytest.raises(MeshUsageError, match="rename those endpoints"):
+        procs.spawn("clashing", Clashing)
+
+
+@pytest.mark.timeout(120)
+def test_spawn_procs_meshes_appear_in_mesh_status_and_go_when_stopped():
+    from IPython.testing.globalipapp import get_ipython
+
+    from monarch_kernel.magics import current_registry
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "monarch_kernel")
+    try:
+        procs = this_host().spawn_procs(per_host={"gpus": 2}, name="from-monarch", dist="none")
+        registry = current_registry()
+        assert "from-monarch" in registry.names() and registry.current == "from-monarch"
+        ip.run_line_magic("mesh", "status")
+        procs.stop()
+        assert wait_until(lambda: "from-monarch" not in registry.names(), 10)
+    finally:
+        ip.run_line_magic("unload_ext", "monarch_kernel")
+
+
+@pytest.mark.timeout(60)
+def test_this_proc_on_a_rank_is_that_ranks_process(procs):
+    class Spawner(Actor):
+        @endpoint
+        def pids(self) -> tuple[int, int]:
+            from monarch_kernel.monarch.actor import this_proc
+
+            child = this_proc().spawn("child", Child)
+            return os.getpid(), child.pid.call_one().get()
+
+    class Child(Actor):
+        @endpoint
+        def pid(self) -> int:
+            return os.getpid()
+
+    spawners = procs.spawn("spawners", Spawner)
+    pairs = list(spawners.pids.call().get().values())
+    assert all(mine == childs for mine, childs in pairs) and len({mine for mine, _ in pairs}) == 2
