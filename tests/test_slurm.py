@@ -119,7 +119,8 @@ def test_a_request_slurm_refuses_fails_at_once_with_its_words(cluster):
 
 
 def test_waiting_is_visible_bounded_and_cancellable(cluster, capsys):
-    blocker = slurm(cluster, "sbatch", "--parsable", "-N2", "--exclusive", "--wrap", "sleep 300").stdout.strip()
+    blocker = slurm(cluster, "sbatch", "--parsable", "-o", "/dev/null", "-N2", "--exclusive", "--wrap",
+                    "sleep 300").stdout.strip()
     try:
         assert wait_until(lambda: "RUNNING" in cluster.squeue(), 15)
         with pytest.raises(MeshStartError, match="still PENDING.*cancelled"):
@@ -142,7 +143,7 @@ def test_waiting_is_visible_bounded_and_cancellable(cluster, capsys):
 
 
 def test_attaching_to_an_allocation_leaves_it_running_at_down(cluster):
-    job = slurm(cluster, "sbatch", "--parsable", "-N1", "--wrap", "sleep 300").stdout.strip()
+    job = slurm(cluster, "sbatch", "--parsable", "-o", "/dev/null", "-N1", "--wrap", "sleep 300").stdout.strip()
     try:
         assert wait_until(lambda: "RUNNING" in cluster.squeue(), 15)
         with slurm_mesh(job=job, gpus=2, dist="gloo", name="attached") as mesh:

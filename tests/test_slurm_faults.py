@@ -64,7 +64,8 @@ def test_a_node_that_fails_or_drops_off_ends_the_cell_within_5s_naming_job_and_n
 def test_a_preempted_job_ends_the_cell_with_slurms_word_and_restart_gets_a_new_allocation(cluster):
     mesh, job, future = busy_mesh("preempted")
     env = {**os.environ, **cluster.env}
-    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N2", "--exclusive", "--wrap", "sleep 300"],
+    urgent = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "-p", "urgent", "-N2", "--exclusive",
+                             "--wrap", "sleep 300"],
                             capture_output=True, text=True, env=env, check=True).stdout.strip()
     try:
         submitted = time.monotonic()
