@@ -15,7 +15,7 @@ from conftest import RecordingSink, wait_until
 from sshhosts import SSHTestHosts, unavailable_reason
 
 from monarch_kernel import RemoteError, ssh_mesh
-from monarch_kernel.agent.relays import AgentRelays, combine
+from monarch_kernel.agent.relays import HOLD_S, AgentRelays, combine
 from monarch_kernel.controller.relays import RelayTree
 from monarch_kernel.core.status import RankStatus
 from monarch_kernel.wire import messages as m
@@ -53,6 +53,31 @@ def test_results_of_one_request_are_combined_after_every_hosts_output():
     combined = combine(batch)
     assert combined[0] is out_b and combined[2] is out_a
     assert isinstance(combined[1], m.Gathered) and [r.rank for r in combined[1].results] == [0, 1, 2, 3]
+
+
+def test_a_relay_sends_a_requests_results_up_once_its_subtree_answered_or_after_a_short_wait():
+    async def main():
+        sent, ran = [], []
+        relay = AgentRelays(sent.append, ran.append)
+        relay.index = 0  # a relay at the top of its tree, with one child (host 1) below it
+        relay.children[1] = type("Link", (), {"send": lambda self, msg: None, "closed": False})()
+        relay._routes = {1: 1}
+        relay.down(m.RelayDown(((0, (0, 1)), (1, (2, 3))), m.RunCell(5, "pass", "<cell>")))
+        assert [msg.ranks for msg in ran] == [(0, 1)]
+        result = [m.Result(5, r, None, None, 0.0, 0.0) for r in range(4)]
+        relay.up(m.Gathered(5, tuple(result[:2])))  # its own ranks
+        await asyncio.sleep(0)
+        assert sent == []  # waiting for the child's
+        relay.up(m.Gathered(5, tuple(result[2:])))
+        await asyncio.sleep(0)
+        assert [[r.rank for r in g.results] for up in sent for g in up.msgs] == [[0, 1, 2, 3]]  # one set
+        sent.clear()
+        relay.down(m.RelayDown(((0, (0, 1)), (1, (2, 3))), m.RunCell(6, "pass", "<cell>")))
+        relay.up(m.Gathered(6, tuple(m.Result(6, r, None, None, 0.0, 0.0) for r in (0, 1))))
+        await asyncio.sleep(HOLD_S * 3)  # host 1's ranks died: what is in goes up after the short wait
+        assert [[r.rank for r in g.results] for up in sent for g in up.msgs] == [[0, 1]]
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------------ the links

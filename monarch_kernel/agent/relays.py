@@ -4,8 +4,9 @@ A relay agent listens on its host's address until the children the controller na
 have joined (each proves the mesh's relay key; strangers are refused and counted), then
 stops listening. What comes down (`RelayDown`) it passes to the children whose subtrees
 hold target hosts, and runs its own part. Agents in a tree send their output and results
-up (`RelayUp`), batched per turn of the event loop with the results of one request
-combined: the controller reads a few messages per broadcast, not one per host. A link
+up (`RelayUp`), batched per turn of the event loop; a request's results wait (at most
+HOLD_S) for the rest of the subtree's, so that each relay sends one set of results per
+request: the controller reads a few messages per broadcast, not one per host. A link
 that breaks is reported to the controller (`RelayLost`), which declares the hosts cut off
 lost; the agent itself goes on.
 """
@@ -23,6 +24,7 @@ from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.relay_link import DOWN, UP, RelayLink, RelayRefused, handshake_as_child, handshake_as_parent
 
 UP_TYPES = (m.Output, m.Display, m.Gathered)  # what goes up the tree (in order); the rest goes straight
+HOLD_S = 0.02  # results of a request wait this long for the rest of this subtree's, to go up as one
 JOIN_WAIT_S = 30.0  # how long a relay listens for its children
 CONNECT_TIMEOUT_S = 10.0
 MAX_FAILED_PROOFS = 16
@@ -66,6 +68,8 @@ class AgentRelays:
         self._routes: dict[int, int] = {}  # host below us -> the child leading there
         self._batch: list[Any] = []
         self._stopped = False
+        self._expected: dict[int, set[int]] = {}  # req_id -> ranks of this subtree whose results are due
+        self._held: dict[int, list[m.Result]] = {}  # req_id -> results waiting for the rest
 
     @property
     def active(self) -> bool:
@@ -126,6 +130,8 @@ class AgentRelays:
     def stop(self) -> None:
         """Close every relay link (the controller asked, or the agent ends); nothing is reported."""
         self._stopped = True
+        for req_id in list(self._held):
+            self._release(req_id)
         self.flush()
         for link in [*self.children.values(), *([self.parent] if self.parent else [])]:
             link.close()
@@ -137,6 +143,9 @@ class AgentRelays:
         """Pass a RelayDown on to the children leading to its hosts, then run this host's part."""
         mine: tuple[int, ...] = ()
         onward: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        req_id = getattr(msg.body, "req_id", None)
+        if req_id is not None:
+            self._expected[req_id] = {rank for _, ranks in msg.hosts for rank in ranks}
         for host, ranks in msg.hosts:
             if host == self.index:
                 mine = ranks
@@ -155,10 +164,33 @@ class AgentRelays:
 
     # ------------------------------------------------------------ up
     def up(self, msg: Any) -> None:
-        """Queue output or results for the next batch up the tree (sent at the end of this loop turn)."""
+        """Queue output or results for the next batch up the tree (sent at the end of this loop turn);
+        results of a request that came down through here wait for the rest of this subtree's."""
+        if isinstance(msg, m.Gathered) and msg.req_id in self._expected:
+            self._hold(msg)
+            return
         if not self._batch:
             asyncio.get_running_loop().call_soon(self.flush)
         self._batch.append(msg)
+
+    def _hold(self, msg: m.Gathered) -> None:
+        due = self._expected[msg.req_id]
+        due.difference_update(result.rank for result in msg.results)
+        held = self._held.get(msg.req_id)
+        if held is None:
+            held = self._held[msg.req_id] = []
+            if due:  # the rest may be slow, or never come (a rank died): do not wait long
+                asyncio.get_running_loop().call_later(HOLD_S, self._release, msg.req_id)
+        held.extend(msg.results)
+        if not due:
+            self._release(msg.req_id)
+
+    def _release(self, req_id: int) -> None:
+        """Send the held results of a request (all of them, or those in after HOLD_S); later ones go straight."""
+        self._expected.pop(req_id, None)
+        held = self._held.pop(req_id, None)
+        if held:
+            self.up(m.Gathered(req_id, tuple(held)))
 
     def _from_child(self, msg: Any) -> None:
         if isinstance(msg, m.RelayUp):

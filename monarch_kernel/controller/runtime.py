@@ -413,17 +413,12 @@ class MeshRuntime:
             self._host_lost(link, RuntimeError(f"cut off from the controller: {why}"))
 
     def _on_relayed(self, link: HostLink, msg: m.RelayUp) -> None:
-        """Output and results of hosts below `link`'s, combined on the way up."""
+        """Output and results of hosts below `link`'s, combined on the way up (already checked, as any
+        message of a remote host, for shared-memory file names)."""
         for inner in msg.msgs:
             handler = self._handlers.get(type(inner))
-            if not isinstance(inner, RELAYED_UP) or handler is None:
-                continue
-            if link.host is not None and link.host.remote is not None and carries_shm_refs(inner):
-                self._on_lost(link, FrameError("it relayed a shared-memory file name, which only local processes "
-                                               "may send"))
-                link.close()
-                return
-            handler(link, inner)
+            if isinstance(inner, RELAYED_UP) and handler is not None:
+                handler(link, inner)
 
     async def _fail_start(self, link: HostLink) -> None:
         why = await link.host.explain_exit(link.log_path) if link.host is not None else "its agent exited"

@@ -551,14 +551,51 @@ def carries_shm_refs(msg: Any) -> bool:
 
     Only processes of this machine may send those: a reference from a remote host names a
     file here that the host has no business with (another mesh's buffer), so it is refused.
+    Only fields that can hold a Sealed (by their annotation) are looked into: this runs on
+    every message from a remote host.
     """
-    if isinstance(msg, Sealed):
-        return any(isinstance(b, ShmRef) for b in msg.buffers)
-    if isinstance(msg, tuple):
-        return any(carries_shm_refs(item) for item in msg)
-    if dataclasses.is_dataclass(msg) and not isinstance(msg, type):
-        return any(carries_shm_refs(getattr(msg, f.name)) for f in dataclasses.fields(msg))
+    kind = type(msg)
+    if kind is Sealed:
+        for buffer in msg.buffers:
+            if type(buffer) is ShmRef:
+                return True
+        return False
+    if kind is tuple or kind is list:
+        for item in msg:
+            if carries_shm_refs(item):
+                return True
+        return False
+    names = _sealed_fields.get(kind)
+    if names is None:
+        names = _fields_that_may_hold_sealed(kind)
+    for name in names:
+        if carries_shm_refs(getattr(msg, name)):
+            return True
     return False
+
+
+_sealed_fields: dict[type, tuple[str, ...]] = {}
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _fields_that_may_hold_sealed(kind: type) -> tuple[str, ...]:
+    """The fields of a message class whose annotation allows a Sealed: it names Sealed, Any, or a
+    message class with such fields itself."""
+    if not dataclasses.is_dataclass(kind):
+        return ()
+    _sealed_fields[kind] = ()  # (a class that names itself does not recurse forever)
+    scope = vars(sys.modules[kind.__module__])
+    found = []
+    for f in dataclasses.fields(kind):
+        for name in _NAME.findall(f.type if isinstance(f.type, str) else repr(f.type)):
+            named = scope.get(name)
+            if name == "Any" or named is Sealed or (
+                    isinstance(named, type) and named is not kind and dataclasses.is_dataclass(named)
+                    and (_sealed_fields[named] if named in _sealed_fields else _fields_that_may_hold_sealed(named))):
+                found.append(f.name)
+                break
+    _sealed_fields[kind] = tuple(found)
+    return _sealed_fields[kind]
 
 
 def shareable(sealed: Sealed) -> bool:
