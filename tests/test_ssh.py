@@ -180,6 +180,37 @@ def test_a_push_to_several_ranks_of_a_remote_host_is_written_once_there_and_mapp
     assert not os.path.exists(folder)  # the agent's folder goes with it
 
 
+def test_an_actor_call_to_several_ranks_of_a_remote_host_writes_its_arguments_once_there(hosts, sink):
+    """As for pushes: the agent writes a call's large arguments once to the host's shared memory and each
+    of its ranks maps them; the file is released when every rank answered."""
+    import numpy as np
+
+    from monarch_kernel import Actor, endpoint
+
+    class Mapper(Actor):
+        @endpoint
+        def look(self, big):
+            big[:4] = 9  # a rank's writes are its own
+            return int(big[4:].sum() % 251), [line.split()[-1] for line in open("/proc/self/maps")
+                                               if "monarch-agent-" in line]
+
+    with ssh_mesh([hosts.hosts[0].alias], gpus=3, dist="none", preload=[], python=sys.executable,
+                  connect_options=hosts.connect_options(), name="shared-call") as mesh:
+        mappers = mesh.spawn("mappers", Mapper)
+        big = np.arange(6 << 20, dtype=np.uint8)
+        answers = list(mappers.look.call(big).get(timeout=60).values())
+        assert {total for total, _ in answers} == {int(big[4:].astype(np.int64).sum() % 251)}
+        files = {tuple(paths) for _, paths in answers}
+        assert len(files) == 1 and len(next(iter(files))) == 1  # one file, mapped by all three ranks
+        folder = os.path.dirname(next(iter(files))[0])
+        assert big[:4].tolist() == [0, 1, 2, 3]  # nothing came back into ours
+        deadline = time.monotonic() + 10
+        while any(n.startswith(("buf-", "hold-")) for n in os.listdir(folder)):  # released after the answers
+            assert time.monotonic() < deadline, os.listdir(folder)
+            time.sleep(0.02)
+        assert any(n.startswith("free-") for n in os.listdir(folder))
+
+
 def test_slices_by_host(mesh, sink):
     assert mesh.slice(hosts=1).pull("dist.get_rank()").by_rank() == {2: 2, 3: 3}
     vm = mesh.slice(hosts=slice(0, 2), gpus=1).run("import os\nos.environ['LOCAL_RANK']", sink=sink)

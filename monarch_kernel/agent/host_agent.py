@@ -38,7 +38,8 @@ from monarch_kernel.wire.serialization import Sealed, release, share, shareable
 from monarch_kernel.wire.transport import AsyncConnection, encode
 
 HOST_OPERATIONS = {**workspace.OPERATIONS, **files.OPERATIONS}  # HostOp kinds: work for the agent itself
-SHARED_FIELDS = {m.Push: "values", m.Call: "fn"}  # requests whose large values the ranks of a host share
+# requests (and actor calls) whose large values the ranks of a host share
+SHARED_FIELDS = {m.Push: "values", m.Call: "fn", m.ActorCall: "args"}
 
 class HostAgent:
     """Routes between one controller connection and this host's ranks."""
@@ -58,13 +59,14 @@ class HostAgent:
         self._files: concurrent.futures.ThreadPoolExecutor | None = None  # host operations, in order
         self._shm_dir: str | None = None  # made with the first push shared by several ranks (see _shared)
         self._release_when_gathered: dict[int, Sealed] = {}
+        self._release_when_answered: dict[tuple[int, int], tuple[Sealed, set[int]]] = {}  # shared call arguments
         self.router = CallRouter(next_hop=self._hop, serves=lambda rank: rank in self.ranks.local_ranks,
                                  why_dead=lambda rank: f"rank {rank} on {host} is not running",
                                  upstream=self._to_controller)
         self._from_controller: dict[type, Callable[[Any], None]] = {
             m.ToRanks: self._fan_out,
             m.SignalRanks: lambda msg: self.ranks.signal(msg.ranks, msg.signum),
-            m.ActorCall: lambda msg: self.router.call(msg, from_above=True),
+            m.ActorCall: lambda msg: self._call(msg, from_above=True),
             m.ActorReply: self.router.reply,
             m.CancelCall: lambda msg: self.router.cancel(msg, from_above=True),
             m.InputReply: self._deliver,
@@ -82,8 +84,8 @@ class HostAgent:
         self.relays = AgentRelays(self._send_controller, self._fan_out)  # its place in a relay tree, if any
         self._from_rank: dict[type, Callable[[int, Any], None]] = {
             m.Result: self._result,
-            m.ActorReply: lambda rank, msg: self.router.reply(msg, owed=True),
-            m.ActorCall: lambda rank, msg: self.router.call(msg),
+            m.ActorReply: self._reply_from_rank,
+            m.ActorCall: lambda rank, msg: self._call(msg),
             m.CancelCall: lambda rank, msg: self.router.cancel(msg),
             m.OwnActors: lambda rank, msg: self._to_controller(msg),
         }
@@ -155,6 +157,32 @@ class HostAgent:
         shared = share(sealed, self._shm_dir)
         return body if shared is sealed else dataclasses.replace(body, **{field_name: shared})
 
+    def _call(self, msg: m.ActorCall, from_above: bool = False) -> None:
+        """Route an actor call; its large arguments are written once to this host's shared memory for
+        the several ranks of this host it goes to (each maps them), released once they all answered."""
+        local = tuple(r for r in msg.ranks if r in self.ranks.local_ranks)
+        if len(local) > 1:
+            shared = self._shared(dataclasses.replace(msg, ranks=local))
+            if shared.args is not msg.args:  # (only these ranks may see the file names: not the controller)
+                self._release_when_answered[(msg.caller, msg.call_id)] = (shared.args, set(local))
+                rest = tuple(r for r in msg.ranks if r not in local)
+                if rest:
+                    self.router.call(dataclasses.replace(msg, ranks=rest), from_above=from_above)
+                msg = shared
+        self.router.call(msg, from_above=from_above)
+
+    def _reply_from_rank(self, rank: int, msg: m.ActorReply) -> None:
+        self._answered_shared(msg.caller, msg.call_id, rank)
+        self.router.reply(msg, owed=True)
+
+    def _answered_shared(self, caller: int, call_id: int, rank: int) -> None:
+        entry = self._release_when_answered.get((caller, call_id))
+        if entry is not None:
+            entry[1].discard(rank)
+            if not entry[1]:
+                del self._release_when_answered[(caller, call_id)]
+                release(entry[0])  # each rank holds its own link while it maps the arguments
+
     def _deliver(self, msg: m.InputReply) -> None:
         chunks = encode(msg)
         for rank in msg.ranks:
@@ -214,6 +242,8 @@ class HostAgent:
         for req_id in list(self.pending):
             self.pending[req_id][0].discard(rank)
             self._maybe_gathered(req_id)
+        for caller, call_id in list(self._release_when_answered):
+            self._answered_shared(caller, call_id, rank)
 
     def on_rank_health(self, rank: int, responsive: bool) -> None:
         """A rank stopped (or resumed) answering heartbeats."""
