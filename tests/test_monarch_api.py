@@ -206,3 +206,47 @@ def test_this_proc_on_a_rank_is_that_ranks_process(procs):
     spawners = procs.spawn("spawners", Spawner)
     pairs = list(spawners.pids.call().get().values())
     assert all(mine == childs for mine, childs in pairs) and len({mine for mine, _ in pairs}) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_rank_of_a_notebook_owned_mesh_reaches_the_hook_once_after_a_respawn(monkeypatch):
+    import signal
+    import threading
+
+    import monarch_kernel.monarch.actor as facade
+
+    class Dier(Actor):
+        @endpoint
+        def pid(self) -> int:
+            return os.getpid()
+
+    seen = []
+    monkeypatch.setattr(facade, "unhandled_fault_hook", seen.append)
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, dist="none")
+    try:
+        procs.spawn("dier", Dier)
+        dier = procs.spawn("dier", Dier)  # spawned again: the new one replaces the old on those ranks
+        os.kill(dier.slice(gpus=1).pid.call_one().get(), signal.SIGKILL)
+        assert wait_until(lambda: seen, 10)
+        assert wait_until(lambda: not any(t.name == "mesh-supervision" for t in threading.enumerate()), 10)
+        assert len(seen) == 1 and seen[0].rank == 1 and seen[0].kind == "died" and "'dier'" in seen[0].report()
+    finally:
+        procs.stop()
+
+
+def test_an_owner_is_told_once_per_dead_rank_about_its_newest_spawn_of_a_name():
+    from monarch_kernel.controller.supervision import Supervisors
+    from monarch_kernel.wire import messages as m
+    from monarch_kernel.wire.calls import CallTable
+    from monarch_kernel.wire.serialization import unseal
+
+    sent = []
+    supervisors = Supervisors(CallTable(), sent.append, lambda rank: rank == 0)
+    for key in ("workers#0.1", "workers#0.2"):  # the owner on rank 0 spawned "workers" twice
+        supervisors.own(m.OwnActors(0, "manager#-1.1", "actor mesh 'manager' on rank 0", key, "workers",
+                                    "Worker", (1, 2)))
+    supervisors.rank_died(2, "rank 2 died")
+    supervisors.rank_died(2, "rank 2 died")  # (reported twice: told once)
+    assert [(c.actor, c.endpoint, c.ranks) for c in sent] == [("manager#-1.1", "__supervise__", (0,))]
+    (failure,), _ = unseal(sent[0].args)
+    assert failure.mesh_name == "workers" and failure.rank == 2 and failure.kind == "died"

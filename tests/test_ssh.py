@@ -204,10 +204,8 @@ def test_an_actor_call_to_several_ranks_of_a_remote_host_writes_its_arguments_on
         assert len(files) == 1 and len(next(iter(files))) == 1  # one file, mapped by all three ranks
         folder = os.path.dirname(next(iter(files))[0])
         assert big[:4].tolist() == [0, 1, 2, 3]  # nothing came back into ours
-        deadline = time.monotonic() + 10
-        while any(n.startswith(("buf-", "hold-")) for n in os.listdir(folder)):  # released after the answers
-            assert time.monotonic() < deadline, os.listdir(folder)
-            time.sleep(0.02)
+        assert wait_until(lambda: not any(n.startswith(("buf-", "hold-")) for n in os.listdir(folder)), 10), \
+            os.listdir(folder)  # released once every rank answered
         assert any(n.startswith("free-") for n in os.listdir(folder))
 
 

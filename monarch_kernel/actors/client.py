@@ -175,11 +175,16 @@ class ActorMesh:
         return DoneFuture(None)
 
     def supervise_from_notebook(self) -> None:
-        """The notebook owns these actors: a rank's death, or a failed broadcast, goes to its fault hook."""
+        """The notebook owns these actors: a rank's death, or a failed broadcast, goes to its fault hook
+        (while no later spawn of the same name replaced them)."""
         self._supervised = "notebook"
+        newest = _notebook_owned
+        for rank in self.ranks:
+            newest[(self.mesh_name, self.name, rank)] = self.key
 
         def died(rank: int, why: str) -> None:
-            report_unhandled(MeshFailure(self.name, self.class_name, rank, "died", why))
+            if newest.get((self.mesh_name, self.name, rank)) == self.key:
+                report_unhandled(MeshFailure(self.name, self.class_name, rank, "died", why))
 
         self._sender().watch_failures(self.ranks, died)
 
@@ -237,6 +242,10 @@ def system_actors(mesh_name: str, shape: Shape) -> ActorMesh:
     """The system actor of each rank of `shape` (spawn_actors, stop_actors): see rank/actor_host.py."""
     return ActorMesh(mesh_name, SYSTEM_ACTOR, "processes", frozenset({"spawn_actors", "stop_actors"}), shape,
                      SYSTEM_ACTOR)
+
+
+# (mesh, actor mesh name, rank) -> the key of the newest spawn there that the notebook owns
+_notebook_owned: dict[tuple[str, str, int], str] = {}
 
 
 @functools.cache

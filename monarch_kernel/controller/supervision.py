@@ -30,7 +30,11 @@ class Supervisors:
         self._told: set[tuple[str, int]] = set()  # (owned key, rank): each failure goes up once
 
     def own(self, msg: m.OwnActors) -> None:
-        """An actor owns actor mesh `msg.key` now."""
+        """An actor owns actor mesh `msg.key` now (a spawn of the same name by the same owner replaces
+        the earlier one, as the spawn itself does on the ranks)."""
+        for key, owned in list(self._owned.items()):
+            if owned.owner_key == msg.owner_key and owned.name == msg.name and set(owned.ranks) & set(msg.ranks):
+                del self._owned[key]
         self._owned[msg.key] = msg
 
     def rank_died(self, rank: int, why: str) -> None:
