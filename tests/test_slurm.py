@@ -109,6 +109,21 @@ def test_monarch_host_mesh_of_a_slurm_mesh_spawns_procs_in_the_same_job(cluster)
     assert wait_until(lambda: all(not p for p in node_processes(cluster).values()), 15), node_processes(cluster)
 
 
+def test_nodes_relay_to_each_other_over_authenticated_links(cluster):
+    sink = RecordingSink()
+    mesh = slurm_mesh(nodes=2, gpus=2, dist="none", request_gpus=False, name="slurm-relay", relay_branching=1)
+    try:
+        assert mesh._runtime.relays.active  # node0's agent relays to node1's
+        values = mesh.run("import socket\nprint('at', socket.gethostname())\nsocket.gethostname()", sink=sink)
+        assert list(values.values()) == ["node0", "node0", "node1", "node1"]
+        assert sink.text() == {0: "at node0\n", 1: "at node0\n", 2: "at node1\n", 3: "at node1\n"}
+        mesh.push(x=b"y" * (1 << 20))
+        assert set(mesh.pull("len(x)").values()) == {1 << 20}
+    finally:
+        mesh.shutdown()
+    assert wait_until(lambda: ours_in_queue(cluster) == [], 15)
+
+
 def test_a_request_slurm_refuses_fails_at_once_with_its_words(cluster):
     started = time.monotonic()
     with pytest.raises(MeshStartError, match="(?i)invalid partition.*\n.*hint: `sinfo -s`"):
