@@ -284,6 +284,27 @@ def test_a_lost_relay_agent_cuts_off_its_subtree_and_the_rest_goes_on(hosts):
         mesh.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_hosts_that_cannot_reach_each_other_run_without_relays_and_say_so(hosts, capsys):
+    import subprocess
+
+    route = ["ip", "netns", "exec", hosts.hosts[1].netns, "ip", "route"]
+    subprocess.run([*route, "add", "blackhole", f"{hosts.hosts[0].address}/32"], check=True)  # 1 cannot reach 0
+    try:
+        mesh = chain(hosts, "relay-unreachable")
+        try:
+            assert not mesh._runtime.relays.active
+            assert "could not be set up" in capsys.readouterr().err
+            listening = ["ip", "netns", "exec", hosts.hosts[0].netns, "ss", "-ltnH"]
+            assert wait_until(lambda: all(":22 " in line for line in subprocess.run(
+                listening, capture_output=True, text=True, check=True).stdout.splitlines()), 5)  # relay closed
+            assert list(mesh.run("6 * 7", sink=RecordingSink()).values()) == [42] * 6  # every host, directly
+        finally:
+            mesh.shutdown()
+    finally:
+        subprocess.run([*route, "del", "blackhole", f"{hosts.hosts[0].address}/32"], check=True)
+
+
 def _agents_left(hosts, index):
     found = []
     for pid in hosts.pids(hosts.hosts[index]):

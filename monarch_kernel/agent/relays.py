@@ -68,6 +68,7 @@ class AgentRelays:
         self._routes: dict[int, int] = {}  # host below us -> the child leading there
         self._batch: list[Any] = []
         self._stopped = False
+        self._server: asyncio.Server | None = None  # listening for children, until they joined
         self._expected: dict[int, set[int]] = {}  # req_id -> ranks of this subtree whose results are due
         self._held: dict[int, list[m.Result]] = {}  # req_id -> results waiting for the rest
 
@@ -102,7 +103,7 @@ class AgentRelays:
                 joined.set()
 
         try:
-            server = await asyncio.start_server(accept, host=msg.address, port=0)
+            server = self._server = await asyncio.start_server(accept, host=msg.address, port=0)
         except OSError as exc:
             self._to_controller(m.RelayListening(0, f"cannot listen on {msg.address}: {exc}"))
             return
@@ -113,6 +114,7 @@ class AgentRelays:
             pass  # the controller times the joins out itself, and says so
         finally:
             server.close()  # nothing of ours stays listening
+            self._server = None
 
     async def join(self, msg: m.RelayJoin) -> None:
         """Connect to the relay parent and prove the key; tell the controller how it went."""
@@ -130,6 +132,8 @@ class AgentRelays:
     def stop(self) -> None:
         """Close every relay link (the controller asked, or the agent ends); nothing is reported."""
         self._stopped = True
+        if self._server is not None:
+            self._server.close()  # (a setup that failed: stop listening now)
         for req_id in list(self._held):
             self._release(req_id)
         self.flush()

@@ -91,11 +91,12 @@ class ControllerRelays:
             return
         try:
             await asyncio.wait_for(self._build(tree, links), SETUP_TIMEOUT_S)
-        except (TimeoutError, Exception) as exc:  # noqa: BLE001 - any failure: run direct
+        except Exception as exc:  # noqa: BLE001 - any failure (a timeout too): run direct
             for link in links:
                 link.send(m.RelayStop())
-            self._notice(f"relays between the {len(links)} hosts could not be set up ({exc or type(exc).__name__}); "
-                         "the controller sends to every host itself\n")
+            why = str(exc) or f"{type(exc).__name__} after {SETUP_TIMEOUT_S:g} s"
+            self._notice(f"relays between the {len(links)} hosts could not be set up ({why}); the controller "
+                         "sends to every host itself (check that the hosts reach each other over TCP)\n")
             return
         finally:
             self._listening.clear()
