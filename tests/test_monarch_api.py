@@ -250,3 +250,13 @@ def test_an_owner_is_told_once_per_dead_rank_about_its_newest_spawn_of_a_name():
     assert [(c.actor, c.endpoint, c.ranks) for c in sent] == [("manager#-1.1", "__supervise__", (0,))]
     (failure,), _ = unseal(sent[0].args)
     assert failure.mesh_name == "workers" and failure.rank == 2 and failure.kind == "died"
+
+
+def test_a_host_mesh_sent_elsewhere_carries_only_host_names_and_cannot_start_processes():
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(this_host()))
+    assert "controller" not in pickle.dumps(this_host()).decode("latin-1")  # no notebook-side class inside
+    assert copy.extent == {} and "localhost" in repr(copy)
+    with pytest.raises(MeshUsageError, match="from the notebook"):
+        copy.spawn_procs(per_host={"gpus": 1})

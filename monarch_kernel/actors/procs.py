@@ -209,7 +209,9 @@ class HostMesh(_Shaped):
         self.shutdown()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (HostMesh, (self._hosts, self._shape))  # elsewhere it can be looked at, not spawned on
+        # elsewhere it can be looked at, not spawned on; its hosts travel as names (a rank must not load the
+        # notebook's host specs)
+        return (HostMesh, ([getattr(h, "name", str(h)) for h in self._hosts], self._shape))
 
     def __repr__(self) -> str:
         names = ", ".join(getattr(h, "name", str(h)) for h in self._hosts)
