@@ -50,6 +50,8 @@ class Panel:
         if data.get("type") == "meshes":
             self.meshes = copy.deepcopy(data["meshes"])
         elif data.get("type") == "ranks":
+            if not self.meshes:  # a change that came before the first list reached this panel: nothing to patch
+                return
             for mesh in self.meshes:
                 changed = {r["rank"]: r for r in data["changes"].get(mesh["name"], [])}
                 mesh["ranks"] = [changed.get(r["rank"], r) for r in mesh["ranks"]]
