@@ -138,7 +138,7 @@ def test_logs_restart_down_and_bad_requests(kernel):
         assert not bad["ok"] and "nope" in bad["message"]
         panel.request({"type": "bogus"})
         assert not panel.wait_for(lambda d: "unknown request" in d.get("message", ""))["ok"]
-        pids = [r["pid"] for r in panel.wait_for(lambda d: d.get("type") == "meshes")["meshes"][0]["ranks"]]
+        pids = [r["pid"] for r in panel.wait_for(meshes_with(lambda ms: ms))["meshes"][0]["ranks"]]
         panel.request({"type": "action", "action": "restart", "mesh": "side"})
         assert panel.wait_for(lambda d: d.get("action") == "restart" and d.get("ok"), 30)
         fresh = panel.wait_for(meshes_with(lambda ms: [r["pid"] for r in ms[0]["ranks"]] != pids
