@@ -173,13 +173,18 @@ def _raw_frames(link_writer_target):
     return recorded
 
 
+async def one_delivered_frame(pair) -> bytes:
+    """The bytes of one frame the parent sent and the child took."""
+    frames = _raw_frames(pair.parent)
+    pair.parent.send(m.RelayStop())
+    await until(lambda: len(pair.at_child) == 1)
+    return frames[0]
+
+
 def test_a_replayed_frame_is_refused_and_closes_the_link():
     async def main():
         pair = await Pair().open(key := new_key(), key)
-        frames = _raw_frames(pair.parent)
-        pair.parent.send(m.RelayStop())
-        await until(lambda: len(pair.at_child) == 1)
-        pair.parent._writer.write(frames[0])  # the same bytes again
+        pair.parent._writer.write(await one_delivered_frame(pair))  # the same bytes again
         await asyncio.wait_for(pair.closed_child.wait(), 5)
         assert isinstance(pair.why_child, RelayRefused) and "replayed" in str(pair.why_child)
         assert len(pair.at_child) == 1  # the copy was not delivered
@@ -191,12 +196,7 @@ def test_a_replayed_frame_is_refused_and_closes_the_link():
 def test_a_forged_or_altered_frame_is_refused_and_closes_the_link():
     async def main():
         pair = await Pair().open(key := new_key(), key)
-        frames = _raw_frames(pair.parent)
-        pair.parent.send(m.RelayStop())
-        await until(lambda: len(pair.at_child) == 1)
-        genuine = bytearray(frames[0])
-        pair.parent._sent += 1
-        forged = bytearray(genuine)
+        forged = bytearray(await one_delivered_frame(pair))
         forged[7] += 1  # the next sequence number, as a forger would write it, with the old MAC
         pair.parent._writer.write(bytes(forged))
         await asyncio.wait_for(pair.closed_child.wait(), 5)
@@ -211,10 +211,7 @@ def test_a_frame_recorded_on_one_link_is_refused_on_another():
     async def main():
         key = new_key()
         first, second = await Pair().open(key, key), await Pair().open(key, key)
-        frames = _raw_frames(first.parent)
-        first.parent.send(m.RelayStop())
-        await until(lambda: len(first.at_child) == 1)
-        second.parent._writer.write(frames[0])  # right number (1), right key, other link's session
+        second.parent._writer.write(await one_delivered_frame(first))  # right number (1), right key, other link's session
         await asyncio.wait_for(second.closed_child.wait(), 5)
         assert isinstance(second.why_child, RelayRefused) and second.at_child == []
         await first.close()

@@ -172,10 +172,8 @@ def test_a_push_to_several_ranks_of_a_remote_host_is_written_once_there_and_mapp
         assert list(mesh.run("int(big[:4].sum()), int(big[4:].sum() % 251)", sink=sink).values()) == \
             [(28, int(big[4:].astype(np.int64).sum() % 251))] * 3
         mesh.run("del big\nimport gc\ngc.collect()", sink=sink)
-        deadline = time.monotonic() + 10
-        while any(n.startswith(("buf-", "hold-")) for n in os.listdir(folder)):  # every rank let go
-            assert time.monotonic() < deadline, os.listdir(folder)
-            time.sleep(0.02)
+        assert wait_until(lambda: not any(n.startswith(("buf-", "hold-")) for n in os.listdir(folder)), 10), \
+            os.listdir(folder)  # every rank let go
         assert any(n.startswith("free-") for n in os.listdir(folder))  # kept for the next push
     assert not os.path.exists(folder)  # the agent's folder goes with it
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -31,7 +31,7 @@ from monarch_kernel.core.errors import (
 from monarch_kernel.core.failures import FailureKind, RankFailure
 from monarch_kernel.core.future import DoneFuture, Future
 from monarch_kernel.core.ranksets import format_ranks
-from monarch_kernel.core.shape import Selector, Shape
+from monarch_kernel.core.shape import MeshShaped, Shape
 from monarch_kernel.core.supervision import MeshFailure, report_unhandled
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire.calls import CallSender, PendingCall, find_sender
@@ -104,7 +104,7 @@ class ActorFailureEvent:
     reason: str
 
 
-class ActorMesh:
+class ActorMesh(MeshShaped):
     """One actor per rank of a mesh (or slice): `actors.endpoint.call(...)` and friends."""
 
     _choices = itertools.count()
@@ -133,31 +133,6 @@ class ActorMesh:
             raise AttributeError(f"{self.__dict__.get('class_name', 'actor')} has no endpoint {name!r} "
                                  f"(endpoints: {known}; mark methods with @endpoint)")
         return EndpointHandle(self, name)
-
-    def slice(self, **selectors: Selector | None) -> ActorMesh:
-        """The actors on a slice: `trainers.slice(hosts=0, gpus=slice(0, 2))`."""
-        return self._with(self.shape.slice(**selectors))
-
-    def flatten(self, name: str) -> ActorMesh:
-        """The same actors along one dim named `name`."""
-        return self._with(self.shape.flatten(name))
-
-    def rename(self, **names: str) -> ActorMesh:
-        """The same actors with dims renamed: `trainers.rename(gpus="tp")`."""
-        return self._with(self.shape.rename(**names))
-
-    def split(self, **spec: Sequence[str] | int) -> ActorMesh:
-        """The same actors with dims split: `trainers.split(hosts=("dp", "pp"), pp=2)`."""
-        return self._with(self.shape.split(**spec))
-
-    def size(self, dim: str | None = None) -> int:
-        """How many actors (along `dim`, or in all)."""
-        return len(self.shape) if dim is None else self.shape.sizes[dim]
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        """Dim sizes by name."""
-        return self.shape.sizes
 
     def _with(self, shape: Shape) -> ActorMesh:
         sliced = ActorMesh(self.mesh_name, self.name, self.class_name, self.endpoints, shape, self.key)

@@ -23,7 +23,7 @@ from monarch_kernel.actors.base import Actor, class_sources, current_actor
 from monarch_kernel.actors.client import ActorMesh, system_actors
 from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
 from monarch_kernel.core.future import DoneFuture, Future
-from monarch_kernel.core.shape import Selector, Shape
+from monarch_kernel.core.shape import MeshShaped, Shape
 from monarch_kernel.wire.calls import find_sender
 from monarch_kernel.wire.messages import OwnActors
 
@@ -35,61 +35,17 @@ mesh_started: list[Callable[[Any], None]] = []
 _spawns = itertools.count(1)
 
 
-class _Shaped:
-    """Sizes of a handle's named dims (its `_shape`)."""
-
-    _shape: Shape
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        """Dim sizes by name, e.g. {'hosts': 2, 'gpus': 4} ({} for a single one)."""
-        return self._shape.sizes
-
-    @property
-    def extent(self) -> dict[str, int]:
-        """Monarch's name for `sizes`."""
-        return self._shape.sizes
-
-    def size(self, dim: str | None = None) -> int:
-        """How many (along `dim`, or in all)."""
-        return len(self._shape) if dim is None else self._shape.sizes[dim]
-
-    def __len__(self) -> int:
-        return len(self._shape)
-
-
-class ProcMesh(_Shaped):
+class ProcMesh(MeshShaped):
     """Processes of a mesh, shaped by named dims: spawn actor meshes on them."""
 
     def __init__(self, mesh_name: str, shape: Shape, *, stop: Callable[[], None] | None = None,
                  host_mesh: Callable[[], Any] | None = None):
         self._mesh = mesh_name
-        self._shape = shape
+        self.shape = shape  # dims over the mesh's global ranks
         self._stop = stop  # the notebook's way to end these processes (not carried to ranks)
         self._host_mesh = host_mesh
 
     # ------------------------------------------------------------ shape
-    @property
-    def shape(self) -> Shape:
-        """Dims and global ranks of these processes."""
-        return self._shape
-
-    def slice(self, **selectors: Selector | None) -> ProcMesh:
-        """Some of the processes: an int drops the dim, a slice keeps it."""
-        return self._with(self._shape.slice(**selectors))
-
-    def flatten(self, name: str) -> ProcMesh:
-        """The same processes along one dim named `name`."""
-        return self._with(self._shape.flatten(name))
-
-    def rename(self, **names: str) -> ProcMesh:
-        """The same processes with dims renamed."""
-        return self._with(self._shape.rename(**names))
-
-    def split(self, **spec: Sequence[str] | int) -> ProcMesh:
-        """The same processes with dims split, e.g. split(hosts=("dp", "pp"), pp=2)."""
-        return self._with(self._shape.split(**spec))
-
     def _with(self, shape: Shape) -> ProcMesh:
         return ProcMesh(self._mesh, shape, stop=None, host_mesh=self._host_mesh)
 
@@ -108,15 +64,15 @@ class ProcMesh(_Shaped):
         if sender is None:
             raise MeshNotRunningError(f"the processes of mesh {self._mesh!r} are gone (it was stopped or lost)")
         key = f"{name}#{sender.caller_id}.{next(_spawns)}"
-        system = system_actors(self._mesh, self._shape)
-        system.spawn_actors.call(name, key, actor_class, args, kwargs, self._shape, class_sources(actor_class)).get()
-        actors = ActorMesh(self._mesh, name, actor_class.__name__, actor_class._endpoints, self._shape, key)
+        system = system_actors(self._mesh, self.shape)
+        system.spawn_actors.call(name, key, actor_class, args, kwargs, self.shape, class_sources(actor_class)).get()
+        actors = ActorMesh(self._mesh, name, actor_class.__name__, actor_class._endpoints, self.shape, key)
         owner = current_actor.get()
         send_up = getattr(sender, "send_up", None)
         if owner is not None and send_up is not None:  # an actor spawned it: the controller routes its failures
             actors._supervised = "actor"
             send_up(OwnActors(sender.caller_id, owner, _owner_label(owner, sender.caller_id), key, name,
-                              actor_class.__name__, self._shape.ranks))
+                              actor_class.__name__, self.shape.ranks))
         elif owner is None:
             watch = getattr(sender, "watch_failures", None)
             if watch is not None and getattr(sender, "own_rank", None) is None:  # the notebook owns it
@@ -145,24 +101,22 @@ class ProcMesh(_Shaped):
         return self._host_mesh()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ProcMesh, (self._mesh, self._shape))
+        return (ProcMesh, (self._mesh, self.shape))
 
     def __repr__(self) -> str:
-        return f"<ProcMesh of mesh {self._mesh!r} {self._shape}>"
+        return f"<ProcMesh of mesh {self._mesh!r} {self.shape}>"
 
 
-class HostMesh(_Shaped):
+class HostMesh(MeshShaped):
     """Hosts, shaped by named dims (`hosts`, or none for one host): `spawn_procs` starts processes."""
 
     def __init__(self, hosts: Sequence[Any], shape: Shape, start: StartMesh | None = None):
         self._hosts = tuple(hosts)
-        self._shape = shape  # over host indices
+        self.shape = shape  # dims over host indices
         self._start = start  # starts a mesh on some of these hosts
         self._spawned: list[Any] = []  # the meshes spawn_procs started
 
-    def slice(self, **selectors: Selector | None) -> HostMesh:
-        """Some of the hosts: `hosts.slice(hosts=slice(0, 2))`."""
-        shape = self._shape.slice(**selectors)
+    def _with(self, shape: Shape) -> HostMesh:
         picked = [self._hosts[i] for i in shape.ranks]
         return HostMesh(picked, Shape(shape.dims, tuple(range(len(picked)))), self._start)
 
@@ -182,8 +136,8 @@ class HostMesh(_Shaped):
         for size in per_host.values():
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise MeshUsageError(f"per_host={per_host!r}: each dim needs a positive size, e.g. {{'gpus': 4}}")
-        if set(per_host) & set(self._shape.names):
-            raise MeshUsageError(f"per_host dims {sorted(per_host)} repeat the host mesh's {self._shape.names}")
+        if set(per_host) & set(self.shape.names):
+            raise MeshUsageError(f"per_host dims {sorted(per_host)} repeat the host mesh's {self.shape.names}")
         count = math.prod(per_host.values()) if per_host else 1
         mesh = self._start(self._hosts, count, name, mesh_options)
         try:
@@ -195,7 +149,7 @@ class HostMesh(_Shaped):
         self._spawned.append(mesh)
         for started in mesh_started:
             started(mesh)
-        dims = (*self._shape.dims, *per_host.items())
+        dims = (*self.shape.dims, *per_host.items())
         return ProcMesh(mesh.name, Shape(dims, mesh.ranks), stop=mesh.shutdown, host_mesh=lambda: self)
 
     def shutdown(self) -> None:
@@ -211,11 +165,11 @@ class HostMesh(_Shaped):
     def __reduce__(self) -> tuple[Any, ...]:
         # elsewhere it can be looked at, not spawned on; its hosts travel as names (a rank must not load the
         # notebook's host specs)
-        return (HostMesh, ([getattr(h, "name", str(h)) for h in self._hosts], self._shape))
+        return (HostMesh, ([getattr(h, "name", str(h)) for h in self._hosts], self.shape))
 
     def __repr__(self) -> str:
         names = ", ".join(getattr(h, "name", str(h)) for h in self._hosts)
-        return f"<HostMesh {self._shape} of {names}>"
+        return f"<HostMesh {self.shape} of {names}>"
 
 
 def _owner_label(key: str, rank: int) -> str:

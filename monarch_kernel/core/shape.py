@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Self
 
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.ranksets import format_ranks
@@ -193,6 +194,51 @@ class Shape:
 
     def __str__(self) -> str:
         return "{" + ", ".join(f"{k}: {v}" for k, v in self.dims) + "}"
+
+
+class MeshShaped:
+    """Shape operations shared by mesh-like handles (actor, process, host and value meshes).
+
+    A subclass has a `shape` and makes the same kind of handle over other points with `_with`.
+    """
+
+    shape: Shape
+
+    def _with(self, shape: Shape) -> Self:
+        raise NotImplementedError
+
+    def slice(self, **selectors: Selector | None) -> Self:
+        """A slice: an int drops the dim, a slice or list keeps it (`mesh.slice(hosts=0, gpus=slice(0, 2))`)."""
+        return self._with(self.shape.slice(**selectors))
+
+    def flatten(self, name: str) -> Self:
+        """The same points along one dim named `name`."""
+        return self._with(self.shape.flatten(name))
+
+    def rename(self, **names: str) -> Self:
+        """The same points with dims renamed: `mesh.rename(gpus="tp")`."""
+        return self._with(self.shape.rename(**names))
+
+    def split(self, **spec: Sequence[str] | int) -> Self:
+        """The same points with dims split: `mesh.split(hosts=("dp", "pp"), pp=2)`."""
+        return self._with(self.shape.split(**spec))
+
+    def size(self, dim: str | None = None) -> int:
+        """How many points (along `dim`, or in all)."""
+        return len(self.shape) if dim is None else self.shape.sizes[dim]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Dim sizes by name, e.g. {'hosts': 2, 'gpus': 4} ({} for a single point)."""
+        return self.shape.sizes
+
+    @property
+    def extent(self) -> dict[str, int]:
+        """Monarch's name for `sizes`."""
+        return self.shape.sizes
+
+    def __len__(self) -> int:
+        return len(self.shape)
 
 
 def _check_dim_name(name: object) -> None:

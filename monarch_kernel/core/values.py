@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import html
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 from monarch_kernel.core.ranksets import format_ranks
-from monarch_kernel.core.shape import Point, Selector, Shape
+from monarch_kernel.core.shape import MeshShaped, Point, Shape
 from monarch_kernel.core.texttable import text_table
 
 T = TypeVar("T")
 _MAX_CELL = 80
 
 
-class ValueMesh(Generic[T]):
+class ValueMesh(MeshShaped, Generic[T]):
     """Values by mesh coordinates, e.g. the last expression of a cell on every rank.
 
     >>> vm.item(hosts=0, gpus=2)      # one value
@@ -46,32 +46,7 @@ class ValueMesh(Generic[T]):
         """The value at row-major position `index` of this (sliced) shape."""
         return self._values[index]
 
-    def slice(self, **selectors: Selector | None) -> ValueMesh[T]:
-        """The values on a slice: `vm.slice(hosts=0)` (an int drops the dim, a slice keeps it)."""
-        return self._reshaped(self.shape.slice(**selectors))
-
-    def flatten(self, name: str) -> ValueMesh[T]:
-        """The same values along one dim named `name`."""
-        return ValueMesh(self.shape.flatten(name), self._values)
-
-    def rename(self, **names: str) -> ValueMesh[T]:
-        """The same values with dims renamed: `vm.rename(gpus="tp")`."""
-        return ValueMesh(self.shape.rename(**names), self._values)
-
-    def split(self, **spec: Sequence[str] | int) -> ValueMesh[T]:
-        """The same values with dims split: `vm.split(hosts=("dp", "pp"), pp=2)`."""
-        return ValueMesh(self.shape.split(**spec), self._values)
-
-    def size(self, dim: str | None = None) -> int:
-        """How many values (along `dim`, or in all)."""
-        return len(self._values) if dim is None else self.shape.sizes[dim]
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        """Dim sizes by name."""
-        return self.shape.sizes
-
-    def _reshaped(self, shape: Shape) -> ValueMesh[T]:
+    def _with(self, shape: Shape) -> ValueMesh[T]:  # (slices, and the same ranks re-shaped)
         position = {rank: i for i, rank in enumerate(self.shape.ranks)}
         return ValueMesh(shape, [self._values[position[r]] for r in shape.ranks])
 
