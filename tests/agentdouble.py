@@ -111,10 +111,11 @@ class AgentDouble:
         elif isinstance(msg, m.ActorCall):
             for rank in msg.ranks:
                 self.say(m.ActorReply(msg.caller, msg.call_id, rank, seal(f"{msg.endpoint} on {rank}"), None, 0.0))
-        elif isinstance(msg, m.SignalRanks):
+        elif isinstance(msg, m.InterruptRanks):
             for rank in msg.ranks:  # an interrupt ends a busy rank's request with KeyboardInterrupt
-                req_id = self.held.pop(rank, None)
-                if req_id is not None:
+                req_id = self.held.get(rank)
+                if req_id is not None and (msg.running or req_id in msg.req_ids):
+                    del self.held[rank]
                     failure = m.Failure("KeyboardInterrupt", "interrupted", "", interrupted=True)
                     self.say(m.Gathered(req_id, (m.Result(req_id, rank, None, failure, 1.0, 1.5),)))
         elif isinstance(msg, m.Shutdown):

@@ -217,6 +217,18 @@ def test_interrupt_from_another_thread(mesh4, sink):
     assert isinstance(info.value, KeyboardInterrupt)
 
 
+def test_a_stop_reaches_its_own_request_only_even_before_it_started(mesh4, sink):
+    first = mesh4.run_async("import time\ntime.sleep(1.5)\n'first'", sink=sink)
+    assert wait_until(lambda: {s.state for s in mesh4.status()} == {"busy"}, 5)
+    second = mesh4.run_async("import time\ntime.sleep(60)\n'second'", sink=sink)  # queued behind it on each rank
+    with pytest.raises(MeshTimeoutError):
+        second.get(timeout=0.2)  # stops the second cell, which no rank has started yet
+    assert first.get(timeout=10).by_rank() == {r: "first" for r in range(4)}  # not interrupted
+    # the second cell is stopped as it starts: the ranks are idle again well before its sleep would end
+    assert wait_until(lambda: {s.state for s in mesh4.status()} == {"idle"}, 10)
+    assert list(mesh4.run("'after'", sink=sink).values()) == ["after"] * 4
+
+
 def test_background_run_can_be_awaited(mesh4, sink):
     import asyncio
 

@@ -103,7 +103,8 @@ def test_a_silent_host_is_lost_after_host_lost_after_s_of_its_clock(world):
     # the ranks still running elsewhere would wait in a collective forever: they are interrupted
     with pytest.raises(RankDiedError, match="lost the connection to host node-1") as caught:
         future.get(timeout=5)
-    assert any(isinstance(x, m.SignalRanks) and x.ranks == (0, 1) for x in agents["node-0"].received)
+    assert any(isinstance(x, m.InterruptRanks) and x.ranks == (0, 1) and x.req_ids == (future._request.req_id,)
+               for x in agents["node-0"].received)
     assert {f.rank: f.kind for f in caught.value.failures} == {0: "interrupted", 1: "interrupted", 2: "died", 3: "died"}
 
 

@@ -65,7 +65,7 @@ class HostAgent:
                                  upstream=self._to_controller)
         self._from_controller: dict[type, Callable[[Any], None]] = {
             m.ToRanks: self._fan_out,
-            m.SignalRanks: lambda msg: self.ranks.signal(msg.ranks, msg.signum),
+            m.InterruptRanks: self._deliver,  # each rank decides what to stop (worker.py)
             m.ActorCall: lambda msg: self._call(msg, from_above=True),
             m.ActorReply: self.router.reply,
             m.CancelCall: lambda msg: self.router.cancel(msg, from_above=True),
@@ -183,7 +183,8 @@ class HostAgent:
                 del self._release_when_answered[(caller, call_id)]
                 release(entry[0])  # each rank holds its own link while it maps the arguments
 
-    def _deliver(self, msg: m.InputReply) -> None:
+    def _deliver(self, msg: m.InputReply | m.InterruptRanks) -> None:
+        """Pass a message on to the local ranks it names."""
         chunks = encode(msg)
         for rank in msg.ranks:
             self.ranks.send(rank, chunks)

@@ -70,13 +70,6 @@ class RankSet:
         proc.conn.send_chunks(chunks)
         return True
 
-    def signal(self, ranks: tuple[int, ...], signum: int) -> None:
-        """Send a signal to these ranks' processes."""
-        for rank in ranks:
-            proc = self.procs.get(rank)
-            if proc is not None:
-                _kill(proc.pid, signum)
-
     # ------------------------------------------------------------ starting
     def bind_store(self, addr: str) -> int:
         """Listen for rank 0's rendezvous store on addr; the port (raises OSError)."""

@@ -106,7 +106,7 @@ class MeshFuture(Future[T]):
 
     def _cancel(self) -> None:
         self._stopping = True
-        self._runtime.requests.interrupt(self._request.outstanding)
+        self._runtime.requests.stop(self._request)
 
     def _finish(self) -> T:
         self._sink.close()

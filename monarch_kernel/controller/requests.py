@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import signal
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -52,16 +51,26 @@ class RequestBook:
         self._loop.call(self._state.send_to_ranks, frozenset(ranks),
                         lambda local: m.InputReply(local, req_id, text, error))
 
-    def interrupt(self, ranks: Iterable[int] | None = None) -> None:
-        """SIGINT the given ranks (default: every busy rank)."""
-        self._loop.call(self.signal, None if ranks is None else frozenset(ranks), signal.SIGINT)
+    def interrupt(self, ranks: Iterable[int]) -> None:
+        """KeyboardInterrupt in whatever these ranks run (cells, endpoints), and in the requests
+        they were sent that have not started yet (the stop button)."""
+        self._loop.call(self._interrupt, frozenset(ranks))
+
+    def stop(self, req: Request) -> None:
+        """Stop one request on the ranks that still owe it, whether it started there or not."""
+        self._loop.call(self._stop, req, False)
 
     # ------------------------------------------------------------ on the loop thread
-    def signal(self, ranks: frozenset[int] | None, signum: int) -> None:
-        """Send a signal to these ranks (None: those running something)."""
-        if ranks is None:
-            ranks = frozenset(r for r, s in self._state.ranks.items() if s.inflight)
-        self._state.send_to_ranks(ranks, lambda local: m.SignalRanks(local, int(signum)))
+    def _interrupt(self, ranks: frozenset[int]) -> None:
+        for link, local in self._state.by_link(ranks):
+            req_ids = sorted({req_id for rank in local for req_id in self._state.ranks[rank].inflight})
+            link.send(m.InterruptRanks(local, tuple(req_ids), running=True))
+
+    def _stop(self, req: Request, once: bool) -> None:
+        if req.future.done() or (once and req.stopping):
+            return  # (once: a lost host's ranks each fail the request; a user's second stop is sent)
+        req.stopping = True
+        self._state.send_to_ranks(req.outstanding, lambda local: m.InterruptRanks(local, (req.req_id,)))
 
     def _send(self, req: Request, body: Any) -> None:
         state = self._state
@@ -183,7 +192,7 @@ class RequestBook:
             req.failures[rank] = failure
             req.events.put(NoticeEvent(rank, failure.message))
             if req.fail_fast or host_lost:  # a lost host leaves the others waiting in collectives
-                self.signal(frozenset(req.outstanding), signal.SIGINT)
+                self._stop(req, once=True)
             self._maybe_complete(req)
         rank_state.inflight.clear()
 

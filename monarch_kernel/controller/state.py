@@ -142,6 +142,7 @@ class Request:
     failures: dict[int, RankFailure] = field(default_factory=dict)
     future: concurrent.futures.Future[Request] = field(default_factory=concurrent.futures.Future)
     on_done: Callable[[], None] | None = None
+    stopping: bool = False  # its ranks were told to stop it (fail fast, a lost host, a cancel)
     _inputs: dict[int, bool] = field(default_factory=dict)  # id(InputRequest) -> claimed (True) or expired
     _inputs_lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -38,11 +38,10 @@ from monarch_kernel.core.errors import ActorDeadlockError, ConnectionClosed, Mes
 from monarch_kernel.core.shape import Point, Shape
 from monarch_kernel.core.supervision import SUPERVISE
 from monarch_kernel.rank.cell import describe_failure
+from monarch_kernel.rank.recent import MAX_REMEMBERED, RecentKeys
 from monarch_kernel.wire.calls import PORTS, CallKey, CallTable, PendingCall, poll_until, set_default_sender
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, OwnActors
 from monarch_kernel.wire.serialization import seal, unseal
-
-MAX_REMEMBERED_CANCELS = 10_000
 
 
 @dataclass
@@ -182,7 +181,7 @@ class ActorHost:
         self._run_user = run_user  # runs a function with interrupts enabled
         self._shm_dir = shm_dir
         self._lock = threading.Lock()  # guards the three below (reader thread vs main)
-        self._cancelled: dict[CallKey, None] = {}  # may come before its call (other route)
+        self._cancelled = RecentKeys()  # may come before its call (other route)
         self._running_sync: list[CallKey] = []  # sync calls on the main thread, outermost first
         self._tasks: dict[CallKey, asyncio.Task] = {}
         self._doing: dict[CallKey, tuple[str, float]] = {}  # endpoints running: label, start time
@@ -240,7 +239,7 @@ class ActorHost:
         if key is None or box is None:
             return
         self._retired[key] = name
-        while len(self._retired) > MAX_REMEMBERED_CANCELS:
+        while len(self._retired) > MAX_REMEMBERED:
             del self._retired[next(iter(self._retired))]
         why = ("ActorReplaced", f"actor mesh {name!r} was spawned again") if replaced else \
               ("ActorStopped", f"actor mesh {name!r} was stopped")
@@ -252,9 +251,7 @@ class ActorHost:
         """Called by the reader thread: stop a call wherever it is."""
         key = (msg.caller, msg.call_id)
         with self._lock:
-            self._cancelled[key] = None
-            while len(self._cancelled) > MAX_REMEMBERED_CANCELS:  # of calls that already ended
-                del self._cancelled[next(iter(self._cancelled))]
+            self._cancelled.add(key)  # (the oldest, of calls long ended, are forgotten)
             if key in self._running_sync:  # (if others run nested above it, they are stopped with it)
                 signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
             task = self._tasks.get(key)
@@ -500,7 +497,7 @@ class ActorHost:
     def _reply(self, msg: ActorCall, value: Any, failure: Failure | None, seconds: float | None = None) -> None:
         key = (msg.caller, msg.call_id)
         with self._lock:
-            self._cancelled.pop(key, None)
+            self._cancelled.discard(key)
         send = self._reply_via.pop(key, self._send)
         sealed = None
         if failure is None and msg.want_value and value is not None:

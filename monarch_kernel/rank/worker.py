@@ -2,11 +2,12 @@
 
 A reader thread takes every message off the agent's connection: replies to this rank's
 own actor calls, cancellations and the notebook's answers to input() (and so to pdb) are
-handled right there; everything else is handed to the main thread's event loop. The main
-thread runs cells and sync endpoints one at a time (so SIGINT from the agent interrupts
-user code as KeyboardInterrupt, exactly as in a local kernel) and async endpoints as
-tasks. A daemon thread answers heartbeats, so a frozen process is noticed. Never imports
-IPython, rich or ipywidgets: ranks start light.
+handled right there, and so are stops (turned into SIGINT for the main thread when it runs
+what they stop). Everything else is handed to the main thread's event loop. The main thread
+runs cells and sync endpoints one at a time (so a stop interrupts user code as
+KeyboardInterrupt, as in a local kernel) and async endpoints as tasks. A daemon thread
+answers heartbeats, so a frozen process is noticed. Never imports IPython, rich or
+ipywidgets: ranks start light.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from monarch_kernel.rank.autoreload import Reloader
 from monarch_kernel.rank.capture import DisplayCapture, RankStream
 from monarch_kernel.rank.cell import CellRunner, describe_failure
 from monarch_kernel.rank.rankshell import RankShell
+from monarch_kernel.rank.recent import RecentKeys
 from monarch_kernel.wire.lane_server import LaneServer, accept_lane, listen_lane
 from monarch_kernel.wire.lanes import lane_path
 from monarch_kernel.wire.messages import (
@@ -42,6 +44,7 @@ from monarch_kernel.wire.messages import (
     Failure,
     InputReply,
     InputRequest,
+    InterruptRanks,
     Pull,
     Push,
     Result,
@@ -81,6 +84,10 @@ class Worker:
         self.config = config
         self.current_req: int | None = None
         self.in_user_code = False
+        # requests told to stop (may come before the request: see _interrupt), and the lock that
+        # makes "is it in user code?" and "was it stopped?" one question for both threads
+        self._stopped = RecentKeys()
+        self._stops_lock = threading.RLock()
         # cells run in `__main__`, as in a notebook or a script (`if __name__ == "__main__":` runs)
         self.module = types.ModuleType("__main__", "namespace of the cells run on this rank")
         self.namespace = self.module.__dict__
@@ -145,6 +152,16 @@ class Worker:
         self._input_answer = (msg.text, msg.error)
         self._input_ready.set()
 
+    def _interrupt(self, msg: InterruptRanks) -> None:
+        """Reader thread: stop these requests, now if one runs user code on the main thread, else as
+        it starts (a stop can overtake its request, and a signal before the user's code is ignored);
+        with `running`, also whatever user code runs now (a cell or a sync endpoint)."""
+        with self._stops_lock:
+            for req_id in msg.req_ids:
+                self._stopped.add(req_id)
+            if self.in_user_code and (msg.running or self.current_req in msg.req_ids):
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
     def _on_sigint(self, signum, frame) -> None:
         if self.in_user_code:
             raise KeyboardInterrupt
@@ -188,6 +205,8 @@ class Worker:
             self.actors.cancel(msg)
         elif isinstance(msg, InputReply):
             self._on_input_reply(msg)
+        elif isinstance(msg, InterruptRanks):
+            self._interrupt(msg)
         elif isinstance(msg, ActorCall):
             self.actors.post(msg)  # delivered by the loop, or by a wait on the main thread that serves
             loop.call_soon_threadsafe(self.actors.pump)
@@ -270,8 +289,12 @@ class Worker:
         raise TypeError(f"unknown request {type(msg).__name__}")
 
     def _user(self, fn, *args, **kwargs) -> Any:
-        outer, self.in_user_code = self.in_user_code, True  # (an endpoint served inside another's wait)
+        with self._stops_lock:
+            outer, self.in_user_code = self.in_user_code, True  # (an endpoint served inside another's wait)
+            stopped = not outer and self.current_req is not None and self.current_req in self._stopped
         try:
+            if stopped:
+                raise KeyboardInterrupt("stopped before it started on this rank")
             return fn(*args, **kwargs)
         finally:
             self.in_user_code = outer

@@ -191,11 +191,16 @@ class ToRanks:
 
 
 @dataclass(frozen=True)
-class SignalRanks:
-    """Send a signal (e.g. SIGINT) to the given local ranks."""
+class InterruptRanks:
+    """Stop requests on the given local ranks: KeyboardInterrupt in them now if they run, at their
+    start if they have not started yet (the agent passes this on to each rank, which decides).
+
+    running: also interrupt whatever user code the rank runs now (the notebook's stop button).
+    """
 
     ranks: tuple[int, ...]
-    signum: int
+    req_ids: tuple[int, ...]
+    running: bool = False
 
 
 @dataclass(frozen=True)
