@@ -289,10 +289,11 @@ class Worker:
         raise TypeError(f"unknown request {type(msg).__name__}")
 
     def _user(self, fn, *args, **kwargs) -> Any:
-        with self._stops_lock:
-            outer, self.in_user_code = self.in_user_code, True  # (an endpoint served inside another's wait)
-            stopped = not outer and self.current_req is not None and self.current_req in self._stopped
-        try:
+        outer = self.in_user_code  # (an endpoint served inside another's wait)
+        try:  # (a KeyboardInterrupt as soon as in_user_code is set must still restore it)
+            with self._stops_lock:
+                self.in_user_code = True
+                stopped = not outer and self.current_req is not None and self.current_req in self._stopped
             if stopped:
                 raise KeyboardInterrupt("stopped before it started on this rank")
             return fn(*args, **kwargs)
