@@ -12,7 +12,7 @@ from conftest import wait_until
 from sshhosts import SSHTestHosts, unavailable_reason
 from test_dist import DDP_CELL
 
-from monarch_kernel import HealthTimings, MeshStartError, MeshUsageError, RemoteError, ssh_mesh
+from monarch_kernel import HealthTimings, MeshStartError, MeshTimeoutError, MeshUsageError, RemoteError, ssh_mesh
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
 
@@ -230,6 +230,27 @@ def test_rank_killed_on_host_1_names_the_host(hosts, sink):
         failure = info.value.failures[0]
         assert failure.rank == 1 and failure.host == "host-1" and failure.exit_code == 9
     assert wait_until(back_to(hosts, baseline), 10)
+
+
+def test_a_lost_host_stops_the_other_hosts_cells_even_those_not_started_there(hosts, sink):
+    """A CI fault storm: the other host's ranks had not started the cell when the stop came,
+    dropped it (a bare SIGINT outside user code is ignored) and ran the whole cell."""
+    with ssh_mesh([h.alias for h in hosts.hosts], gpus=1, dist="none", python=sys.executable,
+                  connect_options=hosts.connect_options(), name="ssh-lost-queued") as m:
+        running = m.run_async("import time\ntime.sleep(60)", sink=sink)
+        assert wait_until(lambda: all(s.state == "busy" for s in m.status()), 10)
+        queued = m.run_async("import time\ntime.sleep(60)\n'ran'", sink=sink)  # behind it on every rank
+        with open(f"/proc/{m.status()[1].pid}/stat") as f:
+            agent = int(f.read().rsplit(")", 1)[1].split()[1])  # host-1's agent: its rank's parent
+        killed = time.monotonic()
+        os.kill(agent, signal.SIGKILL)
+        for future in (running, queued):
+            with pytest.raises(RemoteError) as info:
+                future.get(timeout=30)
+            assert not isinstance(info.value, MeshTimeoutError)
+            assert {f.rank: f.kind for f in info.value.failures} == {0: "interrupted", 1: "died"}
+        assert time.monotonic() - killed < 15  # not the queued cell's 60 s on host-0
+        assert m.status()[0].state == "idle"
 
 
 def test_unknown_host_key_is_rejected_with_advice(hosts, tmp_path):
