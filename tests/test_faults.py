@@ -145,7 +145,7 @@ def test_characters_split_across_reads_of_a_rank_descriptor_stay_whole():
 
 def test_output_written_to_the_descriptors_is_capped_per_request(quick_mesh, sink):
     """F12: the cap on output held only for Python's print; os.write and subprocesses had none."""
-    from monarch_kernel.agent.fd_output import MAX_FD_OUTPUT_PER_REQUEST
+    from monarch_kernel.core.output_caps import MAX_FD_OUTPUT_PER_REQUEST
 
     quick_mesh.run("import os\nfor _ in range(40):\n    os.write(1, b'x' * (1 << 19) + b'\\n')", sink=sink, timeout=60)
     assert wait_until(lambda: all("were not shown (at most" in t for t in sink.text("stderr").values()), 10)

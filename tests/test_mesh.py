@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import pids_alive, wait_until
+from conftest import RecordingSink, pids_alive, wait_until
 
 from monarch_kernel import (
     MeshInterrupted,
@@ -227,6 +227,23 @@ def test_a_stop_reaches_its_own_request_only_even_before_it_started(mesh4, sink)
     # the second cell is stopped as it starts: the ranks are idle again well before its sleep would end
     assert wait_until(lambda: {s.state for s in mesh4.status()} == {"idle"}, 10)
     assert list(mesh4.run("'after'", sink=sink).values()) == ["after"] * 4
+
+
+def test_what_c_code_writes_last_stays_in_its_cell(mesh4):
+    """Cells on a local mesh answer on the ranks' lanes, around the agent that reads their fd 1/2:
+    a result must still come after the last bytes the cell wrote there (none left for later)."""
+    for i in range(30):
+        sink = RecordingSink()
+        mesh4.run(f"import os\nos.write(1, b'tail {i}\\n')", sink=sink)
+        assert sink.text() == {r: f"tail {i}\n" for r in range(4)}, i  # at once, not after the cell
+
+
+def test_requests_to_a_rank_run_in_the_order_they_were_sent(mesh4, sink):
+    mesh4.run("order = []", sink=sink)
+    slow = mesh4.run_async("import time\ntime.sleep(0.3)\norder.append('cell')", sink=sink)
+    mesh4.push(pushed=1)  # queued behind the cell on every rank
+    assert list(mesh4.pull("(order, pushed)").values()) == [(["cell"], 1)] * 4
+    slow.get(timeout=10)
 
 
 def test_background_run_can_be_awaited(mesh4, sink):

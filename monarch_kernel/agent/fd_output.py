@@ -3,20 +3,22 @@
 Subprocesses, C extensions and `os.write` bypass the rank's Python streams (which cap
 their own output per request). Here the bytes become text without splitting a character
 across reads, and each rank may send at most MAX_FD_OUTPUT_PER_REQUEST characters per
-request it is given; the rest is counted and reported once, before the rank's result.
+request it is given; the rest is counted and reported once, before the rank's result. On
+the notebook's own machine the notebook sends requests on the ranks' lanes, past the agent:
+there the controller caps each request (limit None here).
 """
 
 from __future__ import annotations
 
 import codecs
 
-MAX_FD_OUTPUT_PER_REQUEST = 8 << 20  # characters per rank per request (as for Python output)
+from monarch_kernel.core.output_caps import MAX_FD_OUTPUT_PER_REQUEST, fd_dropped_note
 
 
 class FdOutput:
     """Decoders and budgets for the ranks of one host."""
 
-    def __init__(self, limit: int = MAX_FD_OUTPUT_PER_REQUEST) -> None:
+    def __init__(self, limit: int | None = MAX_FD_OUTPUT_PER_REQUEST) -> None:
         self.limit = limit
         self._decoders: dict[tuple[int, str], codecs.IncrementalDecoder] = {}
         self._sent: dict[int, int] = {}
@@ -28,6 +30,8 @@ class FdOutput:
         if decoder is None:
             decoder = self._decoders[(rank, stream)] = codecs.getincrementaldecoder("utf-8")("replace")
         text = decoder.decode(data, final=not data)
+        if self.limit is None:
+            return text
         room = self.limit - self._sent.get(rank, 0)
         if len(text) > room:
             self._dropped[rank] = self._dropped.get(rank, 0) + len(text) - max(room, 0)
@@ -40,8 +44,7 @@ class FdOutput:
         dropped = self._dropped.pop(rank, 0)
         if not dropped:
             return None
-        return (f"[monarch_kernel: {dropped:,} more characters written to the file descriptors of rank {rank} "
-                f"were not shown (at most {self.limit:,} per request); send large output to a file]\n")
+        return fd_dropped_note(rank, dropped, self.limit or MAX_FD_OUTPUT_PER_REQUEST)
 
     def refill(self, ranks: tuple[int, ...]) -> None:
         """These ranks start a new request: their budgets start over."""

@@ -222,17 +222,20 @@ class HostAgent:
             entry[0].discard(rank)
             entry[1].append(msg)
             self._maybe_gathered(msg.req_id)
+        else:  # a request the notebook sent on the rank's lane, whose lane closed before the result
+            self._to_controller(m.Gathered(msg.req_id, (msg,)))
 
     def _fd_note(self, rank: int, req_id: int | None) -> None:
         note = self._fd_output.settle(rank)
         if note:
             self._to_controller(m.Output(rank, req_id, "stderr", note))
 
-    def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None:
-        """Text a rank wrote to its real fd 1/2 (C extensions, crashes)."""
+    def on_rank_fd_output(self, rank: int, stream: str, data: bytes, total: int | None) -> None:
+        """Text a rank wrote to its real fd 1/2 (C extensions, crashes); with its running byte
+        count on the notebook's machine, sent even when no whole character came (fd_marks.py)."""
         text = self._fd_output.take(rank, stream, data)
-        if text:
-            self._to_controller(m.Output(rank, None, stream, text))
+        if text or total is not None:
+            self._to_controller(m.Output(rank, None, stream, text, total))
 
     def on_rank_gone(self, rank: int, proc: RankProcess, exit_code: int | None, signal_name: str | None) -> None:
         """A rank's process ended: fail what it owed, tell the controller, release its waits."""
@@ -256,6 +259,8 @@ class HostAgent:
 
     # ------------------------------------------------------------ lifecycle
     async def _start(self, msg: m.StartRanks) -> None:
+        if msg.shm_dir:  # the notebook's machine: requests come on lanes, the controller caps their fd output
+            self._fd_output.limit = None
         try:
             infos = await self.ranks.start(msg)
         except Exception as exc:  # noqa: BLE001 - reported to the controller

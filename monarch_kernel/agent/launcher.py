@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from monarch_kernel.core.termtext import LineLog
 from monarch_kernel.rank.dist import StoreSpec
 from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.fd_marks import FdMarkWriter, fd_mark_path
 from monarch_kernel.wire.transport import AsyncConnection
 
 STDERR_TAIL_LINES = 20
@@ -27,8 +28,9 @@ class RankSupervisor(Protocol):
     def on_rank_message(self, rank: int, msg: Any) -> None:
         """A message from the rank."""
 
-    def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None:
-        """Bytes the rank wrote to its real fd 1 or 2."""
+    def on_rank_fd_output(self, rank: int, stream: str, data: bytes, total: int | None) -> None:
+        """Bytes the rank wrote to its real fd 1 or 2 (total: its fd bytes so far with these, on
+        the notebook's machine; see wire/fd_marks.py)."""
 
     def on_rank_exit(self, rank: int) -> None:
         """The rank's pidfd became readable: it exited."""
@@ -52,10 +54,12 @@ class RankProcess:
     stopping: bool = False  # the controller asked it to stop: its exit is expected
     activity: str = ""  # what its actors run, from its latest heartbeat answer
     stderr_tail: LineLog = field(default_factory=lambda: LineLog(STDERR_TAIL_LINES))
+    fd_mark: FdMarkWriter | None = None  # on the notebook's machine: how much fd output was passed on
 
 async def fork_rank(agent: RankSupervisor, spec: m.RankSpec, start: m.StartRanks,
                     store: StoreSpec) -> RankProcess:
     """Fork one rank from the (warm) agent process and wire it to the agent's loop."""
+    mark = FdMarkWriter(fd_mark_path(start.shm_dir, spec.rank)) if start.shm_dir else None
     parent_conn, child_conn = socket.socketpair()
     parent_hb, child_hb = socket.socketpair()
     out_r, out_w = os.pipe()
@@ -73,13 +77,13 @@ async def fork_rank(agent: RankSupervisor, spec: m.RankSpec, start: m.StartRanks
     child_conn.close()
     child_hb.close()
     loop = asyncio.get_running_loop()
-    proc = RankProcess(spec, pid, os.pidfd_open(pid), parent_hb, ready=loop.create_future())
+    proc = RankProcess(spec, pid, os.pidfd_open(pid), parent_hb, ready=loop.create_future(), fd_mark=mark)
     parent_hb.setblocking(False)
     loop.add_reader(proc.pidfd, agent.on_rank_exit, spec.rank)
     loop.add_reader(parent_hb.fileno(), agent.on_pong, spec.rank)
     for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
         os.set_blocking(fd, False)
-        loop.add_reader(fd, _pump_fd, loop, fd, agent, spec.rank, stream)
+        loop.add_reader(fd, _pump_fd, loop, fd, agent, spec.rank, stream, mark)
     proc.conn = await AsyncConnection.from_socket(
         parent_conn,
         partial(agent.on_rank_message, spec.rank),
@@ -88,18 +92,23 @@ async def fork_rank(agent: RankSupervisor, spec: m.RankSpec, start: m.StartRanks
     return proc
 
 
-def _pump_fd(loop: asyncio.AbstractEventLoop, fd: int, agent: RankSupervisor, rank: int, stream: str) -> None:
+def _pump_fd(loop: asyncio.AbstractEventLoop, fd: int, agent: RankSupervisor, rank: int, stream: str,
+             mark: FdMarkWriter | None) -> None:
+    if mark is not None:
+        mark.reading()  # (the rank waits for passed_on before it trusts the count)
     try:
         data = os.read(fd, 65536)
     except BlockingIOError:
-        return
+        data = None
     except OSError:
         data = b""
-    if not data:
+    if data:
+        agent.on_rank_fd_output(rank, stream, data, None if mark is None else mark.count + len(data))
+    if mark is not None:
+        mark.passed_on(len(data or b""))
+    if data is not None and not data:
         loop.remove_reader(fd)
         os.close(fd)
-        return
-    agent.on_rank_fd_output(rank, stream, data)
 
 
 def _become_rank(spec: m.RankSpec, start: m.StartRanks, conn: socket.socket, hb: socket.socket,

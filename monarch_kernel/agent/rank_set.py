@@ -33,8 +33,8 @@ class RankListener(Protocol):
     def on_rank_message(self, rank: int, msg: Any) -> None:
         """A message from a rank."""
 
-    def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None:
-        """Bytes a rank wrote to its real fd 1 or 2."""
+    def on_rank_fd_output(self, rank: int, stream: str, data: bytes, total: int | None) -> None:
+        """Bytes a rank wrote to its real fd 1 or 2 (total: see wire/fd_marks.py)."""
 
     def on_rank_gone(self, rank: int, proc: RankProcess, exit_code: int | None, signal_name: str | None) -> None:
         """A rank's process ended and was reaped."""
@@ -174,11 +174,11 @@ class RankSet:
             return
         self.listener.on_rank_message(rank, msg)
 
-    def on_rank_fd_output(self, rank: int, stream: str, data: bytes) -> None:
+    def on_rank_fd_output(self, rank: int, stream: str, data: bytes, total: int | None) -> None:
         """Bytes a rank wrote to its real fd 1/2 (C extensions, crashes)."""
         if stream == "stderr":
             self.remember_stderr(rank, data.decode("utf-8", "replace"))
-        self.listener.on_rank_fd_output(rank, stream, data)
+        self.listener.on_rank_fd_output(rank, stream, data, total)
 
     def remember_stderr(self, rank: int, text: str) -> None:
         """Keep the tail of what a rank wrote to stderr, for its crash report."""

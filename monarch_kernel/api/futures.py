@@ -45,6 +45,7 @@ class MeshFuture(Future[T]):
         self._created = time.monotonic()
         self._background = False
         self._stopping = False
+        self._marked_done: set[int] = set()  # ranks shown done (requests on lanes)
 
     @property
     def label(self) -> str:
@@ -89,9 +90,15 @@ class MeshFuture(Future[T]):
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
                     return False
+            if self._request.on_lanes and events.empty() and not self._request.future.done():
+                # its output and results come on the ranks' lanes: read them on this thread
+                wait = 0.0 if self._read_lanes(events, wait) else wait
             try:
-                event = events.get(timeout=wait)
+                event = events.get(timeout=wait) if wait > 0 else events.get_nowait()
             except queue.Empty:
+                if self._request.on_lanes:
+                    self._mark_ranks_done()
+                    self._runtime.requests.release_overdue(self._request)
                 self._sink.tick()
                 continue
             if isinstance(event, ev.DoneEvent):
@@ -100,6 +107,21 @@ class MeshFuture(Future[T]):
                 self._answer_input(event)
             else:
                 self._dispatch(event)
+
+    def _mark_ranks_done(self) -> None:
+        """Show which ranks have finished a request sent on lanes (its results queue no event:
+        a fast request then wakes its waiter once, not once per rank)."""
+        for rank in [r for r in self._request.results if r not in self._marked_done]:
+            self._marked_done.add(rank)
+            self._sink.rank_done(rank)
+
+    def _read_lanes(self, events: queue.SimpleQueue, wait: float) -> bool:
+        """Read the request's lanes until an event is queued (True) or `wait` passes; False when
+        some lane is closed (a rank going away: its death comes through the agent)."""
+        sender = self._runtime.sender
+        sender.flush_calls()
+        done = sender.lanes.wait(tuple(sorted(self._request.ranks)), lambda: not events.empty(), wait)
+        return done is not None
 
     async def _wait_async(self) -> None:
         await asyncio.wrap_future(self._request.future)

@@ -1,15 +1,20 @@
 """Requests in flight (cells, pushes, pulls, calls of functions) and what ranks report of them.
 
-`RequestBook` sends a request to its ranks host by host, books each rank's result or
-failure as agents report them, turns rank deaths and silences into failures and notices,
-and completes the request when no rank is left outstanding. It runs on the controller's
-loop thread; `submit`, `send_input` and `interrupt` may be called from any thread.
+`RequestBook` sends a request to its ranks, books each rank's result or failure as they
+come, turns rank deaths and silences into failures and notices, and completes the request
+when no rank is left outstanding. A request to ranks on this machine goes on their direct
+lanes from the caller's thread, and its output and results come back on them to whichever
+thread reads the lanes (usually the one waiting for it); others go host by host through the
+agents, from the controller's loop thread. One lock guards the bookkeeping, so either
+thread may book and complete a request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,9 +23,13 @@ from monarch_kernel.controller.events import DoneEvent, NoticeEvent, RanksDoneEv
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.router import ControllerSender
 from monarch_kernel.controller.state import MeshState, RankState, Request
+from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.core.failures import FailureKind, RankFailure
+from monarch_kernel.core.output_caps import MAX_FD_OUTPUT_PER_REQUEST, fd_dropped_note
 from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.transport import encode
 
+HELD_AT_MOST_S = 2.0  # a result waits at most this long for the fd output it says came before it
 INPUT_UNCLAIMED_S = 60.0  # an input() that no waiting thread takes to the notebook fails after this
 IdleOutput = Callable[[int, str, str], None]  # (rank, stream, text) printed outside any request
 
@@ -35,6 +44,8 @@ class RequestBook:
         self._loop = loop
         self._sender = sender
         self._idle_output = idle_output
+        self._lock = threading.RLock()  # the requests, their results and the ranks' inflight lists
+        sender.on_request_message = self._from_lane
 
     # ------------------------------------------------------------ from any thread
     def submit(self, ranks: Iterable[int], make_body: Callable[[int], Any], *, label: str,
@@ -43,7 +54,21 @@ class RequestBook:
         self._state.require_open()
         req = Request(next(self._req_ids), frozenset(ranks), label, fail_fast, on_done=on_done)
         body = make_body(req.req_id)
-        self._loop.call(self._send, req, body)
+        lanes = self._sender.request_lanes(req.ranks)
+        if lanes is None:
+            self._loop.call(self._send, req, body)
+            return req
+        req.on_lanes = True
+        chunks = encode(body)
+        with self._lock:
+            self._book(req)
+        for lane in lanes:
+            try:
+                self._sender.lanes.send(lane, chunks)
+            except ConnectionClosed:
+                pass  # the rank is going away: its agent reports how
+        with self._lock:
+            self._maybe_complete(req)
         return req
 
     def send_input(self, ranks: Iterable[int], req_id: int, text: str, error: str | None = None) -> None:
@@ -60,10 +85,52 @@ class RequestBook:
         """Stop one request on the ranks that still owe it, whether it started there or not."""
         self._loop.call(self._stop, req, False)
 
+    def _from_lane(self, msg: Any) -> None:
+        """A request's output or result that came on a lane (on the thread reading it)."""
+        if isinstance(msg, m.Result):
+            with self._lock:
+                req = self._state.requests.get(msg.req_id)
+                if req is None or msg.rank not in req.ranks:
+                    return
+                if msg.fd_mark > self._state.ranks[msg.rank].fd_seen:  # its last fd output is still on its way
+                    req.held[msg.rank] = (msg, time.monotonic())
+                    return
+                req.results[msg.rank] = msg  # (the waiter shows it done when it next wakes: see futures.py)
+                self._maybe_complete(req)
+        elif isinstance(msg, m.Output):
+            self.output(msg)
+        elif isinstance(msg, m.Display):
+            self.display(msg)
+        elif isinstance(msg, m.InputRequest):
+            link = self._state.link_of(msg.rank)
+            if link is not None:  # (the answer goes through the agent, to the rank's reader thread)
+                self._loop.call(self.input_request, link.send, msg)
+
+    def release_overdue(self, req: Request, after: float = HELD_AT_MOST_S) -> None:
+        """Book results held longer than `after` for fd output that has not come (a safety net)."""
+        if req.held:
+            with self._lock:
+                now = time.monotonic()
+                self._release(req, lambda rank, since: now - since > after)
+
+    def _fd_caught_up(self, req: Request) -> Callable[[int, float], bool]:
+        """Whether a held result's fd output has all reached us."""
+        return lambda rank, _since: req.held[rank][0].fd_mark <= self._state.ranks[rank].fd_seen
+
+    def _release(self, req: Request, ready: Callable[[int, float], bool]) -> None:
+        """Book the held results that are ready now. Caller holds the lock."""
+        for rank, (result, since) in list(req.held.items()):
+            if ready(rank, since) and not req.future.done():
+                del req.held[rank]
+                req.results[rank] = result
+        self._maybe_complete(req)
+
     # ------------------------------------------------------------ on the loop thread
     def _interrupt(self, ranks: frozenset[int]) -> None:
+        with self._lock:
+            inflight = {rank: tuple(self._state.ranks[rank].inflight) for rank in ranks if rank in self._state.ranks}
         for link, local in self._state.by_link(ranks):
-            req_ids = sorted({req_id for rank in local for req_id in self._state.ranks[rank].inflight})
+            req_ids = sorted({req_id for rank in local for req_id in inflight.get(rank, ())})
             link.send(m.InterruptRanks(local, tuple(req_ids), running=True))
 
     def _stop(self, req: Request, once: bool) -> None:
@@ -73,6 +140,15 @@ class RequestBook:
         self._state.send_to_ranks(req.outstanding, lambda local: m.InterruptRanks(local, (req.req_id,)))
 
     def _send(self, req: Request, body: Any) -> None:
+        with self._lock:
+            alive = self._book(req)
+        self._state.send_work(alive, body)
+        with self._lock:
+            self._maybe_complete(req)
+
+    def _book(self, req: Request) -> list[int]:
+        """Enter a request in the book and its live ranks' inflight lists; returns those ranks
+        (the dead ones have failed it already). Caller holds the lock."""
         state = self._state
         state.requests[req.req_id] = req
         now = time.time()
@@ -86,10 +162,10 @@ class RequestBook:
                 rank_state.busy_since = now
             rank_state.inflight.append(req.req_id)
             alive.append(rank)
-        state.send_work(alive, body)
-        self._maybe_complete(req)
+        return alive
 
     def _maybe_complete(self, req: Request) -> None:
+        """Complete the request if no rank owes it anything. Caller holds the lock."""
         if req.outstanding or req.future.done():
             return
         state = self._state
@@ -107,39 +183,54 @@ class RequestBook:
         state.record_timing(req.label, times)
         if req.on_done is not None:
             req.on_done()
+        for rank, dropped in sorted(req.fd_dropped.items()):
+            req.events.put(m.Output(rank, req.req_id, "stderr", fd_dropped_note(rank, dropped)))
         req.events.put(DoneEvent())
         req.future.set_result(req)
 
     def fail_all(self, why: str) -> None:
         """The mesh restarts or shuts down: every request and call in flight fails."""
         self._sender.fail_all(why)
-        for req in list(self._state.requests.values()):
-            for rank in req.outstanding:
-                host = self._state.ranks[rank].host
-                req.failures[rank] = RankFailure(rank, host, FailureKind.LOST, "MeshRestarted", why)
-            self._maybe_complete(req)
+        with self._lock:
+            for req in list(self._state.requests.values()):
+                for rank in req.outstanding:
+                    host = self._state.ranks[rank].host
+                    req.failures[rank] = RankFailure(rank, host, FailureKind.LOST, "MeshRestarted", why)
+                self._maybe_complete(req)
 
     # ------------------------------------------------------------ what agents report
     def gathered(self, msg: m.Gathered) -> None:
         """Results of one request from the ranks of one host."""
-        req = self._state.requests.get(msg.req_id)
-        if req is None:
-            return
-        for result in msg.results:
-            req.results[result.rank] = result
-        if req.outstanding:  # when all are done, DoneEvent says it (one wake-up, not two)
-            req.events.put(RanksDoneEvent(tuple(r.rank for r in msg.results)))
-        self._maybe_complete(req)
+        with self._lock:
+            req = self._state.requests.get(msg.req_id)
+            if req is None:
+                return
+            for result in msg.results:
+                req.results[result.rank] = result
+            if req.outstanding:  # when all are done, DoneEvent says it (one wake-up, not two)
+                req.events.put(RanksDoneEvent(tuple(r.rank for r in msg.results)))
+            self._maybe_complete(req)
 
     def output(self, msg: m.Output) -> None:
         """Text a rank printed: to the request it belongs to, or shown as idle output."""
-        self._state.ranks[msg.rank].log.write(msg.stream, msg.text)
-        if not self._to_request(msg):
+        with self._lock:
+            rank_state = self._state.ranks[msg.rank]
+            taken = not msg.text or self._to_request(msg)
+            if msg.text:
+                rank_state.log.write(msg.stream, msg.text)
+            if msg.fd_total is not None and msg.fd_total > rank_state.fd_seen:
+                rank_state.fd_seen = msg.fd_total
+                for req_id in list(rank_state.inflight):  # results that waited for this output
+                    req = self._state.requests.get(req_id)
+                    if req is not None and msg.rank in req.held:
+                        self._release(req, self._fd_caught_up(req))
+        if not taken:
             self._idle_output(msg.rank, msg.stream, msg.text)
 
     def display(self, msg: m.Display) -> None:
         """A rich display made on a rank."""
-        self._to_request(msg)
+        with self._lock:
+            self._to_request(msg)
 
     def input_request(self, link_send: Callable[[Any], bool], msg: m.InputRequest) -> None:
         """A rank asks for a line: the waiting thread asks the notebook."""
@@ -166,12 +257,26 @@ class RequestBook:
         req = self._state.requests.get(req_id) if req_id is not None else None
         if req is None:
             return False
+        if isinstance(msg, m.Output) and msg.req_id is None:  # fd output (the agent caps it for remote hosts)
+            shown = req.fd_shown.get(msg.rank, 0)
+            room = max(MAX_FD_OUTPUT_PER_REQUEST - shown, 0)
+            if len(msg.text) > room:
+                req.fd_dropped[msg.rank] = req.fd_dropped.get(msg.rank, 0) + len(msg.text) - room
+                if not room:
+                    return True
+                msg = dataclasses.replace(msg, text=msg.text[:room])
+            req.fd_shown[msg.rank] = shown + len(msg.text)
         req.events.put(msg)
         return True
 
     def rank_exited(self, rank: int, exit_code: int | None, signal_name: str | None, stderr_tail: tuple[str, ...],
                     *, expected: bool, host_lost: bool = False, cause: str = "") -> None:
         """A rank's process ended: fail what it was running, and the calls it owed."""
+        with self._lock:
+            self._rank_exited(rank, exit_code, signal_name, stderr_tail, expected, host_lost, cause)
+
+    def _rank_exited(self, rank: int, exit_code: int | None, signal_name: str | None,
+                     stderr_tail: tuple[str, ...], expected: bool, host_lost: bool, cause: str) -> None:
         rank_state = self._state.ranks[rank]
         rank_state.alive = False
         rank_state.exit_code, rank_state.signal, rank_state.host_lost = exit_code, signal_name, host_lost
@@ -187,6 +292,8 @@ class RequestBook:
             failure = RankFailure(**{**failure.__dict__, "stderr_tail": stderr_tail})
         for req_id in list(rank_state.inflight):
             req = self._state.requests.get(req_id)
+            if req is not None and rank in req.held:  # it answered: its fd output will not come now
+                self._release(req, lambda held_rank, _since: held_rank == rank)
             if req is None or rank in req.results:
                 continue
             req.failures[rank] = failure
@@ -204,7 +311,8 @@ class RequestBook:
             return
         note = (f"rank {msg.rank} (host {rank_state.host}, pid {rank_state.pid}) is not answering heartbeats; "
                 "it may be stopped (SIGSTOP) or stuck in native code")
-        for req_id in rank_state.inflight:
-            req = self._state.requests.get(req_id)
-            if req is not None:
-                req.events.put(NoticeEvent(msg.rank, note))
+        with self._lock:
+            for req_id in rank_state.inflight:
+                req = self._state.requests.get(req_id)
+                if req is not None:
+                    req.events.put(NoticeEvent(msg.rank, note))

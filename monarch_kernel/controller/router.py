@@ -43,6 +43,7 @@ class ControllerSender:
         self.lanes = LanePool(state.shm_dir, loop.loop, self._on_lane_message)
         self._watchers: list[tuple[frozenset[int], Callable[[int, str], None]]] = []
         self.supervisors = Supervisors(self.calls, self.send_call, state.is_alive)  # actor meshes actors own
+        self.on_request_message: Callable[[Any], None] | None = None  # set by the RequestBook
 
     def _hop(self, rank: int) -> Send | None:
         link = self._state.link_of(rank)
@@ -79,9 +80,19 @@ class ControllerSender:
             return None
         return self.lanes.get(rank)
 
+    def request_lanes(self, ranks: frozenset[int]) -> list[Lane] | None:
+        """The lanes to send a request to these ranks on: all on this machine and alive, each
+        with an open lane; None otherwise (the request then goes through the agents)."""
+        if not ranks or self._state.shm_dir_for(ranks) is None:
+            return None
+        lanes = [self._lane(rank) for rank in sorted(ranks)]
+        return None if any(lane is None for lane in lanes) else lanes  # type: ignore[return-value]
+
     def _on_lane_message(self, msg: Any) -> None:
         if isinstance(msg, m.ActorReply):
             self.calls.deliver(msg)
+        elif self.on_request_message is not None:
+            self.on_request_message(msg)  # a request's output or result (RequestBook)
 
     def flush_calls(self) -> None:
         """Write calls queued on direct lanes now (a caller is about to wait)."""

@@ -226,6 +226,7 @@ class MeshRuntime:
         for rank_state in self.state.ranks.values():
             rank_state.alive = False
             rank_state.inflight.clear()
+            rank_state.fd_seen = 0  # the fresh ranks' fd output is counted from 0 (wire/fd_marks.py)
         await self._start_ranks()
 
     def shutdown(self) -> None:

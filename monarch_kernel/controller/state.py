@@ -82,6 +82,7 @@ class RankState:
     responsive: bool = True
     inflight: list[int] = field(default_factory=list)
     busy_since: float | None = None
+    fd_seen: int = 0  # bytes of its fd output the agent passed on that reached us (wire/fd_marks.py)
     exit_code: int | None = None
     signal: str | None = None
     host_lost: bool = False  # it died with its host (no exit status)
@@ -143,6 +144,10 @@ class Request:
     future: concurrent.futures.Future[Request] = field(default_factory=concurrent.futures.Future)
     on_done: Callable[[], None] | None = None
     stopping: bool = False  # its ranks were told to stop it (fail fast, a lost host, a cancel)
+    on_lanes: bool = False  # sent on the direct lanes: its output and results come back on them
+    fd_shown: dict[int, int] = field(default_factory=dict)  # characters of fd output shown, by rank
+    fd_dropped: dict[int, int] = field(default_factory=dict)  # and past the cap (see core/output_caps)
+    held: dict[int, tuple[m.Result, float]] = field(default_factory=dict)  # results waiting for fd output
     _inputs: dict[int, bool] = field(default_factory=dict)  # id(InputRequest) -> claimed (True) or expired
     _inputs_lock: threading.Lock = field(default_factory=threading.Lock)
 

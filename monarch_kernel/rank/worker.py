@@ -23,6 +23,7 @@ import threading
 import time
 import traceback
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from monarch_kernel.rank.capture import DisplayCapture, RankStream
 from monarch_kernel.rank.cell import CellRunner, describe_failure
 from monarch_kernel.rank.rankshell import RankShell
 from monarch_kernel.rank.recent import RecentKeys
+from monarch_kernel.wire.fd_marks import FdMarkReader, fd_mark_path
 from monarch_kernel.wire.lane_server import LaneServer, accept_lane, listen_lane
 from monarch_kernel.wire.lanes import lane_path
 from monarch_kernel.wire.messages import (
@@ -41,10 +43,12 @@ from monarch_kernel.wire.messages import (
     ActorReply,
     Call,
     CancelCall,
+    Display,
     Failure,
     InputReply,
     InputRequest,
     InterruptRanks,
+    Output,
     Pull,
     Push,
     Result,
@@ -54,6 +58,16 @@ from monarch_kernel.wire.serialization import seal, unseal
 from monarch_kernel.wire.transport import BlockingConnection
 
 READY_REQ = 0  # req_id of the rank's start-up reply
+REQUESTS = frozenset({RunCell, Pull, Push, Call})  # what a rank runs for the notebook, by the agent or a lane
+REQUEST_REPLIES = frozenset({Output, Display, InputRequest, Result})  # what a rank sends back about a request
+
+
+def _fd_mark_reader(config: WorkerConfig) -> FdMarkReader | None:
+    """The page where the agent counts this rank's fd output (on the notebook's machine only)."""
+    try:
+        return FdMarkReader(fd_mark_path(config.shm_dir, config.rank)) if config.shm_dir else None
+    except OSError:  # a rank started by hand (tests): no agent counts its output
+        return None
 
 
 @dataclass
@@ -88,6 +102,8 @@ class Worker:
         # makes "is it in user code?" and "was it stopped?" one question for both threads
         self._stopped = RecentKeys()
         self._stops_lock = threading.RLock()
+        self._lane_routes: dict[int, Callable[[Any], None]] = {}  # req_id -> the lane it came by
+        self._fd_marks = _fd_mark_reader(config)
         # cells run in `__main__`, as in a notebook or a script (`if __name__ == "__main__":` runs)
         self.module = types.ModuleType("__main__", "namespace of the cells run on this rank")
         self.namespace = self.module.__dict__
@@ -106,6 +122,15 @@ class Worker:
         self.reloader = Reloader(config.rank)  # modules of synced workspaces (`Mesh.autoreload`)
 
     def _send(self, msg: Any) -> None:
+        """To the agent; a request's output and result go back the lane it came by, if it did."""
+        if self._lane_routes and type(msg) in REQUEST_REPLIES:
+            route = self._lane_routes.get(msg.req_id)
+            if route is not None:
+                try:
+                    route(msg)
+                    return
+                except ConnectionClosed:  # the notebook closed the lane (a restart): the agent's way is open
+                    pass
         self.conn.send(msg)
 
     def install(self) -> None:
@@ -220,12 +245,16 @@ class Worker:
         if sock is None:
             return
         lane: list[LaneServer] = []
+        loop = asyncio.get_running_loop()
 
         def on_message(msg: Any) -> None:
             if isinstance(msg, ActorCall):
                 self.actors.deliver(msg, lane[0].send)
+            elif type(msg) in REQUESTS:  # run after this batch of frames, so its output is not held
+                self._lane_routes[msg.req_id] = lane[0].send
+                loop.call_soon(self._handle_request, msg)
 
-        lane.append(LaneServer(sock, asyncio.get_running_loop(), on_message))
+        lane.append(LaneServer(sock, loop, on_message))
 
     def _handle_request(self, msg: Any) -> None:
         # A cell runs as plain code, as in a fresh interpreter: it may call asyncio.run().
@@ -264,7 +293,10 @@ class Worker:
         self._set_request(None)
         if signal.getsignal(signal.SIGINT) != self._on_sigint:
             signal.signal(signal.SIGINT, self._on_sigint)  # the cell installed its own: stop must work next time
-        self._send(Result(msg.req_id, self.config.rank, sealed, failure, started, time.time()))
+        # on a lane, around the agent: the result says how much fd output must be shown before it
+        mark = self._fd_marks.mark() if msg.req_id in self._lane_routes and self._fd_marks is not None else 0
+        self._send(Result(msg.req_id, self.config.rank, sealed, failure, started, time.time(), mark))
+        self._lane_routes.pop(msg.req_id, None)
 
     def _dispatch(self, msg: Any) -> Any:
         if isinstance(msg, RunCell):

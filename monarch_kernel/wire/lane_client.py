@@ -1,4 +1,5 @@
-"""The notebook's end of the direct lanes to its local ranks: calls out, replies in.
+"""The notebook's end of the direct lanes to its local ranks: calls and requests out, replies,
+results and a request's output in.
 
 See `lanes` for what a lane is. Threading: any thread may send; the thread that waits
 for replies reads them itself; the controller loop's service tick writes queued calls
@@ -17,8 +18,10 @@ from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.wire.lanes import lane_path, peer_is_us, read_available
+from monarch_kernel.wire.messages import Display, InputRequest, Output
 from monarch_kernel.wire.transport import FrameProtocol, advance, byte_views
 
+PROGRESS = frozenset({Output, Display, InputRequest})  # what a rank sends about a request before its result
 BATCH_FRAMES = 64  # queued calls written in one go
 QUIET_S = 0.005  # the service tick leaves a lane alone this long after a call was sent
 
@@ -116,8 +119,9 @@ class Lane:
         read_available(self.sock, self._reader, self._lost, lambda: self.closed)
 
     def _got(self, msg: Any) -> None:
-        with self._count_lock:
-            self.unanswered = max(0, self.unanswered - 1)
+        if type(msg) not in PROGRESS:  # an answer (a reply, a result), not output on the way to one
+            with self._count_lock:
+                self.unanswered = max(0, self.unanswered - 1)
         self._on_message(msg)
 
     def _lost(self, exc: Exception | None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,8 @@ class LaneServer:
 
     Frames are read straight off the socket when it is readable; replies made while a
     batch of calls is being handled go out together in one write at the end of it.
+    `send` may be called from any thread (a request's output is sent by the stream
+    flushers); only the loop thread waits for room in the socket.
     """
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, on_message: Callable[[Any], None]):
@@ -54,7 +57,9 @@ class LaneServer:
         self.sock = sock
         self.closed = False
         self._loop = loop
+        self._loop_thread = threading.get_ident()  # made on the loop thread
         self._reader = FrameProtocol(on_message, self._lost)
+        self._lock = threading.Lock()  # guards _out and writes to the socket
         self._out: list[memoryview] = []
         self._in_batch = False
         self._waiting_to_write = False
@@ -62,11 +67,14 @@ class LaneServer:
 
     def send(self, msg: Any) -> None:
         """Send a reply (now, or with the rest of the batch being handled)."""
-        if self.closed:
-            raise ConnectionClosed("the lane is closed")
-        self._out.extend(byte_views(encode(msg)))
-        if not self._in_batch:
-            self._flush()
+        views = byte_views(encode(msg))
+        with self._lock:
+            if self.closed:
+                raise ConnectionClosed("the lane is closed")
+            self._out.extend(views)
+            if self._in_batch and threading.get_ident() == self._loop_thread:
+                return
+        self._flush()
 
     def _readable(self) -> None:
         self._in_batch = True
@@ -77,28 +85,38 @@ class LaneServer:
         self._flush()
 
     def _flush(self) -> None:
-        while self._out and not self.closed:
-            try:
-                advance(self._out, self.sock.sendmsg(self._out[:512]))
-            except (BlockingIOError, InterruptedError):
-                if not self._waiting_to_write:  # the caller is not reading yet: finish when it does
-                    self._waiting_to_write = True
-                    self._loop.add_writer(self.sock.fileno(), self._writable)
-                return
-            except OSError as exc:
-                self._lost(exc)
+        with self._lock:
+            while self._out and not self.closed:
+                try:
+                    advance(self._out, self.sock.sendmsg(self._out[:512]))
+                except (BlockingIOError, InterruptedError):
+                    if not self._waiting_to_write:  # the caller is not reading yet: finish when it does
+                        self._waiting_to_write = True
+                        self._loop.call_soon_threadsafe(self._wait_for_room)
+                    return
+                except OSError as exc:
+                    self.closed = True
+                    self._out.clear()
+                    self._loop.call_soon_threadsafe(self._lost, exc)
+                    return
+
+    def _wait_for_room(self) -> None:
+        if not self.closed:
+            self._loop.add_writer(self.sock.fileno(), self._writable)
 
     def _writable(self) -> None:
-        self._waiting_to_write = False
+        with self._lock:
+            self._waiting_to_write = False
         self._loop.remove_writer(self.sock.fileno())
         self._flush()
 
     def _lost(self, exc: Exception | None) -> None:
-        if self.closed:
+        """On the loop thread: stop serving this lane."""
+        if self.sock.fileno() < 0:
             return
-        self.closed = True
-        self._out.clear()
+        with self._lock:
+            self.closed = True
+            self._out.clear()
         self._loop.remove_reader(self.sock.fileno())
-        if self._waiting_to_write:
-            self._loop.remove_writer(self.sock.fileno())
+        self._loop.remove_writer(self.sock.fileno())
         self.sock.close()

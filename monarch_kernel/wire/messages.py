@@ -63,7 +63,11 @@ class Failure:
 
 @dataclass(frozen=True)
 class Result:
-    """One rank's reply to a request: a Sealed value or a Failure."""
+    """One rank's reply to a request: a Sealed value or a Failure.
+
+    fd_mark: for a request that came on a lane, how many bytes of the rank's fd output its
+    agent had passed on when it ended (the controller books the result after seeing them).
+    """
 
     req_id: int
     rank: int
@@ -71,16 +75,21 @@ class Result:
     failure: Failure | None
     started: float
     finished: float
+    fd_mark: int = 0
 
 
 @dataclass(frozen=True)
 class Output:
-    """Text a rank wrote to stdout/stderr while handling request req_id (None: idle)."""
+    """Text a rank wrote to stdout/stderr while handling request req_id (None: idle, or fd output).
+
+    fd_total: for fd output on the notebook's machine, the rank's fd bytes passed on so far.
+    """
 
     rank: int
     req_id: int | None
     stream: str
     text: str
+    fd_total: int | None = None
 
 
 @dataclass(frozen=True)
