@@ -15,7 +15,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import GroupingSink, NullSink, benchmark_main, figure, timed  # noqa: E402
+from common import GroupingSink, NullSink, benchmark_main, figure, timed, timed_together  # noqa: E402
 
 WORKERS = 4
 MIB64 = 64 << 20
@@ -25,11 +25,23 @@ LINES_CODE = "for i in range(1000):\n    print('line', i)"
 # ------------------------------------------------------------------ systems
 
 
+def _noop_actor():
+    from monarch_kernel import Actor, endpoint
+
+    class Noop(Actor):
+        @endpoint
+        def noop(self) -> None:
+            return None
+
+    return Noop
+
+
 def bench_ours(quick: bool) -> dict:
     import torch
 
     import monarch_kernel
 
+    Noop = _noop_actor()
     res: dict = {}
     startups = []
     for _ in range(1 if quick else 3):
@@ -42,7 +54,20 @@ def bench_ours(quick: bool) -> dict:
     mesh = monarch_kernel.local_mesh(gpus=WORKERS, dist="gloo")
     res["restart"] = timed(lambda: (mesh.restart(), mesh.run("pass", sink=NullSink())), 1 if quick else 3, 0)
     n = 100 if quick else 500
-    res["no-op broadcast (API)"] = timed(lambda: mesh.run("pass", sink=NullSink()), n, 20)
+    noop = mesh.spawn("bench_noop", Noop)  # the bar for a cell: an actor call to every rank
+    sender = mesh._runtime.sender
+    on_lanes = sender.request_lanes
+
+    def through_the_agent() -> None:  # the path cells took before they used the lanes
+        sender.request_lanes = lambda ranks: None
+        try:
+            mesh.run("pass", sink=NullSink())
+        finally:
+            sender.request_lanes = on_lanes
+
+    res.update(timed_together({"no-op broadcast (API)": lambda: mesh.run("pass", sink=NullSink()),
+                               "our actor call to all 4 (API)": lambda: noop.noop.call().get(),
+                               "no-op broadcast through the agent": through_the_agent}, 3 * n))
 
     from IPython.testing.globalipapp import start_ipython
 
@@ -275,7 +300,8 @@ def _raw_child(sock) -> None:
 
 SYSTEMS = {"ours": bench_ours, "raw": bench_raw, "ipyparallel": bench_ipyparallel, "monarch": bench_monarch,
            "ray": bench_ray}
-ROWS = ["startup (import torch)", "restart", "no-op broadcast (API)", "no-op broadcast (magic)",
+ROWS = ["startup (import torch)", "restart", "no-op broadcast (API)", "our actor call to all 4 (API)",
+        "no-op broadcast through the agent", "no-op broadcast (magic)",
         "pull 64 MiB (s)", "push 64 MiB to 4 (s)", "copy 64 MiB in process (s)", "4 x 1,000 lines shown"]
 
 

@@ -22,6 +22,18 @@ def timed(fn, n: int, warmup: int = 1) -> list[float]:
     return out
 
 
+def timed_together(fns: dict, n: int, rounds: int = 10, warmup: int = 20) -> dict[str, list[float]]:
+    """Seconds per call of each fn, taken in alternating blocks (n in all for each), so that
+    the machine's drift during the run weighs on every row alike."""
+    for fn in fns.values():
+        timed(fn, 0, warmup)
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            out[name] += timed(fn, max(1, n // rounds), 0)
+    return out
+
+
 class NullSink:
     """An output sink that discards everything (to time the transport, not the view)."""
 
