@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import codecs
 
-from monarch_kernel.core.output_caps import MAX_FD_OUTPUT_PER_REQUEST, fd_dropped_note
+from monarch_kernel.core.output_caps import MAX_FD_OUTPUT_PER_REQUEST, fd_dropped_note, fit
 
 
 class FdOutput:
@@ -32,10 +32,9 @@ class FdOutput:
         text = decoder.decode(data, final=not data)
         if self.limit is None:
             return text
-        room = self.limit - self._sent.get(rank, 0)
-        if len(text) > room:
-            self._dropped[rank] = self._dropped.get(rank, 0) + len(text) - max(room, 0)
-            text = text[:max(room, 0)]
+        text, dropped = fit(text, self._sent.get(rank, 0), self.limit)
+        if dropped:
+            self._dropped[rank] = self._dropped.get(rank, 0) + dropped
         self._sent[rank] = self._sent.get(rank, 0) + len(text)
         return text
 

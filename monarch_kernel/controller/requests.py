@@ -25,7 +25,7 @@ from monarch_kernel.controller.router import ControllerSender
 from monarch_kernel.controller.state import MeshState, RankState, Request
 from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.core.failures import FailureKind, RankFailure
-from monarch_kernel.core.output_caps import MAX_FD_OUTPUT_PER_REQUEST, fd_dropped_note
+from monarch_kernel.core.output_caps import fd_dropped_note, fit
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.transport import encode
 
@@ -92,11 +92,8 @@ class RequestBook:
                 req = self._state.requests.get(msg.req_id)
                 if req is None or msg.rank not in req.ranks:
                     return
-                if msg.fd_mark > self._state.ranks[msg.rank].fd_seen:  # its last fd output is still on its way
-                    req.held[msg.rank] = (msg, time.monotonic())
-                    return
-                req.results[msg.rank] = msg  # (the waiter shows it done when it next wakes: see futures.py)
-                self._maybe_complete(req)
+                req.held[msg.rank] = (msg, time.monotonic())  # (booked now unless fd output is still on its way)
+                self._release(req, [msg.rank] if self._fd_caught_up(req, msg.rank) else [])
         elif isinstance(msg, m.Output):
             self.output(msg)
         elif isinstance(msg, m.Display):
@@ -111,17 +108,18 @@ class RequestBook:
         if req.held:
             with self._lock:
                 now = time.monotonic()
-                self._release(req, lambda rank, since: now - since > after)
+                self._release(req, [rank for rank, (_, since) in req.held.items() if now - since > after])
 
-    def _fd_caught_up(self, req: Request) -> Callable[[int, float], bool]:
-        """Whether a held result's fd output has all reached us."""
-        return lambda rank, _since: req.held[rank][0].fd_mark <= self._state.ranks[rank].fd_seen
+    def _fd_caught_up(self, req: Request, rank: int) -> bool:
+        """Whether the fd output a held result says came before it has all reached us."""
+        return req.held[rank][0].fd_mark <= self._state.ranks[rank].fd_seen
 
-    def _release(self, req: Request, ready: Callable[[int, float], bool]) -> None:
-        """Book the held results that are ready now. Caller holds the lock."""
-        for rank, (result, since) in list(req.held.items()):
-            if ready(rank, since) and not req.future.done():
-                del req.held[rank]
+    def _release(self, req: Request, ranks: Iterable[int]) -> None:
+        """Book these ranks' held results (the waiter shows them done when it next wakes: see
+        futures.py). Caller holds the lock."""
+        for rank in ranks:
+            result, _ = req.held.pop(rank)
+            if not req.future.done():
                 req.results[rank] = result
         self._maybe_complete(req)
 
@@ -223,7 +221,7 @@ class RequestBook:
                 for req_id in list(rank_state.inflight):  # results that waited for this output
                     req = self._state.requests.get(req_id)
                     if req is not None and msg.rank in req.held:
-                        self._release(req, self._fd_caught_up(req))
+                        self._release(req, [rank for rank in list(req.held) if self._fd_caught_up(req, rank)])
         if not taken:
             self._idle_output(msg.rank, msg.stream, msg.text)
 
@@ -258,14 +256,13 @@ class RequestBook:
         if req is None:
             return False
         if isinstance(msg, m.Output) and msg.req_id is None:  # fd output (the agent caps it for remote hosts)
-            shown = req.fd_shown.get(msg.rank, 0)
-            room = max(MAX_FD_OUTPUT_PER_REQUEST - shown, 0)
-            if len(msg.text) > room:
-                req.fd_dropped[msg.rank] = req.fd_dropped.get(msg.rank, 0) + len(msg.text) - room
-                if not room:
+            text, dropped = fit(msg.text, req.fd_shown.get(msg.rank, 0))
+            if dropped:
+                req.fd_dropped[msg.rank] = req.fd_dropped.get(msg.rank, 0) + dropped
+                if not text:
                     return True
-                msg = dataclasses.replace(msg, text=msg.text[:room])
-            req.fd_shown[msg.rank] = shown + len(msg.text)
+                msg = dataclasses.replace(msg, text=text)
+            req.fd_shown[msg.rank] = req.fd_shown.get(msg.rank, 0) + len(text)
         req.events.put(msg)
         return True
 
@@ -293,7 +290,7 @@ class RequestBook:
         for req_id in list(rank_state.inflight):
             req = self._state.requests.get(req_id)
             if req is not None and rank in req.held:  # it answered: its fd output will not come now
-                self._release(req, lambda held_rank, _since: held_rank == rank)
+                self._release(req, [rank])
             if req is None or rank in req.results:
                 continue
             req.failures[rank] = failure

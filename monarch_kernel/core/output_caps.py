@@ -14,3 +14,9 @@ def fd_dropped_note(rank: int, dropped: int, limit: int = MAX_FD_OUTPUT_PER_REQU
     """What a request shows in place of the descriptor output past its cap."""
     return (f"[monarch_kernel: {dropped:,} more characters written to the file descriptors of rank {rank} "
             f"were not shown (at most {limit:,} per request); send large output to a file]\n")
+
+
+def fit(text: str, used: int, limit: int = MAX_FD_OUTPUT_PER_REQUEST) -> tuple[str, int]:
+    """The part of `text` that fits after `used` characters, and how many did not."""
+    room = max(limit - used, 0)
+    return (text, 0) if len(text) <= room else (text[:room], len(text) - room)
