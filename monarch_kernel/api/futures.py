@@ -54,7 +54,7 @@ class MeshFuture(Future[T]):
 
     def done(self) -> bool:
         """Whether every rank has answered (or failed)."""
-        return self._request.future.done()
+        return self._request.done
 
     def rank_times(self) -> list[tuple[int, float | None, bool]]:
         """(rank, seconds, ok) for each rank of a finished run; seconds None if it died."""
@@ -90,7 +90,7 @@ class MeshFuture(Future[T]):
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
                     return False
-            if self._request.on_lanes and events.empty() and not self._request.future.done():
+            if self._request.on_lanes and events.empty() and not self._request.done:
                 # its output and results come on the ranks' lanes: read them on this thread
                 wait = 0.0 if self._read_lanes(events, wait) else wait
             try:
@@ -124,7 +124,7 @@ class MeshFuture(Future[T]):
         return done is not None
 
     async def _wait_async(self) -> None:
-        await asyncio.wrap_future(self._request.future)
+        await asyncio.wrap_future(self._request.completion())
 
     def _cancel(self) -> None:
         self._stopping = True

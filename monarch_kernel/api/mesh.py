@@ -229,7 +229,7 @@ class Mesh:
         label, rank, host, seconds, ok, finished_at. `last` keeps the newest N records.
         """
         chosen = set(self.ranks)
-        records = [r.__dict__.copy() for r in list(self._runtime.state.history) if r.rank in chosen]
+        records = [r._asdict() for r in list(self._runtime.state.history) if r.rank in chosen]
         if last is not None:
             records = records[-last:]
         try:

@@ -90,10 +90,13 @@ class RequestBook:
         if isinstance(msg, m.Result):
             with self._lock:
                 req = self._state.requests.get(msg.req_id)
-                if req is None or msg.rank not in req.ranks:
+                if req is None or msg.rank not in req.ranks:  # (booked requests are not done)
                     return
-                req.held[msg.rank] = (msg, time.monotonic())  # (booked now unless fd output is still on its way)
-                self._release(req, [msg.rank] if self._fd_caught_up(req, msg.rank) else [])
+                if msg.fd_mark > self._state.ranks[msg.rank].fd_seen:  # fd output is still on its way
+                    req.held[msg.rank] = (msg, time.monotonic())
+                    return
+                req.results[msg.rank] = msg
+                self._maybe_complete(req)
         elif isinstance(msg, m.Output):
             self.output(msg)
         elif isinstance(msg, m.Display):
@@ -119,7 +122,7 @@ class RequestBook:
         futures.py). Caller holds the lock."""
         for rank in ranks:
             result, _ = req.held.pop(rank)
-            if not req.future.done():
+            if not req.done:
                 req.results[rank] = result
         self._maybe_complete(req)
 
@@ -132,7 +135,7 @@ class RequestBook:
             link.send(m.InterruptRanks(local, tuple(req_ids), running=True))
 
     def _stop(self, req: Request, once: bool) -> None:
-        if req.future.done() or (once and req.stopping):
+        if req.done or (once and req.stopping):
             return  # (once: a lost host's ranks each fail the request; a user's second stop is sent)
         req.stopping = True
         self._state.send_to_ranks(req.outstanding, lambda local: m.InterruptRanks(local, (req.req_id,)))
@@ -164,27 +167,28 @@ class RequestBook:
 
     def _maybe_complete(self, req: Request) -> None:
         """Complete the request if no rank owes it anything. Caller holds the lock."""
-        if req.outstanding or req.future.done():
+        if len(req.results) + len(req.failures) < len(req.ranks) or req.outstanding or req.done:
             return
         state = self._state
         state.requests.pop(req.req_id, None)
+        now = time.time()
         for rank in req.ranks:
             rank_state = state.ranks[rank]
             if req.req_id in rank_state.inflight:
                 rank_state.inflight.remove(req.req_id)
-                rank_state.busy_since = time.time() if rank_state.inflight else None
+                rank_state.busy_since = now if rank_state.inflight else None
         times = []
         for rank in sorted(req.ranks):
             result = req.results.get(rank)
             times.append((rank, None, False) if result is None
                          else (rank, result.finished - result.started, result.failure is None))
-        state.record_timing(req.label, times)
+        state.record_timing(req.label, times, now)
         if req.on_done is not None:
             req.on_done()
         for rank, dropped in sorted(req.fd_dropped.items()):
             req.events.put(m.Output(rank, req.req_id, "stderr", fd_dropped_note(rank, dropped)))
         req.events.put(DoneEvent())
-        req.future.set_result(req)
+        req.finish()
 
     def fail_all(self, why: str) -> None:
         """The mesh restarts or shuts down: every request and call in flight fails."""

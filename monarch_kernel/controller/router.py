@@ -85,8 +85,13 @@ class ControllerSender:
         with an open lane; None otherwise (the request then goes through the agents)."""
         if not ranks or self._state.shm_dir_for(ranks) is None:
             return None
-        lanes = [self._lane(rank) for rank in sorted(ranks)]
-        return None if any(lane is None for lane in lanes) else lanes  # type: ignore[return-value]
+        lanes = []
+        for rank in sorted(ranks):
+            lane = self.lanes.get(rank) if self._state.is_alive(rank) else None
+            if lane is None:
+                return None
+            lanes.append(lane)
+        return lanes
 
     def _on_lane_message(self, msg: Any) -> None:
         if isinstance(msg, m.ActorReply):

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from monarch_kernel.controller.events import RequestEvent
 from monarch_kernel.controller.hosts import HostSpec
@@ -141,25 +141,43 @@ class Request:
     events: queue.SimpleQueue[RequestEvent] = field(default_factory=queue.SimpleQueue)
     results: dict[int, m.Result] = field(default_factory=dict)
     failures: dict[int, RankFailure] = field(default_factory=dict)
-    future: concurrent.futures.Future[Request] = field(default_factory=concurrent.futures.Future)
     on_done: Callable[[], None] | None = None
+    done: bool = False  # every rank answered or failed (see finish)
     stopping: bool = False  # its ranks were told to stop it (fail fast, a lost host, a cancel)
     on_lanes: bool = False  # sent on the direct lanes: its output and results come back on them
     fd_shown: dict[int, int] = field(default_factory=dict)  # characters of fd output shown, by rank
     fd_dropped: dict[int, int] = field(default_factory=dict)  # and past the cap (see core/output_caps)
     held: dict[int, tuple[m.Result, float]] = field(default_factory=dict)  # results waiting for fd output
     _inputs: dict[int, bool] = field(default_factory=dict)  # id(InputRequest) -> claimed (True) or expired
-    _inputs_lock: threading.Lock = field(default_factory=threading.Lock)
+    _completion: concurrent.futures.Future[Request] | None = None  # made when someone awaits it
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # guards _inputs, done and _completion
 
     def claim_input(self, msg: m.InputRequest) -> bool:
         """A waiting thread takes this input() to ask the notebook (False: it expired already)."""
-        with self._inputs_lock:
+        with self._lock:
             return self._inputs.setdefault(id(msg), True)
 
     def expire_input(self, msg: m.InputRequest) -> bool:
         """Nobody took this input() in time: True if it is now expired (False: it was claimed)."""
-        with self._inputs_lock:
+        with self._lock:
             return not self._inputs.setdefault(id(msg), False)
+
+    def finish(self) -> None:
+        """Mark the request done (once), and resolve its completion future if one was made."""
+        with self._lock:
+            self.done = True
+            completion = self._completion
+        if completion is not None:
+            completion.set_result(self)
+
+    def completion(self) -> concurrent.futures.Future[Request]:
+        """A future resolved when the request is done (made on first use: few requests are awaited)."""
+        with self._lock:
+            if self._completion is None:
+                self._completion = concurrent.futures.Future()
+                if self.done:
+                    self._completion.set_result(self)
+            return self._completion
 
     @property
     def outstanding(self) -> set[int]:
@@ -167,9 +185,9 @@ class Request:
         return set(self.ranks) - set(self.results) - set(self.failures)
 
 
-@dataclass(frozen=True)
-class TimingRecord:
-    """How long one rank took for one request (None: it died or was lost)."""
+class TimingRecord(NamedTuple):
+    """How long one rank took for one request (None: it died or was lost); a tuple, made
+    for every rank of every request."""
 
     label: str
     rank: int

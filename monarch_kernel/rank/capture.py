@@ -105,6 +105,10 @@ class RankStream(io.TextIOBase):
 
     def finish_request(self, req: int | None) -> None:
         """Flush, then report how much of this request's output was dropped, if any."""
+        with self._send_lock:  # (taken even when nothing is queued: a flush under way finishes first)
+            if not self._chunks and req not in self._dropped:
+                self._sent_by_request.pop(req, None)
+                return
         self.flush()
         with self._send_lock:
             dropped = self._dropped.pop(req, 0)

@@ -12,6 +12,7 @@ ipywidgets: ranks start light.
 
 from __future__ import annotations
 
+import _signal
 import asyncio
 import faulthandler
 import importlib
@@ -250,9 +251,10 @@ class Worker:
         def on_message(msg: Any) -> None:
             if isinstance(msg, ActorCall):
                 self.actors.deliver(msg, lane[0].send)
-            elif type(msg) in REQUESTS:  # run after this batch of frames, so its output is not held
+            elif type(msg) in REQUESTS:  # run now, in the order it came, its replies sent as they are made
                 self._lane_routes[msg.req_id] = lane[0].send
-                loop.call_soon(self._handle_request, msg)
+                lane[0].end_batch()
+                self._handle_request(msg)
 
         lane.append(LaneServer(sock, loop, on_message))
 
@@ -291,7 +293,7 @@ class Worker:
         self.stdout.finish_request(msg.req_id)
         self.stderr.finish_request(msg.req_id)
         self._set_request(None)
-        if signal.getsignal(signal.SIGINT) != self._on_sigint:
+        if _signal.getsignal(signal.SIGINT) != self._on_sigint:  # (signal.getsignal makes an enum: slower)
             signal.signal(signal.SIGINT, self._on_sigint)  # the cell installed its own: stop must work next time
         # on a lane, around the agent: the result says how much fd output must be shown before it
         mark = self._fd_marks.mark() if msg.req_id in self._lane_routes and self._fd_marks is not None else 0
@@ -363,6 +365,8 @@ class Worker:
         return post_mortem()
 
     def _seal_value(self, msg: Any, value: Any) -> tuple[Any, Failure | None]:
+        if value is None:  # (most cells and pushes: nothing to pickle, nothing to unpickle)
+            return None, None
         try:
             return seal(value, shm_dir=self.config.shm_dir), None
         except SerializationError as exc:

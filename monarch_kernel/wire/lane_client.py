@@ -220,10 +220,10 @@ class LanePool:
                     lane.waiters -= 1
 
     def _read_until(self, lanes: list[Lane], done: Callable[[], bool], deadline: float | None) -> bool:
-        while not done():
+        ready = lanes  # read what is there already; then only the lanes select says have bytes
+        while True:
             shared = False  # another thread may read our replies: poll, do not sleep in select
-            for lane in lanes:
-                shared = shared or lane.waiters > 1
+            for lane in ready:
                 if lane.read_lock.acquire(blocking=False):
                     try:
                         lane.drain()
@@ -236,6 +236,7 @@ class LanePool:
             wait = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
             if wait <= 0:
                 return False
+            shared = shared or any(lane.waiters > 1 for lane in lanes)
             for lane in lanes:
                 if lane.wants_write:
                     lane.flush(wait_for_lock=False)  # what the socket had no room for
@@ -244,12 +245,14 @@ class LanePool:
             try:
                 if not open_lanes:
                     time.sleep(min(wait, 0.001))  # the rank died: its failure comes another way
-                else:
-                    select.select([lane.sock for lane in open_lanes], writing, [],
-                                  min(wait, 0.001) if shared else wait)
+                    ready = []
+                    continue
+                readable, _, _ = select.select([lane.sock for lane in open_lanes], writing, [],
+                                               min(wait, 0.001) if shared else wait)
             except (OSError, ValueError):
+                ready = []
                 continue  # a lane closed under us (a restart): the next round sees it
-        return True
+            ready = [lane for lane in open_lanes if lane.sock in readable]
 
     def _tick(self) -> None:
         """On the loop thread: write queued calls, read replies nobody is waiting for."""

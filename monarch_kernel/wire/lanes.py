@@ -34,7 +34,9 @@ def peer_is_us(sock: socket.socket) -> bool:
 
 def read_available(sock: socket.socket, reader: FrameProtocol, lost: Callable[[Exception | None], None],
                    closed: Callable[[], bool]) -> None:
-    """Feed every byte already waiting on a non-blocking socket to a frame reader."""
+    """Feed the bytes waiting on a non-blocking socket to a frame reader, until a read comes
+    back short (the socket was empty then: what comes later wakes the caller's select again,
+    and a read that would only say "nothing more" is saved)."""
     while not closed():
         buf = reader.get_buffer(-1)
         try:
@@ -48,3 +50,5 @@ def read_available(sock: socket.socket, reader: FrameProtocol, lost: Callable[[E
             lost(None)
             return
         reader.buffer_updated(n)
+        if n < len(buf):
+            return
