@@ -310,6 +310,16 @@ def test_mesh_cells_see_the_actors_of_their_rank(mesh, counters):
     assert ranks == {0: 0, 1: 1, 2: 2, 3: 3}
 
 
+def test_a_cell_and_an_actor_call_queued_behind_it_run_in_the_order_they_were_sent(mesh, counters):
+    busy = mesh.run_async("import time\ntime.sleep(0.5)")  # both wait behind it, and are read together
+    cell = mesh.run_async("actors['counters'].seen.append(('order', 'cell'))")
+    call = counters.record.call("order", "call")
+    for future in (busy, cell, call):
+        future.get(timeout=20)
+    for seen in counters.history.call().get().values():
+        assert [what for sender, what in seen if sender == "order"][-2:] == ["cell", "call"]
+
+
 def test_a_cell_may_call_actors_on_other_ranks_and_its_own(mesh, counters, relays):
     code = ("from monarch_kernel import current_rank\n"
             "others = actors['relays'].counters.slice(gpus=slice(1, 4))\n"

@@ -255,6 +255,19 @@ def test_background_run_can_be_awaited(mesh4, sink):
     assert list(vm.values()) == [7] * 4 and future.done()
 
 
+def test_a_request_completion_resolves_whether_made_before_or_after_it_finished():
+    from monarch_kernel.controller.state import Request
+
+    early = Request(1, frozenset({0}), "early", False)
+    waiting = early.completion()  # an await that began while it ran
+    assert not waiting.done()
+    early.finish()
+    assert waiting.result(timeout=0) is early
+    late = Request(2, frozenset({0}), "late", False)
+    late.finish()  # an await that began after the last result was booked
+    assert late.completion().result(timeout=0) is late
+
+
 async def _await(future):
     return await future
 
