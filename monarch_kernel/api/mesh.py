@@ -215,11 +215,14 @@ class Mesh:
 
     def _values(self, req: Request) -> ValueMesh[Any]:
         values = []
+        failed = bool(req.failures)
         for rank in self.ranks:
             result = req.results.get(rank)
+            failed = failed or result is None or result.failure is not None
             values.append(None if result is None or result.value is None else unseal(result.value))
         vm = ValueMesh(self._shape, values)
-        raise_failures(req, self._runtime, partial=vm)
+        if failed:
+            raise_failures(req, self._runtime, partial=vm)
         return vm
 
     def history(self, last: int | None = None) -> Any:

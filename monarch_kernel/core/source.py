@@ -12,7 +12,15 @@ _FLAGS = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
 
 def check_syntax(code: str, filename: str) -> None:
     """Raise SyntaxError (with the cell's line) before anything is sent to ranks."""
-    compile_cell(code, filename)
+    _compiled(code, filename)
+
+
+def _compiled(code: str, filename: str) -> tuple[CodeType | None, CodeType | None]:
+    try:
+        return _compile_source(code)
+    except SyntaxError:
+        ast.parse(code, filename, "exec")  # the same error, naming the cell
+        raise
 
 
 def compile_cell(code: str, filename: str) -> tuple[CodeType | None, CodeType | None]:
@@ -21,11 +29,7 @@ def compile_cell(code: str, filename: str) -> tuple[CodeType | None, CodeType | 
     As in IPython, a trailing semicolon means "no value". A source is compiled once (the
     same cell run again, or on every rank of a host, costs a rename, not a compile).
     """
-    try:
-        body, expr = _compile_source(code)
-    except SyntaxError:
-        ast.parse(code, filename, "exec")  # the same error, naming the cell
-        raise
+    body, expr = _compiled(code, filename)
     return _renamed(body, filename), _renamed(expr, filename)
 
 

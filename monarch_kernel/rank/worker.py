@@ -121,6 +121,7 @@ class Worker:
         self._input_ready = threading.Event()
         self._input_answer: tuple[str, str | None] = ("", None)
         self.reloader = Reloader(config.rank)  # modules of synced workspaces (`Mesh.autoreload`)
+        self._sigint_handler = self._on_sigint  # the one installed (bound once: checked after every request)
 
     def _send(self, msg: Any) -> None:
         """To the agent; a request's output and result go back the lane it came by, if it did."""
@@ -148,7 +149,7 @@ class Worker:
         getpass.getpass = self._getpass
         sys.breakpointhook = _breakpoint
         self.displays.patch_ipython()
-        signal.signal(signal.SIGINT, self._on_sigint)
+        signal.signal(signal.SIGINT, self._sigint_handler)
 
     def _getpass(self, prompt: str = "Password: ", stream: Any = None) -> str:
         """getpass() on a rank: a masked box in the notebook (a login token, say)."""
@@ -246,17 +247,18 @@ class Worker:
         if sock is None:
             return
         lane: list[LaneServer] = []
-        loop = asyncio.get_running_loop()
+        reply: list[Callable[[Any], None]] = []  # its send, bound once
 
         def on_message(msg: Any) -> None:
             if isinstance(msg, ActorCall):
-                self.actors.deliver(msg, lane[0].send)
+                self.actors.deliver(msg, reply[0])
             elif type(msg) in REQUESTS:  # run now, in the order it came, its replies sent as they are made
-                self._lane_routes[msg.req_id] = lane[0].send
+                self._lane_routes[msg.req_id] = reply[0]
                 lane[0].end_batch()
                 self._handle_request(msg)
 
-        lane.append(LaneServer(sock, loop, on_message))
+        lane.append(LaneServer(sock, asyncio.get_running_loop(), on_message))
+        reply.append(lane[0].send)
 
     def _handle_request(self, msg: Any) -> None:
         # A cell runs as plain code, as in a fresh interpreter: it may call asyncio.run().
@@ -293,8 +295,8 @@ class Worker:
         self.stdout.finish_request(msg.req_id)
         self.stderr.finish_request(msg.req_id)
         self._set_request(None)
-        if _signal.getsignal(signal.SIGINT) != self._on_sigint:  # (signal.getsignal makes an enum: slower)
-            signal.signal(signal.SIGINT, self._on_sigint)  # the cell installed its own: stop must work next time
+        if _signal.getsignal(signal.SIGINT) is not self._sigint_handler:  # (signal.getsignal makes an enum)
+            signal.signal(signal.SIGINT, self._sigint_handler)  # the cell installed its own: stop must work next time
         # on a lane, around the agent: the result says how much fd output must be shown before it
         mark = self._fd_marks.mark() if msg.req_id in self._lane_routes and self._fd_marks is not None else 0
         self._send(Result(msg.req_id, self.config.rank, sealed, failure, started, time.time(), mark))

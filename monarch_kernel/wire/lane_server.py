@@ -80,7 +80,8 @@ class LaneServer:
         """Send what the batch has made so far, and the rest of its replies as they are made
         (a request about to run: its output and input() prompts must not wait for its end)."""
         self._in_batch = False
-        self._flush()
+        if self._out:
+            self._flush()
 
     def _readable(self) -> None:
         self._in_batch = True
