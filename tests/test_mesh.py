@@ -87,6 +87,23 @@ def test_errors_carry_remote_tracebacks_with_cell_lines(mesh4, sink):
     assert "worker.py" not in text
 
 
+def test_the_same_code_run_again_keeps_its_name_and_one_source_per_rank(mesh4, sink):
+    count_sources = "len(__import__('linecache').cache)"
+    mesh4.run("step = 0", sink=sink)
+    before = mesh4.pull(count_sources).by_rank()
+    labels = {mesh4.run_async("step += 1", sink=sink).label for _ in range(30)}
+    assert len(labels) == 1 and mesh4.pull(count_sources).by_rank() == {r: n + 1 for r, n in before.items()}
+    assert mesh4.pull("step").by_rank() == {r: 30 for r in range(4)}
+    other = mesh4.run_async("step -= 1", sink=sink)
+    assert other.label not in labels
+    other.get(timeout=10)
+    # tracebacks of two different sources each show their own lines
+    for code, line in (("x = 1\n1/0", "1/0"), ("y = 2\n[][1]", "[][1]")):
+        with pytest.raises(RemoteError) as info:
+            mesh4.run(code, sink=sink)
+        assert "line 2" in str(info.value) and line in str(info.value)
+
+
 def test_identical_errors_are_grouped(mesh4, sink):
     with pytest.raises(RemoteError) as info:
         mesh4.run("1/0", sink=sink)

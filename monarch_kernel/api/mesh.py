@@ -29,13 +29,13 @@ from monarch_kernel.core.addresses import is_unspecified
 from monarch_kernel.core.errors import MeshInterrupted, MeshStartError, MeshUsageError, SerializationError
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import Selector, Shape
-from monarch_kernel.core.source import check_syntax
+from monarch_kernel.core.source import CellNames, check_syntax
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.messages import HealthTimings
 from monarch_kernel.wire.serialization import Sealed, release, seal, unseal
 
-_cell_numbers = itertools.count(1)
+_cell_names = CellNames()
 _mesh_numbers = itertools.count(0)
 _spawns = itertools.count(1)
 BACKENDS = ("gloo", "nccl", "none")
@@ -146,7 +146,7 @@ class Mesh:
         With background=True, live output is delivered from a helper thread (to the
         cell that started the run) even if nobody calls get().
         """
-        filename = f"<mesh {name or f'cell {next(_cell_numbers)}'}>"
+        filename = f"<mesh {name or _cell_names.name_of(code)}>"
         check_syntax(code, filename)
         if workspace.workspaces_of(self._runtime).auto:  # edits made since the last cell go first
             workspace.sync_changed(self._runtime)

@@ -21,8 +21,10 @@ __all__ = ["CellRunner", "describe_failure", "register_source"]
 
 
 def register_source(code: str, filename: str) -> None:
-    """Make `filename`'s source visible to tracebacks."""
-    linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
+    """Make `filename`'s source visible to tracebacks (kept as it is if it holds this source)."""
+    held = linecache.cache.get(filename)
+    if held is None or held[0] != len(code) or "".join(held[2]) != code:
+        linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
 
 
 class CellRunner:
