@@ -1,8 +1,10 @@
 """GPU smoke check (needs one NVIDIA GPU; runs in well under two minutes).
 
 A local mesh with one rank and NCCL: the rank sees cuda:0, an all_reduce of a CUDA
-tensor works, and push/pull of a CUDA tensor round-trips. Prints one line per check and
-exits non-zero on the first failure.
+tensor works, a CUDA tensor pushed lands on the rank's GPU and pulled lands in the
+notebook's host memory (or on a named device), and a 64 MiB pull from the GPU is timed
+against the rank's own GPU-to-host copy. Prints one line per check and exits non-zero on
+the first failure.
 
     python benchmarks/gpu_smoke.py
 """
@@ -41,8 +43,11 @@ def main() -> None:
         elapsed = time.perf_counter() - t
         on_rank = mesh.pull("(x.device.type, x.device.index)").item(hosts=0, gpus=0)
         check("push lands on the rank's GPU", on_rank == ("cuda", 0), str(on_rank))
-        check("pull of a CUDA tensor round-trips", back.is_cuda and torch.equal(back, x),
-              f"4 MiB push+pull in {elapsed * 1e3:.1f} ms")
+        check("pull of a CUDA tensor lands in the notebook's host memory", back.device.type == "cpu"
+              and torch.equal(back, x.cpu()), f"4 MiB push+pull in {elapsed * 1e3:.1f} ms")
+        on_gpu = mesh.pull("x", device="cuda:0").item(hosts=0, gpus=0)
+        check("pull(device='cuda:0') puts it on the GPU", on_gpu.is_cuda and torch.equal(on_gpu, x))
+        _pull_speed(mesh)
         stats = mesh.run("import torch\ntorch.cuda.memory_allocated()").item(hosts=0, gpus=0)
         check("rank reports GPU memory", stats > 0, f"{stats} bytes allocated")
         try:
@@ -60,6 +65,24 @@ def main() -> None:
             check("mesh view shows GPU memory and utilization", snap.has_gpu and bool(cell.gpu_total_bytes),
                   snapshot_text(snap).splitlines()[-1])
     print("gpu smoke: all checks passed")
+
+
+def _pull_speed(mesh) -> None:
+    """A 64 MiB CUDA tensor pulled from the rank (one copy: the GPU into shared memory), against
+    the floor of the same GPU-to-host copy on the rank into fresh memory (`t.cpu()`), same run."""
+    mesh.run("import torch, time\nbig = torch.randn(16 << 20, device='cuda')\ntorch.cuda.synchronize()")
+    pulls = []
+    for _ in range(7):
+        t = time.perf_counter()
+        value = mesh.pull("big").item(hosts=0, gpus=0)
+        pulls.append(time.perf_counter() - t)
+        del value
+    floor = mesh.run("times = []\nfor _ in range(7):\n    t = time.perf_counter()\n    big.cpu()\n"
+                     "    times.append(time.perf_counter() - t)\nsorted(times)[3]").item(hosts=0, gpus=0)
+    gbps = (64 << 20) / sorted(pulls)[3] / 1e9
+    floor_gbps = (64 << 20) / floor / 1e9
+    check("pull of 64 MiB from the GPU", gbps > 0, f"{gbps:.2f} GB/s; the rank's own big.cpu(): {floor_gbps:.2f} GB/s "
+          f"({gbps / floor_gbps:.2f}x of that floor)")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,35 @@ def test_large_buffers_go_through_shared_memory(shm_dir):
     assert [n for n in os.listdir(shm_dir) if n.startswith("free-")]
 
 
+def test_a_tensor_that_needs_a_copy_is_copied_once_straight_into_shared_memory(shm_dir, monkeypatch):
+    # a transposed tensor (as one on a GPU) must be copied to become bytes: that copy writes the
+    # shared-memory file itself, with no contiguous staging copy (made by .contiguous()) first
+    base = torch.arange(SHM_THRESHOLD // 2, dtype=torch.float32).reshape(512, -1)
+    t, u = base.T, (base * 2).T
+    staged = []
+    real_contiguous = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda self, *a, **k: staged.append(1) or real_contiguous(self, *a, **k))
+    sealed = seal({"t": t, "u": u, "t again": t}, shm_dir=shm_dir, shared=True)
+    monkeypatch.undo()
+    assert not staged
+    refs = [b for b in sealed.buffers if isinstance(b, ShmRef)]
+    assert len(refs) == 2 and all(r.held for r in refs)
+    back = unseal(sealed)
+    assert torch.equal(back["t"], t) and back["t"].is_contiguous() and torch.equal(back["u"], u)
+    assert back["t again"] is back["t"]
+    release(sealed)
+    del back
+    gc.collect()
+    assert not [n for n in os.listdir(shm_dir) if n.startswith(("buf-", "hold-"))]
+
+
+def test_a_value_that_fails_to_pickle_leaves_no_file_behind(shm_dir):
+    with pytest.raises(SerializationError):
+        seal([torch.zeros(1024, 1024, dtype=torch.uint8).T, torch.ones(512, 1024).T,
+              threading.Lock()], shm_dir=shm_dir)
+    assert not [n for n in os.listdir(shm_dir) if n.startswith(("buf-", "hold-"))]
+
+
 def test_shared_buffers_are_copy_on_write_and_released_by_sender(shm_dir):
     t = torch.zeros(SHM_THRESHOLD // 4 * 2)
     sealed = seal({"x": t}, shm_dir=shm_dir, shared=True)

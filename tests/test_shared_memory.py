@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from monarch_kernel import local_mesh
 from monarch_kernel.wire import serialization
@@ -55,6 +56,29 @@ def _pull_a_thousand(one) -> None:
         held.append((i, value))
         for j, old in held:
             assert old[-1] == j % 251 and old[MIB // 2] == j % 251  # what was pulled before is as it was
+
+
+def test_a_pulled_tensor_that_needs_a_copy_arrives_in_host_memory_and_its_file_is_recycled(pair, sink):
+    folder = pair._runtime.state.shm_dir
+    one = pair.slice(gpus=0)
+    one.run("import torch\nt = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024).T", sink=sink)
+    expected = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024).T
+    for _ in range(50):
+        (value,) = list(one.pull("t", device="cpu").values())
+        assert value.device.type == "cpu" and torch.equal(value, expected)
+    del value
+    _wait_until_released(folder)
+    assert len(_files(folder, f"free-{4 * MIB}-")) <= 3, sorted(os.listdir(folder))  # one file, reused
+
+
+def test_a_pull_to_a_device_this_process_cannot_use_says_so(pair):
+    from monarch_kernel import MeshUsageError
+
+    with pytest.raises(MeshUsageError, match="not a torch device"):
+        pair.pull("1", device="gpu7")
+    if not torch.cuda.is_available():
+        with pytest.raises(MeshUsageError, match="no CUDA device"):
+            pair.pull("1", device="cuda:0")
 
 
 def test_a_push_is_written_once_and_recycled_when_every_rank_lets_go(pair, sink):

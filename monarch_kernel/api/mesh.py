@@ -33,7 +33,7 @@ from monarch_kernel.core.source import CellNames, check_syntax
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.messages import HealthTimings
-from monarch_kernel.wire.serialization import Sealed, release, seal, unseal
+from monarch_kernel.wire.serialization import Sealed, arriving_on, release, seal, unseal
 
 _cell_names = CellNames()
 _mesh_numbers = itertools.count(0)
@@ -187,11 +187,17 @@ class Mesh:
         return self._submit(lambda rid: m.Push(rid, sealed), label=f"push({names})",
                             on_done=lambda: release(sealed), finish=lambda req: raise_failures(req, self._runtime))
 
-    def pull(self, expr: str, *, timeout: float | None = None) -> ValueMesh:
-        """Evaluate an expression on every rank and bring the values back."""
+    def pull(self, expr: str, *, timeout: float | None = None, device: str | None = None) -> ValueMesh:
+        """Evaluate an expression on every rank and bring the values back.
+
+        Tensors arrive in host memory (from a rank on this machine, a view of the shared memory
+        the rank copied them to once, even from its GPU); `device="cuda:0"` puts them there.
+        """
         check_syntax(expr, "<mesh pull>")
-        return self._submit(lambda rid: m.Pull(rid, expr), label=f"pull({expr!r})",
-                            timeout=timeout, finish=self._values).get()
+        if device is not None:
+            _check_device(device)
+        return self._submit(lambda rid: m.Pull(rid, expr), label=f"pull({expr!r})", timeout=timeout,
+                            finish=lambda req: self._values(req, device)).get()
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> ValueMesh:
         """Call fn(*args, **kwargs) on every rank (it travels by cloudpickle)."""
@@ -213,13 +219,14 @@ class Mesh:
         req = self._runtime.requests.submit(self.ranks, make_body, label=label, fail_fast=fail_fast, on_done=on_done)
         return MeshFuture(self._runtime, req, sink, finish, timeout=timeout)
 
-    def _values(self, req: Request) -> ValueMesh[Any]:
+    def _values(self, req: Request, device: str | None = None) -> ValueMesh[Any]:
         values = []
         failed = bool(req.failures)
-        for rank in self.ranks:
-            result = req.results.get(rank)
-            failed = failed or result is None or result.failure is not None
-            values.append(None if result is None or result.value is None else unseal(result.value))
+        with arriving_on(device):
+            for rank in self.ranks:
+                result = req.results.get(rank)
+                failed = failed or result is None or result.failure is not None
+                values.append(None if result is None or result.value is None else unseal(result.value))
         vm = ValueMesh(self._shape, values)
         if failed:
             raise_failures(req, self._runtime, partial=vm)
@@ -355,6 +362,19 @@ class Mesh:
             states.setdefault(s.state, []).append(s.rank)
         text = ", ".join(f"{k} {format_ranks(v)}" for k, v in sorted(states.items()))
         return f"<Mesh {self.name!r} {self._shape} dist={self.backend}: {text}>"
+
+
+def _check_device(device: str) -> None:
+    """A device this process can put pulled tensors on (else MeshUsageError saying why)."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError) as exc:
+        raise MeshUsageError(f"pull(device={device!r}): not a torch device ({exc}); e.g. 'cpu' or 'cuda:0'") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise MeshUsageError(f"pull(device={device!r}): the notebook's process has no CUDA device; pull to the "
+                             "CPU (the default) and move the values where they can go")
 
 
 def _seal_named(values: dict[str, Any], shm_dir: str | None) -> Sealed:

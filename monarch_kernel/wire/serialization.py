@@ -23,6 +23,8 @@ Hosts agents forward Sealed blobs without unpickling them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import dataclasses
 import io
@@ -35,6 +37,7 @@ import stat
 import sys
 import types
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, SupportsIndex
 
@@ -101,7 +104,17 @@ def _torch_pickler_base() -> type:
 
 
 class _Pickler(_torch_pickler_base()):  # type: ignore[misc]
-    """cloudpickle, plus CPU/GPU tensors sent as raw out-of-band bytes."""
+    """cloudpickle, plus CPU/GPU tensors sent as raw out-of-band bytes.
+
+    With `shm_dir`, a large tensor that must be copied anyway to become bytes (on a GPU, or
+    not contiguous) is copied once, straight into a shared-memory file (see `_place`): its
+    out-of-band slot then holds the file's ShmRef (`placed`), not a staging copy.
+    """
+
+    def __init__(self, out: io.BytesIO, *, shm_dir: str | None = None, shared: bool = False, **kwargs: Any):
+        super().__init__(out, **kwargs)
+        self.shm_dir, self.shared = shm_dir, shared
+        self.placed: dict[int, tuple[pickle.PickleBuffer, ShmRef]] = {}  # id(slot) -> (slot, its file)
 
     def reducer_override(self, obj: Any) -> Any:
         """Code keeps its file name; plain CPU/GPU tensors travel as raw buffers."""
@@ -112,27 +125,69 @@ class _Pickler(_torch_pickler_base()):  # type: ignore[misc]
             return rebuild, tuple(obj.co_filename if a == "<dynamic-code>" else a for a in args)
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor:
-            reduced = _reduce_tensor(torch, obj)
+            reduced = _reduce_tensor(torch, obj, self)
             if reduced is not None:
                 return reduced
         return super().reducer_override(obj)
 
+    def _place(self, torch: Any, data: Any) -> pickle.PickleBuffer | None:
+        """Copy a tensor once into a shared-memory file (GPU memory to it directly); the
+        out-of-band slot that stands for it, or None (no folder, too small, or no file could
+        be had: the caller makes bytes the usual way)."""
+        nbytes = data.numel() * data.element_size()
+        if self.shm_dir is None or nbytes < SHM_THRESHOLD:
+            return None
 
-def _reduce_tensor(torch: Any, t: Any) -> tuple[Any, ...] | None:
+        def fill(into: Any) -> None:
+            torch.frombuffer(into, dtype=torch.uint8).view(data.dtype).view(data.shape).copy_(data)
+
+        ref = _fill_shm(self.shm_dir, nbytes, self.shared, fill)
+        if ref is None:
+            return None
+        slot = pickle.PickleBuffer(bytearray())  # a unique stand-in: seal() puts the ShmRef in its place
+        self.placed[id(slot)] = (slot, ref)
+        return slot
+
+
+def _reduce_tensor(torch: Any, t: Any, pickler: _Pickler) -> tuple[Any, ...] | None:
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
         return None
     if t.requires_grad and not t.is_leaf:
         return None  # let torch raise its own clear error
     data = t.detach()
-    if data.device.type != "cpu":
-        data = data.cpu()
-    data = data.contiguous()
-    raw = data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b""
+    slot = None
+    if data.device.type != "cpu" or not data.is_contiguous():  # a copy is needed: make it the only one
+        slot = pickler._place(torch, data)
+    if slot is None:
+        if data.device.type != "cpu":
+            data = data.cpu()
+        data = data.contiguous()
+        slot = pickle.PickleBuffer(data.reshape(-1).view(torch.uint8).numpy() if data.numel() else b"")
     return (
         _rebuild_tensor,
-        (pickle.PickleBuffer(raw), str(t.dtype).removeprefix("torch."), tuple(t.shape),
-         t.requires_grad, t.device.type),
+        (slot, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.requires_grad, t.device.type),
     )
+
+
+_arrival_default: list[str | None] = [None]  # see tensors_arrive_on
+_arrival: contextvars.ContextVar[str | None] = contextvars.ContextVar("monarch_kernel_arrival", default=None)
+
+
+def tensors_arrive_on(device: str | None) -> None:
+    """Where tensors this process receives land: None (the default, for ranks), a tensor that
+    left a GPU goes to this process's current GPU if it has one; "cpu" (the notebook), every
+    tensor stays in host memory, a view of the bytes that came (no GPU memory is taken)."""
+    _arrival_default[0] = device
+
+
+@contextlib.contextmanager
+def arriving_on(device: str | None) -> Iterator[None]:
+    """Within: every tensor received lands on `device` (None: as the process default says)."""
+    token = _arrival.set(device)
+    try:
+        yield
+    finally:
+        _arrival.reset(token)
 
 
 def _rebuild_tensor(buf: Any, dtype_name: str, shape: tuple[int, ...], requires_grad: bool, device: str) -> Any:
@@ -143,8 +198,12 @@ def _rebuild_tensor(buf: Any, dtype_name: str, shape: tuple[int, ...], requires_
         tensor = torch.empty(shape, dtype=dtype)
     else:
         tensor = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
-    if device == "cuda" and torch.cuda.is_available():
-        tensor = tensor.to("cuda")
+    target = _arrival.get() or _arrival_default[0]
+    if target is None:
+        if device == "cuda" and torch.cuda.is_available():
+            tensor = tensor.to("cuda")
+    elif target != "cpu":
+        tensor = tensor.to(target)
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor
@@ -163,18 +222,22 @@ def seal(obj: Any, *, shm_dir: str | None = None, shared: bool = False, name: st
         return Sealed(pickle.dumps(obj, protocol=5))
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
+    pickler = _Pickler(out, shm_dir=shm_dir, shared=shared, protocol=5, buffer_callback=buffers.append)
     try:
-        _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
+        pickler.dump(obj)
     except Exception as exc:  # pickling can raise nearly anything
+        release(Sealed(b"", [ref for _, ref in pickler.placed.values()]))
         what = f"variable {name!r}" if name else f"a value of type {type(obj).__name__}"
         raise SerializationError(
             f"cannot send {what} to/from the mesh: {type(exc).__name__}: {exc}. "
             "Send something picklable instead (e.g. plain data, tensors, or state you "
             "can rebuild on the ranks)."
         ) from exc
-    raw: list[Any] = [b.raw() for b in buffers]
+    placed = pickler.placed
+    raw: list[Any] = [placed[id(b)][1] if id(b) in placed else b.raw() for b in buffers]
     if shm_dir is not None:
-        raw = [_to_shm(b, shm_dir, shared) if b.nbytes >= SHM_THRESHOLD else b for b in raw]
+        raw = [_to_shm(b, shm_dir, shared) if type(b) is not ShmRef and b.nbytes >= SHM_THRESHOLD else b
+               for b in raw]
         # (a buffer that cannot be written to shared memory travels in the frame instead)
     return Sealed(out.getvalue(), raw)
 
@@ -221,12 +284,51 @@ def _to_shm(buf: memoryview, shm_dir: str, shared: bool) -> ShmRef | memoryview:
             os.truncate(ref.path, max(nbytes, _size_class(nbytes)))
         except OSError:
             pass
-    if shared:
-        try:
-            os.link(ref.path, _hold_path(ref.path, "sender"))  # until every receiver answered (release)
-        except OSError:
-            return ShmRef(ref.path, nbytes, unlink_on_open=False)  # the old way: release() unlinks it
+    return _held_by_sender(ref) if shared else ref
+
+
+def _held_by_sender(ref: ShmRef) -> ShmRef:
+    """A buffer for several receivers: the sender holds a link to it until every one answered (release)."""
+    try:
+        os.link(ref.path, _hold_path(ref.path, "sender"))
+    except OSError:
+        return ShmRef(ref.path, ref.nbytes, unlink_on_open=False)  # the old way: release() unlinks it
     return ref
+
+
+def _fill_shm(shm_dir: str, nbytes: int, shared: bool, fill: Callable[[Any], None]) -> ShmRef | None:
+    """A shared-memory file whose first nbytes `fill` writes through this process's kept mapping
+    of it (a writable buffer of nbytes); None, and no file left, if no mapping can be had."""
+    ref = _claim_free(shm_dir, nbytes, shared)
+    if ref is None:
+        ref = ShmRef(os.path.join(shm_dir, "buf-" + secrets.token_hex(8)), nbytes, False, True, shared)
+        try:
+            fd = os.open(ref.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return None
+        try:  # sized to its class, so that it can be recycled for any buffer of that class
+            os.ftruncate(fd, _size_class(nbytes))
+        except OSError:
+            os.close(fd)
+            _unlink_quietly(ref.path)
+            return None
+    else:
+        try:
+            fd = os.open(ref.path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            return None
+    try:
+        mapping = _MAPPINGS.get(fd, shm_dir, nbytes, write=True)  # (pages allocated first: no SIGBUS)
+        if mapping is None:
+            _unlink_quietly(ref.path)
+            return None
+        fill((ctypes.c_char * nbytes).from_address(mapping.addr))
+    except BaseException:
+        _unlink_quietly(ref.path)
+        raise
+    finally:
+        os.close(fd)
+    return _held_by_sender(ref) if shared else ref
 
 
 @dataclass
