@@ -163,8 +163,10 @@ class Request:
             return not self._inputs.setdefault(id(msg), False)
 
     def finish(self) -> None:
-        """Mark the request done (once), and resolve its completion future if one was made."""
+        """Mark the request done, and resolve its completion future if one was made (a second call does nothing)."""
         with self._lock:
+            if self.done:
+                return
             self.done = True
             completion = self._completion
         if completion is not None:

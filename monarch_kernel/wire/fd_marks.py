@@ -87,18 +87,10 @@ class FdMarkReader:
             time.sleep(0.0002)
 
     def _pending(self) -> int:
-        """Bytes written to fd 1 and 2 that the agent has not read yet."""
-        out, err = self._waiting
-        try:
-            fcntl.ioctl(1, termios.FIONREAD, out, True)
-            fcntl.ioctl(2, termios.FIONREAD, err, True)
-        except OSError:  # a closed or odd fd 1/2 (the user's code closed it): count what can be counted
-            return self._pending_one_by_one()
-        return out[0] + err[0]
-
-    def _pending_one_by_one(self) -> int:
-        waiting, total = array.array("i", [0]), 0
-        for fd in (1, 2):
+        """Bytes written to fd 1 and 2 that the agent has not read yet (a closed or odd fd, if the
+        user's code closed one, counts nothing)."""
+        total = 0
+        for fd, waiting in zip((1, 2), self._waiting):
             try:
                 fcntl.ioctl(fd, termios.FIONREAD, waiting, True)
                 total += waiting[0]
