@@ -255,7 +255,10 @@ class Worker:
             elif type(msg) in REQUESTS:  # run now, in the order it came, its replies sent as they are made
                 self._lane_routes[msg.req_id] = reply[0]
                 lane[0].end_batch()
-                self._handle_request(msg)
+                try:
+                    self._handle_request(msg)
+                except Exception:  # noqa: BLE001 - the frames read behind it must still be served
+                    traceback.print_exc()
 
         lane.append(LaneServer(sock, asyncio.get_running_loop(), on_message))
         reply.append(lane[0].send)
