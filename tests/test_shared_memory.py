@@ -71,6 +71,14 @@ def test_a_pulled_tensor_that_needs_a_copy_arrives_in_host_memory_and_its_file_i
     assert len(_files(folder, f"free-{4 * MIB}-")) <= 3, sorted(os.listdir(folder))  # one file, reused
 
 
+def test_a_pull_to_a_named_device_puts_its_tensors_there(pair):
+    # "meta" is a device every torch build has: the same path as "cuda:0" on a GPU host
+    (value,) = list(pair.slice(gpus=0).pull("{'t': __import__('torch').ones(3)}", device="meta").values())
+    assert value["t"].device.type == "meta" and value["t"].shape == (3,)
+    (value,) = list(pair.slice(gpus=0).pull("__import__('torch').ones(3)").values())
+    assert value.device.type == "cpu"
+
+
 def test_a_pull_to_a_device_this_process_cannot_use_says_so(pair):
     from monarch_kernel import MeshUsageError
 

@@ -190,8 +190,9 @@ class Mesh:
     def pull(self, expr: str, *, timeout: float | None = None, device: str | None = None) -> ValueMesh:
         """Evaluate an expression on every rank and bring the values back.
 
-        Tensors arrive in host memory (from a rank on this machine, a view of the shared memory
-        the rank copied them to once, even from its GPU); `device="cuda:0"` puts them there.
+        Tensors arrive in host memory, as they do in the values of `run` and `call` (from a rank
+        on this machine, a view of the shared memory the rank copied them to once, even from its
+        GPU); `device="cuda:0"` puts them there.
         """
         check_syntax(expr, "<mesh pull>")
         if device is not None:
@@ -222,7 +223,7 @@ class Mesh:
     def _values(self, req: Request, device: str | None = None) -> ValueMesh[Any]:
         values = []
         failed = bool(req.failures)
-        with arriving_on(device):
+        with arriving_on(device or "cpu"):  # (the notebook's GPU, if it has one, is the ranks')
             for rank in self.ranks:
                 result = req.results.get(rank)
                 failed = failed or result is None or result.failure is not None

@@ -32,13 +32,10 @@ from monarch_kernel.core.errors import MeshStartError, MeshUsageError
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.calls import register_sender, unregister_sender
-from monarch_kernel.wire.serialization import carries_shm_refs, forget_mappings, tensors_arrive_on
+from monarch_kernel.wire.serialization import carries_shm_refs, forget_mappings
 from monarch_kernel.wire.transport import FrameError
 
 Handler = Callable[[HostLink, Any], None]
-# The notebook's process: tensors from ranks stay in host memory (a GPU here is the ranks'; a
-# pull that wants one names it, `pull(expr, device=...)`)
-tensors_arrive_on("cpu")
 HostOpener = Callable[..., Awaitable[HostConnection]]  # (spec, *, log_path, env) -> a started agent
 
 

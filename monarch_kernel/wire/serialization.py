@@ -169,20 +169,14 @@ def _reduce_tensor(torch: Any, t: Any, pickler: _Pickler) -> tuple[Any, ...] | N
     )
 
 
-_arrival_default: list[str | None] = [None]  # see tensors_arrive_on
 _arrival: contextvars.ContextVar[str | None] = contextvars.ContextVar("monarch_kernel_arrival", default=None)
-
-
-def tensors_arrive_on(device: str | None) -> None:
-    """Where tensors this process receives land: None (the default, for ranks), a tensor that
-    left a GPU goes to this process's current GPU if it has one; "cpu" (the notebook), every
-    tensor stays in host memory, a view of the bytes that came (no GPU memory is taken)."""
-    _arrival_default[0] = device
 
 
 @contextlib.contextmanager
 def arriving_on(device: str | None) -> Iterator[None]:
-    """Within: every tensor received lands on `device` (None: as the process default says)."""
+    """Within: every tensor rebuilt here lands on `device` ("cpu": a view of the bytes that came,
+    no GPU memory taken). None, and outside: as torch would put it, a tensor that left a GPU
+    goes to this process's current GPU if it has one."""
     token = _arrival.set(device)
     try:
         yield
@@ -198,7 +192,7 @@ def _rebuild_tensor(buf: Any, dtype_name: str, shape: tuple[int, ...], requires_
         tensor = torch.empty(shape, dtype=dtype)
     else:
         tensor = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
-    target = _arrival.get() or _arrival_default[0]
+    target = _arrival.get()
     if target is None:
         if device == "cuda" and torch.cuda.is_available():
             tensor = tensor.to("cuda")
