@@ -65,10 +65,6 @@ def bench_ours(quick: bool) -> dict:
         finally:
             sender.request_lanes = on_lanes
 
-    res.update(timed_together({"no-op broadcast (API)": lambda: mesh.run("pass", sink=NullSink()),
-                               "our actor call to all 4 (API)": lambda: noop.noop.call().get(),
-                               "no-op broadcast through the agent": through_the_agent}, 3 * n))
-
     from IPython.testing.globalipapp import start_ipython
 
     ip = start_ipython()
@@ -79,7 +75,10 @@ def bench_ours(quick: bool) -> dict:
     import monarch_kernel.api.sinks as sinks
 
     sinks.set_default_sink_factory(lambda options: NullSink())
-    res["no-op broadcast (magic)"] = timed(lambda: ip.run_cell_magic("mesh", "", "pass"), n, 20)
+    res.update(timed_together({"no-op broadcast (API)": lambda: mesh.run("pass", sink=NullSink()),
+                               "our actor call to all 4 (API)": lambda: noop.noop.call().get(),
+                               "no-op broadcast through the agent": through_the_agent,
+                               "no-op broadcast (magic)": lambda: ip.run_cell_magic("mesh", "", "pass")}, 3 * n))
     mesh.run(f"import torch\nt = torch.randn({MIB64 // 4})", sink=NullSink())
     one = mesh.slice(gpus=0)
     res["pull 64 MiB (s)"] = timed(lambda: one.pull("t"), 5 if quick else 15, 2)

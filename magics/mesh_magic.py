@@ -45,6 +45,7 @@ class MeshMagics(Magics):
         self.registry = registry
         self._line = line_parser()
         self._cell = cell_parser()
+        self._parsed: dict[str, argparse.Namespace] = {}  # %%mesh lines already parsed (read only)
         self._auto: str | None = None  # "%mesh on": the mesh every cell goes to
         self.timing = True  # per-rank timing bars after each %%mesh cell
 
@@ -76,7 +77,7 @@ class MeshMagics(Magics):
 
     # ------------------------------------------------------------ %%mesh
     def _cell_magic(self, line: str, cell: str) -> Any:
-        args = self._cell.parse_args(shlex.split(line))
+        args = self._cell_options(line)
         target = self._target(args)
         count = getattr(self.shell, "execution_count", None)
         name = f"In[{count}]" if count is not None else None
@@ -92,6 +93,16 @@ class MeshMagics(Magics):
         finally:
             self._show_timing(target, future)
         return result if _has_values(result) else None
+
+    def _cell_options(self, line: str) -> argparse.Namespace:
+        """The options of a %%mesh line, parsed once per distinct line (most cells repeat theirs)."""
+        args = self._parsed.get(line)
+        if args is None:
+            args = self._cell.parse_args(shlex.split(line))
+            if len(self._parsed) >= 64:
+                self._parsed.clear()
+            self._parsed[line] = args
+        return args
 
     def _show_timing(self, target: Mesh, future: Any) -> None:
         if self.timing and future.done():
