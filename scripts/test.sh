@@ -30,4 +30,4 @@ fi
 # Lint (with import order) and types before the tests: both must pass.
 .venv/bin/ruff check .
 .venv/bin/mypy
-.venv/bin/python -m pytest tests "$@"
+.venv/bin/python -m pytest tests --durations=15 "$@"  # (the slowest tests, for keeping CI under 20 minutes)
