@@ -92,7 +92,7 @@ class RequestBook:
                 req = self._state.requests.get(msg.req_id)
                 if req is None or msg.rank not in req.ranks:  # (booked requests are not done)
                     return
-                if msg.fd_mark > self._state.ranks[msg.rank].fd_seen:  # fd output is still on its way
+                if not self._fd_caught_up(msg):  # fd output it says came before it is still on its way
                     req.held[msg.rank] = (msg, time.monotonic())
                     return
                 req.results[msg.rank] = msg
@@ -113,9 +113,9 @@ class RequestBook:
                 now = time.monotonic()
                 self._release(req, [rank for rank, (_, since) in req.held.items() if now - since > after])
 
-    def _fd_caught_up(self, req: Request, rank: int) -> bool:
-        """Whether the fd output a held result says came before it has all reached us."""
-        return req.held[rank][0].fd_mark <= self._state.ranks[rank].fd_seen
+    def _fd_caught_up(self, result: m.Result) -> bool:
+        """Whether the fd output a result says came before it has all reached us."""
+        return result.fd_mark <= self._state.ranks[result.rank].fd_seen
 
     def _release(self, req: Request, ranks: Iterable[int]) -> None:
         """Book these ranks' held results (the waiter shows them done when it next wakes: see
@@ -225,7 +225,7 @@ class RequestBook:
                 for req_id in list(rank_state.inflight):  # results that waited for this output
                     req = self._state.requests.get(req_id)
                     if req is not None and msg.rank in req.held:
-                        self._release(req, [rank for rank in list(req.held) if self._fd_caught_up(req, rank)])
+                        self._release(req, [rank for rank in list(req.held) if self._fd_caught_up(req.held[rank][0])])
         if not taken:
             self._idle_output(msg.rank, msg.stream, msg.text)
 
