@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "labextension"
@@ -78,5 +78,14 @@ def data_files() -> list[tuple[str, list[str]]]:
     return sorted(groups.items())
 
 
+def packages() -> list[str]:
+    """Every package of the source tree: monarch_kernel's own folders, and magics/ (installed as
+    monarch_kernel.magics, see package-dir in pyproject.toml) with any folders it grows."""
+    found = find_packages(where=str(HERE), include=["monarch_kernel", "monarch_kernel.*"])
+    magics = ["monarch_kernel.magics" + name.removeprefix("magics")
+              for name in find_packages(where=str(HERE), include=["magics", "magics.*"])]
+    return sorted(found + magics)
+
+
 build_labextension()
-setup(data_files=data_files())
+setup(packages=packages(), data_files=data_files())

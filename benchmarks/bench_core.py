@@ -84,6 +84,10 @@ def bench_ours(quick: bool) -> dict:
     res["pull 64 MiB (s)"] = timed(lambda: one.pull("t"), 5 if quick else 15, 2)
     x = torch.randn(MIB64 // 4)
     res["push 64 MiB to 4 (s)"] = timed(lambda: mesh.push(t=x), 5 if quick else 15, 2)
+    import numpy as np
+
+    block = np.ones(MIB64, dtype=np.uint8)  # the floor in this process, same run: one memcpy of the bytes
+    res["copy 64 MiB in process (s)"] = timed(block.copy, 5 if quick else 15, 2)
 
     def lines():
         sink = GroupingSink(mesh.ranks)

@@ -79,7 +79,7 @@ class MeshMagics(Magics):
     def _cell_magic(self, line: str, cell: str) -> Any:
         args = self._cell_options(line)
         target = self._target(args)
-        count = getattr(self.shell, "execution_count", None)
+        count = prompt_number(self.shell)
         name = f"In[{count}]" if count is not None else None
         try:
             future = target.run_async(_ipython_to_python(cell), timeout=args.timeout, fail_fast=args.fail_fast,
@@ -318,3 +318,17 @@ def _keep_dim(spec):
 
 def _has_values(result: Any) -> bool:
     return isinstance(result, ValueMesh) and any(v is not None for v in result.values())
+
+
+def prompt_number(shell: Any) -> int | None:
+    """The prompt number of the cell running now, as the notebook shows it (`[4]` -> 4).
+
+    IPython's own `displayhook.prompt_count` is what it labels `Out[4]` with: IPython 9 counts
+    `execution_count` up before a cell runs (so the running cell is `execution_count - 1`),
+    IPython 8 after; the display hook knows which.
+    """
+    count = getattr(getattr(shell, "displayhook", None), "prompt_count", None)
+    if isinstance(count, int):
+        return count
+    count = getattr(shell, "execution_count", None)
+    return count if isinstance(count, int) else None

@@ -143,7 +143,7 @@ class AgentDouble:
 def opener(agents: dict[str, AgentDouble], greeting: Any = None) -> Any:
     """A host opener (MeshRuntime's `opener`) that starts in-memory agents, kept in `agents`."""
 
-    async def open_double(spec: Any, *, log_path: str, env: dict[str, str]) -> HostConnection:
+    async def open_double(spec: Any, *, log_path: str, env: dict[str, str], **_: Any) -> HostConnection:
         agent = agents[spec.name] = AgentDouble(spec.name)
         if greeting is not None:
             agent.greeting = greeting

@@ -229,26 +229,59 @@ def _private(path):
     return path
 
 
-def test_folders_of_a_killed_kernel_are_swept_by_the_next_mesh(tmp_path):
+_HOLD_A_FOLDER = ("import sys, time\nfrom monarch_kernel.core.folders import owned_folder\n"
+                  "owned_folder(sys.argv[1]); print('held', flush=True); time.sleep(300)")
+
+
+def test_folders_of_a_killed_kernel_are_swept_by_the_next_mesh():
     """F13: after SIGKILL of the kernel its /dev/shm and /tmp mesh folders stayed forever."""
     import tempfile
 
     from monarch_kernel.core.folders import OWNER_FILE, sweep_stale_folders
 
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # a pid that no longer runs
     stale = tempfile.mkdtemp(prefix="monarch-killed-", dir="/dev/shm")
     live = tempfile.mkdtemp(prefix="monarch-running-", dir="/dev/shm")
     unmarked = tempfile.mkdtemp(prefix="monarch-unmarked-", dir="/dev/shm")
-    for folder, pid in ((stale, gone.pid), (live, os.getpid())):
-        with open(os.path.join(folder, OWNER_FILE), "w") as f:
-            f.write(str(pid))
+    holders = [subprocess.Popen([sys.executable, "-c", _HOLD_A_FOLDER, folder], stdout=subprocess.PIPE, text=True)
+               for folder in (stale, live)]
     try:
+        for holder in holders:
+            assert holder.stdout.readline().strip() == "held"
+        holders[0].kill()  # the owner of `stale` is killed: no cleanup runs
+        holders[0].wait()
+        assert os.path.exists(os.path.join(stale, OWNER_FILE))
         assert stale in sweep_stale_folders()
         assert not os.path.exists(stale) and os.path.exists(live) and os.path.exists(unmarked)
     finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
         for folder in (stale, live, unmarked):
             subprocess.run(["rm", "-rf", folder])
+
+
+def test_a_live_owner_in_another_pid_namespace_keeps_its_folders():
+    """N4: the sweep judged liveness by kill(pid, 0): a kernel in another container sharing /dev/shm
+    wrote a pid meaningless here, and every other kernel deleted its live mesh's folders."""
+    import tempfile
+
+    from monarch_kernel.core.folders import OWNER_FILE, sweep_stale_folders
+
+    folder = tempfile.mkdtemp(prefix="monarch-other-ns-", dir="/dev/shm")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_A_FOLDER, folder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(os.path.join(folder, OWNER_FILE), "w") as f:
+            f.write("4194000")  # the owner's pid in its own namespace: no such process here
+        assert folder not in sweep_stale_folders()
+        assert os.path.isdir(folder)
+        holder.kill()
+        holder.wait()
+        assert folder in sweep_stale_folders()  # its owner is gone now
+    finally:
+        holder.kill()
+        holder.wait()
+        subprocess.run(["rm", "-rf", folder])
 
 
 def test_a_stop_in_the_middle_of_sending_a_call_stops_it_where_it_arrived(quick_mesh, monkeypatch):

@@ -1,6 +1,7 @@
 """A real Jupyter kernel driven like a notebook frontend (jupyter_client)."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -43,6 +44,15 @@ def test_output_streams_live_into_its_own_cell_deduped(kernel):
     assert "application/vnd.jupyter.widget-view+json" in outputs[1]["data"]  # a widget, text as fallback
     after = kernel.execute("1 + 1")
     assert "first" not in after.text() and "second" not in after.text()
+
+
+def test_timing_and_errors_name_the_cell_by_the_prompt_the_notebook_shows(kernel):
+    for code in ("%%mesh\nimport time\ntime.sleep(0.3)", "%%mesh\nraise ValueError('boom')"):
+        run = kernel.execute(code, 30)
+        prompt = run.reply["content"]["execution_count"]  # the [N] the frontend shows beside the cell
+        text = run.text()
+        assert f"In[{prompt}]" in text, (prompt, text)
+        assert f"In[{prompt + 1}]" not in text, (prompt, text)
 
 
 def test_progress_bars_update_in_place_while_the_cell_runs(kernel):
@@ -225,27 +235,31 @@ def test_background_run_keeps_its_output_in_its_cell(kernel):
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "restart", "shutdown"])
-def test_the_kernel_going_away_leaves_no_process_behind(how):
+def test_the_kernel_going_away_leaves_no_process_or_folder_behind(how):
+    """After a SIGKILL of the kernel, the mesh's folders stayed, and helpers in sessions of their own ran on."""
     k = KernelDriver()
     try:
         run = k.execute("import json\n%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist gloo\n" + PIDS, 120)
         pids = json.loads([o for o in run.outputs() if o["type"] == "stream"][-1]["text"].strip().splitlines()[-1])
         assert len(pids_alive(pids)) == 3  # two ranks and their host agent
-        # what the ranks start (subprocesses, DataLoader workers) must go too
+        # what the ranks start (subprocesses, DataLoader workers, daemons in a session of their own) must go too
         helpers = k.execute("_h = current_registry().get().run(\"import subprocess\\n"
-                            "subprocess.Popen(['sleep', '300']).pid\")\nprint(json.dumps(list(_h.values())))", 60)
+                            "[subprocess.Popen(['sleep', '300']).pid, "
+                            "subprocess.Popen(['sleep', '301'], start_new_session=True).pid]\")\n"
+                            "print(json.dumps([p for v in _h.values() for p in v]))", 60)
         pids += json.loads(helpers.text().strip().splitlines()[-1])
-        assert len(pids_alive(pids)) == 5
+        assert len(pids_alive(pids)) == 7
+        shown = k.execute("_s = current_registry().get()._runtime.state\nprint(json.dumps([_s.run_dir, _s.shm_dir]))", 30)
+        folders = json.loads(shown.text().strip().splitlines()[-1])
+        assert all(os.path.isdir(f) for f in folders)
         if how == "SIGKILL":
             k.kill()
         elif how == "restart":
             k.km.restart_kernel(now=False)
         else:
             k.km.shutdown_kernel(now=False)
-        deadline = time.monotonic() + 5
-        while pids_alive(pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not pids_alive(pids)
+        assert wait_until(lambda: not pids_alive(pids) and not any(os.path.exists(f) for f in folders), 10), (
+            pids_alive(pids), [f for f in folders if os.path.exists(f)])
     finally:
         k.shutdown()
 

@@ -313,6 +313,21 @@ def test_link_cut_mid_cell_is_detected_and_cleaned_up(hosts, sink):
         m.shutdown()
 
 
+def test_user_known_hosts_file_none_in_the_default_ssh_config_is_refused(hosts, tmp_path, monkeypatch):
+    """The setting in the user's own ~/.ssh/config (read by default, no config= given): refused, nothing starts."""
+    baseline = processes(hosts)
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True, mode=0o700)
+    host = hosts.hosts[0]
+    (home / ".ssh" / "config").write_text(f"Host lab-unchecked\n  HostName {host.address}\n  User root\n"
+                                          f"  IdentityFile {hosts.key}\n  UserKnownHostsFile none\n")
+    (home / ".ssh" / "known_hosts").write_text("")  # the host's key is in no known_hosts
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.raises(MeshStartError, match="UserKnownHostsFile none"):
+        ssh_mesh(["lab-unchecked"], gpus=1, dist="none", python=sys.executable, timeout=30)
+    assert wait_until(back_to(hosts, baseline), 5)
+
+
 def test_magics_on_ssh_hosts_read_the_users_ssh_config(hosts, tmp_path, monkeypatch):
     from conftest import ipython_shell as get_ipython
     from IPython.utils.capture import capture_output

@@ -13,8 +13,10 @@ import sys
 from functools import partial
 
 from monarch_kernel.agent import direct_link
+from monarch_kernel.agent.descendants import become_subreaper, reap_adopted
 from monarch_kernel.agent.direct_link import read_line
 from monarch_kernel.agent.host_agent import HostAgent
+from monarch_kernel.core.folders import owned_folder, remove_if_orphaned
 from monarch_kernel.wire.transport import AsyncConnection
 
 
@@ -88,6 +90,9 @@ async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None, direct
             sock, agent.on_controller_message, agent.on_controller_closed))
     for sig in (signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, partial(_on_signal, agent, sig))
+    # helpers the ranks started in sessions of their own are re-parented to us when their rank
+    # dies (we are their subreaper): reap them as they end (the ranks' own exits come by pidfd)
+    loop.add_signal_handler(signal.SIGCHLD, lambda: reap_adopted(agent.ranks.pids()))
     watchers = [loop.create_task(agent.watch_ranks()), loop.create_task(agent.send_heartbeats())]
     if args.stdio:  # over SSH a cut network may never close the channel: watch for silence
         watchers.append(loop.create_task(agent.watch_controller()))
@@ -104,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument("--stdio", action="store_true", help="talk to the controller on stdin/stdout (SSH)")
     parser.add_argument("--host", default=socket.gethostname())
     parser.add_argument("--cleanup", default=None, help="a folder to remove when the agent exits")
+    parser.add_argument("--mesh-folder", action="append", default=[], metavar="PATH",
+                        help="a folder of the kernel's mesh: removed as the agent exits if the kernel is gone")
     parser.add_argument("--env-stdin", action="store_true", help="read the environment from stdin first (JSON line)")
     parser.add_argument("--direct", default=None, metavar="ADDRESS",
                         help="with --stdio: offer an authenticated TCP link on ADDRESS (the secret follows on stdin)")
@@ -120,9 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     from monarch_kernel.rank.worker import die_with_parent
 
     die_with_parent(signal.SIGTERM)  # the kernel is gone: stop every rank's process group, then exit
+    become_subreaper()  # what the ranks start stays below us, however it detaches (agent/descendants.py)
     if args.cleanup:  # whoever ships the next copy removes this one if we die without cleaning up
-        with open(os.path.join(args.cleanup, ".owner"), "w") as owner:
-            owner.write(str(os.getpid()))
+        owned_folder(args.cleanup, remove_on_failure=False)
     _warm_imports()
     try:
         asyncio.run(_amain(args, stdio, direct))
@@ -131,4 +138,6 @@ def main(argv: list[str] | None = None) -> None:
             import shutil
 
             shutil.rmtree(args.cleanup, ignore_errors=True)
+        for folder in args.mesh_folder:  # the kernel was killed: nobody else will remove them
+            remove_if_orphaned(folder)
     sys.exit(0)

@@ -16,7 +16,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -24,13 +23,14 @@ from typing import Any
 
 from monarch_kernel import __version__
 from monarch_kernel.agent import files, workspace
+from monarch_kernel.agent.descendants import kill_descendants
 from monarch_kernel.agent.fd_output import FdOutput
 from monarch_kernel.agent.launcher import RankProcess
 from monarch_kernel.agent.preload import Preloader
 from monarch_kernel.agent.rank_set import RankSet, tail_text
 from monarch_kernel.agent.relays import UP_TYPES, AgentRelays
 from monarch_kernel.core.failures import exit_text
-from monarch_kernel.core.folders import owned_folder, private_shm_dir, sweep_stale_folders
+from monarch_kernel.core.folders import owned_folder, private_shm_dir, release_folder, sweep_stale_folders
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.routing import CallRouter, Send
@@ -306,9 +306,10 @@ class HostAgent:
             await asyncio.wait_for(self.ranks.stop_all(0.5, asked=asked), timeout=3)
         finally:
             self.ranks.kill_all()
+            kill_descendants(keep=self.ranks.pids())  # helpers that left their rank's group
             self.ranks.close()
             if self._shm_dir is not None:
-                shutil.rmtree(self._shm_dir, ignore_errors=True)
+                release_folder(self._shm_dir)
             if self.controller is not None:
                 self.controller.close()
             if not self.done.done():

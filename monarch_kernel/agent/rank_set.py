@@ -61,6 +61,10 @@ class RankSet:
         self._sampler = LoadSampler()
         self._starting = asyncio.Lock()
 
+    def pids(self) -> list[int]:
+        """The pids of the rank processes not yet reaped."""
+        return [proc.pid for proc in self.procs.values()]
+
     # ------------------------------------------------------------ sending
     def send(self, rank: int, chunks: list[Any]) -> bool:
         """Send an encoded frame to a rank if it is running; False if it is not."""

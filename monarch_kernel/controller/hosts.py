@@ -87,11 +87,13 @@ class HostConnection:
             self.remote.close()
 
 
-def spawn_local_agent(host: str, log_path: str, python: str | None = None) -> tuple[subprocess.Popen, socket.socket]:
+def spawn_local_agent(host: str, log_path: str, python: str | None = None,
+                      mesh_folders: tuple[str, ...] = ()) -> tuple[subprocess.Popen, socket.socket]:
     """Start a host agent on this machine, connected by a private socketpair.
 
     The agent gets its own session, so the kernel's SIGINT does not reach it; it dies
-    with the thread that started it (PR_SET_PDEATHSIG) or when the socket closes.
+    with the thread that started it (PR_SET_PDEATHSIG) or when the socket closes. If the
+    kernel is gone by then (killed), the agent removes `mesh_folders` as it exits.
     """
     ours, theirs = socket.socketpair()
     env = dict(os.environ)
@@ -99,7 +101,8 @@ def spawn_local_agent(host: str, log_path: str, python: str | None = None) -> tu
     env.setdefault("MPLBACKEND", "Agg")
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [python or sys.executable, "-m", "monarch_kernel.agent", "--fd", str(theirs.fileno()), "--host", host],
+            [python or sys.executable, "-m", "monarch_kernel.agent", "--fd", str(theirs.fileno()), "--host", host,
+             *(arg for folder in mesh_folders for arg in ("--mesh-folder", folder))],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             start_new_session=True, env=env, close_fds=True,
         )
@@ -107,10 +110,15 @@ def spawn_local_agent(host: str, log_path: str, python: str | None = None) -> tu
     return proc, ours
 
 
-async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str]) -> HostConnection:
-    """Start the agent of one host; raises MeshStartError with a per-host reason."""
+async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str],
+                    mesh_folders: tuple[str, ...] = ()) -> HostConnection:
+    """Start the agent of one host; raises MeshStartError with a per-host reason.
+
+    mesh_folders: the kernel's folders for the mesh, which a local agent removes if it
+    outlives the kernel.
+    """
     if spec.kind == HostKind.LOCAL:
-        proc, sock = spawn_local_agent(spec.name, log_path, python=None)
+        proc, sock = spawn_local_agent(spec.name, log_path, python=None, mesh_folders=mesh_folders)
         return HostConnection(sock, "127.0.0.1", process=proc)
     if spec.kind == HostKind.SLURM:
         from monarch_kernel.controller.slurm import SlurmStep

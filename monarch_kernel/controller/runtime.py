@@ -11,7 +11,6 @@ import asyncio
 import atexit
 import dataclasses
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -29,6 +28,7 @@ from monarch_kernel.controller.requests import IdleOutput, RequestBook
 from monarch_kernel.controller.router import ControllerSender, TimingReporter
 from monarch_kernel.controller.state import HostLink, MeshSpec, MeshState, RankSnapshot, RankState
 from monarch_kernel.core.errors import MeshStartError, MeshUsageError
+from monarch_kernel.core.folders import release_folder
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.calls import register_sender, unregister_sender
@@ -36,7 +36,7 @@ from monarch_kernel.wire.serialization import carries_shm_refs, forget_mappings
 from monarch_kernel.wire.transport import FrameError
 
 Handler = Callable[[HostLink, Any], None]
-HostOpener = Callable[..., Awaitable[HostConnection]]  # (spec, *, log_path, env) -> a started agent
+HostOpener = Callable[..., Awaitable[HostConnection]]  # (spec, *, log_path, env, mesh_folders) -> a started agent
 
 
 class MeshRuntime:
@@ -147,7 +147,8 @@ class MeshRuntime:
 
     async def _connect(self, link: HostLink, spec: HostSpec) -> None:
         link.greeted = _quiet_future(asyncio.get_running_loop())
-        host = link.host = await self._open_host(spec, log_path=link.log_path, env=self.spec.env)
+        host = link.host = await self._open_host(spec, log_path=link.log_path, env=self.spec.env,
+                                                 mesh_folders=(self.state.run_dir, self.state.shm_dir))
         link.last_pong = self._clock()
         link.conn = await host.connect(partial(self._on_message, link), partial(self._on_lost, link))
 
@@ -238,8 +239,8 @@ class MeshRuntime:
         try:
             self.controller.run(self._shutdown()).result(15)
         finally:
-            shutil.rmtree(self.state.run_dir, ignore_errors=True)
-            shutil.rmtree(self.state.shm_dir, ignore_errors=True)
+            release_folder(self.state.run_dir)
+            release_folder(self.state.shm_dir)
             forget_mappings(self.state.shm_dir)  # what this process kept mapped of it goes too
             if self.spec.allocation is not None:
                 self.spec.allocation.release()

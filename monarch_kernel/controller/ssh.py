@@ -166,11 +166,16 @@ async def connect(target: SSHTarget, *, options: dict[str, Any] | None = None,
 
 
 def _config_disables_host_keys(host: str, config: Any) -> bool:
-    """Whether the SSH config in use turns host key checks off for host (`UserKnownHostsFile none`)."""
+    """Whether the SSH config in use turns host key checks off for host (`UserKnownHostsFile none`).
+
+    The probe reads the same files the connection will: `config=()` is asyncssh's "the default
+    ~/.ssh/config", which `connect` uses when no config is given (the options' own default, None,
+    reads no file at all).
+    """
     import asyncssh
 
     try:
-        probe = asyncssh.SSHClientConnectionOptions(host=host, **({"config": config} if config is not None else {}))
+        probe = asyncssh.SSHClientConnectionOptions(host=host, config=() if config is None else config)
     except (OSError, ValueError, asyncssh.Error):
         return False  # the real connection reports a broken config
     return probe.known_hosts is None
@@ -373,9 +378,11 @@ async def _ship_package(conn) -> str:
     """Copy this monarch_kernel's source to a private temporary folder on the host."""
     name = f"monarch-pkg-{secrets.token_hex(8)}"
     # first sweep copies whose agent is gone without cleaning up (SIGKILL, a host reboot of /tmp aside):
-    # an agent writes its pid to <copy>/.owner when it starts
+    # an agent holds a lock on <copy>/.owner (and wrote its pid there) for its life: the copy is
+    # stale when the lock is free (with util-linux's flock), or else when that pid is gone
     sweep = ('for old in "${TMPDIR:-/tmp}"/monarch-pkg-*; do [ -O "$old" ] && [ -f "$old/.owner" ] && '
-             '! kill -0 "$(cat "$old/.owner")" 2>/dev/null && rm -rf "$old"; done; ')
+             '{ if command -v flock >/dev/null; then flock -n "$old/.owner" true; '
+             'else ! kill -0 "$(cat "$old/.owner")" 2>/dev/null; fi; } && rm -rf "$old"; done; ')
     made = await conn.run(sweep + f'd="${{TMPDIR:-/tmp}}/{name}" && mkdir -m 700 "$d" && echo "MONARCH_SHIPPED_TO=$d"',
                           check=True)
     # the last marked line: a shell profile that prints something cannot confuse it

@@ -526,11 +526,8 @@ def _hold_path(path: str, who: str) -> str:
 
 def _open_shm(ref: ShmRef) -> Any:
     """A view of a shared-memory buffer: for one receiver, its kept shared mapping of the file;
-    for several, a private (copy-on-write) mapping with its pages pre-faulted.
-
-    Pre-faulting a *writable* private mapping would copy every page, so the pages are
-    mapped read-only first (no copy), then the mapping is made writable: a page is only
-    copied if the receiver writes to it.
+    for several, a private (copy-on-write) mapping: every receiver maps the one copy the sender
+    wrote, and a page is only copied if that receiver writes to it.
     """
     _check_shm_path(ref)
     fd = os.open(ref.path, (os.O_RDWR if ref.recycle and not ref.held else os.O_RDONLY) | os.O_NOFOLLOW)
@@ -575,17 +572,18 @@ def _check_shm_path(ref: ShmRef) -> None:
 
 
 def _map_private(fd: int, nbytes: int, on_unmap: Any = None) -> Any:
-    """A copy-on-write mapping of fd's first nbytes; on_unmap runs once it is unmapped (needs libc)."""
+    """A copy-on-write mapping of fd's first nbytes; on_unmap runs once it is unmapped (needs libc).
+
+    Its pages are not faulted in ahead: each receiver of a push to several ranks would pay for
+    every page at once (MAP_POPULATE of 64 MiB costs more than copying it), where faults on
+    first touch map the file's pages in batches, and only those the rank reads.
+    """
     libc = _libc()
     if libc is None:  # portable fallback: copies pages on first write, faults lazily
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    populate = getattr(mmap, "MAP_POPULATE", 0)
-    addr = libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_PRIVATE | populate, fd, 0)
+    addr = libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
         raise OSError(ctypes.get_errno(), "mmap of a shared-memory buffer failed")
-    if libc.mprotect(ctypes.c_void_p(addr), nbytes, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
-        libc.munmap(ctypes.c_void_p(addr), nbytes)
-        raise OSError(ctypes.get_errno(), "mprotect of a shared-memory buffer failed")
     array = (ctypes.c_char * nbytes).from_address(addr)
     weakref.finalize(array, _unmap, libc, addr, nbytes, on_unmap)
     return array
