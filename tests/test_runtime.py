@@ -23,7 +23,7 @@ from monarch_kernel.core.shape import Shape
 from monarch_kernel.core.status import RankStatus
 from monarch_kernel.wire import messages as m
 
-FAST = m.HealthTimings(ping_interval_s=0.005, host_lost_after_s=3.0)
+FAST = m.HealthTimings(ping_interval_s=0.005, host_unreachable_after_s=1.0, host_lost_after_s=3.0)
 
 
 class FakeClock:
@@ -106,6 +106,26 @@ def test_a_silent_host_is_lost_after_host_lost_after_s_of_its_clock(world):
     assert any(isinstance(x, m.InterruptRanks) and x.ranks == (0, 1) and x.req_ids == (future._request.req_id,)
                for x in agents["node-0"].received)
     assert {f.rank: f.kind for f in caught.value.failures} == {0: "interrupted", 1: "interrupted", 2: "died", 3: "died"}
+
+
+def test_a_quiet_host_is_unreachable_first_and_keeps_its_ranks_until_the_long_limit(world, capsys):
+    """N5: three seconds of silence (a push the agent was copying, a saturated NIC) was a host's death
+    sentence: its ranks' work failed and its link was closed, which stopped them."""
+    mesh, agents, clock = world
+    runtime = mesh._runtime
+    agents["node-1"].silent = True
+    clock.advance(2.0)
+    link = runtime.links[1]
+    assert wait_until(lambda: link.unreachable, 5)
+    assert runtime.ranks[2].alive and link.is_open  # kept
+    agents["node-1"].silent = False
+    assert wait_until(lambda: not link.unreachable, 5)  # heard again
+    shown = capsys.readouterr().err
+    assert "host node-1 has not answered for" in shown and "unreachable" in shown and "node-1 answers again" in shown
+    agents["node-1"].silent = True
+    clock.advance(4.0)
+    assert wait_until(lambda: not runtime.ranks[2].alive, 5)  # the long limit: given up
+    assert mesh.status()[2].exit_text == "its host node-1 was lost"
 
 
 def test_an_unresponsive_rank_is_noticed_in_the_running_cell(world):

@@ -13,7 +13,7 @@ import pytest
 from conftest import RecordingSink, wait_until
 from slurmlab import SlurmTestCluster, unavailable_reason
 
-from monarch_kernel import slurm_mesh
+from monarch_kernel import HealthTimings, slurm_mesh
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
@@ -33,9 +33,14 @@ def cluster():
         lab.stop()
 
 
+# a node whose network is cut is silent, like one behind a stalled link: it is unreachable after
+# 1 s, and given up after 3 s here (15 s by default, so that a stall does not cost the mesh)
+PROMPT = HealthTimings(host_unreachable_after_s=1.0, host_lost_after_s=3.0)
+
+
 def busy_mesh(name: str):
     """A 2-node mesh (ranks 0 and 1) whose ranks are all inside a long cell."""
-    mesh = slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, name=name)
+    mesh = slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, name=name, health=PROMPT)
     job = mesh.run("import os\nos.environ['SLURM_JOB_ID']", sink=RecordingSink()).item(hosts=0, gpus=0)
     future = mesh.run_async("import time\ntime.sleep(120)", sink=RecordingSink())
     assert wait_until(lambda: all(s.state == "busy" for s in mesh.status()), 15)

@@ -288,7 +288,8 @@ def test_link_cut_mid_cell_is_detected_and_cleaned_up(hosts, sink):
     baseline = processes(hosts)
     # a cut link may never close the SSH session: agents stop their ranks after this much
     # silence (15 minutes by default, so that a busy kernel keeps its mesh; short here)
-    patience = HealthTimings(controller_silence_s=4.0)
+    # (and the controller gives a silent host up after host_lost_after_s: 15 s by default, 4 here)
+    patience = HealthTimings(controller_silence_s=4.0, host_unreachable_after_s=1.5, host_lost_after_s=4.0)
     m = ssh_mesh([h.alias for h in hosts.hosts], gpus=1, dist="none", python=sys.executable,
                  connect_options=hosts.connect_options(), name="ssh-cut", health=patience)
     try:
@@ -298,7 +299,7 @@ def test_link_cut_mid_cell_is_detected_and_cleaned_up(hosts, sink):
         hosts.cut_link(hosts.hosts[1])
         with pytest.raises(RemoteError) as info:
             future.get(timeout=20)
-        assert time.monotonic() - cut < 6
+        assert time.monotonic() - cut < 8
         lost = [f for f in info.value.failures if f.rank == 1][0]
         assert "host-1" in lost.message and "lost" in lost.message
         assert m.status()[1].state == "dead"

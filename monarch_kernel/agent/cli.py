@@ -16,6 +16,7 @@ from monarch_kernel.agent import direct_link
 from monarch_kernel.agent.descendants import become_subreaper, reap_adopted
 from monarch_kernel.agent.direct_link import read_line
 from monarch_kernel.agent.host_agent import HostAgent
+from monarch_kernel.agent.watchers import send_heartbeats, watch_controller, watch_ranks
 from monarch_kernel.core.folders import owned_folder, remove_if_orphaned
 from monarch_kernel.wire.transport import AsyncConnection
 
@@ -93,9 +94,9 @@ async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None, direct
     # helpers the ranks started in sessions of their own are re-parented to us when their rank
     # dies (we are their subreaper): reap them as they end (the ranks' own exits come by pidfd)
     loop.add_signal_handler(signal.SIGCHLD, lambda: reap_adopted(agent.ranks.pids()))
-    watchers = [loop.create_task(agent.watch_ranks()), loop.create_task(agent.send_heartbeats())]
+    watchers = [loop.create_task(watch_ranks(agent)), loop.create_task(send_heartbeats(agent))]
     if args.stdio:  # over SSH a cut network may never close the channel: watch for silence
-        watchers.append(loop.create_task(agent.watch_controller()))
+        watchers.append(loop.create_task(watch_controller(agent)))
     await agent.done
     for task in watchers:
         task.cancel()

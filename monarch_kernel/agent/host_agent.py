@@ -13,11 +13,12 @@ a socketpair inherited as fd N (or `--stdio` over SSH, on stdin/stdout).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
-import os
 import sys
 import time
+import traceback
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -25,21 +26,21 @@ from monarch_kernel import __version__
 from monarch_kernel.agent import files, workspace
 from monarch_kernel.agent.descendants import kill_descendants
 from monarch_kernel.agent.fd_output import FdOutput
+from monarch_kernel.agent.host_shm import HostShm
 from monarch_kernel.agent.launcher import RankProcess
 from monarch_kernel.agent.preload import Preloader
 from monarch_kernel.agent.rank_set import RankSet, tail_text
 from monarch_kernel.agent.relays import UP_TYPES, AgentRelays
 from monarch_kernel.core.failures import exit_text
-from monarch_kernel.core.folders import owned_folder, private_shm_dir, release_folder, sweep_stale_folders
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.routing import CallRouter, Send
-from monarch_kernel.wire.serialization import Sealed, release, share, shareable
+from monarch_kernel.wire.serialization import Sealed, release
 from monarch_kernel.wire.transport import AsyncConnection, encode
 
 HOST_OPERATIONS = {**workspace.OPERATIONS, **files.OPERATIONS}  # HostOp kinds: work for the agent itself
-# requests (and actor calls) whose large values the ranks of a host share
-SHARED_FIELDS = {m.Push: "values", m.Call: "fn", m.ActorCall: "args"}
+# work for the ranks that keeps the order it was sent in, behind a push being copied off the loop
+IN_ORDER = (m.ToRanks, m.ActorCall, m.InterruptRanks, m.InputReply, m.CancelCall, m.RelayDown)
 
 class HostAgent:
     """Routes between one controller connection and this host's ranks."""
@@ -53,16 +54,18 @@ class HostAgent:
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.last_heard = time.monotonic()
         self._outbox: list[Any] = []
-        self._last_load = 0.0
+        self.last_load = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._fd_output = FdOutput()
         self._files: concurrent.futures.ThreadPoolExecutor | None = None  # host operations, in order
-        self._shm_dir: str | None = None  # made with the first push shared by several ranks (see _shared)
+        self._copying = False  # a push is being copied: work for the ranks waits in _backlog
+        self._backlog: collections.deque[tuple[Callable[[Any], None], Any]] = collections.deque()
+        self.shm = HostShm()  # values for several ranks, written once to shared memory
         self._release_when_gathered: dict[int, Sealed] = {}
         self._release_when_answered: dict[tuple[int, int], tuple[Sealed, set[int]]] = {}  # shared call arguments
         self.router = CallRouter(next_hop=self._hop, serves=lambda rank: rank in self.ranks.local_ranks,
                                  why_dead=lambda rank: f"rank {rank} on {host} is not running",
-                                 upstream=self._to_controller)
+                                 upstream=self.to_controller)
         self._from_controller: dict[type, Callable[[Any], None]] = {
             m.ToRanks: self._fan_out,
             m.InterruptRanks: self._deliver,  # each rank decides what to stop (worker.py)
@@ -70,7 +73,7 @@ class HostAgent:
             m.ActorReply: self.router.reply,
             m.CancelCall: lambda msg: self.router.cancel(msg, from_above=True),
             m.InputReply: self._deliver,
-            m.Ping: lambda msg: self._to_controller(m.Pong(msg.seq)),
+            m.Ping: lambda msg: self.to_controller(m.Pong(msg.seq)),
             m.Preload: lambda msg: self.preloader.start(msg.modules),
             m.BindStore: lambda msg: self._bind_store(msg.addr),
             m.StartRanks: lambda msg: self._spawn(self._start(msg)),
@@ -87,7 +90,7 @@ class HostAgent:
             m.ActorReply: self._reply_from_rank,
             m.ActorCall: lambda rank, msg: self._call(msg),
             m.CancelCall: lambda rank, msg: self.router.cancel(msg),
-            m.OwnActors: lambda rank, msg: self._to_controller(msg),
+            m.OwnActors: lambda rank, msg: self.to_controller(msg),
         }
 
     # ------------------------------------------------------------ the controller
@@ -100,11 +103,23 @@ class HostAgent:
         self._outbox.clear()
 
     def on_controller_message(self, msg: Any) -> None:
-        """Dispatch one message from the controller."""
+        """Dispatch one message from the controller.
+
+        A failure in our own handling (a full /dev/shm, a bug) is reported to the controller and
+        the agent goes on: escaping here would close the link and stop every rank of the host.
+        """
         self.last_heard = time.monotonic()
         handler = self._from_controller.get(type(msg))
-        if handler is not None:
+        if handler is not None and not (isinstance(msg, IN_ORDER) and self._in_order(handler, msg)):
+            self._dispatch(handler, msg)
+
+    def _dispatch(self, handler: Callable[[Any], None], msg: Any) -> None:
+        try:
             handler(msg)
+        except Exception as exc:  # noqa: BLE001 - reported; the link and the ranks stay
+            self._report_failure(f"handling {type(msg).__name__} from the controller", exc)
+            if isinstance(msg, m.ToRanks):
+                self._fail_request(msg, exc)
 
     def on_controller_closed(self, exc: Exception | None) -> None:
         """The controller is gone (kernel died, SSH dropped): take every rank down."""
@@ -116,7 +131,7 @@ class HostAgent:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _to_controller(self, msg: Any) -> None:
+    def to_controller(self, msg: Any) -> None:
         """Send to the controller: output and results up the relay tree when this agent is in one."""
         if self.relays.active and isinstance(msg, UP_TYPES):
             self.relays.up(msg)
@@ -130,39 +145,59 @@ class HostAgent:
             self.controller.send(msg)
 
     def _fan_out(self, msg: m.ToRanks) -> None:
+        if len(msg.ranks) > 1 and self.shm.worth_sharing(msg.body):
+            # the copy into shared memory runs off the loop (2.3 s/GiB here): pongs, heartbeats and
+            # output keep flowing meanwhile, and the work sent after it waits its turn (_in_order)
+            self._copying = True
+            self._spawn(self._fan_out_shared(msg))
+            return
+        self._send_fanned(msg, msg.body)
+
+    async def _fan_out_shared(self, msg: m.ToRanks) -> None:
+        try:
+            body, problem = await self.shm.share_off_loop(msg.body)
+            if problem is not None:
+                self._report_failure("writing a push for several ranks to shared memory", problem)
+            self._send_fanned(msg, body)
+        except Exception as exc:  # noqa: BLE001 - the request ends with the reason; the agent goes on
+            self._report_failure(f"passing request {msg.body.req_id} on", exc)
+            self._fail_request(msg, exc)
+        finally:
+            self._copying = False
+            self._drain_backlog()
+
+    def _send_fanned(self, msg: m.ToRanks, body: Any) -> None:
         req_id = msg.body.req_id
         for rank in msg.ranks:
             self._fd_note(rank, None)
         self._fd_output.refill(msg.ranks)
-        body = self._shared(msg.body) if len(msg.ranks) > 1 else msg.body
         chunks = encode(body)
         waiting = {rank for rank in msg.ranks if self.ranks.send(rank, chunks)}  # dead ones: already known
         self.pending[req_id] = (waiting, [])
         if body is not msg.body:
-            self._release_when_gathered[req_id] = getattr(body, SHARED_FIELDS[type(body)])
+            self._release_when_gathered[req_id] = self.shm.shared_value(body)
         self._maybe_gathered(req_id)
 
-    def _shared(self, body: Any) -> Any:
-        """A push (or call) for several ranks with its large values written once to this host's
-        shared memory, which each rank maps, instead of a copy per rank through its socket."""
-        field_name = SHARED_FIELDS.get(type(body))
-        if field_name is None:
-            return body
-        sealed = getattr(body, field_name)
-        if not shareable(sealed):
-            return body
-        if self._shm_dir is None:
-            sweep_stale_folders()  # ours from agents that were killed
-            self._shm_dir = owned_folder(private_shm_dir(f"agent-{os.getpid()}"))
-        shared = share(sealed, self._shm_dir)
-        return body if shared is sealed else dataclasses.replace(body, **{field_name: shared})
+    def _in_order(self, handler: Callable[[Any], None], msg: Any) -> bool:
+        """Queue work for the ranks behind a push still being copied (True if queued)."""
+        if not (self._copying or self._backlog):
+            return False
+        self._backlog.append((handler, msg))
+        return True
+
+    def _drain_backlog(self) -> None:
+        while self._backlog and not self._copying:
+            handler, msg = self._backlog.popleft()
+            self._dispatch(handler, msg)
 
     def _call(self, msg: m.ActorCall, from_above: bool = False) -> None:
         """Route an actor call; its large arguments are written once to this host's shared memory for
         the several ranks of this host it goes to (each maps them), released once they all answered."""
         local = tuple(r for r in msg.ranks if r in self.ranks.local_ranks)
         if len(local) > 1:
-            shared = self._shared(dataclasses.replace(msg, ranks=local))
+            shared, problem = self.shm.share(dataclasses.replace(msg, ranks=local))
+            if problem is not None:
+                self._report_failure("writing an actor call's arguments to shared memory", problem)
             if shared.args is not msg.args:  # (only these ranks may see the file names: not the controller)
                 self._release_when_answered[(msg.caller, msg.call_id)] = (shared.args, set(local))
                 rest = tuple(r for r in msg.ranks if r not in local)
@@ -196,7 +231,7 @@ class HostAgent:
             shared = self._release_when_gathered.pop(req_id, None)
             if shared is not None:
                 release(shared)  # every rank answered: each holds its own link while it maps the values
-            self._to_controller(m.Gathered(req_id, tuple(results)))
+            self.to_controller(m.Gathered(req_id, tuple(results)))
 
     def _hop(self, rank: int) -> Send | None:
         proc = self.ranks.procs.get(rank)
@@ -206,14 +241,38 @@ class HostAgent:
 
     # ------------------------------------------------------------ the ranks (RankListener)
     def on_rank_message(self, rank: int, msg: Any) -> None:
-        """Route one message from a rank."""
+        """Route one message from a rank (a failure in our handling is reported, as above)."""
+        try:
+            self._route_from_rank(rank, msg)
+        except Exception as exc:  # noqa: BLE001 - reported; the rank's link stays
+            self._report_failure(f"handling {type(msg).__name__} from rank {rank}", exc)
+
+    def _report_failure(self, what: str, exc: Exception) -> None:
+        text = f"monarch_kernel agent on {self.host}: {what} failed: {type(exc).__name__}: {exc}"
+        try:
+            traceback.print_exc(file=sys.stderr)
+            print(text, file=sys.stderr, flush=True)
+        except OSError:
+            pass
+        self._send_controller(m.AgentProblem(text))
+
+    def _fail_request(self, msg: m.ToRanks, exc: Exception) -> None:
+        """A request the agent could not pass on: its ranks answer with the reason, so the cell ends."""
+        self.pending.pop(msg.body.req_id, None)
+        now = time.time()
+        failure = m.Failure("AgentError", f"the agent on {self.host} could not pass this request on: "
+                                          f"{type(exc).__name__}: {exc}", "")
+        self.to_controller(m.Gathered(msg.body.req_id, tuple(m.Result(msg.body.req_id, rank, None, failure, now, now)
+                                                              for rank in msg.ranks)))
+
+    def _route_from_rank(self, rank: int, msg: Any) -> None:
         handler = self._from_rank.get(type(msg))
         if handler is not None:
             handler(rank, msg)
             return
         if isinstance(msg, m.Output) and msg.stream == "stderr":
             self.ranks.remember_stderr(rank, msg.text)
-        self._to_controller(msg)
+        self.to_controller(msg)
 
     def _result(self, rank: int, msg: m.Result) -> None:
         self._fd_note(rank, msg.req_id)
@@ -223,25 +282,25 @@ class HostAgent:
             entry[1].append(msg)
             self._maybe_gathered(msg.req_id)
         else:  # a request the notebook sent on the rank's lane, whose lane closed before the result
-            self._to_controller(m.Gathered(msg.req_id, (msg,)))
+            self.to_controller(m.Gathered(msg.req_id, (msg,)))
 
     def _fd_note(self, rank: int, req_id: int | None) -> None:
         note = self._fd_output.settle(rank)
         if note:
-            self._to_controller(m.Output(rank, req_id, "stderr", note))
+            self.to_controller(m.Output(rank, req_id, "stderr", note))
 
     def on_rank_fd_output(self, rank: int, stream: str, data: bytes, total: int | None) -> None:
         """Text a rank wrote to its real fd 1/2 (C extensions, crashes); with its running byte
         count on the notebook's machine, sent even when no whole character came (fd_marks.py)."""
         text = self._fd_output.take(rank, stream, data)
         if text or total is not None:
-            self._to_controller(m.Output(rank, None, stream, text, total))
+            self.to_controller(m.Output(rank, None, stream, text, total))
 
     def on_rank_gone(self, rank: int, proc: RankProcess, exit_code: int | None, signal_name: str | None) -> None:
         """A rank's process ended: fail what it owed, tell the controller, release its waits."""
         self.router.rank_died(rank, f"rank {rank} on {self.host} (pid {proc.pid}) died "
                                     f"({exit_text(exit_code, signal_name)}) before answering" + tail_text(proc))
-        self._to_controller(m.RankExited(rank, proc.pid, exit_code, signal_name, tuple(proc.stderr_tail.texts()),
+        self.to_controller(m.RankExited(rank, proc.pid, exit_code, signal_name, tuple(proc.stderr_tail.texts()),
                                          proc.stopping))
         for req_id in list(self.pending):
             self.pending[req_id][0].discard(rank)
@@ -251,11 +310,11 @@ class HostAgent:
 
     def on_rank_health(self, rank: int, responsive: bool) -> None:
         """A rank stopped (or resumed) answering heartbeats."""
-        self._to_controller(m.RankHealth(rank, responsive))
+        self.to_controller(m.RankHealth(rank, responsive))
 
     def on_went_idle(self) -> None:
         """A rank stopped being busy: say so now, not at the next load sample."""
-        self._send_loads()
+        self.send_loads()
 
     # ------------------------------------------------------------ lifecycle
     async def _start(self, msg: m.StartRanks) -> None:
@@ -265,19 +324,19 @@ class HostAgent:
             infos = await self.ranks.start(msg)
         except Exception as exc:  # noqa: BLE001 - reported to the controller
             await self.ranks.stop_all(0.5)
-            self._to_controller(m.RanksFailed(f"{self.host}: {exc}"))
+            self.to_controller(m.RanksFailed(f"{self.host}: {exc}"))
             return
-        self._to_controller(m.RanksStarted(infos))
+        self.to_controller(m.RanksStarted(infos))
 
     def _bind_store(self, addr: str) -> None:
         try:
             port = self.ranks.bind_store(addr)
         except OSError as exc:
-            self._to_controller(m.RanksFailed(
+            self.to_controller(m.RanksFailed(
                 f"{self.host}: cannot listen on MASTER_ADDR {addr} for the rendezvous store ({exc}); "
                 "pass an address of this host (master_addr=...)"))
             return
-        self._to_controller(m.StoreBound(port))
+        self.to_controller(m.StoreBound(port))
 
     async def _host_op(self, msg: m.HostOp) -> None:
         """Workspace files and the like: one at a time, in order, off the loop."""
@@ -289,9 +348,9 @@ class HostAgent:
                 raise KeyError(f"this agent has no operation {msg.kind!r} (another monarch_kernel version?)")
             result = await asyncio.get_running_loop().run_in_executor(self._files, lambda: operation(**msg.args))
         except Exception as exc:  # noqa: BLE001 - the controller gets the reason
-            self._to_controller(m.HostOpDone(msg.op_id, None, f"{type(exc).__name__}: {exc}"))
+            self.to_controller(m.HostOpDone(msg.op_id, None, f"{type(exc).__name__}: {exc}"))
         else:
-            self._to_controller(m.HostOpDone(msg.op_id, result))
+            self.to_controller(m.HostOpDone(msg.op_id, result))
 
     async def shutdown(self, why: str, *, asked: bool = False) -> None:
         """Stop all ranks and end the agent (asked: by the controller, so the exits are expected)."""
@@ -308,48 +367,15 @@ class HostAgent:
             self.ranks.kill_all()
             kill_descendants(keep=self.ranks.pids())  # helpers that left their rank's group
             self.ranks.close()
-            if self._shm_dir is not None:
-                release_folder(self._shm_dir)
+            self.shm.close()
             if self.controller is not None:
                 self.controller.close()
             if not self.done.done():
                 self.done.set_result(None)
 
-    async def watch_ranks(self) -> None:
-        """Ping every rank; send loads about once a second while the controller answers."""
-        while True:
-            await asyncio.sleep(self.ranks.health.heartbeat_interval_s)
-            now = time.monotonic()
-            # loads only while the controller answers: a link gone quiet gets no traffic from
-            # us, so the SSH server's own keepalive can notice it and end the session
-            every = self.ranks.health.ping_interval_s
-            if now - self._last_load >= every and now - self.last_heard < 2 * every:
-                self._send_loads()
-            self.ranks.ping(now)
-
-    async def send_heartbeats(self) -> None:
-        """Tell the controller we are alive every ping interval, unasked: its pings can wait for seconds
-        behind a large frame it is sending us (a push), and its silence timer must not count those."""
-        while True:
-            await asyncio.sleep(self.ranks.health.ping_interval_s)
-            self._to_controller(m.Pong(0))
-
-    async def watch_controller(self) -> None:
-        """If the controller falls silent for controller_silence_s, stop every rank (SSH agents only).
-
-        A busy kernel is silent too (a C call holding the GIL stops its pings), so the limit
-        is long; a local agent needs no watchdog: it dies with the kernel (PDEATHSIG) and
-        sees its socket close.
-        """
-        while True:
-            await asyncio.sleep(self.ranks.health.heartbeat_interval_s)
-            silent = time.monotonic() - self.last_heard
-            if silent > self.ranks.health.controller_silence_s:
-                await self.shutdown(f"no message from the controller for {silent:.1f} s")
-                return
-
-    def _send_loads(self) -> None:
-        self._last_load = time.monotonic()
+    def send_loads(self) -> None:
+        """Each rank's load now, to the controller."""
+        self.last_load = time.monotonic()
         loads = self.ranks.loads()
         if loads:
-            self._to_controller(m.HostLoad(tuple(loads)))
+            self.to_controller(m.HostLoad(tuple(loads)))

@@ -75,6 +75,8 @@ class MeshRuntime:
             m.RelayLost: lambda link, msg: self._relay_lost(msg.host, msg.why),
             m.HostLoad: self._on_load,
             m.Pong: lambda link, msg: None,  # any message counts as a sign of life
+            m.AgentProblem: lambda link, msg: print(f"monarch_kernel: host {link.name}: {msg.text}",
+                                                    file=sys.stderr, flush=True),
             m.RanksStarted: self._on_started,
             m.StoreBound: self._on_store_bound,
             m.RanksFailed: self._on_ranks_failed,
@@ -286,15 +288,31 @@ class MeshRuntime:
                     continue
                 if _made_progress(link):
                     link.last_pong = max(link.last_pong, now)
-                if link.answered and now - link.last_pong > self.spec.health.host_lost_after_s:
-                    self._on_lost(link, TimeoutError(f"no heartbeat for {now - link.last_pong:.1f} s"))
+                silent = now - link.last_pong
+                if link.answered and silent > self.spec.health.host_lost_after_s:
+                    self._on_lost(link, TimeoutError(f"no heartbeat for {silent:.1f} s"))
                     link.close()
                     continue
+                self._note_reachability(link, silent)
                 link.send(m.Ping(seq))
+
+    def _note_reachability(self, link: HostLink, silent: float) -> None:
+        """Say once when a host goes quiet (its ranks and link are kept) and when it is heard again."""
+        health = self.spec.health
+        quiet = link.answered and silent > min(health.host_unreachable_after_s, health.host_lost_after_s)
+        if quiet and not link.unreachable:
+            link.unreachable = True
+            _notice(f"mesh {self.name!r}: host {link.name} has not answered for {silent:.1f} s: unreachable; "
+                    f"its ranks are kept, and it is given up after {health.host_lost_after_s:.0f} s of silence\n")
+        elif not quiet and link.unreachable:
+            link.unreachable = False
+            _notice(f"mesh {self.name!r}: host {link.name} answers again\n")
 
     # ------------------------------------------------------------ messages from agents
     def _on_message(self, link: HostLink, msg: Any) -> None:
         link.last_pong = self._clock()
+        if link.unreachable:
+            self._note_reachability(link, 0.0)
         if not link.answered:  # the agent's first frame says which version it runs
             link.answered = True
             problem = handshake.mismatch(msg, link.name, __version__)

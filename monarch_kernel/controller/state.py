@@ -217,6 +217,7 @@ class HostLink:
     last_bytes: float | None = None  # the connection's last_received at the previous ping tick
     last_backlog: int = 0  # bytes queued for the agent at the previous ping tick
     log_path: str = ""
+    unreachable: bool = False  # silent for host_unreachable_after_s (not yet lost)
 
     @property
     def is_open(self) -> bool:

@@ -149,7 +149,11 @@ class HealthTimings:
     """How soon silence counts as failure, in seconds (per mesh; tests shrink them)."""
 
     ping_interval_s: float = 1.0  # controller -> each agent
-    host_lost_after_s: float = 3.0  # controller: an agent silent this long is lost
+    # controller: an agent silent this long is *unreachable*: said once, its ranks and link kept
+    # (a stalled network, a saturated NIC); it is *lost* (its ranks' work fails, the link is
+    # closed, which stops them) only when silent for host_lost_after_s, or when its link closes
+    host_unreachable_after_s: float = 3.0
+    host_lost_after_s: float = 15.0
     heartbeat_interval_s: float = 0.5  # agent -> each rank
     unresponsive_after_s: float = 2.5  # agent: a rank silent this long is unresponsive
     # SSH agent: a controller silent this long is gone, so its ranks stop. Long, because a
@@ -290,6 +294,13 @@ class Pong:
     """Answer to Ping."""
 
     seq: int
+
+
+@dataclass(frozen=True)
+class AgentProblem:
+    """The agent failed at something of its own (not a rank's code) and carried on: shown to the user."""
+
+    text: str
 
 
 # ---------------------------------------------------------------- host operations (controller <-> agent)

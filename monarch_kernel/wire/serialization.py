@@ -426,6 +426,9 @@ def forget_mappings(folder: str) -> None:
     _MAPPINGS.forget(folder)
 
 
+COPY_CHUNK = 16 << 20  # a copy into a mapping holds the GIL: this much at a time
+
+
 def _write_mapped(path: str, buf: memoryview) -> bool:
     """Copy buf to the start of a recycled file through this process's kept mapping of it.
 
@@ -442,7 +445,9 @@ def _write_mapped(path: str, buf: memoryview) -> bool:
         mapping = _MAPPINGS.get(fd, os.path.dirname(path), view.nbytes, write=True)
         if mapping is None:
             return _write_file(path, buf, os.O_WRONLY)
-        memoryview((ctypes.c_char * view.nbytes).from_address(mapping.addr)).cast("B")[:] = view
+        target = memoryview((ctypes.c_char * view.nbytes).from_address(mapping.addr)).cast("B")
+        for start in range(0, view.nbytes, COPY_CHUNK):  # (between chunks, other threads get the GIL)
+            target[start:start + COPY_CHUNK] = view[start:start + COPY_CHUNK]
     except (OSError, ValueError):
         _unlink_quietly(path)
         return False
