@@ -340,3 +340,29 @@ def test_a_relay_refuses_strangers_and_stops_listening_once_its_children_joined(
         child.stop()
 
     asyncio.run(main())
+
+
+def test_many_strangers_do_not_stop_a_relay_before_its_child_joins():
+    """N11: 16 strangers in 10 ms made the relay stop listening; the real child could not join."""
+    async def main():
+        reported = []
+        relay = AgentRelays(reported.append, lambda msg: None)
+        key = new_key()
+        serving = asyncio.get_running_loop().create_task(
+            relay.serve(m.RelayServe(key, "localhost", 0, (1,), ((1, 1),))))
+        await until(lambda: reported)
+        listening = reported[0]
+        assert listening.port and listening.address in ("127.0.0.1", "::1")  # the literal it bound
+        for _ in range(40):
+            reader, writer = await asyncio.open_connection(listening.address, listening.port)
+            with pytest.raises(RelayRefused):
+                await handshake_as_child(reader, writer, new_key(), 1)
+            writer.close()
+        child = AgentRelays(reported.append, lambda msg: None)
+        await child.join(m.RelayJoin(listening.address, listening.port, key, 1))
+        assert reported[-1] == m.RelayJoined(1)
+        await asyncio.wait_for(serving, 5)
+        relay.stop()
+        child.stop()
+
+    asyncio.run(main())

@@ -18,6 +18,7 @@ from monarch_kernel.agent.direct_link import read_line
 from monarch_kernel.agent.host_agent import HostAgent
 from monarch_kernel.agent.watchers import send_heartbeats, watch_controller, watch_ranks
 from monarch_kernel.core.folders import owned_folder, remove_if_orphaned
+from monarch_kernel.wire.relay_link import UP, RelayLink
 from monarch_kernel.wire.transport import AsyncConnection
 
 
@@ -74,13 +75,18 @@ def _watch_step_input(agent: HostAgent, read_fd: int) -> None:
     loop.add_reader(read_fd, readable)
 
 
-async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None, direct: socket.socket | None) -> None:
+async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None,
+                 direct: tuple[socket.socket, bytes] | None) -> None:
     agent = HostAgent(args.host)
     loop = asyncio.get_running_loop()
     if direct is not None and stdio is not None:
-        direct.setblocking(False)
-        agent.connected(await AsyncConnection.from_socket(
-            direct, agent.on_controller_message, agent.on_controller_closed))
+        sock, session = direct
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 22)
+        # every frame sealed under the handshake's session key: a peer relaying the handshake
+        # cannot inject or alter anything afterwards (wire/direct_auth.py)
+        agent.connected(RelayLink(reader, writer, session, UP, agent.on_controller_message,
+                                  agent.on_controller_closed))
         _watch_step_input(agent, stdio[0])
     elif stdio is not None:
         agent.connected(await AsyncConnection.from_pipes(

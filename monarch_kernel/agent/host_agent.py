@@ -34,6 +34,7 @@ from monarch_kernel.agent.relays import UP_TYPES, AgentRelays
 from monarch_kernel.core.failures import exit_text
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.relay_link import RelayLink
 from monarch_kernel.wire.routing import CallRouter, Send
 from monarch_kernel.wire.serialization import Sealed, release
 from monarch_kernel.wire.transport import AsyncConnection, encode
@@ -50,7 +51,7 @@ class HostAgent:
         self.preloader = Preloader()
         self.ranks = RankSet(host, self, self.preloader)
         self.pending: dict[int, tuple[set[int], list[m.Result]]] = {}  # req_id -> (waiting ranks, results)
-        self.controller: AsyncConnection | None = None
+        self.controller: AsyncConnection | RelayLink | None = None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.last_heard = time.monotonic()
         self._outbox: list[Any] = []
@@ -94,7 +95,7 @@ class HostAgent:
         }
 
     # ------------------------------------------------------------ the controller
-    def connected(self, conn: AsyncConnection) -> None:
+    def connected(self, conn: AsyncConnection | RelayLink) -> None:
         """The controller connection is ready: say who we are, then send what was queued meanwhile."""
         self.controller = conn
         conn.send(handshake.hello(__version__))

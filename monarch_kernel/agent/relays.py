@@ -20,6 +20,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from monarch_kernel.core.addresses import numeric_address
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.relay_link import DOWN, UP, RelayLink, RelayRefused, handshake_as_child, handshake_as_parent
 
@@ -27,7 +28,6 @@ UP_TYPES = (m.Output, m.Display, m.Gathered)  # what goes up the tree (in order)
 HOLD_S = 0.02  # results of a request wait this long for the rest of this subtree's, to go up as one
 JOIN_WAIT_S = 30.0  # how long a relay listens for its children
 CONNECT_TIMEOUT_S = 10.0
-MAX_FAILED_PROOFS = 16
 
 
 def _log(text: str) -> None:
@@ -81,7 +81,7 @@ class AgentRelays:
     async def serve(self, msg: m.RelayServe) -> None:
         """Listen for the children the controller named; say the port; stop once they joined."""
         self.index, self._routes, self._stopped = msg.index, dict(msg.routes), False
-        expected, failures, joined = set(msg.children), [0], asyncio.Event()
+        expected, joined = set(msg.children), asyncio.Event()
 
         async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = writer.get_extra_info("peername")
@@ -90,11 +90,8 @@ class AgentRelays:
                 if index not in expected or index in self.children:
                     raise RelayRefused(f"host {index} is not a child of this relay waiting to join")
             except RelayRefused as exc:
-                failures[0] += 1
                 _log(f"refused a relay connection from {peer[0] if peer else '?'}: {exc}")
-                writer.close()
-                if failures[0] >= MAX_FAILED_PROOFS:
-                    joined.set()  # strangers knocking: stop listening; the children that did not join are reported
+                writer.close()  # (strangers knocking do not stop the listening: the real children may still come)
                 return
             _nodelay(writer)
             self.children[index] = RelayLink(reader, writer, session, DOWN, self._from_child,
@@ -102,12 +99,13 @@ class AgentRelays:
             if expected <= set(self.children):
                 joined.set()
 
-        try:
-            server = self._server = await asyncio.start_server(accept, host=msg.address, port=0)
+        try:  # the numeric address, said to the controller: the children connect to that literal only
+            numeric = numeric_address(msg.address)
+            server = self._server = await asyncio.start_server(accept, host=numeric, port=0)
         except OSError as exc:
             self._to_controller(m.RelayListening(0, f"cannot listen on {msg.address}: {exc}"))
             return
-        self._to_controller(m.RelayListening(server.sockets[0].getsockname()[1]))
+        self._to_controller(m.RelayListening(server.sockets[0].getsockname()[1], address=numeric))
         try:
             await asyncio.wait_for(joined.wait(), JOIN_WAIT_S)
         except TimeoutError:

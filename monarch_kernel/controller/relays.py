@@ -111,17 +111,17 @@ class ControllerRelays:
             self._listening[host] = loop.create_future()
             links[host].send(m.RelayServe(key, _address(links[host]), host, tuple(tree.children[host]),
                                           tree.routes(host)))
-        ports: dict[int, int] = {}
+        where: dict[int, tuple[str, int]] = {}  # the literal address and port each relay bound
         for host, listening in zip(relays, await asyncio.gather(*(self._listening[h] for h in relays))):
-            if not listening.port:
-                raise RuntimeError(f"host {links[host].name}: {listening.error}")
-            ports[host] = listening.port
+            if not listening.port or not listening.address:
+                raise RuntimeError(f"host {links[host].name}: {listening.error or 'it did not say where it listens'}")
+            where[host] = (listening.address, listening.port)
         children = [c for host in relays for c in tree.children[host]]
         for child in children:
             self._joined[child] = loop.create_future()
             parent = tree.parents[child]
             assert parent is not None
-            links[child].send(m.RelayJoin(_address(links[parent]), ports[parent], key, child))
+            links[child].send(m.RelayJoin(*where[parent], key, child))
         for child, joined in zip(children, await asyncio.gather(*(self._joined[c] for c in children))):
             if joined.error:
                 raise RuntimeError(f"host {links[child].name}: {joined.error}")

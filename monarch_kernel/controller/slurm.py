@@ -19,7 +19,6 @@ import ctypes
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,10 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from monarch_kernel.controller.direct_join import direct_target, join_direct
 from monarch_kernel.controller.hostspec import HostKind, HostSpec
 from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.core.status import SHORT_TIME_NOTE
-from monarch_kernel.wire.direct_auth import AuthenticationFailed, new_secret, prove_controller
+from monarch_kernel.wire.direct_auth import AuthenticationFailed, new_secret
+from monarch_kernel.wire.relay_link import DOWN, RelayLink
 from monarch_kernel.wire.transport import AsyncConnection
 
 
@@ -39,7 +40,6 @@ def poll_interval(waited: float) -> float:
     return 0.1 if waited < 3 else 0.5 if waited < 60 else 2.0
 
 OFFER_TIMEOUT_S = 300.0  # srun, the node's --setup line and python's start, until the agent offers its link
-DIRECT_CONNECT_TIMEOUT_S = 5.0
 STEP_GRACE_S = 600  # a held job whose agents never came (the notebook died meanwhile) ends after this
 HOLD_SCRIPT = """#!/bin/sh
 # monarch_kernel: hold these nodes for a mesh's agents (job steps); end once they are all gone
@@ -384,30 +384,36 @@ class SlurmStep:
         return cls(job_id, node, process, from_agent_r, to_agent_w, log_path, python, address, secret)
 
     async def attach(self, on_message: Callable[[Any], None],
-                     on_close: Callable[[Exception | None], None]) -> AsyncConnection:
+                     on_close: Callable[[Exception | None], None]) -> AsyncConnection | RelayLink:
         """The framed connection to the agent: the direct link if it can be made, else srun's pipes."""
         if self.secret is not None:
-            offer = await self._read_offer()
-            port = offer.removeprefix("direct ")
-            if port.isdigit():
+            offer = (await self._read_offer()).split()[1:]
+            target = direct_target(offer, self.address)
+            if isinstance(target, str):
+                self._stay_on_stdio(f"node {self.node}: {target}; data moves through srun's stdio instead")
+            elif target is not None:
+                ip, port = target
                 try:
-                    sock = await asyncio.to_thread(_join_direct, self.address, int(port), self.secret)
+                    sock, session = await asyncio.to_thread(join_direct, ip, port, self.secret)
                 except AuthenticationFailed as exc:
                     raise MeshStartError(f"the direct link to the agent on node {self.node} failed: {exc}") from None
                 except OSError as exc:
-                    why = (f"node {self.node}: the direct link to {self.address}:{port} failed ({exc}); data "
-                           "moves through srun's stdio instead (about 10x slower for large tensors)")
-                    self._log(why)
-                    print(f"monarch_kernel: {why}", file=sys.stderr, flush=True)
-                    os.write(self.write_fd, b"stdio\n")
+                    self._stay_on_stdio(f"node {self.node}: the direct link to {ip}:{port} failed ({exc}); data "
+                                        "moves through srun's stdio instead (about 10x slower for large tensors)")
                 else:
                     self.channel = "direct"
-                    return await AsyncConnection.from_socket(sock, on_message, on_close)
+                    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 22)
+                    return RelayLink(reader, writer, session, DOWN, on_message, on_close)
         self.channel = "stdio"  # the connection owns the pipes from here
         return await AsyncConnection.from_pipes(self.read_fd, self.write_fd, on_message, on_close)
 
+    def _stay_on_stdio(self, why: str) -> None:
+        self._log(why)
+        print(f"monarch_kernel: {why}", file=sys.stderr, flush=True)
+        os.write(self.write_fd, b"stdio\n")
+
     async def _read_offer(self, timeout: float = OFFER_TIMEOUT_S) -> str:
-        """The agent's first line: `direct PORT` (or `direct none`)."""
+        """The agent's first line: `direct IP PORT` (or `direct none`)."""
         loop = asyncio.get_running_loop()
         line = bytearray()
         done: asyncio.Future[bytes] = loop.create_future()
@@ -500,19 +506,6 @@ class SlurmStep:
                     "an environment the nodes share, and pass --python")
         return (f"the agent step on node {self.node} (job {self.job_id}) ended (srun status "
                 f"{self.process.poll()})" + (f":\n{tail}" if tail else ""))
-
-
-def _join_direct(address: str, port: int, secret: bytes) -> socket.socket:
-    """Connect to an agent's direct link and prove the secret (blocking; run in a thread)."""
-    sock = socket.create_connection((address, port), timeout=DIRECT_CONNECT_TIMEOUT_S)
-    try:
-        prove_controller(sock, secret)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 def describe(job: SlurmJob) -> str:

@@ -7,8 +7,14 @@ sides' random nonces, so a recorded exchange proves nothing the next time.
     agent -> controller   nonce_a
     controller -> agent   nonce_c, HMAC(secret, "controller" | nonce_a | nonce_c)
     agent -> controller   HMAC(secret, "agent" | nonce_c | nonce_a)
+    session key = HMAC(secret, "session" | nonce_a | nonce_c)
 
-What follows is the ordinary framed protocol, not encrypted (like gloo and NCCL traffic).
+The proof alone would not bind the connection: a local user who relays the handshake
+between the two ends (it can take the port on an address the agent did not bind) would be
+trusted by both afterwards. So every later frame is sealed under the session key, with a
+direction and a sequence number (`wire.relay_link.RelayLink`): a relaying peer can read the
+frames but not forge, alter, replay or reorder one. Frames are not encrypted (like gloo and
+NCCL traffic).
 """
 
 from __future__ import annotations
@@ -46,8 +52,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def prove_controller(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> None:
-    """Controller's side: prove the secret, and check the agent's proof (raises AuthenticationFailed)."""
+def prove_controller(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> bytes:
+    """Controller's side: prove the secret, and check the agent's proof; the session key
+    (raises AuthenticationFailed)."""
     sock.settimeout(timeout)
     nonce_a = _recv_exact(sock, _NONCE)
     nonce_c = os.urandom(_NONCE)
@@ -55,10 +62,12 @@ def prove_controller(sock: socket.socket, secret: bytes, timeout: float = 5.0) -
     if not hmac.compare_digest(_recv_exact(sock, _MAC), _mac(secret, b"agent", nonce_c, nonce_a)):
         raise AuthenticationFailed("the agent's proof of the secret is wrong")
     sock.settimeout(None)
+    return _mac(secret, b"session", nonce_a, nonce_c)
 
 
-def check_controller(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> None:
-    """Agent's side: check the controller's proof, then prove the secret (raises AuthenticationFailed)."""
+def check_controller(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> bytes:
+    """Agent's side: check the controller's proof, then prove the secret; the session key
+    (raises AuthenticationFailed)."""
     sock.settimeout(timeout)
     nonce_a = os.urandom(_NONCE)
     sock.sendall(nonce_a)
@@ -68,3 +77,4 @@ def check_controller(sock: socket.socket, secret: bytes, timeout: float = 5.0) -
         raise AuthenticationFailed("the connecting peer did not prove the secret")
     sock.sendall(_mac(secret, b"agent", nonce_c, nonce_a))
     sock.settimeout(None)
+    return _mac(secret, b"session", nonce_a, nonce_c)

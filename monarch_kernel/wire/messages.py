@@ -345,10 +345,11 @@ class RelayServe:
 
 @dataclass(frozen=True)
 class RelayListening:
-    """A relay agent -> controller: it listens on this port (0: it could not, see `error`)."""
+    """A relay agent -> controller: it listens on this port of this numeric address (0: it could not, see `error`)."""
 
     port: int
     error: str = ""
+    address: str = ""
 
 
 @dataclass(frozen=True)

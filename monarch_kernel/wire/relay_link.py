@@ -19,8 +19,9 @@ on a command line), and
   reordered), is refused: the link closes and the controller hears why. Frames recorded
   on one link prove nothing on another (their session keys differ).
 
-Frames are not encrypted (like the controller's direct link to a Slurm node, and like
-gloo and NCCL traffic).
+The controller's direct link to a Slurm node's agent uses the same sealed frames, under the
+session key of its own handshake (`wire.direct_auth`). Frames are not encrypted (like gloo
+and NCCL traffic).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import hashlib
 import hmac
 import os
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -111,7 +113,13 @@ class RelayLink:
         self._on_close = on_close
         self._closed = False
         self.bytes_sent = 0
+        self.last_received = 0.0  # when bytes last came (a large frame arriving is a sign of life)
         self._task = asyncio.get_running_loop().create_task(self._read_frames())
+
+    def backlog(self) -> int:
+        """Bytes written but not yet taken by the peer."""
+        transport = self._writer.transport
+        return 0 if transport is None or transport.is_closing() else transport.get_write_buffer_size()
 
     @property
     def closed(self) -> bool:
@@ -149,6 +157,7 @@ class RelayLink:
         try:
             while True:
                 head = await self._reader.readexactly(_HEADER.size + _MAC)
+                self.last_received = time.monotonic()
                 seq, length = _HEADER.unpack_from(head)
                 if length > MAX_BUFFER_BYTES + (1 << 20):
                     raise RelayRefused(f"a relay frame announced {length} bytes")
@@ -161,6 +170,7 @@ class RelayLink:
                         raise asyncio.IncompleteReadError(b"", length - got)
                     view[got:got + len(chunk)] = chunk
                     got += len(chunk)
+                    self.last_received = time.monotonic()
                 mac = hmac.new(self._session, self._in + head[:_HEADER.size], hashlib.sha256)
                 mac.update(frame)
                 if not hmac.compare_digest(mac.digest(), head[_HEADER.size:]):
