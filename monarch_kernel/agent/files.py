@@ -1,7 +1,8 @@
 """The agent's side of `Mesh.put` and `Mesh.get`: files in and out of a host, a chunk at a time.
 
 A put lands in `PATH.monarch-partial-HOSTNAME` (hosts that share a disk never write the
-same file) and is renamed into place only once the whole
+same file; private until complete, never written through a link: core/partial_files.py)
+and is renamed into place only once the whole
 file's sha256 matches what the notebook sent, so a reader never sees half a file and an
 interrupted put resumes from what the partial file already holds. A get reads chunks at
 offsets the notebook asks for. Paths are the user's own (absolute, or `~` for the home
@@ -17,6 +18,7 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
+from monarch_kernel.core.partial_files import finish_partial, open_partial, resumable_size
 from monarch_kernel.core.workspace import file_sha256, prefix_digest, safe_relative
 
 PARTIAL = ".monarch-partial"
@@ -48,7 +50,7 @@ def put_begin(path: str, size: int) -> dict[str, Any]:
     dest = _path(path)
     os.makedirs(os.path.dirname(dest) or "/", exist_ok=True)
     partial = _partial(dest)
-    have = os.path.getsize(partial) if os.path.isfile(partial) else 0
+    have = resumable_size(partial)  # (only a regular file of ours: never a planted link)
     if not 0 < have <= size:
         return {"partial": 0, "sha256": "", "path": dest}
     digest = prefix_digest(partial, have)
@@ -59,9 +61,10 @@ def put_begin(path: str, size: int) -> dict[str, Any]:
 
 
 def put_chunk(path: str, offset: int, data: Any) -> dict[str, Any]:
-    """Write a chunk of the partial file at offset."""
+    """Write a chunk of the partial file at offset (private, and never through a link)."""
     dest = _path(path)
-    with open(_partial(dest), "r+b" if offset else "wb") as f:
+    fd = open_partial(_partial(dest), resume=offset > 0)
+    with os.fdopen(fd, "r+b") as f:
         f.seek(offset)
         f.write(data)
     end = offset + len(memoryview(data))
@@ -78,32 +81,33 @@ def put_end(path: str, size: int, sha256: str, mode: int, mtime_ns: int) -> dict
     """Check the whole file's sha256 and put it in place (the partial stays if it does not match)."""
     dest = _path(path)
     partial = _partial(dest)
-    with open(partial, "r+b") as f:
+    fd = open_partial(partial, resume=True)
+    with os.fdopen(fd, "r+b") as f:
         f.truncate(size)
-    hashed = _hashing.pop(dest, None)
-    got = hashed[1].hexdigest() if hashed is not None and hashed[0] == size else file_sha256(partial)
-    if got != sha256:
-        os.unlink(partial)
-        raise OSError(f"{dest}: checksum mismatch after writing (sha256 {got[:12]}..., expected {sha256[:12]}...)")
-    os.chmod(partial, mode & 0o7777)
-    os.utime(partial, ns=(mtime_ns, mtime_ns))
-    os.replace(partial, dest)
+        hashed = _hashing.pop(dest, None)
+        got = hashed[1].hexdigest() if hashed is not None and hashed[0] == size else file_sha256(f"/proc/self/fd/{fd}")
+        if got != sha256:
+            os.unlink(partial)
+            raise OSError(f"{dest}: checksum mismatch after writing (sha256 {got[:12]}..., expected {sha256[:12]}...)")
+        finish_partial(fd, partial, dest, mode, mtime_ns)
     return {"path": dest}
 
 
 def describe(path: str) -> dict[str, Any]:
-    """What a get will fetch: one file (size) or a folder's files (relative path -> size)."""
+    """What a get will fetch: one file (size) or a folder's files (relative path -> size), with modes."""
     src = _path(path)
     info = os.stat(src)
     if stat.S_ISDIR(info.st_mode):
-        files = {}
+        files, modes = {}, {}
         for folder, _dirs, names in os.walk(src):
             for name in names:
                 full = os.path.join(folder, name)
                 if os.path.isfile(full) and not os.path.islink(full):
-                    files[safe_relative(os.path.relpath(full, src).replace(os.sep, "/"))] = os.path.getsize(full)
-        return {"path": src, "folder": True, "files": files}
-    return {"path": src, "folder": False, "files": {"": info.st_size}}
+                    rel = safe_relative(os.path.relpath(full, src).replace(os.sep, "/"))
+                    found = os.stat(full)
+                    files[rel], modes[rel] = found.st_size, stat.S_IMODE(found.st_mode)
+        return {"path": src, "folder": True, "files": files, "modes": modes}
+    return {"path": src, "folder": False, "files": {"": info.st_size}, "modes": {"": stat.S_IMODE(info.st_mode)}}
 
 
 def read_chunk(path: str, offset: int, size: int) -> dict[str, Any]:

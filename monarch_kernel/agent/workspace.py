@@ -18,7 +18,15 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from monarch_kernel.core.workspace import file_sha256, host_path, safe_relative, workspaces_root
+from monarch_kernel.core.partial_files import finish_partial, open_partial
+from monarch_kernel.core.workspace import (
+    check_private,
+    file_sha256,
+    host_path,
+    private_host_path,
+    safe_relative,
+    workspaces_root,
+)
 
 PARTIAL = ".monarch-partial"  # a file still arriving
 
@@ -26,6 +34,8 @@ PARTIAL = ".monarch-partial"  # a file still arriving
 def list_files(key: str) -> dict[str, Any]:
     """Every file of the copy: relative path -> (size, mtime_ns, mode)."""
     root = host_path(key)
+    if os.path.lexists(root):
+        check_private(root)
     files: dict[str, tuple[int, int, int]] = {}
     stack = [("", root)]
     while stack:
@@ -51,15 +61,27 @@ def filesystem_id() -> str:
     """A random id kept in the workspaces folder: hosts that read the same one share that disk (NFS homes)."""
     folder = workspaces_root()
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    marker = os.path.join(folder, ".monarch-fsid")
+    marker = os.path.join(folder, f".monarch-fsid-{os.getuid()}")
     try:
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
-        with open(marker, encoding="ascii", errors="replace") as f:
-            return f.read().strip()
+        return _read_marker(marker)
     with os.fdopen(fd, "w") as f:
         f.write(uuid.uuid4().hex)
-    with open(marker, encoding="ascii", errors="replace") as f:  # another host may have won the race
+    return _read_marker(marker)  # another host may have won the race
+
+
+def _read_marker(marker: str) -> str:
+    """The id in a marker of ours; a fresh one (this disk shares with nobody) if it is not ours:
+    a marker another user planted would make our hosts skip each other's copies."""
+    try:
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return uuid.uuid4().hex
+    with os.fdopen(fd, encoding="ascii", errors="replace") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+            return uuid.uuid4().hex
         return f.read().strip()
 
 
@@ -87,8 +109,7 @@ def _inside(root: str, path: str) -> str:
 def write_files(key: str, files: list[tuple[str, int, int, int, int, Any]], deletes: list[str],
                 touches: dict[str, int] | None = None) -> dict[str, Any]:
     """Apply chunks (rel, mode, mtime_ns, offset, total size, data), deletions and mtime fixes."""
-    root = host_path(key)
-    os.makedirs(root, mode=0o700, exist_ok=True)
+    root = private_host_path(key, create=True)  # ours alone, or refused (PermissionError, to the notebook)
     errors: list[str] = []
     written = done_bytes = 0
     for rel, mode, mtime_ns, offset, total, data in files:
@@ -96,20 +117,18 @@ def write_files(key: str, files: list[tuple[str, int, int, int, int, Any]], dele
             dest = _inside(root, os.path.join(root, safe_relative(rel)))
             _make_parent(root, dest)
             partial = dest + PARTIAL
-            with open(partial, "r+b" if offset else "wb") as f:
+            with os.fdopen(open_partial(partial, resume=offset > 0), "r+b") as f:  # (never through a link)
                 f.seek(offset)
                 f.write(data)
                 end = offset + len(memoryview(data))
                 if end >= total:
                     f.truncate(total)
+                    f.flush()
+                    if os.path.isdir(dest) and not os.path.islink(dest):
+                        shutil.rmtree(dest)  # a folder became a file
+                    finish_partial(f.fileno(), partial, dest, mode, mtime_ns)
+                    written += 1
             done_bytes += len(memoryview(data))
-            if end >= total:
-                os.chmod(partial, mode & 0o7777)
-                os.utime(partial, ns=(mtime_ns, mtime_ns))
-                if os.path.isdir(dest) and not os.path.islink(dest):
-                    shutil.rmtree(dest)  # a folder became a file
-                os.replace(partial, dest)
-                written += 1
         except OSError as exc:
             errors.append(f"{rel}: {exc.strerror or exc}")
             _discard(root, rel)  # a full disk: free what this file took, so that the other files still land

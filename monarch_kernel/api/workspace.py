@@ -192,9 +192,9 @@ def _use(local_folder: str | None, key: str, chdir: bool) -> Callable[[Any], Any
     def use(worker: Any) -> Any:
         if local_folder is not None:
             return worker.use_workspace(local_folder, chdir)
-        from monarch_kernel.core.workspace import host_path
+        from monarch_kernel.core.workspace import private_host_path
 
-        return worker.use_workspace(host_path(key), chdir)
+        return worker.use_workspace(private_host_path(key, create=False), chdir)
     return use
 
 

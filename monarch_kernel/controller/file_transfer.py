@@ -20,6 +20,7 @@ from typing import Any
 
 from monarch_kernel.controller.host_ops import HostOps, Progress
 from monarch_kernel.controller.state import HostLink
+from monarch_kernel.core.partial_files import finish_partial, open_partial, resumable_size
 from monarch_kernel.core.workspace import prefix_digest, safe_relative
 
 CHUNK = 8 << 20
@@ -142,12 +143,14 @@ async def get_host(ops: HostOps, link: HostLink, src: str, dst: str, progress: P
     described = await ops.send(link, "files.describe", {"path": src})
     remote = described["path"]
     files: dict[str, int] = described["files"]
+    modes: dict[str, int] = described.get("modes", {})
     progress.files_total = len(files)
     progress.bytes_total = sum(files.values())
     for rel, size in files.items():
         try:
             local = dst if not rel else os.path.join(dst, *safe_relative(rel).split("/"))
-            await _get_file(ops, link, f"{remote}/{rel}" if rel else remote, local, size, progress, result)
+            await _get_file(ops, link, f"{remote}/{rel}" if rel else remote, local, size, progress, result,
+                            mode=modes.get(rel, 0o600) & 0o777)
             result.files.append(local)
         except (OSError, RuntimeError, ValueError) as exc:
             result.errors.append(f"{rel or remote}: {exc}")
@@ -156,11 +159,13 @@ async def get_host(ops: HostOps, link: HostLink, src: str, dst: str, progress: P
 
 
 async def _get_file(ops: HostOps, link: HostLink, remote: str, local: str, size: int, progress: Progress,
-                    result: TransferResult) -> None:
+                    result: TransferResult, mode: int = 0o600) -> None:
+    """One file into `local`, through a private partial file (core/partial_files.py); it gets
+    the host file's mode at the end (a 0600 file stays 0600 here)."""
     os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
     partial = local + PARTIAL
     digest, offset = hashlib.sha256(), 0
-    have = os.path.getsize(partial) if os.path.isfile(partial) else 0
+    have = resumable_size(partial)
     if 0 < have <= size:
         theirs = await ops.send(link, "files.prefix", {"path": remote, "length": have})
         ours = await asyncio.to_thread(prefix_digest, partial, have)
@@ -168,7 +173,7 @@ async def _get_file(ops: HostOps, link: HostLink, remote: str, local: str, size:
             digest, offset = ours, have
             result.bytes_resumed += have
             progress.bytes_done += have
-    with open(partial, "r+b" if offset else "wb") as out:
+    with os.fdopen(open_partial(partial, resume=offset > 0), "r+b") as out:
         out.seek(offset)
 
         def start(at: int) -> asyncio.Future[Any]:
@@ -186,8 +191,9 @@ async def _get_file(ops: HostOps, link: HostLink, remote: str, local: str, size:
 
         await _windowed(list(range(offset, size, CHUNK)), start, finish)
         out.truncate(size)
-    check = await ops.send(link, "files.checksum", {"path": remote})
-    if check["size"] != size or check["sha256"] != digest.hexdigest():
-        os.unlink(partial)
-        raise RuntimeError("the file changed on the host while it was read (checksums differ); get it again")
-    os.replace(partial, local)
+        out.flush()
+        check = await ops.send(link, "files.checksum", {"path": remote})
+        if check["size"] != size or check["sha256"] != digest.hexdigest():
+            os.unlink(partial)
+            raise RuntimeError("the file changed on the host while it was read (checksums differ); get it again")
+        finish_partial(out.fileno(), partial, local, mode)

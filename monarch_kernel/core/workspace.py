@@ -12,6 +12,7 @@ import hashlib
 import os
 import posixpath
 import re
+import stat
 from typing import Any
 
 ROOT_ENV = "MONARCH_KERNEL_WORKSPACE_ROOT"
@@ -39,6 +40,53 @@ def host_path(key: str) -> str:
     if not _KEY.fullmatch(key) or key.startswith("."):
         raise UnsafePath(f"{key!r} is not a workspace key")
     return os.path.join(workspaces_root(), key)
+
+
+def _refuse(path: str, why: str) -> PermissionError:
+    return PermissionError(f"workspace folder {path} {why}: another user could plant code the ranks would import "
+                           f"there. Remove it, or set {ROOT_ENV} to a folder of your own")
+
+
+def check_root(root: str) -> None:
+    """The workspaces root may be shared (a team scratch folder) only if it is sticky, as /tmp is:
+    otherwise another user could move our copies away and put theirs in their place."""
+    info = os.stat(root)
+    writable_by_others = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable_by_others and not info.st_mode & stat.S_ISVTX:
+        raise _refuse(root, f"is writable by others (mode {stat.S_IMODE(info.st_mode):o}) and not sticky")
+    if info.st_uid != os.getuid() and not info.st_mode & stat.S_ISVTX:
+        raise _refuse(root, f"belongs to uid {info.st_uid}")
+
+
+def check_private(folder: str) -> None:
+    """A workspace copy must be a real folder (not a link) of ours that nobody else may enter."""
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode):
+        raise _refuse(folder, "is not a folder (a link?)")
+    if info.st_uid != os.getuid():
+        raise _refuse(folder, f"belongs to uid {info.st_uid}")
+    if info.st_mode & 0o077:
+        raise _refuse(folder, f"is open to others (mode {stat.S_IMODE(info.st_mode):o})")
+
+
+def private_host_path(key: str, *, create: bool) -> str:
+    """host_path(key), checked to be ours alone (and made so if `create` and missing).
+
+    A copy another user made first (a shared root), or could write, is refused: the ranks
+    put the copy first on sys.path and would import what was planted there (a `.pyc` too).
+    """
+    root = workspaces_root()
+    path = host_path(key)
+    if create:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    check_root(root)
+    if create:
+        try:
+            os.mkdir(path, 0o700)  # a plain mkdir: an existing folder is checked, never adopted blindly
+        except FileExistsError:
+            pass
+    check_private(path)
+    return path
 
 
 def file_sha256(path: str) -> str:
