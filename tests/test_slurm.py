@@ -157,6 +157,46 @@ def test_waiting_is_visible_bounded_and_cancellable(cluster, capsys):
     assert wait_until(lambda: ours_in_queue(cluster) == [], 20)
 
 
+def test_gpus_on_a_partition_without_gpus_means_ranks_per_node_and_says_so(cluster, capsys):
+    """`slurm_mesh(nodes=2, gpus=2)` on CPU nodes failed with "Invalid generic resource (gres)
+    specification", and its hint never named request_gpus=False."""
+    with slurm_mesh(nodes=2, gpus=2, dist="gloo", name="cpu-nodes") as mesh:
+        assert mesh.shape.sizes == {"hosts": 2, "gpus": 2}
+        assert sorted(mesh.run("import socket\nsocket.gethostname()", sink=RecordingSink()).values()) == \
+            ["node0", "node0", "node1", "node1"]
+    shown = capsys.readouterr().out
+    assert shown.count("has no GPUs") == 1 and "without a GPU request" in shown
+    assert wait_until(lambda: ours_in_queue(cluster) == [], 20)
+
+
+def test_a_restart_stopped_while_waiting_for_a_new_allocation_leaves_nothing_queued(cluster):
+    """N8: a Slurm restart that timed out (or was interrupted) kept allocating in the background, and
+    a `down` meanwhile cancelled the old job id, leaving the new job queued."""
+    mesh = slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, name="renewed", timeout=60)
+    blocker = None
+    try:
+        job = mesh.run("import os\nos.environ['SLURM_JOB_ID']", sink=RecordingSink()).item(hosts=0, gpus=0)
+        slurm(cluster, "scancel", job)  # the job ends: a restart must ask for a new one ...
+        assert wait_until(lambda: not [j for j in ours_in_queue(cluster) if j.startswith(job)], 15)
+        blocker = slurm(cluster, "sbatch", "--parsable", "-o", "/dev/null", "-N2", "--exclusive", "--wrap",
+                        "sleep 300").stdout.strip()  # ... which has to wait behind this one
+        assert wait_until(lambda: "RUNNING" in cluster.squeue(), 15)
+        timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))  # the stop button, while it waits
+        timer.start()
+        try:
+            with pytest.raises((KeyboardInterrupt, MeshInterrupted)):
+                mesh.restart()
+        finally:
+            timer.cancel()
+        assert wait_until(lambda: [j for j in ours_in_queue(cluster) if not j.startswith(blocker)] == [], 10), \
+            ours_in_queue(cluster)
+    finally:
+        mesh.shutdown()
+        if blocker:
+            slurm(cluster, "scancel", blocker)
+    assert wait_until(lambda: ours_in_queue(cluster) == [], 20)
+
+
 def test_attaching_to_an_allocation_leaves_it_running_at_down(cluster):
     job = slurm(cluster, "sbatch", "--parsable", "-o", "/dev/null", "-N1", "--wrap", "sleep 300").stdout.strip()
     try:

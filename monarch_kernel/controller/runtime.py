@@ -208,7 +208,14 @@ class MeshRuntime:
     def restart(self, timeout: float | None = None) -> None:
         """Replace every rank with a fresh one (same shape); namespaces are lost."""
         self.state.require_open()
-        self.controller.run(self._restart()).result(timeout or self.spec.start_timeout_s + 10)
+        restarting = self.controller.run(self._restart())
+        try:
+            restarting.result(timeout or self.spec.start_timeout_s + 10)
+        except BaseException:
+            restarting.cancel()  # Ctrl-C or a timeout: stop, as start() does; a queued renewal is cancelled
+            if self.spec.allocation is not None:
+                self.spec.allocation.abandon()
+            raise
 
     async def _restart(self) -> None:
         async with self._lifecycle:
@@ -220,6 +227,8 @@ class MeshRuntime:
         renewed = self.spec.hosts
         if self.spec.allocation is not None:  # the job may have ended: ask the scheduler again
             renewed = await asyncio.to_thread(self.spec.allocation.renew)
+            if self.state.closed:  # the mesh went down while the scheduler was asked
+                return
         moved = [(h.name, h.options) for h in renewed] != [(h.name, h.options) for h in self.spec.hosts]
         if moved or any(not link.is_open for link in self.state.links):
             await self._close_links()

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import os
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,6 +110,7 @@ class SlurmJob:
     setup: str | None = None
     direct: bool = True  # agents offer an authenticated direct link (else all traffic rides srun's stdio)
     _last_status: tuple[float, str] = (float("-inf"), "")
+    abandoned: threading.Event = dataclasses.field(default_factory=threading.Event)  # a renewal to give up
 
     def host_specs(self) -> tuple[HostSpec, ...]:
         """One host per node, its agent a step of this job."""
@@ -124,13 +127,22 @@ class SlurmJob:
             raise MeshStartError(f"Slurm job {self.job_id}, which this mesh attached to, is {state or 'gone'}"
                                  f"{f' ({reason})' if reason not in ('', 'None') else ''}; start a new mesh "
                                  "(%mesh up slurm ...) or attach to a running job")
-        fresh = allocate(self.request, _print)
+        self.abandoned.clear()
+        fresh = allocate(self.request, _print, on_submitted=self._submitted, stop=self.abandoned.is_set)
         self.job_id, self.nodes, self.addresses = fresh.job_id, fresh.nodes, fresh.addresses
         self._last_status = (float("-inf"), "")
         return self.host_specs()
 
+    def _submitted(self, job_id: str) -> None:
+        self.job_id = job_id  # at once: a `down` while it is queued cancels this one, not the old one
+
+    def abandon(self) -> None:
+        """A restart waiting for a new allocation was interrupted or timed out: stop waiting (its job is cancelled)."""
+        self.abandoned.set()
+
     def release(self) -> None:
         """End the allocation if this mesh made it and was not asked to keep it."""
+        self.abandoned.set()
         if self.owned and not self.keep:
             cancel(self.job_id)
 
@@ -200,13 +212,49 @@ def _hint(said: str, request: SlurmRequest) -> str:
     if "time limit" in low:
         return "hint: `sinfo -o '%P %l'` shows each partition's time limit; pass a shorter --time"
     if "gres" in low or "gpu" in low:
-        return "hint: these nodes may have no GPUs as Slurm counts them (gres); ask for a GPU partition"
+        return ("hint: these nodes may have no GPUs as Slurm counts them (gres): ask for a GPU partition, or run "
+                "on CPUs without a GPU request (request_gpus=False, `%mesh up slurm --no-gpu-request`)")
     if "node count" in low or "nodes" in low or "configuration is not available" in low:
         return (f"hint: {request.nodes} nodes with {request.gpus} GPUs each may be more than the partition has; "
                 "`sinfo -N -l` shows its nodes (on CPU-only nodes, do not request GPUs)")
     if "partition" in low:
         return "hint: `sinfo -s` lists the partitions you may use; pass --partition"
     return "hint: try the same request with `sbatch --test-only` to see what Slurm thinks of it"
+
+
+def partition_gres(partition: str | None) -> list[str] | None:
+    """The generic resources (`gpu:a100:8(S:0-1)`, `(null)`) of the partition's nodes (the default
+    partition if None); None if Slurm could not say."""
+    try:
+        done = _slurm("sinfo", "-h", "-o", "%P|%G", timeout=15)
+    except (MeshStartError, subprocess.TimeoutExpired, OSError):
+        return None
+    if done.returncode != 0:
+        return None
+    found = []
+    for line in done.stdout.splitlines():
+        name, _, gres = line.strip().partition("|")
+        default = name.endswith("*")
+        if (partition is None and default) or name.rstrip("*") == partition:
+            found.append(gres)
+    return found or None
+
+
+def _gpus_in(gres: list[str] | None) -> bool:
+    """Whether any node of a partition has GPUs (True when Slurm could not say: ask as asked)."""
+    return gres is None or any("gpu" in g.lower() for g in gres)
+
+
+def without_gpus(request: SlurmRequest, report: Callable[[str], None]) -> SlurmRequest:
+    """The request, without its GPU request if the partition's nodes have none (said in one line):
+    `gpus=N` means N ranks per node, on CPU nodes too, as on a local mesh."""
+    if not request.request_gpus or _gpus_in(partition_gres(request.partition)):
+        return request
+    where = f"partition {request.partition}" if request.partition else "the default partition"
+    report(f"Slurm: {where} has no GPUs (no gpu gres on its nodes): asking for {request.nodes} node"
+           f"{'s' * (request.nodes != 1)} without a GPU request; {request.gpus} rank{'s' * (request.gpus != 1)} "
+           "per node run on CPUs (pass a GPU partition to get GPUs)\n")
+    return dataclasses.replace(request, request_gpus=False)
 
 
 def cancel(job_id: str) -> None:
@@ -225,10 +273,14 @@ def job_state(job_id: str) -> tuple[str, str, str]:
     return state, reason, nodes
 
 
-def wait_running(job_id: str, *, timeout: float | None, report: Callable[[str], None]) -> str:
-    """Until the job runs; its node list. Reports each change of state (KeyboardInterrupt passes through)."""
+def wait_running(job_id: str, *, timeout: float | None, report: Callable[[str], None],
+                 stop: Callable[[], bool] | None = None) -> str:
+    """Until the job runs; its node list. Reports each change of state (KeyboardInterrupt passes through;
+    `stop()` turning true, e.g. an abandoned restart, raises MeshStartError)."""
     start, last = time.monotonic(), None
     while True:
+        if stop is not None and stop():
+            raise MeshStartError(f"the wait for Slurm job {job_id} was abandoned")
         state, reason, nodes = job_state(job_id)
         waited = time.monotonic() - start
         if state == "RUNNING":
@@ -304,11 +356,19 @@ def attach(request: SlurmRequest, reuse_name: str | None = None) -> SlurmJob:
     return SlurmJob(request.job, nodes, node_addresses(nodelist, nodes), owned=False)
 
 
-def allocate(request: SlurmRequest, report: Callable[[str], None]) -> SlurmJob:
-    """Submit, wait until running (visibly), and describe the nodes; cancels on interrupt or timeout."""
+def allocate(request: SlurmRequest, report: Callable[[str], None], *,
+             on_submitted: Callable[[str], None] | None = None, stop: Callable[[], bool] | None = None) -> SlurmJob:
+    """Submit, wait until running (visibly), and describe the nodes; cancels on interrupt, timeout or stop().
+
+    on_submitted(job id) runs as soon as Slurm took the job, so a `down` meanwhile cancels it.
+    A GPU request on a partition whose nodes have no GPUs is dropped, in one line (see `without_gpus`).
+    """
+    request = without_gpus(request, report)
     job_id = submit(request)
+    if on_submitted is not None:
+        on_submitted(job_id)
     try:
-        nodelist = wait_running(job_id, timeout=request.wait_timeout, report=report)
+        nodelist = wait_running(job_id, timeout=request.wait_timeout, report=report, stop=stop)
         nodes = node_names(nodelist)
         return SlurmJob(job_id, nodes, node_addresses(nodelist, nodes), owned=True, keep=request.keep,
                         request=request)

@@ -52,6 +52,9 @@ class Allocation(Protocol):
     def renew(self) -> tuple[HostSpec, ...]:
         """The hosts to start again on at a restart (the same, or those of a new allocation)."""
 
+    def abandon(self) -> None:
+        """A restart was interrupted or timed out: give up a renewal still waiting (cancelling its job)."""
+
 
 @dataclass(frozen=True)
 class MeshSpec:
