@@ -67,3 +67,50 @@ def test_progress_bars_send_their_latest_state_and_are_not_capped(monkeypatch):
     text = "".join(m.text for m in sent)
     assert "\rstep 1999\ndone\n" in text and "dropped" not in text
     assert text.count("\r") < 500  # one state per burst, not all 2,000 printed
+
+
+def test_output_outside_requests_gets_its_budget_back_and_the_drop_is_said(monkeypatch):
+    """N7: the budget of request id None was never refilled and its drop never reported: after 8M
+    characters in a rank's life, every later print of an actor endpoint vanished without a word."""
+    monkeypatch.setattr(capture, "MAX_OUTPUT_PER_REQUEST", 1000)
+    monkeypatch.setattr(capture, "IDLE_WINDOW_S", 0.2)
+    sent = []
+    stream = RankStream("stdout", 3, sent.append)
+    for _ in range(50):
+        stream.write("x" * 99 + "\n")  # an endpoint prints far over its budget
+    stream.flush()
+    time.sleep(0.25)  # the window ends (the clock the budget is measured by; not a wait for output)
+    stream.write("MARKER-after\n")
+    stream.flush()
+    shown = "".join(m.text for m in sent)
+    assert "MARKER-after" in shown
+    assert "were dropped" in shown and "printed outside any cell" in shown
+    assert all(m.req_id is None for m in sent)
+
+
+def test_idle_output_on_the_controller_is_bounded():
+    """N7: a newline-free stream outside any cell (a progress stream, a C library) was kept whole and
+    re-joined on every chunk, on the controller loop all meshes share (16 MiB cost 10.6 s)."""
+    import io
+    import sys
+
+    from monarch_kernel.api.sinks import IdleOutput
+
+    now = [0.0]
+    idle = IdleOutput(clock=lambda: now[0])
+    out, err = io.StringIO(), io.StringIO()
+    real = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = out, err
+    try:
+        chunk = "y" * (64 << 10)
+        for _ in range(256):  # 16 MiB without a newline
+            idle.write(0, "stdout", chunk)
+        assert max(idle._partial_len.values()) <= IdleOutput.PARTIAL_KEPT  # kept bounded, not whole
+        idle.write(0, "stdout", "\n")
+        now[0] += IdleOutput.IDLE_WINDOW_S  # the next window
+        idle.write(0, "stdout", "after\n")
+    finally:
+        sys.stdout, sys.stderr = real
+    lines = out.getvalue().splitlines()
+    assert lines[-1] == "[rank 0] after" and len(lines[0]) <= IdleOutput.PARTIAL_KEPT + len("[rank 0] ")
+    assert "the rest is dropped" in err.getvalue() and "characters printed outside any cell were dropped" in err.getvalue()

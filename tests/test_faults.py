@@ -327,3 +327,30 @@ def test_garbage_on_a_ranks_lane_closes_that_lane_only(quick_mesh):
 def _rss_kib(pid):
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_sends_to_a_rank_that_reads_nothing_fail_fast_once_its_lane_is_full(quick_mesh, monkeypatch):
+    """N14: lane queues were unbounded: work sent to a rank stuck in a cell piled up in the notebook."""
+    from monarch_kernel import MeshBusyError
+    from monarch_kernel.wire import lane_client
+
+    monkeypatch.setattr(lane_client, "LANE_HIGH_WATER", 2 << 20)
+    busy = quick_mesh.run_async("import time\ntime.sleep(30)")
+    assert wait_until(lambda: all(s.state == "busy" for s in quick_mesh.status()), 10)
+    big = "x = " + repr("y" * (512 << 10))  # half a MiB of code per cell, queued behind the busy one
+    queued = []
+    with pytest.raises(MeshBusyError, match="has not read the last .* MiB sent to it"):
+        for _ in range(64):
+            queued.append(quick_mesh.run_async(big))
+    assert 3 <= len(queued) < 64
+    quick_mesh.interrupt()
+    from monarch_kernel.core.errors import MeshInterrupted
+
+    with pytest.raises(MeshInterrupted):
+        busy.get(timeout=20)
+    for future in queued:
+        try:
+            future.get(timeout=30)
+        except MeshInterrupted:  # the stop reaches what was sent but not started, too
+            pass
+    assert quick_mesh.run("1").by_rank() == {0: 1, 1: 1}

@@ -366,3 +366,34 @@ def test_many_strangers_do_not_stop_a_relay_before_its_child_joins():
         child.stop()
 
     asyncio.run(main())
+
+
+def test_a_frame_header_alone_does_not_make_a_link_allocate_what_it_names():
+    """N13: a sealed link allocated a header's announced length before any byte (or the MAC) arrived."""
+    import struct
+    import tracemalloc
+
+    async def main():
+        closed = []
+        server_side = asyncio.get_running_loop().create_future()
+
+        async def accept(reader, writer):
+            server_side.set_result((reader, writer))
+
+        server = await asyncio.start_server(accept, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, peer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await server_side
+        tracemalloc.start()
+        RelayLink(reader, writer, new_key(), DOWN, lambda msg: None, closed.append)
+        peer.write(struct.pack("!QQ", 1, 512 << 20) + bytes(32) + b"x" * 1024)  # announces 512 MiB, sends 1 KiB
+        await peer.drain()
+        await asyncio.sleep(0.1)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        peer.close()
+        await until(lambda: closed)
+        server.close()
+        return peak
+
+    assert asyncio.run(main()) < 64 << 20

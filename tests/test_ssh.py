@@ -523,6 +523,18 @@ def test_env_values_never_appear_on_a_command_line_of_the_host(hosts):
         m.shutdown()
 
 
+def test_a_large_environment_and_a_setup_that_reads_stdin_still_start_the_agent(hosts, sink):
+    """N12: an env= over 64 KiB could not start a remote agent (one line of at most 64 KiB), and a
+    --setup that read stdin swallowed the environment and the secret."""
+    big = "x" * 200_000
+    m = ssh_mesh(["host-0"], gpus=1, dist="none", python=sys.executable, connect_options=hosts.connect_options(),
+                 env={"MK_BIG": big}, setup="read -r swallowed || true", name="ssh-bigenv", timeout=60)
+    try:
+        assert m.pull("len(__import__('os').environ['MK_BIG'])").by_rank() == {0: len(big)}
+    finally:
+        m.shutdown()
+
+
 def test_the_users_ssh_agent_is_not_forwarded_unless_asked(hosts, tmp_path):
     """F7: ForwardAgent yes in the user's config handed their SSH keys to every rank."""
     agent = subprocess.run(["ssh-agent", "-a", str(tmp_path / "agent.sock")], capture_output=True, text=True,

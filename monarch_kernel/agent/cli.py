@@ -21,15 +21,31 @@ from monarch_kernel.core.folders import owned_folder, remove_if_orphaned
 from monarch_kernel.wire.relay_link import UP, RelayLink
 from monarch_kernel.wire.transport import AsyncConnection
 
+MAX_ENV_BYTES = 64 << 20
+
 
 def _read_env_line(fd: int) -> dict[str, str]:
-    """One JSON line from fd, read a byte at a time (what follows it is the controller's frames)."""
-    line = read_line(fd)
-    if not line:
+    """The environment from fd: a line with its length, then that many bytes of JSON (what follows
+    is the controller's frames, or the direct link's secret)."""
+    header = read_line(fd, limit=32)
+    if not header:
         raise SystemExit("monarch_kernel agent: stdin closed before the environment arrived")
-    env = json.loads(line)
+    try:
+        size = int(header)
+    except ValueError:
+        raise SystemExit("monarch_kernel agent: the environment's length line is not a number "
+                         "(another monarch_kernel version on the notebook's side?)") from None
+    if not 0 <= size <= MAX_ENV_BYTES:
+        raise SystemExit(f"monarch_kernel agent: an environment of {size} bytes is over {MAX_ENV_BYTES}")
+    data = bytearray()
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            raise SystemExit("monarch_kernel agent: stdin closed in the middle of the environment")
+        data += chunk
+    env = json.loads(data)
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-        raise SystemExit("monarch_kernel agent: the environment line is not a JSON object of strings")
+        raise SystemExit("monarch_kernel agent: the environment is not a JSON object of strings")
     return env
 
 

@@ -8,6 +8,7 @@ cell output); without it, lines are printed with their rank.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -88,22 +89,73 @@ class IdleOutput:
     """Text ranks print outside any cell (actor endpoints, their threads), shown as it comes.
 
     Whole lines go to this process's stdout/stderr, tagged with the rank; in a notebook
-    they appear in the cell that is running (or the last one that ran).
+    they appear in the cell that is running (or the last one that ran). What a rank prints
+    this way is bounded, since it is handled on the controller's loop that every mesh shares:
+    a trailing partial line keeps its last PARTIAL_KEPT characters (a progress stream without
+    newlines), and each rank may show IDLE_BUDGET characters per IDLE_WINDOW_S; the rest is
+    dropped, and a note says how much.
     """
 
-    def __init__(self) -> None:
-        self._partial: dict[tuple[int, str], str] = {}
+    PARTIAL_KEPT = 64 << 10
+    IDLE_BUDGET = 4 << 20
+    IDLE_WINDOW_S = 10.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._partial: dict[tuple[int, str], list[str]] = {}
+        self._partial_len: dict[tuple[int, str], int] = {}
+        self._window: dict[int, tuple[float, int, int]] = {}  # rank -> (window start, shown, dropped)
+        self._clock = clock
 
     def write(self, rank: int, stream: str, text: str) -> None:
         """Show the complete lines of `text`; keep a trailing partial line for later."""
-        text = self._partial.pop((rank, stream), "") + text
+        key = (rank, stream)
+        kept = self._within_budget(rank, text)
+        if len(kept) < len(text) and "\n" in text[len(kept):]:  # a line ended in what was dropped
+            self._partial.pop(key, None)
+            self._partial_len.pop(key, None)
+        text = kept
+        if not text:
+            return
+        if "\n" not in text:  # no line ends yet: keep the pieces (joined only when they are too long)
+            pieces = self._partial.setdefault(key, [])
+            pieces.append(text)
+            size = self._partial_len.get(key, 0) + len(text)
+            if size > self.PARTIAL_KEPT:
+                kept = "".join(pieces)[-self.PARTIAL_KEPT:]
+                pieces[:] = [kept]
+                size = len(kept)
+            self._partial_len[key] = size
+            return
+        text = "".join(self._partial.pop(key, ())) + text
+        self._partial_len.pop(key, None)
         *lines, rest = text.split("\n")
         if rest:
-            self._partial[(rank, stream)] = rest
+            self._partial[key] = [rest[-self.PARTIAL_KEPT:]]
+            self._partial_len[key] = len(self._partial[key][0])
         if lines:
             out = sys.stderr if stream == "stderr" else sys.stdout
-            out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+            out.write("".join(f"[rank {rank}] {line[-self.PARTIAL_KEPT:]}\n" for line in lines))
             out.flush()
+
+    def _within_budget(self, rank: int, text: str) -> str:
+        now = self._clock()
+        start, shown, dropped = self._window.get(rank, (now, 0, 0))
+        if now - start >= self.IDLE_WINDOW_S:
+            if dropped:
+                sys.stderr.write(f"[rank {rank}] [monarch_kernel: {dropped:,} characters printed outside any cell "
+                                 f"were dropped; at most {self.IDLE_BUDGET:,} are shown per "
+                                 f"{self.IDLE_WINDOW_S:g} s]\n")
+                sys.stderr.flush()
+            start, shown, dropped = now, 0, 0
+        room = max(0, self.IDLE_BUDGET - shown)
+        if len(text) > room:
+            if not dropped:
+                sys.stderr.write(f"[rank {rank}] [monarch_kernel: over {self.IDLE_BUDGET:,} characters printed outside "
+                                 f"any cell in {self.IDLE_WINDOW_S:g} s: the rest is dropped until then]\n")
+            dropped += len(text) - room
+            text = text[:room]
+        self._window[rank] = (start, shown + len(text), dropped)
+        return text
 
 
 SinkFactory = Callable[[dict[str, Any]], OutputSink]

@@ -58,6 +58,8 @@ class RequestBook:
         if lanes is None:
             self._loop.call(self._send, req, body)
             return req
+        for lane, rank in zip(lanes, sorted(req.ranks)):
+            lane.check_room(rank)  # a rank that reads nothing: fail fast, before anything is booked or sent
         req.on_lanes = True
         chunks = encode(body)
         with self._lock:

@@ -61,8 +61,11 @@ class ControllerSender:
         self._state.require_open()
         away = []
         chunks = None
-        for rank in msg.ranks:
-            lane = self._lane(rank)
+        lanes = [(rank, self._lane(rank)) for rank in msg.ranks]
+        for rank, lane in lanes:  # a rank that reads nothing: fail fast, before anything is sent
+            if lane is not None:
+                lane.check_room(rank)
+        for rank, lane in lanes:
             if lane is None:
                 away.append(rank)
                 continue

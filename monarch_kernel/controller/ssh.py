@@ -216,12 +216,15 @@ def agent_command(*, python: str, name: str, setup: str | None, env: dict[str, s
         f"{shlex.quote(python)} -m monarch_kernel.agent --stdio --host {shlex.quote(name)}{extra}")
     # a setup that ends in a comment or with '&' must not swallow the agent's start
     # and what it prints goes to stderr (the log), not into the protocol on stdout
-    return f"{{ {setup}\n}} >&2 && {run}" if setup else run
+    # ... and reads nothing of the agent's stdin (the environment and the secret come on it)
+    return f"{{ {setup}\n}} </dev/null >&2 && {run}" if setup else run
 
 
 def env_line(env: dict[str, str]) -> bytes:
-    """What the agent reads first on its stdin with --env-stdin: the environment, one JSON line."""
-    return json.dumps(env).encode() + b"\n"
+    """What the agent reads first on its stdin with --env-stdin: the environment as JSON, after a
+    line with its length in bytes (so an environment of any size arrives in one read)."""
+    payload = json.dumps(env).encode()
+    return b"%d\n" % len(payload) + payload
 
 
 async def start_agent(target: SSHTarget, *, name: str, python: str, setup: str | None,

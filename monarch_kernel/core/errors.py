@@ -21,6 +21,10 @@ class ActorDeadlockError(MeshUsageError):
     """Actors on one rank wait on each other in a cycle (or an actor on itself): none could ever go on."""
 
 
+class MeshBusyError(MeshUsageError):
+    """A rank has more sent to it, unread, than a lane holds (it is busy in a long cell): nothing was sent."""
+
+
 class MeshNotRunningError(MeshError):
     """The mesh was shut down or never came up; start one with `%mesh up` or local_mesh()."""
 

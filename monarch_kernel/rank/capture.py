@@ -16,6 +16,7 @@ import importlib.util
 import io
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,8 @@ from monarch_kernel.core.termtext import compact, progress_chars
 from monarch_kernel.wire.messages import Display, Output
 
 FLUSH_DELAY_S = 0.003
-MAX_OUTPUT_PER_REQUEST = 8 << 20  # characters of text per rank per request
+MAX_OUTPUT_PER_REQUEST = 8 << 20  # characters of text per rank per request (and per window outside requests)
+IDLE_WINDOW_S = 10.0  # the budget of output outside any request is refilled this often
 
 
 class RankStream(io.TextIOBase):
@@ -45,6 +47,7 @@ class RankStream(io.TextIOBase):
         self._wake_pending = False  # a wake-up is already on its way to the flusher
         self._sent_by_request: dict[int | None, int] = {}
         self._dropped: dict[int | None, int] = {}
+        self._idle_since = time.monotonic()
         threading.Thread(target=self._flush_loop, name=f"rank-{name}-flusher", daemon=True).start()
 
     @property
@@ -92,7 +95,13 @@ class RankStream(io.TextIOBase):
                     self._send(Output(self._rank, req, self.name, text))
 
     def _within_cap(self, req: int | None, text: str) -> str:
-        """Text up to the request's cap; progress-bar rewrites (they replace a line) are free."""
+        """Text up to the request's cap; progress-bar rewrites (they replace a line) are free.
+
+        Output outside any request (req None: actor endpoints, threads) has a budget that is
+        refilled every IDLE_WINDOW_S, after a note of what the last window dropped.
+        """
+        if req is None:
+            self._roll_idle_window()
         sent = self._sent_by_request.get(req, 0)
         room = max(0, MAX_OUTPUT_PER_REQUEST - sent)
         cost = len(text) - progress_chars(text) if "\r" in text else len(text)
@@ -102,6 +111,19 @@ class RankStream(io.TextIOBase):
             cost = room
         self._sent_by_request[req] = sent + cost
         return text
+
+    def _roll_idle_window(self) -> None:
+        now = time.monotonic()
+        if now - self._idle_since < IDLE_WINDOW_S:
+            return
+        self._idle_since = now
+        self._sent_by_request.pop(None, None)
+        dropped = self._dropped.pop(None, 0)
+        if dropped:
+            self._send(Output(self._rank, None, "stderr",
+                              f"\n[monarch_kernel: {dropped:,} characters of {self.name} printed outside any cell on "
+                              f"this rank were dropped; at most {MAX_OUTPUT_PER_REQUEST:,} are kept per "
+                              f"{IDLE_WINDOW_S:g} s]\n"))
 
     def finish_request(self, req: int | None) -> None:
         """Flush, then report how much of this request's output was dropped, if any."""

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from monarch_kernel.core.errors import ConnectionClosed
+from monarch_kernel.core.errors import ConnectionClosed, MeshBusyError
 from monarch_kernel.wire.lanes import lane_path, peer_is_us, read_available
 from monarch_kernel.wire.messages import Display, InputRequest, Output
 from monarch_kernel.wire.transport import FrameProtocol, advance, byte_views
@@ -37,6 +37,9 @@ def connect_lane(path: str) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+LANE_HIGH_WATER = 1 << 30  # bytes a busy rank may leave unread on its lane before sends fail fast
 
 
 class Lane:
@@ -76,6 +79,19 @@ class Lane:
         self.unanswered = 0
         self.waiters = 0  # threads reading this lane for their replies (changed under the pool's lock)
         self._reader = FrameProtocol(self._got, self._lost)
+
+    def backlog_bytes(self) -> int:
+        """Bytes sent to this lane that the rank has not taken yet."""
+        return sum(v.nbytes for v in self._queued) + sum(v.nbytes for v in self._out)
+
+    def check_room(self, rank: int) -> None:
+        """Raise MeshBusyError if this lane already holds LANE_HIGH_WATER bytes the rank has not read."""
+        backlog = self.backlog_bytes() if (self._queued or self._out) else 0
+        if backlog > LANE_HIGH_WATER:
+            raise MeshBusyError(
+                f"rank {rank} has not read the last {backlog / (1 << 20):,.0f} MiB sent to it (it is busy, "
+                f"in a long cell or endpoint); nothing more was sent. Wait for it, interrupt it "
+                f"(%mesh interrupt), or send less at a time")
 
     def send_chunks(self, chunks: list[Any]) -> None:
         """Send (or queue) one encoded frame that will be answered by one reply; never blocks."""

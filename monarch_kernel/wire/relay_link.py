@@ -161,15 +161,14 @@ class RelayLink:
                 seq, length = _HEADER.unpack_from(head)
                 if length > MAX_BUFFER_BYTES + (1 << 20):
                     raise RelayRefused(f"a relay frame announced {length} bytes")
-                frame = bytearray(length)
-                view = memoryview(frame)
-                got = 0
-                while got < length:  # read straight into the frame (no joined copy)
-                    chunk = await self._reader.read(min(length - got, 1 << 22))
+                # grown as the bytes arrive, not allocated from the header: the MAC can only be
+                # checked at the end, and a forged header must not make us allocate what it names
+                frame = bytearray()
+                while len(frame) < length:
+                    chunk = await self._reader.read(min(length - len(frame), 1 << 22))
                     if not chunk:
-                        raise asyncio.IncompleteReadError(b"", length - got)
-                    view[got:got + len(chunk)] = chunk
-                    got += len(chunk)
+                        raise asyncio.IncompleteReadError(b"", length - len(frame))
+                    frame += chunk
                     self.last_received = time.monotonic()
                 mac = hmac.new(self._session, self._in + head[:_HEADER.size], hashlib.sha256)
                 mac.update(frame)

@@ -29,7 +29,16 @@ _FLAT = 1 << 31  # flag in the buffer-count field: the pickle is a flat tuple (m
 
 MAX_META_BYTES = 256 << 20  # a message's own pickle (values travel as buffers)
 MAX_BUFFERS = 4096
-MAX_BUFFER_BYTES = int(os.environ.get("MONARCH_KERNEL_MAX_BUFFER_BYTES", 64 << 30))
+def _default_max_buffer() -> int:
+    """Half of this machine's memory, and at most 64 GiB: a header alone never makes us allocate more."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 64 << 30
+    return int(min(64 << 30, max(1 << 30, memory // 2)))
+
+
+MAX_BUFFER_BYTES = int(os.environ.get("MONARCH_KERNEL_MAX_BUFFER_BYTES") or _default_max_buffer())
 
 
 class FrameError(ConnectionClosed):
