@@ -9,7 +9,7 @@ PUBLIC = {
     "Actor", "ActorDeadlockError", "ActorDiedError", "ActorError", "ActorFailureEvent", "ActorFuture", "ActorMesh",
     "current_rank", "endpoint", "visualize_sharding",
     "CellSyntaxError", "HealthTimings", "Mesh", "MeshError", "MeshFuture", "MeshInterrupted", "MeshNotRunningError",
-    "MeshStartError", "MeshTimeoutError", "MeshUsageError", "Point", "RankDiedError", "RankFailure",
+    "MeshBusyError", "MeshStartError", "MeshTimeoutError", "MeshUsageError", "Point", "RankDiedError", "RankFailure",
     "RemoteError", "SerializationError", "Shape", "ValueMesh", "load_ipython_extension", "local_mesh",
     "slurm_mesh", "ssh_mesh", "unload_ipython_extension"}
 

@@ -45,10 +45,12 @@ def test_fault_storm_on_ssh_hosts(tmp_path):
 
         def make():
             # a cut host stops its ranks after 30 s without the controller (15 minutes by default),
-            # longer than the storm's GIL holds (7 to 14 s)
+            # longer than the storm's GIL holds (7 to 14 s); the controller gives a silent host up after
+            # 4 s here (15 s by default), within the storm's promise of 5 s for a cut link
             return ssh_mesh([h.alias for h in hosts.hosts], gpus=2, dist="gloo", python=sys.executable,
                             connect_options=hosts.connect_options(), name=f"stormssh-{os.getpid()}",
-                            health=HealthTimings(controller_silence_s=30.0))
+                            health=HealthTimings(controller_silence_s=30.0, host_unreachable_after_s=1.5,
+                                                 host_lost_after_s=4.0))
 
         check(FaultStorm(make, seed=storm_seed(), hosts=hosts).run(rounds=ROUNDS // 2))
     finally:

@@ -627,6 +627,10 @@ def test_a_copy_left_by_a_killed_agent_is_swept_by_the_next_ship(hosts, sink):
             with open(os.path.join(folder, ".owner"), "w") as f:
                 f.write(str(owner))
         folders[label] = folder
+    # a live agent holds the lock on its copy's .owner for its life (core/folders.py): so does this one
+    holder = subprocess.Popen(["flock", os.path.join(folders["alive"], ".owner"), "sleep", "300"])
+    assert wait_until(lambda: subprocess.run(["flock", "-n", os.path.join(folders["alive"], ".owner"), "true"])
+                      .returncode != 0, 10)
     try:
         with ssh_mesh(["host-1"], gpus=1, dist="none", python=sys.executable, ship_package=True,
                       connect_options=hosts.connect_options(), name="ship-next") as m:
@@ -636,5 +640,7 @@ def test_a_copy_left_by_a_killed_agent_is_swept_by_the_next_ship(hosts, sink):
     finally:
         import shutil
 
+        holder.kill()
+        holder.wait()
         for folder in folders.values():
             shutil.rmtree(folder, ignore_errors=True)

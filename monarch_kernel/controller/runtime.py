@@ -212,7 +212,9 @@ class MeshRuntime:
         try:
             restarting.result(timeout or self.spec.start_timeout_s + 10)
         except BaseException:
-            restarting.cancel()  # Ctrl-C or a timeout: stop, as start() does; a queued renewal is cancelled
+            # Ctrl-C or a timeout: a renewal still waiting for the scheduler is given up (its job
+            # cancelled, nothing left queued); ranks already starting finish starting, so that the
+            # mesh is whole again (a restart cut off half-way would leave it half started)
             if self.spec.allocation is not None:
                 self.spec.allocation.abandon()
             raise
