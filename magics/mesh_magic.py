@@ -59,6 +59,7 @@ class MeshMagics(Magics):
         %%mesh --gpus 0:2 --timeout 30          ... on a slice, with a timeout
         %mesh status | use | down | restart | interrupt | push | pull | logs | on | off
         %mesh sharding x                        how DTensor x lies on the mesh
+        %mesh plan build batch --loss F         which layouts fit, which is fastest (--trial, --apply)
         %mesh run train.py --epochs 3           a torchrun script on every rank
         """
         words = line.split()
@@ -234,6 +235,20 @@ class MeshMagics(Magics):
 
     def _do_sharding(self, args) -> Any:
         return visualize_sharding(self.registry.get(args.mesh), args.expr, rows=args.rows, cols=args.cols)
+
+    def _do_plan(self, args) -> Any:
+        namespace = self.shell.user_ns
+        missing = [n for n in (args.build, args.batch, args.loss) if n not in namespace]
+        if missing:
+            raise UsageError(f"not defined in the notebook: {', '.join(missing)} (define build(), batch() and the loss)")
+        plan = self.registry.get(args.mesh).plan(namespace[args.build], namespace[args.batch], loss=namespace[args.loss],
+                                                 memory=args.memory, optimizer=args.optimizer, lr=args.lr,
+                                                 strategies=tuple(s for s in args.strategies.split(",") if s))
+        if args.trial:
+            plan.trial()
+        if args.apply:
+            plan.apply()
+        return plan
 
     def _do_logs(self, args) -> None:
         mesh = self.registry.get(args.mesh)

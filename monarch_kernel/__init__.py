@@ -48,11 +48,16 @@ _EXPORTS = {
     "local_mesh": "monarch_kernel.api.mesh",
     "ssh_mesh": "monarch_kernel.api.mesh",
     "slurm_mesh": "monarch_kernel.api.slurm",
+    "plan": "monarch_kernel.api.planning",
+    "Plan": "monarch_kernel.api.planning",
+    "Candidate": "monarch_kernel.api.planning",
+    "Accelerator": "monarch_kernel.planner.hardware",
     "visualize_sharding": "monarch_kernel.views.shardview",
     "HealthTimings": "monarch_kernel.wire.messages",
 }
 
 __all__ = [
+    "Accelerator",
     "Actor",
     "ActorDiedError",
     "ActorDeadlockError",
@@ -60,6 +65,7 @@ __all__ = [
     "ActorFailureEvent",
     "ActorFuture",
     "ActorMesh",
+    "Candidate",
     "CellSyntaxError",
     "HealthTimings",
     "Mesh",
@@ -71,6 +77,7 @@ __all__ = [
     "MeshStartError",
     "MeshTimeoutError",
     "MeshUsageError",
+    "Plan",
     "Point",
     "RankDiedError",
     "RankFailure",
@@ -82,6 +89,7 @@ __all__ = [
     "endpoint",
     "load_ipython_extension",
     "local_mesh",
+    "plan",
     "slurm_mesh",
     "ssh_mesh",
     "unload_ipython_extension",
@@ -93,6 +101,7 @@ if TYPE_CHECKING:
     from monarch_kernel.actors.client import ActorFailureEvent, ActorFuture, ActorMesh
     from monarch_kernel.api.futures import MeshFuture
     from monarch_kernel.api.mesh import Mesh, local_mesh, ssh_mesh
+    from monarch_kernel.api.planning import Candidate, Plan, plan
     from monarch_kernel.core.errors import (
         ActorDeadlockError,
         ActorDiedError,
@@ -112,6 +121,7 @@ if TYPE_CHECKING:
     from monarch_kernel.core.failures import RankFailure
     from monarch_kernel.core.shape import Point, Shape
     from monarch_kernel.core.values import ValueMesh
+    from monarch_kernel.planner.hardware import Accelerator
     from monarch_kernel.views.shardview import visualize_sharding
     from monarch_kernel.wire.messages import HealthTimings
 

@@ -6,12 +6,12 @@ import sys
 import monarch_kernel
 
 PUBLIC = {
-    "Actor", "ActorDeadlockError", "ActorDiedError", "ActorError", "ActorFailureEvent", "ActorFuture", "ActorMesh",
+    "Accelerator", "Actor", "ActorDeadlockError", "ActorDiedError", "ActorError", "ActorFailureEvent", "ActorFuture", "ActorMesh",
     "current_rank", "endpoint", "visualize_sharding",
-    "CellSyntaxError", "HealthTimings", "Mesh", "MeshError", "MeshFuture", "MeshInterrupted", "MeshNotRunningError",
-    "MeshBusyError", "MeshStartError", "MeshTimeoutError", "MeshUsageError", "Point", "RankDiedError", "RankFailure",
+    "Candidate", "CellSyntaxError", "HealthTimings", "Mesh", "MeshError", "MeshFuture", "MeshInterrupted", "MeshNotRunningError",
+    "MeshBusyError", "MeshStartError", "MeshTimeoutError", "MeshUsageError", "Plan", "Point", "RankDiedError", "RankFailure",
     "RemoteError", "SerializationError", "Shape", "ValueMesh", "load_ipython_extension", "local_mesh",
-    "slurm_mesh", "ssh_mesh", "unload_ipython_extension"}
+    "plan", "slurm_mesh", "ssh_mesh", "unload_ipython_extension"}
 
 
 def test_public_names():

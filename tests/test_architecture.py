@@ -25,9 +25,11 @@ RULES = {
     "rank": {"core", "wire", "actors"},
     "agent": {"core", "wire", "rank"},
     "controller": {"core", "wire"},
-    "api": {"core", "wire", "actors", "controller"},
-    "views": {"core", "wire", "actors", "controller", "api"},
-    "magics": {"core", "wire", "actors", "rank", "controller", "api", "views"},
+    # the planner: pure torch, in the notebook (estimates, in helper processes) and on ranks (apply)
+    "planner": {"core"},
+    "api": {"core", "wire", "actors", "controller", "planner"},
+    "views": {"core", "wire", "actors", "controller", "api", "planner"},
+    "magics": {"core", "wire", "actors", "rank", "controller", "api", "views", "planner"},
     # Monarch's API for programs, in the notebook and on ranks: its notebook-only parts (starting
     # processes) import api/ inside functions that ranks never call (checked on real ranks below)
     "monarch": {"core", "wire", "actors", "api"},

@@ -249,6 +249,12 @@ class Mesh:
             return records
         return pandas.DataFrame.from_records(records, columns=["label", "rank", "host", "seconds", "ok", "finished_at"])
 
+    def plan(self, build: Callable[[], Any], batch: Callable[[], Any], **options: Any) -> Any:
+        """Which layouts of `build()` fit this mesh and which is fastest (`monarch_kernel.api.planning.plan`)."""
+        from monarch_kernel.api.planning import plan
+
+        return plan(build, batch, mesh=self, **options)
+
     def spawn(self, name: str, actor_class: type, *args: Any, **kwargs: Any) -> ActorMesh:
         """One `actor_class(*args, **kwargs)` per rank, as actor mesh `name`.
 

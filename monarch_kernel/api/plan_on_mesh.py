@@ -1,0 +1,86 @@
+"""The planner on a live mesh: the ranks' measured figures (once per mesh), trials, and apply."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from monarch_kernel.core.errors import MeshUsageError
+from monarch_kernel.planner.hardware import size_text
+from monarch_kernel.planner.layout import Layout
+
+if TYPE_CHECKING:
+    from monarch_kernel.api.mesh import Mesh
+    from monarch_kernel.api.planning import Candidate, Figures, Plan
+
+_FIGURES: weakref.WeakKeyDictionary[Any, Figures] = weakref.WeakKeyDictionary()  # per mesh runtime
+
+
+def mesh_figures(mesh: Mesh) -> Figures:
+    """The slowest rank's throughput, the smallest memory, and the links, measured once per mesh."""
+    from monarch_kernel.api.planning import Figures
+    from monarch_kernel.planner.measure import rank_figures
+
+    found = _FIGURES.get(mesh._runtime)
+    if found is None:
+        values = list(mesh.call(rank_figures, timeout=300).values())
+        found = Figures(memory=int(min(v["memory"] for v in values)), flops=min(v["flops_fp32"] for v in values),
+                        intra_host_bandwidth=min(v["intra_host_bandwidth"] for v in values),
+                        inter_host_bandwidth=min(v["inter_host_bandwidth"] for v in values),
+                        source=f"measured on mesh {mesh.name!r}", latency=max(v["latency"] for v in values),
+                        op_overhead=max(v["op_overhead"] for v in values))
+        _FIGURES[mesh._runtime] = found
+    return dataclasses.replace(found)
+
+
+def _require_mesh(plan: Plan) -> Mesh:
+    if plan.mesh is None:
+        raise MeshUsageError("this plan was made for a world you do not have (world=...): trial and apply need a "
+                             "mesh; make the plan with mesh.plan(...)")
+    return plan.mesh
+
+
+def trial(plan: Plan, steps: int) -> None:
+    """Run each fitting candidate for real (one after the other) and record what it measured."""
+    from monarch_kernel.planner.measure import trial_layout
+
+    mesh = _require_mesh(plan)
+    batch = plan.batch()
+    for candidate in plan.candidates:
+        if not candidate.fits:
+            continue
+        layout = Layout.parse(candidate.layout)
+        measured = list(mesh.call(trial_layout, plan.spec, layout, batch, steps, timeout=1800).values())
+        candidate.measured_step_seconds = max(m["step_seconds"] for m in measured)
+        candidate.measured_peak_bytes = max(m["peak_bytes"] for m in measured)
+    mesh.run("import gc\ngc.collect()")
+
+
+def apply(plan: Plan, candidate: Candidate, seed: int, names: tuple[str, str, str]) -> Candidate:
+    """Build the model in `candidate`'s layout on every rank and bind it there under `names`."""
+    import dataclasses
+    import warnings
+
+    mesh = _require_mesh(plan)
+    if not candidate.applicable:
+        raise MeshUsageError(f"layout {candidate.layout} does not apply to this model: {candidate.reason}")
+    if not candidate.fits:
+        warnings.warn(f"layout {candidate.layout} does not fit ({candidate.reason}); applying it as asked",
+                      stacklevel=3)
+    spec = dataclasses.replace(plan.spec, seed=seed)
+    layout = Layout.parse(candidate.layout)
+    model_name, optimizer_name, step_name = names
+
+    def bind(worker: Any) -> str:
+        from monarch_kernel.planner.apply import build_in_layout
+
+        model, optimizer, step, device_mesh = build_in_layout(spec, layout)
+        worker.namespace.update({model_name: model, optimizer_name: optimizer, step_name: step,
+                                 "device_mesh": device_mesh})
+        return layout.text
+
+    mesh._call_in_worker(bind, f"plan.apply({layout})", timeout=1800)
+    print(f"applied {layout} on {mesh.name!r}: {model_name}, {optimizer_name} and {step_name}(batch) are bound on "
+          f"every rank (estimated peak {size_text(candidate.peak_bytes)} per rank)")
+    return candidate

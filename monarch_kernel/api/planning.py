@@ -1,0 +1,260 @@
+"""`mesh.plan(...)` and `monarch_kernel.plan(..., world=...)`: which layouts fit, which is fastest.
+
+Every candidate layout of the mesh's shape is estimated on fake tensors in a helper process of
+its own (in parallel; the notebook allocates nothing of the model), its step time modelled
+from its FLOPs and collective bytes with the ranks' measured throughput and links (or a known
+accelerator's figures for a cluster you do not have), and ranked. `Plan.trial` runs the fitting
+ones for real and re-ranks by measurement; `Plan.apply` builds the model on the ranks in a
+layout; `Plan.code` writes the same as a torchrun script.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import html
+import os
+import pickle
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from monarch_kernel.core.errors import MeshUsageError
+from monarch_kernel.core.texttable import text_table
+from monarch_kernel.planner.apply import TrainingSpec
+from monarch_kernel.planner.estimate import CATEGORIES, LayoutEstimate
+from monarch_kernel.planner.hardware import Accelerator, accelerator, collective_seconds, parse_bytes, size_text
+from monarch_kernel.planner.layout import STRATEGIES, Layout, candidate_layouts
+
+if TYPE_CHECKING:
+    from monarch_kernel.api.mesh import Mesh
+
+
+@dataclass
+class Candidate:
+    """One layout: estimated (and, after a trial, measured) per rank."""
+
+    layout: str
+    fits: bool = False
+    peak_bytes: int = 0
+    memory: dict[str, int] = field(default_factory=dict)
+    step_seconds: float = float("inf")
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    collectives: dict[str, int] = field(default_factory=dict)
+    reason: str = ""  # why it does not fit, or does not apply
+    applicable: bool = True
+    measured_peak_bytes: float | None = None
+    measured_step_seconds: float | None = None
+
+    def row(self) -> list[str]:
+        """Its cells in the plan's table."""
+        measured = ("" if self.measured_step_seconds is None else
+                    f"{self.measured_step_seconds * 1e3:.1f} ms, {size_text(self.measured_peak_bytes or 0)}")
+        if not self.applicable:
+            return [self.layout, "n/a", "", "", "", self.reason]
+        return [self.layout, "yes" if self.fits else "no", size_text(self.peak_bytes),
+                f"{self.step_seconds * 1e3:.1f} ms", measured, self.reason]
+
+
+@dataclass
+class Figures:
+    """What a rank can do: memory to use, FLOP/s, link bandwidths (measured or known)."""
+
+    memory: int
+    flops: float
+    intra_host_bandwidth: float
+    inter_host_bandwidth: float
+    source: str  # "measured on mesh NAME" or the accelerator's name
+    latency: float = 10e-6  # of one collective, in seconds
+    op_overhead: float = 5e-6  # per dispatched operator (a GPU's kernel launch, a CPU's dispatch)
+
+
+@dataclass
+class Plan:
+    """The candidates of one model on one mesh (or world), best first; see the module docstring."""
+
+    candidates: list[Candidate]
+    figures: Figures
+    hosts: int
+    gpus: int
+    spec: TrainingSpec
+    batch: Callable[[], Any]
+    mesh: Mesh | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate | None:
+        """The fastest fitting candidate (by measurement once trialled)."""
+        fitting = [c for c in self.candidates if c.fits]
+        if not fitting:
+            return None
+        measured = [c for c in fitting if c.measured_step_seconds is not None]
+        if measured:
+            return min(measured, key=lambda c: c.measured_step_seconds or float("inf"))
+        return min(fitting, key=lambda c: c.step_seconds)
+
+    def candidate(self, layout: str | Candidate | None = None) -> Candidate:
+        """The candidate of a layout string (None: the best)."""
+        if isinstance(layout, Candidate):
+            return layout
+        if layout is None:
+            found = self.best
+            if found is None:
+                raise MeshUsageError("no layout fits: give more memory per rank, more ranks, or a smaller batch")
+            return found
+        text = Layout.parse(layout).text
+        for candidate in self.candidates:
+            if candidate.layout == text:
+                return candidate
+        raise MeshUsageError(f"layout {layout!r} is not a candidate of this plan ({', '.join(self.layouts())})")
+
+    def layouts(self) -> list[str]:
+        """The candidates' layout strings, in the plan's order."""
+        return [c.layout for c in self.candidates]
+
+    def _rows(self) -> list[list[str]]:
+        return [["layout", "fits", "peak/rank", "step (est.)", "measured", "why"], *(c.row() for c in self.candidates)]
+
+    def __str__(self) -> str:
+        world = f"{self.hosts} x {self.gpus} ranks"
+        head = (f"Plan for {world}, {size_text(self.figures.memory)} per rank ({self.figures.source}); "
+                f"best: {self.best.layout if self.best else 'none fits'}")
+        return "\n".join([head, *text_table(self._rows(), "  "), *self.notes])
+
+    __repr__ = __str__
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        rows = self._rows()
+        best = self.best.layout if self.best else None
+        cells = "".join(
+            "<tr" + (" style='font-weight:bold'" if row[0] == best else "") + ">"
+            + "".join(f"<t{'h' if i == 0 else 'd'}>{html.escape(cell)}</t{'h' if i == 0 else 'd'}>" for cell in row)
+            + "</tr>" for i, row in enumerate(rows))
+        head = html.escape(str(self).splitlines()[0])
+        notes = "".join(f"<div>{html.escape(n)}</div>" for n in self.notes)
+        return f"<div><div>{head}</div><table>{cells}</table>{notes}</div>"
+
+    # ------------------------------------------------------------ on the mesh
+    def trial(self, steps: int = 3) -> Plan:
+        """Run every fitting candidate for real on the mesh, measure its step and peak, re-rank."""
+        from monarch_kernel.api.plan_on_mesh import trial
+
+        trial(self, steps)
+        return self
+
+    def apply(self, candidate: str | Candidate | None = None, *, seed: int = 0,
+              names: tuple[str, str, str] = ("model", "optimizer", "train_step")) -> Candidate:
+        """Build the model on every rank in a layout (the best by default) and bind its module,
+        optimizer and train_step(batch) under `names` on each rank; returns the candidate."""
+        from monarch_kernel.api.plan_on_mesh import apply
+
+        return apply(self, self.candidate(candidate), seed, names)
+
+    def code(self, steps: int = 10, candidate: str | Candidate | None = None) -> str:
+        """A standalone torchrun script doing the same: build, parallelize, `steps` train steps."""
+        from monarch_kernel.planner.codegen import torchrun_script
+
+        chosen = self.candidate(candidate)
+        return torchrun_script(self.spec, self.batch, Layout.parse(chosen.layout), steps)
+
+
+def run_estimates(spec: TrainingSpec, batch: Any, layouts: Sequence[Layout],
+                  workers: int | None = None) -> list[LayoutEstimate]:
+    """Estimate each layout in a helper process of its own, several at a time."""
+    import cloudpickle
+
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+
+    def one(layout: Layout) -> LayoutEstimate:
+        job = cloudpickle.dumps({"sys_path": list(sys.path), "spec": spec, "batch": batch, "layout": layout.text})
+        done = subprocess.run([sys.executable, "-m", "monarch_kernel.planner.estimate_job"], input=job,
+                              capture_output=True, env=env, timeout=1800)
+        if done.returncode != 0 or not done.stdout:
+            tail = done.stderr.decode(errors="replace").strip().splitlines()[-3:]
+            return LayoutEstimate(layout.text, error=f"the estimate failed: {' / '.join(tail)}")
+        result: LayoutEstimate = pickle.loads(done.stdout)
+        return result
+
+    count = workers or max(1, min(len(layouts), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        return list(pool.map(one, layouts))
+
+
+def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: int,
+                    known: Accelerator | None = None) -> list[Candidate]:
+    """Candidates from estimates: fit against the memory per rank, step time from FLOPs and bytes."""
+    found = []
+    for estimate in estimates:
+        layout = Layout.parse(estimate.layout)
+        if estimate.error:
+            found.append(Candidate(estimate.layout, applicable=False, reason=estimate.error))
+            continue
+        candidate = Candidate(estimate.layout, peak_bytes=estimate.peak_bytes, memory=dict(estimate.memory),
+                              collectives=dict(estimate.collectives))
+        flops = known.flops(estimate.dtype_bytes) if known is not None else figures.flops
+        candidate.compute_seconds = estimate.flops / flops + estimate.ops * figures.op_overhead
+        dp_bandwidth = figures.inter_host_bandwidth if hosts > 1 else figures.intra_host_bandwidth
+        comm = 0.0
+        for key, size in estimate.collectives.items():
+            on_tp = key == "all_reduce" and layout.tp > 1 and layout.ddp == 1
+            group, bandwidth = (layout.tp, figures.intra_host_bandwidth) if on_tp else (layout.data_parallel, dp_bandwidth)
+            comm += collective_seconds(key, size, group, bandwidth)
+        candidate.comm_seconds = comm + estimate.collective_calls * figures.latency
+        candidate.step_seconds = candidate.compute_seconds + comm
+        candidate.fits = candidate.peak_bytes <= figures.memory
+        if not candidate.fits:
+            biggest = max(CATEGORIES, key=lambda k: estimate.memory.get(k, 0))
+            candidate.reason = (f"needs {size_text(candidate.peak_bytes)} per rank, over {size_text(figures.memory)} "
+                                f"(largest: {biggest} {size_text(estimate.memory.get(biggest, 0))})")
+        found.append(candidate)
+    return sorted(found, key=lambda c: (not c.applicable, not c.fits, c.step_seconds))
+
+
+def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[..., Any],
+         optimizer: str | Callable[..., Any] = "adamw", lr: float | None = None, memory: str | int = "auto",
+         world: dict[str, int] | None = None, device: str | Accelerator | None = None,
+         strategies: Sequence[str] = STRATEGIES, mesh: Mesh | None = None) -> Plan:
+    """Plan how to split `build()` over a mesh (`mesh.plan`) or a world you do not have yet
+    (`world={"hosts": 4, "gpus": 8}, device="H100"`); see the module docstring."""
+    unknown = set(strategies) - set(STRATEGIES)
+    if unknown:
+        raise MeshUsageError(f"unknown strategies {sorted(unknown)}: use some of {', '.join(STRATEGIES)} "
+                             "(pipeline parallelism is not planned yet)")
+    spec = TrainingSpec(build, loss, optimizer, lr)
+    if mesh is not None:
+        from monarch_kernel.api.plan_on_mesh import mesh_figures
+
+        hosts, gpus = mesh.shape.sizes.get("hosts", 1), mesh.shape.sizes.get("gpus", 1)
+        figures = mesh_figures(mesh)
+    else:
+        if world is None or device is None:
+            raise MeshUsageError("plan() without a mesh needs world={'hosts': H, 'gpus': G} and device= "
+                                 "(a name such as 'H100', or an Accelerator)")
+        hosts, gpus = int(world.get("hosts", 1)), int(world.get("gpus", 1))
+        named = accelerator(device)
+        figures = Figures(named.memory, named.flops_fp32, named.intra_host_bandwidth, named.inter_host_bandwidth,
+                          named.name)
+    if memory != "auto":
+        figures.memory = parse_bytes(memory)
+    global_batch = batch()
+    layouts = candidate_layouts(hosts, gpus, tuple(strategies))
+    notes = ["pipeline parallelism (pp=...) is not planned yet: every candidate keeps the whole model per "
+             "data-parallel group"]
+    usable = []
+    for layout in layouts:
+        size = global_batch[0].shape[0]
+        if size % layout.data_parallel:
+            notes.append(f"{layout}: ruled out: the global batch of {size} does not split over "
+                         f"{layout.data_parallel} data-parallel ranks")
+        else:
+            usable.append(layout)
+    estimates = run_estimates(spec, global_batch, usable)
+    known = accelerator(device) if device is not None and mesh is None else None
+    candidates = rank_candidates(estimates, figures, hosts, known)
+    return Plan(candidates, figures, hosts, gpus, spec, batch, mesh, notes)

@@ -1,0 +1,70 @@
+"""On a rank: build the model as `torch.manual_seed(seed); build()` gives it in one process, put it
+in a layout, and make its optimizer and training step (what `Plan.apply` binds on every rank)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from monarch_kernel.planner.layout import Layout
+from monarch_kernel.planner.parallelize import Batch, device_mesh, make_optimizer, make_train_step, parallelize
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """What to build and how to train it (the same for every layout)."""
+
+    build: Callable[[], nn.Module]
+    loss: Callable[..., torch.Tensor]
+    optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw"
+    lr: float | None = None
+    seed: int = 0
+
+
+def rank_device() -> torch.device:
+    """This rank's device: its GPU (LOCAL_RANK) on a CUDA mesh, else the CPU."""
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def build_in_layout(spec: TrainingSpec, layout: Layout) -> tuple[nn.Module, torch.optim.Optimizer,
+                                                                   Callable[[Batch], float], Any]:
+    """(model, optimizer, train_step, device mesh) on this rank, for `layout`.
+
+    Every rank builds the whole model from the same seed, then keeps its part: the weights are
+    exactly those of a one-process `torch.manual_seed(seed); build()`, so a run can be checked
+    against one.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("the planner needs torch.distributed on the ranks (start the mesh with dist='gloo' or 'nccl')")
+    if dist.get_world_size() != layout.world:
+        raise ValueError(f"layout {layout} needs {layout.world} ranks; this mesh has {dist.get_world_size()}")
+    device = rank_device()
+    torch.manual_seed(spec.seed)
+    model = spec.build().to(device)
+    mesh = device_mesh(layout, device.type)
+    model = parallelize(model, layout, mesh)
+    optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.lr)
+    return model, optimizer, make_train_step(model, optimizer, spec.loss, layout, mesh, device), mesh
+
+
+def reference_losses(spec: TrainingSpec, batches: list[Batch]) -> list[float]:
+    """The losses of the same training in one process, for comparison (one per batch)."""
+    torch.manual_seed(spec.seed)
+    model = spec.build()
+    optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.lr)
+    losses = []
+    for inputs, targets in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = spec.loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses

@@ -1,0 +1,220 @@
+"""One layout estimated on fake tensors: memory per category, FLOPs and collective bytes per step.
+
+It runs the layout's real code (`parallelize`, the optimizer, two training steps on rank 0's
+slice of the batch) under FakeTensorMode with torch's fake process group, so no memory is
+allocated and no rank is needed: torch's own trackers (`FSDPMemTracker` for FSDP layouts,
+`MemTracker` otherwise) record what the step would hold at its peak, `FlopCounterMode` counts
+the FLOPs, and a dispatch mode records the bytes of every collective. It needs a process of
+its own (the fake group becomes the default group): `estimate_job` runs it so.
+
+DDP's gradient buckets live in C++ where the trackers cannot see them; they are added (one
+copy of the gradients) as collective buffers, and the trial's measurement adds the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from monarch_kernel.planner.apply import TrainingSpec
+from monarch_kernel.planner.layout import Layout
+from monarch_kernel.planner.parallelize import Batch, device_mesh, make_optimizer, parallelize
+from monarch_kernel.planner.structure import tp_plan
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporary", "buffers")
+# torch's tracker categories (by their display names) -> ours
+_CATEGORY_OF = {
+    "Parameter": "params", "Sharded Param": "params", "Unsharded Param": "params", "Buffer": "params",
+    "Gradient": "grads", "Sharded Grad": "grads", "Unsharded Grad": "grads",
+    "Optstate": "optimizer", "OptState": "optimizer", "Other": "temporary",
+    "Activation": "activations",
+    "Temp": "temporary", "Inputs": "temporary",
+    "All Gather": "buffers", "Reduce Scatter": "buffers",
+}
+
+
+@dataclass
+class LayoutEstimate:
+    """What one rank of a layout holds and does per training step (the rank that peaks highest)."""
+
+    layout: str
+    memory: dict[str, int] = field(default_factory=dict)  # CATEGORIES -> bytes at the peak
+    flops: float = 0.0  # per rank per step
+    collectives: dict[str, int] = field(default_factory=dict)  # kind -> bytes per rank per step
+    collective_calls: int = 0  # how many collectives a step runs (each costs the links' latency)
+    ops: int = 0  # operators a step dispatches (each costs the rank's per-operator overhead)
+    param_count: int = 0
+    dtype_bytes: int = 4  # of the model's parameters (which FLOP/s figure applies)
+    error: str = ""
+
+    @property
+    def peak_bytes(self) -> int:
+        """The sum of the categories at the peak."""
+        return sum(self.memory.values())
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of this rank's part of a tensor (a DTensor's local shard)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def split_batch(batch: Batch, layout: Layout, dp_rank: int = 0) -> Batch:
+    """The slice of a global batch one data-parallel rank takes (raises ValueError if it does not divide)."""
+    inputs, targets = batch
+    size, parts = inputs.shape[0], layout.data_parallel
+    if size % parts:
+        raise ValueError(f"a global batch of {size} does not split over {parts} data-parallel ranks")
+    share = slice(dp_rank * size // parts, (dp_rank + 1) * size // parts)
+    return inputs[share], targets[share]
+
+
+def _collective_recorder() -> Any:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CollectiveBytes(TorchDispatchMode):
+        """Bytes of every collective a step runs (the largest tensor it moves), by kind."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes: dict[str, int] = {}
+            self.calls = 0
+            self.ops = 0
+
+        def clear(self) -> None:
+            self.bytes.clear()
+            self.calls = self.ops = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            self.ops += 1
+            if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func._opname:
+                self.calls += 1
+                leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+                size = max((t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)), default=0)
+                kind = _collective_kind(func._opname)
+                self.bytes[kind] = self.bytes.get(kind, 0) + size
+            return out
+
+    return CollectiveBytes()
+
+
+def _collective_kind(opname: str) -> str:
+    name = opname.strip("_")
+    for kind in ("all_gather", "allgather", "reduce_scatter", "all_reduce", "allreduce", "broadcast", "send", "recv"):
+        if kind in name:
+            return {"allgather": "all_gather", "allreduce": "all_reduce"}.get(kind, kind)
+    return name
+
+
+def _fake_friendly_device_mesh() -> None:
+    """FSDP over a tensor-parallel model joins the two mesh dimensions, computing coordinates with
+    tensors: under FakeTensorMode those would be fake. Let that bookkeeping run on real tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    real = DeviceMesh._concatenate
+    if getattr(real, "_monarch_real", False):
+        return
+
+    def concatenate(meshes: list[Any]) -> Any:
+        with unset_fake_temporarily():
+            return real(meshes)
+
+    concatenate._monarch_real = True  # type: ignore[attr-defined]
+    DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign,assignment]
+
+
+def per_rank_flops(build: Callable[[], nn.Module], batch: Batch, loss: Callable[..., torch.Tensor],
+                   layout: Layout) -> tuple[float, int, int]:
+    """FLOPs of one rank's forward and backward, the model's parameter count and their dtype's bytes.
+
+    Counted on a plain fake copy of the model (DTensor ops count at their global size): the
+    layers tensor parallelism splits, and the attention between them, count 1/tp each.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        model = build()
+        params = list(model.parameters())
+        count = sum(p.numel() for p in params)
+        dtype_bytes = params[0].element_size() if params else 4
+        inputs, targets = (fake.from_tensor(t) for t in batch)
+        with FlopCounterMode(display=False) as counter:
+            loss(model(inputs), targets).backward()
+    if layout.tp == 1:
+        return float(counter.get_total_flops()), count, dtype_bytes
+    by_module = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+    root = type(model).__name__
+    plan = tp_plan(model, layout.tp)
+    split = {f"{root}.{path}" for path in plan.colwise + plan.rowwise}
+    split |= {f"{root}.{path}" if path else root for path, _ in plan.heads}  # the attention between the pairs
+    total = float(by_module.get("Global", counter.get_total_flops()))
+    shared = 0.0
+    for name in split:
+        shared += by_module.get(name, 0)
+    for name in split:  # a split module inside another split one is already counted with its parent
+        parent = name.rsplit(".", 1)[0]
+        if parent in split:
+            shared -= by_module.get(name, 0)
+    return total - shared + shared / layout.tp, count, dtype_bytes
+
+
+def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout) -> LayoutEstimate:
+    """Estimate `layout` in this process (which must have no process group of its own: see `estimate_job`)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    result = LayoutEstimate(layout.text)
+    local = split_batch(batch, layout)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world)
+    try:
+        _fake_friendly_device_mesh()
+        mesh = device_mesh(layout, "cpu")
+        recorder = _collective_recorder()
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            model = spec.build()
+            if layout.fsdp > 1 or layout.tp > 1:  # (DDP alone: the plain model, its buckets added below)
+                model = parallelize(model, layout, mesh)
+            optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.lr)
+            inputs, targets = (fake.from_tensor(t) for t in local)
+            tracker: Any = FSDPMemTracker(model, optimizer) if layout.fsdp > 1 else MemTracker()
+            if layout.fsdp == 1:
+                tracker.track_external(model, optimizer)
+            with tracker:
+                for step in range(2):  # the second step holds the optimizer's state: the steady peak
+                    with recorder:
+                        spec.loss(model(inputs), targets).backward()
+                        optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    if step == 0:
+                        tracker.reset_mod_stats()
+                        recorder.clear()
+            peak: dict[Any, int] = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+        memory = dict.fromkeys(CATEGORIES, 0)
+        for kind, size in peak.items():
+            name = getattr(kind, "value", str(kind))
+            if name != "Total":
+                memory[_CATEGORY_OF.get(name, "temporary")] += int(size)
+        result.collectives = dict(recorder.bytes)
+        result.collective_calls, result.ops = recorder.calls, recorder.ops
+        if layout.ddp > 1:  # the gradients' all-reduce, in DDP's buckets (with TP: averaged in place)
+            grads = sum(local_bytes(p) for p in model.parameters() if p.requires_grad)
+            if layout.tp == 1:
+                memory["buffers"] += grads
+            result.collectives["all_reduce"] = result.collectives.get("all_reduce", 0) + grads
+            grad_count = sum(1 for p in model.parameters() if p.requires_grad)
+            result.collective_calls += grad_count if layout.tp > 1 else max(1, -(-grads // (25 << 20)))  # DDP: 25 MB buckets
+        result.memory = memory
+    finally:
+        dist.destroy_process_group()
+    result.flops, result.param_count, result.dtype_bytes = per_rank_flops(spec.build, local, spec.loss, layout)
+    return result

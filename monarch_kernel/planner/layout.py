@@ -1,0 +1,86 @@
+"""A layout: how the ranks of a mesh split a model (data parallel, fully sharded, tensor parallel).
+
+Written as a short string, `"ddp=4"`, `"fsdp=4"`, `"tp=4"`, `"fsdp=2,tp=2"`, `"ddp=2,tp=2"`: the
+degrees multiply to the number of ranks. Tensor parallelism stays inside a host (its collectives
+run on every layer); the data-parallel dimension spans hosts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STRATEGIES = ("ddp", "fsdp", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of each kind of parallelism (1: not used); dp and fsdp exclude each other."""
+
+    ddp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.ddp, self.fsdp, self.tp) < 1:
+            raise ValueError(f"degrees must be at least 1: {self}")
+        if self.ddp > 1 and self.fsdp > 1:
+            raise ValueError("a layout shards data either with DDP or with FSDP, not both")
+
+    @property
+    def world(self) -> int:
+        """The number of ranks it needs."""
+        return self.ddp * self.fsdp * self.tp
+
+    @property
+    def data_parallel(self) -> int:
+        """How many ways the global batch is split."""
+        return self.ddp * self.fsdp
+
+    @property
+    def text(self) -> str:
+        """`"fsdp=2,tp=2"`."""
+        parts = [f"{name}={degree}" for name, degree in (("ddp", self.ddp), ("fsdp", self.fsdp), ("tp", self.tp))
+                 if degree > 1]
+        return ",".join(parts) or "ddp=1"
+
+    def __str__(self) -> str:
+        return self.text
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """The layout a string names (`"fsdp=2,tp=2"`)."""
+        degrees: dict[str, int] = {}
+        for part in text.replace(" ", "").split(","):
+            name, _, value = part.partition("=")
+            if name not in STRATEGIES or not value.isdigit():
+                raise ValueError(f"{text!r} is not a layout: write it as ddp=N, fsdp=N, tp=N or fsdp=A,tp=B")
+            degrees[name] = int(value)
+        return cls(**degrees)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(hosts: int, gpus: int, strategies: tuple[str, ...] = STRATEGIES) -> list[Layout]:
+    """Every sensible layout of `hosts` x `gpus` ranks with the given strategies, simplest first.
+
+    Tensor parallelism takes a divisor of the ranks per host (never across hosts); the rest is
+    data parallel, replicated (DDP) or fully sharded (FSDP).
+    """
+    world = hosts * gpus
+    found: list[Layout] = []
+    for tp in _divisors(gpus):
+        if tp > 1 and "tp" not in strategies:
+            continue
+        rest = world // tp
+        if rest == 1:
+            found.append(Layout(tp=tp))
+            continue
+        if "ddp" in strategies:
+            found.append(Layout(ddp=rest, tp=tp))
+        if "fsdp" in strategies:
+            found.append(Layout(fsdp=rest, tp=tp))
+    if world == 1:
+        return [Layout()]
+    return sorted(set(found), key=lambda layout: (layout.tp, layout.fsdp > 1, layout.ddp))

@@ -1,0 +1,131 @@
+"""Putting a built model into a layout on the ranks' process group, and the training step of it.
+
+The same code runs for real on a mesh's ranks and, on fake tensors with a fake process group,
+when a layout is estimated: what is estimated is what is applied.
+
+- DDP alone: torch's DistributedDataParallel.
+- FSDP: `fully_shard` on each repeated block, then on the whole model.
+- TP: `parallelize_module` with the plan `structure.tp_plan` finds; the head counts of split
+  attention modules are divided by the degree.
+- DDP with TP: the tensor-parallel model, its gradients averaged over the data-parallel ranks
+  after each backward (DistributedDataParallel does not take DTensor parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from monarch_kernel.planner.layout import Layout
+from monarch_kernel.planner.structure import blocks, tp_plan
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def device_mesh(layout: Layout, device_type: str) -> Any:
+    """The DeviceMesh of a layout over the default process group: dims ("dp", "tp") as used."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = [], []
+    if layout.data_parallel > 1 or layout.tp == 1:
+        shape.append(layout.data_parallel)
+        names.append("dp")
+    if layout.tp > 1:
+        shape.append(layout.tp)
+        names.append("tp")
+    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+
+
+def parallelize(model: nn.Module, layout: Layout, mesh: Any) -> nn.Module:
+    """The model in `layout` (modified in place; DDP alone returns its wrapper)."""
+    if layout.tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = tp_plan(model, layout.tp)
+        if not plan.applicable:
+            raise ValueError(f"tensor parallelism does not apply to this model: {plan.reason}")
+        styles: dict[str, Any] = {path: ColwiseParallel() for path in plan.colwise}
+        styles.update({path: RowwiseParallel() for path in plan.rowwise})
+        parallelize_module(model, mesh["tp"], styles)
+        for path, attr in plan.heads:
+            owner = model.get_submodule(path) if path else model
+            setattr(owner, attr, getattr(owner, attr) // layout.tp)
+    if layout.fsdp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for _, block in blocks(model):
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    elif layout.ddp > 1 and layout.tp == 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    return model
+
+
+def make_optimizer(optimizer: str | Callable[..., torch.optim.Optimizer], params: Any,
+                   lr: float | None) -> torch.optim.Optimizer:
+    """"adamw" (torch's AdamW, its defaults, lr 1e-3 unless given), "adam", "sgd", or a callable(params, lr=...)."""
+    if callable(optimizer):
+        return optimizer(params) if lr is None else optimizer(params, lr=lr)
+    rate = 1e-3 if lr is None else lr
+    kinds: dict[str, Callable[..., torch.optim.Optimizer]] = {
+        "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    if optimizer not in kinds:
+        raise ValueError(f"optimizer {optimizer!r}: use one of {sorted(kinds)} or a callable(params, lr=...)")
+    return kinds[optimizer](params, lr=rate)
+
+
+def data_parallel_rank(layout: Layout, mesh: Any) -> tuple[int, Any]:
+    """This rank's index among the data-parallel ranks, and their process group (None if alone)."""
+    if layout.data_parallel == 1:
+        return 0, None
+    return mesh["dp"].get_local_rank(), mesh["dp"].get_group()
+
+
+def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+                    layout: Layout, mesh: Any, device: torch.device) -> Callable[[Batch], float]:
+    """train_step(global batch) -> the global batch's mean loss, on every rank.
+
+    The batch is split over the data-parallel ranks (the ranks of one tensor-parallel group
+    take the same slice); forward, backward and the optimizer step follow.
+    """
+    dp_rank, dp_group = data_parallel_rank(layout, mesh)
+    parts = layout.data_parallel
+    average_by_hand = layout.ddp > 1 and layout.tp > 1
+
+    def train_step(batch: Batch) -> float:
+        inputs, targets = batch
+        size = inputs.shape[0]
+        if size % parts:
+            raise ValueError(f"a global batch of {size} does not split over {parts} data-parallel ranks")
+        share = slice(dp_rank * size // parts, (dp_rank + 1) * size // parts)
+        x, y = inputs[share].to(device), targets[share].to(device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if average_by_hand:
+            average_gradients(model, dp_group, parts)
+        optimizer.step()
+        value = loss.detach().float().clone()
+        if dp_group is not None:
+            dist.all_reduce(value, group=dp_group)
+            value /= parts
+        return float(value)
+
+    return train_step
+
+
+def average_gradients(model: nn.Module, group: Any, parts: int) -> None:
+    """Average every gradient over the data-parallel group (their local shards, for DTensors)."""
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        dist.all_reduce(local, group=group)
+        local /= parts

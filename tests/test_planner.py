@@ -1,0 +1,149 @@
+"""The parallelism planner on a real 4-rank gloo mesh: estimates on fake tensors, trials, apply,
+training that matches one process, and the torchrun script it writes."""
+
+import os
+import subprocess
+import sys
+
+import cloudpickle
+import planner_models as pm
+import pytest
+
+from monarch_kernel import local_mesh
+from monarch_kernel import plan as plan_world
+from monarch_kernel.planner.apply import TrainingSpec, reference_losses
+
+cloudpickle.register_pickle_by_value(pm)  # the ranks cannot import the tests' folder
+pytestmark = pytest.mark.slow
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MEMORY = "10MiB"  # per rank: build_wide's DDP needs about 18 MiB, the sharded layouts 6 to 9
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with local_mesh(gpus=4, dist="gloo", name="planner") as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def wide_plan(mesh):
+    return mesh.plan(pm.build_wide, pm.batch, loss=pm.lm_loss, memory=MEMORY)
+
+
+def test_a_model_that_does_not_fit_under_ddp_is_planned_into_layouts_that_do(wide_plan):
+    by_layout = {c.layout: c for c in wide_plan.candidates}
+    assert set(by_layout) == {"ddp=4", "fsdp=4", "ddp=2,tp=2", "fsdp=2,tp=2", "tp=4"}
+    ddp = by_layout["ddp=4"]
+    assert not ddp.fits and "over 10 MiB" in ddp.reason and "per rank" in ddp.reason
+    assert ddp.peak_bytes > 10 << 20 and sum(ddp.memory.values()) == ddp.peak_bytes
+    assert set(ddp.memory) == {"params", "grads", "optimizer", "activations", "temporary", "buffers"}
+    fitting = [c for c in wide_plan.candidates if c.fits]
+    assert fitting and wide_plan.best in fitting and wide_plan.best.layout != "ddp=4"
+    assert all(c.peak_bytes <= 10 << 20 for c in fitting)
+    assert by_layout["fsdp=4"].memory["optimizer"] < ddp.memory["optimizer"] / 3  # sharded four ways
+    shown = str(wide_plan)
+    assert "ddp=4" in shown and "no" in shown and f"best: {wide_plan.best.layout}" in shown
+
+
+def test_the_trial_measures_every_fitting_layout_within_a_tenth_of_its_estimate(wide_plan):
+    wide_plan.trial(steps=3)
+    for candidate in wide_plan.candidates:
+        if not candidate.fits:
+            assert candidate.measured_peak_bytes is None
+            continue
+        assert candidate.measured_step_seconds is not None and candidate.measured_step_seconds > 0
+        ratio = candidate.peak_bytes / candidate.measured_peak_bytes
+        assert 0.9 <= ratio <= 1.1, (candidate.layout, candidate.peak_bytes, candidate.measured_peak_bytes)
+    fastest = min((c for c in wide_plan.candidates if c.fits), key=lambda c: c.measured_step_seconds)
+    assert wide_plan.best is fastest
+
+
+@pytest.fixture(scope="module")
+def small_plan(mesh):
+    return mesh.plan(pm.build, pm.batch, loss=pm.lm_loss, lr=3e-3, memory="1GiB")
+
+
+@pytest.mark.parametrize("layout", ["ddp=4", "fsdp=4", "tp=4", "fsdp=2,tp=2", "ddp=2,tp=2"])
+def test_every_layout_applies_and_trains_with_the_one_process_losses(mesh, small_plan, layout):
+    small_plan.apply(layout, seed=0)
+    mesh.push(_batch=pm.batch)
+    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
+    expected = reference_losses(TrainingSpec(pm.build, pm.lm_loss, "adamw", 3e-3, 0), [pm.batch()] * 3)
+    for rank, got in losses.by_rank().items():
+        for a, b in zip(got, expected):
+            assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
+
+
+def test_a_conv_net_plans_with_tensor_parallelism_marked_not_applicable(mesh):
+    conv = mesh.plan(pm.build_conv, pm.conv_batch, loss=pm.class_loss, memory="1GiB")
+    by_layout = {c.layout: c for c in conv.candidates}
+    for layout in ("tp=4", "ddp=2,tp=2", "fsdp=2,tp=2"):
+        assert not by_layout[layout].applicable and "Conv2d" in by_layout[layout].reason, by_layout[layout]
+    assert by_layout["ddp=4"].fits and by_layout["fsdp=4"].fits
+    assert conv.best.layout in ("ddp=4", "fsdp=4")
+
+
+def test_the_plans_script_runs_under_torchrun_with_the_same_losses(tmp_path):
+    world_plan = plan_world(pm.build, pm.batch, loss=pm.lm_loss, lr=3e-3, world={"hosts": 1, "gpus": 4},
+                            device="H100")
+    script = tmp_path / "train.py"
+    script.write_text(world_plan.code(steps=3, candidate="fsdp=2,tp=2"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    expected = reference_losses(TrainingSpec(pm.build, pm.lm_loss, "adamw", 3e-3, 0), [pm.batch()] * 3)
+    assert len(printed) == 3
+    for line, want in zip(printed, expected):
+        got = float(line.split()[-1])
+        assert abs(got - want) <= 1e-5 * abs(want), (line, want)
+
+
+def test_a_script_for_notebook_functions_says_what_to_move_into_a_module():
+    def build():  # defined here, like a function of a notebook cell
+        return pm.GPT()
+
+    world_plan = plan_world(build, pm.batch, loss=pm.lm_loss, world={"hosts": 1, "gpus": 2}, device="H100",
+                            strategies=("fsdp",))
+    with pytest.raises(ValueError, match="move it into a module"):
+        world_plan.code()
+
+
+def test_planning_a_cluster_you_do_not_have_stays_light():
+    """A model of about 340 MB of parameters planned for 2 x 4 H100s: nothing of it is allocated here."""
+    import resource
+
+    def big():
+        return pm.GPT(vocab=32000, d=1024, heads=16, layers=6, ctx=16)
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cluster = plan_world(big, pm.batch, loss=pm.lm_loss, world={"hosts": 2, "gpus": 4}, device="H100",
+                         strategies=("ddp", "fsdp"))
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    ddp = next(c for c in cluster.candidates if c.layout == "ddp=8")
+    assert ddp.memory["params"] > 300e6 and ddp.fits  # 80 GiB per H100
+    assert grown < 200e6, grown
+    assert cluster.figures.source == "H100"
+
+
+def test_the_plan_magic_plans_the_mesh_from_the_notebooks_names(mesh):
+    from conftest import ipython_shell
+    from IPython.utils.capture import capture_output
+
+    from monarch_kernel.magics import current_registry
+
+    ip = ipython_shell()
+    ip.run_line_magic("load_ext", "monarch_kernel")
+    try:
+        current_registry().add(mesh)
+        ip.user_ns.update(build=pm.build_wide, batch=pm.batch, lm_loss=pm.lm_loss)
+        with capture_output():
+            result = ip.run_cell(f"%mesh plan build batch --loss lm_loss --memory {MEMORY} --strategies fsdp --apply "
+                                 "--name planner")
+        assert result.success, result.error_in_exec
+        assert [c.layout for c in result.result.candidates] == ["fsdp=4"]
+        assert mesh.run("type(model).__name__").by_rank() == {r: "FSDPGPT" for r in range(4)}
+    finally:
+        ip.run_line_magic("unload_ext", "monarch_kernel")
