@@ -75,3 +75,19 @@ def test_actors_notebook_trains_with_a_parameter_server():
     assert "sum of scales: 20" in monarch
     status = texts(cell_with(nb, "%mesh status samplers"))  # a mesh started by spawn_procs is a mesh like any
     assert "samplers" in status and "rank" in status
+
+
+def test_planning_notebook_plans_trials_applies_and_trains_like_one_process():
+    nb = execute("09_planning.ipynb")
+    planned = texts(cell_with(nb, "plan = mesh.plan("))
+    assert "ddp=4" in planned and "over 10 MiB" in planned and "best: " in planned
+    ratios = [float(line.rsplit(" ", 1)[1]) for line in texts(cell_with(nb, "plan.trial(")).splitlines()
+              if "estimated/measured peak" in line]
+    assert ratios and all(0.9 <= r <= 1.1 for r in ratios)
+    shown = texts(cell_with(nb, "losses = [round(train_step"))  # a ValueMesh: every rank's list, the same
+    ours = ast.literal_eval(shown.split("all ranks: ", 1)[1].split("]", 1)[0] + "]")
+    reference = ast.literal_eval(texts(cell_with(nb, "reference_losses(")).strip())
+    assert len(ours) == len(reference) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, reference))
+    assert "torchrun" in texts(cell_with(nb, "plan.code(")) and "fully_shard" in texts(cell_with(nb, "plan.code("))
+    assert "H100" in texts(cell_with(nb, "world={'hosts': 4"))
+    assert "is down" in texts(nb.cells[-1])

@@ -29,7 +29,8 @@ def mesh_figures(mesh: Mesh) -> Figures:
                         intra_host_bandwidth=min(v["intra_host_bandwidth"] for v in values),
                         inter_host_bandwidth=min(v["inter_host_bandwidth"] for v in values),
                         source=f"measured on mesh {mesh.name!r}", latency=max(v["latency"] for v in values),
-                        op_overhead=max(v["op_overhead"] for v in values))
+                        op_overhead=max(v["op_overhead"] for v in values),
+                        dtensor_overhead=max(v["dtensor_overhead"] for v in values))
         _FIGURES[mesh._runtime] = found
     return dataclasses.replace(found)
 

@@ -69,6 +69,7 @@ class Figures:
     source: str  # "measured on mesh NAME" or the accelerator's name
     latency: float = 10e-6  # of one collective, in seconds
     op_overhead: float = 5e-6  # per dispatched operator (a GPU's kernel launch, a CPU's dispatch)
+    dtensor_overhead: float = 30e-6  # more per operator on DTensors (sharding propagation, in Python)
 
 
 @dataclass
@@ -198,7 +199,8 @@ def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: in
         candidate = Candidate(estimate.layout, peak_bytes=estimate.peak_bytes, memory=dict(estimate.memory),
                               collectives=dict(estimate.collectives))
         flops = known.flops(estimate.dtype_bytes) if known is not None else figures.flops
-        candidate.compute_seconds = estimate.flops / flops + estimate.ops * figures.op_overhead
+        candidate.compute_seconds = (estimate.flops / flops + estimate.ops * figures.op_overhead
+                                     + estimate.dtensor_ops * figures.dtensor_overhead)
         dp_bandwidth = figures.inter_host_bandwidth if hosts > 1 else figures.intra_host_bandwidth
         comm = 0.0
         for key, size in estimate.collectives.items():

@@ -47,6 +47,7 @@ class LayoutEstimate:
     collectives: dict[str, int] = field(default_factory=dict)  # kind -> bytes per rank per step
     collective_calls: int = 0  # how many collectives a step runs (each costs the links' latency)
     ops: int = 0  # operators a step dispatches (each costs the rank's per-operator overhead)
+    dtensor_ops: int = 0  # ... of which on DTensors (each also costs DTensor's sharding propagation)
     param_count: int = 0
     dtype_bytes: int = 4  # of the model's parameters (which FLOP/s figure applies)
     error: str = ""
@@ -84,14 +85,17 @@ def _collective_recorder() -> Any:
             self.bytes: dict[str, int] = {}
             self.calls = 0
             self.ops = 0
+            self.dtensor_ops = 0
 
         def clear(self) -> None:
             self.bytes.clear()
-            self.calls = self.ops = 0
+            self.calls = self.ops = self.dtensor_ops = 0
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
             self.ops += 1
+            if any(getattr(t, "__name__", "") == "DTensor" for t in types):
+                self.dtensor_ops += 1
             if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func._opname:
                 self.calls += 1
                 leaves = torch.utils._pytree.tree_leaves((args, kwargs))
@@ -205,7 +209,7 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout) -> LayoutE
             if name != "Total":
                 memory[_CATEGORY_OF.get(name, "temporary")] += int(size)
         result.collectives = dict(recorder.bytes)
-        result.collective_calls, result.ops = recorder.calls, recorder.ops
+        result.collective_calls, result.ops, result.dtensor_ops = recorder.calls, recorder.ops, recorder.dtensor_ops
         if layout.ddp > 1:  # the gradients' all-reduce, in DDP's buckets (with TP: averaged in place)
             grads = sum(local_bytes(p) for p in model.parameters() if p.requires_grad)
             if layout.tp == 1:

@@ -42,11 +42,17 @@ def rank_figures() -> dict[str, float]:
     flops = 2 * n ** 3 / _timed(matmul, 5)
     small = torch.ones(16, device=device)
     op_overhead = _timed(lambda: [torch.add(small, small) for _ in range(200)], 3) / 200
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    replicated = distribute_tensor(small, init_device_mesh(device.type, (dist.get_world_size(),)), [Replicate()])
+    dtensor_overhead = _timed(lambda: [torch.add(replicated, replicated) for _ in range(100)], 3) / 100
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
         free = _available_host_memory() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    figures = {"flops_fp32": flops, "memory": float(free), "op_overhead": op_overhead}
+    figures = {"flops_fp32": flops, "memory": float(free), "op_overhead": op_overhead,
+               "dtensor_overhead": max(0.0, dtensor_overhead - op_overhead)}
     figures["inter_host_bandwidth"], figures["latency"] = _all_reduce_bandwidth(None, device)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     world = dist.get_world_size()
