@@ -27,6 +27,7 @@ import planner_models as pm  # noqa: E402
 import monarch_kernel  # noqa: E402
 
 cloudpickle.register_pickle_by_value(pm)
+cloudpickle.register_pickle_by_value(pm.gpt_model)
 
 
 def big_gpt():

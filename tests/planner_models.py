@@ -1,56 +1,16 @@
-"""Models the planner tests plan, apply and train: a small GPT (attention and MLP blocks, which
-tensor parallelism splits) and a small conv net (which it cannot split)."""
+"""Models the planner tests plan, apply and train: the example notebook's small GPT (attention and
+MLP blocks, which tensor parallelism splits) in a few sizes, and a small conv net (which it cannot)."""
+
+import os
+import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-class Attention(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.n_head = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x):
-        B, T, _ = x.shape
-        q, k, v = (p(x).view(B, T, self.n_head, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return self.down(F.gelu(self.up(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d), MLP(d)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab=128, d=64, heads=4, layers=2, ctx=16):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.zeros(ctx, d))
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
-
-    def forward(self, tokens):
-        x = self.emb(tokens) + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks"))
+import gpt_model  # noqa: E402,F401  (registered for pickling by value by the tests)
+from gpt_model import GPT  # noqa: E402,F401
 
 
 class ConvNet(nn.Module):
@@ -70,7 +30,7 @@ def lm_loss(logits, targets):
 
 
 def build():
-    return GPT()
+    return GPT(vocab=128, d=64, heads=4, layers=2, ctx=16)
 
 
 def build_wide():

@@ -118,3 +118,51 @@ def test_a_rank_without_a_lane_is_waited_for_the_usual_way(lane_dir):
         assert pool.wait((3,), lambda: False, timeout=0.01) is None
     finally:
         controller.stop()
+
+
+def test_a_rank_sending_to_a_notebook_that_reads_nothing_waits_instead_of_piling_up(monkeypatch):
+    """N14: the rank's reply queue grew without bound while the notebook did not read its lane."""
+    import socket
+    import time
+
+    from monarch_kernel.wire import lane_server
+    from monarch_kernel.wire.messages import Output
+
+    monkeypatch.setattr(lane_server, "REPLY_HIGH_WATER", 1 << 20)
+    rank_loop = Loop()
+    ours, theirs = socket.socketpair()
+    made = threading.Event()
+    box = []
+
+    def make():
+        box.append(LaneServer(ours, rank_loop.loop, lambda msg: None))
+        made.set()
+
+    rank_loop.loop.call_soon_threadsafe(make)
+    assert made.wait(5)
+    server, sent = box[0], []
+
+    def flusher():  # a rank's output thread printing 8 MiB while nobody reads
+        for _ in range(32):
+            server.send(Output(0, None, "stdout", "x" * (256 << 10)))
+            sent.append(1)
+
+    thread = threading.Thread(target=flusher, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(sent) < 32 and server.backlog_bytes() < 3 << 20  # it waits near the high-water mark
+    theirs.setblocking(False)
+    got = 0
+    deadline = time.monotonic() + 20
+    while got < 32 * (256 << 10) and time.monotonic() < deadline:
+        try:
+            got += len(theirs.recv(1 << 20))
+        except BlockingIOError:
+            time.sleep(0.005)
+    thread.join(5)
+    assert len(sent) == 32 and got >= 32 * (256 << 10)  # the reader read: everything went through
+    rank_loop.stop()
+    ours.close()
+    theirs.close()

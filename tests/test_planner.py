@@ -14,6 +14,7 @@ from monarch_kernel import plan as plan_world
 from monarch_kernel.planner.apply import TrainingSpec, reference_losses
 
 cloudpickle.register_pickle_by_value(pm)  # the ranks cannot import the tests' folder
+cloudpickle.register_pickle_by_value(pm.gpt_model)  # ... nor the notebooks' one
 pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -89,7 +90,9 @@ def test_the_plans_script_runs_under_torchrun_with_the_same_losses(tmp_path):
                             device="H100")
     script = tmp_path / "train.py"
     script.write_text(world_plan.code(steps=3, candidate="fsdp=2,tp=2"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    notebooks = os.path.join(os.path.dirname(HERE), "notebooks")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, notebooks, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                            str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -103,7 +106,7 @@ def test_the_plans_script_runs_under_torchrun_with_the_same_losses(tmp_path):
 
 def test_a_script_for_notebook_functions_says_what_to_move_into_a_module():
     def build():  # defined here, like a function of a notebook cell
-        return pm.GPT()
+        return pm.GPT(vocab=128, d=64, heads=4, layers=2, ctx=16)
 
     world_plan = plan_world(build, pm.batch, loss=pm.lm_loss, world={"hosts": 1, "gpus": 2}, device="H100",
                             strategies=("fsdp",))

@@ -9,12 +9,16 @@ import asyncio
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.wire.lanes import peer_is_us, read_available
 from monarch_kernel.wire.transport import FrameProtocol, advance, byte_views, encode
+
+REPLY_HIGH_WATER = 256 << 20  # replies the notebook has not read before a sending thread waits
+REPLY_WAIT_S = 60.0  # ... at most this long each time (then the reply is queued all the same)
 
 
 def listen_lane(path: str) -> socket.socket:
@@ -63,10 +67,16 @@ class LaneServer:
         self._out: list[memoryview] = []
         self._in_batch = False
         self._waiting_to_write = False
+        self._room = threading.Condition()  # notified when replies were written (senders may wait on it)
         loop.add_reader(sock.fileno(), self._readable)
 
     def send(self, msg: Any) -> None:
-        """Send a reply (now, or with the rest of the batch being handled)."""
+        """Send a reply (now, or with the rest of the batch being handled).
+
+        A thread other than the loop's (a stream flusher, an endpoint's thread) that finds
+        REPLY_HIGH_WATER bytes the notebook has not read yet waits, outside the lock, for them to
+        drain (at most REPLY_WAIT_S): the rank slows down rather than piling up without end.
+        """
         views = byte_views(encode(msg))
         with self._lock:
             if self.closed:
@@ -75,6 +85,19 @@ class LaneServer:
             if self._in_batch and threading.get_ident() == self._loop_thread:
                 return
         self._flush()
+        if threading.get_ident() != self._loop_thread:
+            self._wait_for_the_reader()
+
+    def backlog_bytes(self) -> int:
+        """Bytes of replies the notebook has not read yet."""
+        with self._lock:
+            return sum(v.nbytes for v in self._out)
+
+    def _wait_for_the_reader(self) -> None:
+        deadline = time.monotonic() + REPLY_WAIT_S
+        while not self.closed and time.monotonic() < deadline and self.backlog_bytes() > REPLY_HIGH_WATER:
+            with self._room:
+                self._room.wait(0.05)
 
     def end_batch(self) -> None:
         """Send what the batch has made so far, and the rest of its replies as they are made
@@ -116,6 +139,8 @@ class LaneServer:
             self._waiting_to_write = False
         self._loop.remove_writer(self.sock.fileno())
         self._flush()
+        with self._room:
+            self._room.notify_all()
 
     def _lost(self, exc: Exception | None) -> None:
         """On the loop thread: stop serving this lane."""
