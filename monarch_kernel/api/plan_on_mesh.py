@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from monarch_kernel.core.errors import MeshUsageError
-from monarch_kernel.planner.hardware import size_text
+from monarch_kernel.planner.hardware import Figures, size_text
 from monarch_kernel.planner.layout import Layout
-
-if TYPE_CHECKING:
-    from monarch_kernel.api.mesh import Mesh
-    from monarch_kernel.api.planning import Candidate, Figures, Plan
 
 _FIGURES: weakref.WeakKeyDictionary[Any, Figures] = weakref.WeakKeyDictionary()  # per mesh runtime
 
 
-def mesh_figures(mesh: Mesh) -> Figures:
+def mesh_figures(mesh: Any) -> Figures:
     """The slowest rank's throughput, the smallest memory, and the links, measured once per mesh."""
-    from monarch_kernel.api.planning import Figures
     from monarch_kernel.planner.measure import rank_figures
 
     found = _FIGURES.get(mesh._runtime)
@@ -35,14 +30,14 @@ def mesh_figures(mesh: Mesh) -> Figures:
     return dataclasses.replace(found)
 
 
-def _require_mesh(plan: Plan) -> Mesh:
+def _require_mesh(plan: Any) -> Any:
     if plan.mesh is None:
         raise MeshUsageError("this plan was made for a world you do not have (world=...): trial and apply need a "
                              "mesh; make the plan with mesh.plan(...)")
     return plan.mesh
 
 
-def trial(plan: Plan, steps: int) -> None:
+def trial(plan: Any, steps: int) -> None:
     """Run each fitting candidate for real (one after the other) and record what it measured."""
     from monarch_kernel.planner.measure import trial_layout
 
@@ -58,7 +53,7 @@ def trial(plan: Plan, steps: int) -> None:
     mesh.run("import gc\ngc.collect()")
 
 
-def apply(plan: Plan, candidate: Candidate, seed: int, names: tuple[str, str, str]) -> Candidate:
+def apply(plan: Any, candidate: Any, seed: int, names: tuple[str, str, str]) -> Any:
     """Build the model in `candidate`'s layout on every rank and bind it there under `names`."""
     import dataclasses
     import warnings

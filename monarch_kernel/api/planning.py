@@ -18,17 +18,21 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.texttable import text_table
 from monarch_kernel.planner.apply import TrainingSpec
 from monarch_kernel.planner.estimate import CATEGORIES, LayoutEstimate
-from monarch_kernel.planner.hardware import Accelerator, accelerator, collective_seconds, parse_bytes, size_text
+from monarch_kernel.planner.hardware import (
+    Accelerator,
+    Figures,
+    accelerator,
+    collective_seconds,
+    parse_bytes,
+    size_text,
+)
 from monarch_kernel.planner.layout import STRATEGIES, Layout, candidate_layouts
-
-if TYPE_CHECKING:
-    from monarch_kernel.api.mesh import Mesh
 
 
 @dataclass
@@ -59,20 +63,6 @@ class Candidate:
 
 
 @dataclass
-class Figures:
-    """What a rank can do: memory to use, FLOP/s, link bandwidths (measured or known)."""
-
-    memory: int
-    flops: float
-    intra_host_bandwidth: float
-    inter_host_bandwidth: float
-    source: str  # "measured on mesh NAME" or the accelerator's name
-    latency: float = 10e-6  # of one collective, in seconds
-    op_overhead: float = 5e-6  # per dispatched operator (a GPU's kernel launch, a CPU's dispatch)
-    dtensor_overhead: float = 30e-6  # more per operator on DTensors (sharding propagation, in Python)
-
-
-@dataclass
 class Plan:
     """The candidates of one model on one mesh (or world), best first; see the module docstring."""
 
@@ -82,7 +72,7 @@ class Plan:
     gpus: int
     spec: TrainingSpec
     batch: Callable[[], Any]
-    mesh: Mesh | None = None
+    mesh: Any = None  # the Mesh it was made for (None: a world you do not have yet)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -221,7 +211,7 @@ def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: in
 def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[..., Any],
          optimizer: str | Callable[..., Any] = "adamw", lr: float | None = None, memory: str | int = "auto",
          world: dict[str, int] | None = None, device: str | Accelerator | None = None,
-         strategies: Sequence[str] = STRATEGIES, mesh: Mesh | None = None) -> Plan:
+         strategies: Sequence[str] = STRATEGIES, mesh: Any = None) -> Plan:
     """Plan how to split `build()` over a mesh (`mesh.plan`) or a world you do not have yet
     (`world={"hosts": 4, "gpus": 8}, device="H100"`); see the module docstring."""
     unknown = set(strategies) - set(STRATEGIES)

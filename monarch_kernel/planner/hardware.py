@@ -81,3 +81,17 @@ def collective_seconds(kind: str, size: int, group: int, bandwidth: float) -> fl
         return 0.0
     factor = 2 * (group - 1) / group if kind == "all_reduce" else (group - 1) / group
     return factor * size / bandwidth
+
+
+@dataclass
+class Figures:
+    """What a rank can do: memory to use, FLOP/s, link bandwidths (measured or known)."""
+
+    memory: int
+    flops: float
+    intra_host_bandwidth: float
+    inter_host_bandwidth: float
+    source: str  # "measured on mesh NAME" or the accelerator's name
+    latency: float = 10e-6  # of one collective, in seconds
+    op_overhead: float = 5e-6  # per dispatched operator (a GPU's kernel launch, a CPU's dispatch)
+    dtensor_overhead: float = 30e-6  # more per operator on DTensors (sharding propagation, in Python)
