@@ -150,3 +150,24 @@ def test_the_plan_magic_plans_the_mesh_from_the_notebooks_names(mesh):
         assert mesh.run("type(model).__name__").by_rank() == {r: "FSDPGPT" for r in range(4)}
     finally:
         ip.run_line_magic("unload_ext", "monarch_kernel")
+
+
+def test_functions_from_the_notebooks_own_modules_reach_the_estimates(tmp_path, monkeypatch):
+    """The estimate jobs unpickled the user's functions before the notebook's sys.path was theirs:
+    a build() imported from a module beside the notebook failed to load in every job."""
+    import importlib
+
+    (tmp_path / "beside_the_notebook.py").write_text(
+        "import torch.nn as nn, torch.nn.functional as F, torch\n"
+        "def build():\n    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))\n"
+        "def batch():\n    g = torch.Generator().manual_seed(0)\n"
+        "    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)\n"
+        "def loss(out, y):\n    return F.cross_entropy(out, y)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("beside_the_notebook")
+    cluster = plan_world(module.build, module.batch, loss=module.loss, world={"hosts": 1, "gpus": 2}, device="A100-80GB",
+                         strategies=("ddp", "fsdp"), per_module=True)
+    assert [c.applicable for c in cluster.candidates] == [True, True], [c.reason for c in cluster.candidates]
+    ddp = next(c for c in cluster.candidates if c.layout == "ddp=2")
+    assert ddp.modules["Sequential"]["params"] == (8 * 32 + 32 + 32 * 4 + 4) * 4  # per module, on request
+    assert ddp.modules["Sequential.0"]["params"] == (8 * 32 + 32) * 4

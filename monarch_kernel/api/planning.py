@@ -47,6 +47,7 @@ class Candidate:
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
     collectives: dict[str, int] = field(default_factory=dict)
+    modules: dict[str, dict[str, int]] = field(default_factory=dict)  # per_module=True: name -> params, peak
     reason: str = ""  # why it does not fit, or does not apply
     applicable: bool = True
     measured_peak_bytes: float | None = None
@@ -155,7 +156,7 @@ class Plan:
 
 
 def run_estimates(spec: TrainingSpec, batch: Any, layouts: Sequence[Layout],
-                  workers: int | None = None) -> list[LayoutEstimate]:
+                  workers: int | None = None, per_module: bool = False) -> list[LayoutEstimate]:
     """Estimate each layout in a helper process of its own, several at a time."""
     import cloudpickle
 
@@ -163,7 +164,8 @@ def run_estimates(spec: TrainingSpec, batch: Any, layouts: Sequence[Layout],
     env.setdefault("OMP_NUM_THREADS", "1")
 
     def one(layout: Layout) -> LayoutEstimate:
-        job = cloudpickle.dumps({"sys_path": list(sys.path), "spec": spec, "batch": batch, "layout": layout.text})
+        payload = cloudpickle.dumps({"spec": spec, "batch": batch, "layout": layout.text, "per_module": per_module})
+        job = pickle.dumps({"sys_path": list(sys.path), "payload": payload})
         done = subprocess.run([sys.executable, "-m", "monarch_kernel.planner.estimate_job"], input=job,
                               capture_output=True, env=env, timeout=1800)
         if done.returncode != 0 or not done.stdout:
@@ -187,7 +189,7 @@ def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: in
             found.append(Candidate(estimate.layout, applicable=False, reason=estimate.error))
             continue
         candidate = Candidate(estimate.layout, peak_bytes=estimate.peak_bytes, memory=dict(estimate.memory),
-                              collectives=dict(estimate.collectives))
+                              collectives=dict(estimate.collectives), modules=dict(estimate.modules))
         flops = known.flops(estimate.dtype_bytes) if known is not None else figures.flops
         candidate.compute_seconds = (estimate.flops / flops + estimate.ops * figures.op_overhead
                                      + estimate.dtensor_ops * figures.dtensor_overhead)
@@ -211,9 +213,10 @@ def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: in
 def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[..., Any],
          optimizer: str | Callable[..., Any] = "adamw", lr: float | None = None, memory: str | int = "auto",
          world: dict[str, int] | None = None, device: str | Accelerator | None = None,
-         strategies: Sequence[str] = STRATEGIES, mesh: Any = None) -> Plan:
+         strategies: Sequence[str] = STRATEGIES, mesh: Any = None, per_module: bool = False) -> Plan:
     """Plan how to split `build()` over a mesh (`mesh.plan`) or a world you do not have yet
-    (`world={"hosts": 4, "gpus": 8}, device="H100"`); see the module docstring."""
+    (`world={"hosts": 4, "gpus": 8}, device="H100"`); see the module docstring. per_module: each
+    candidate's `modules` holds every module's (two levels deep) parameter bytes and peak."""
     unknown = set(strategies) - set(STRATEGIES)
     if unknown:
         raise MeshUsageError(f"unknown strategies {sorted(unknown)}: use some of {', '.join(STRATEGIES)} "
@@ -246,7 +249,7 @@ def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[.
                          f"{layout.data_parallel} data-parallel ranks")
         else:
             usable.append(layout)
-    estimates = run_estimates(spec, global_batch, usable)
+    estimates = run_estimates(spec, global_batch, usable, per_module=per_module)
     known = accelerator(device) if device is not None and mesh is None else None
     candidates = rank_candidates(estimates, figures, hosts, known)
     return Plan(candidates, figures, hosts, gpus, spec, batch, mesh, notes)

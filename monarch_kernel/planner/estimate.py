@@ -50,6 +50,7 @@ class LayoutEstimate:
     dtensor_ops: int = 0  # ... of which on DTensors (each also costs DTensor's sharding propagation)
     param_count: int = 0
     dtype_bytes: int = 4  # of the model's parameters (which FLOP/s figure applies)
+    modules: dict[str, dict[str, int]] = field(default_factory=dict)  # on request: module -> params, peak bytes
     error: str = ""
 
     @property
@@ -62,6 +63,18 @@ def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes of this rank's part of a tensor (a DTensor's local shard)."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.numel() * local.element_size()
+
+
+def module_peaks(tracker: Any, depth: int) -> dict[str, dict[str, int]]:
+    """Each tracked module's parameter bytes and its peak (bytes held while it ran), by name."""
+    found = {}
+    for stats in list(tracker.memory_tracking.values()):
+        name = getattr(stats, "mod_fqn", "")
+        if not name or name.count(".") > depth:
+            continue
+        peaks = getattr(stats, "local_peak", {}) or {}
+        found[name] = {"params": int(getattr(stats, "parameter_mem", 0)), "peak": int(max(peaks.values(), default=0))}
+    return dict(sorted(found.items()))
 
 
 def split_batch(batch: Batch, layout: Layout, dp_rank: int = 0) -> Batch:
@@ -169,8 +182,13 @@ def per_rank_flops(build: Callable[[], nn.Module], batch: Batch, loss: Callable[
     return total - shared + shared / layout.tp, count, dtype_bytes
 
 
-def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout) -> LayoutEstimate:
-    """Estimate `layout` in this process (which must have no process group of its own: see `estimate_job`)."""
+def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_module: bool = False,
+                    depth: int = 2) -> LayoutEstimate:
+    """Estimate `layout` in this process (which must have no process group of its own: see `estimate_job`).
+
+    per_module: also each module's parameter bytes and the peak while it ran, for modules at
+    most `depth` levels below the model.
+    """
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -203,6 +221,8 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout) -> LayoutE
                         tracker.reset_mod_stats()
                         recorder.clear()
             peak: dict[Any, int] = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+            if per_module:
+                result.modules = module_peaks(tracker, depth)
         memory = dict.fromkeys(CATEGORIES, 0)
         for kind, size in peak.items():
             name = getattr(kind, "value", str(kind))

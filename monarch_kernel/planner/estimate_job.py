@@ -1,7 +1,7 @@
 """`python -m monarch_kernel.planner.estimate_job`: estimate one layout in a process of its own.
 
-The job (cloudpickled on stdin: the notebook's sys.path, a TrainingSpec, the global batch and a
-layout string) runs `estimate_layout`, which makes torch's fake process group its default
+The job (on stdin: the notebook's sys.path, then, cloudpickled, a TrainingSpec, the global batch
+and a layout string) runs `estimate_layout`, which makes torch's fake process group its default
 group; the LayoutEstimate goes back pickled on stdout. A process per layout keeps the
 notebook light, and the layouts run in parallel.
 """
@@ -18,10 +18,11 @@ def main() -> None:
     """Read the job, estimate, write the result."""
     import cloudpickle
 
-    job = cloudpickle.loads(sys.stdin.buffer.read())
-    for path in reversed(job["sys_path"]):
+    outer = pickle.loads(sys.stdin.buffer.read())  # plain data: the paths first, so that what the
+    for path in reversed(outer["sys_path"]):  # payload names by reference can be imported from them
         if path not in sys.path:
             sys.path.insert(0, path)
+    job = cloudpickle.loads(outer["payload"])
     from monarch_kernel.planner.estimate import LayoutEstimate, estimate_layout
     from monarch_kernel.planner.layout import Layout
 
@@ -29,7 +30,8 @@ def main() -> None:
     sys.stdout = sys.stderr  # what the model prints must not mix with the result
     warnings.simplefilter("ignore")
     try:
-        result = estimate_layout(job["spec"], job["batch"], Layout.parse(job["layout"]))
+        result = estimate_layout(job["spec"], job["batch"], Layout.parse(job["layout"]),
+                                 per_module=job.get("per_module", False))
     except Exception as exc:  # noqa: BLE001 - the notebook shows why this layout could not be estimated
         last = traceback.extract_tb(exc.__traceback__)[-1:]
         where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
