@@ -62,13 +62,20 @@ def filesystem_id() -> str:
     folder = workspaces_root()
     os.makedirs(folder, mode=0o700, exist_ok=True)
     marker = os.path.join(folder, f".monarch-fsid-{os.getuid()}")
-    try:
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return _read_marker(marker)
-    with os.fdopen(fd, "w") as f:
-        f.write(uuid.uuid4().hex)
-    return _read_marker(marker)  # another host may have won the race
+    if not os.path.lexists(marker):
+        # written whole under a name of its own, then linked into place: a host that shares this
+        # disk and looks at the same moment never reads a marker that is still empty
+        temp = os.path.join(folder, f".monarch-fsid-{os.getuid()}-{uuid.uuid4().hex}")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(uuid.uuid4().hex)
+        try:
+            os.link(temp, marker)
+        except FileExistsError:
+            pass  # another host won the race: its marker is the one
+        finally:
+            os.unlink(temp)
+    return _read_marker(marker)
 
 
 def _read_marker(marker: str) -> str:
