@@ -12,24 +12,19 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import timed  # noqa: E402
+
 import monarch_kernel as mk  # noqa: E402
 
 
-def median_seconds(fn, n: int = 15) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(n):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def median_seconds(fn) -> float:
+    """Median seconds of fn over 15 calls, after 2 warm-up calls (benchmarks/common.timed)."""
+    return statistics.median(timed(fn, 15, 2))
 
 
 def main() -> None:
