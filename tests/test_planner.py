@@ -34,7 +34,8 @@ def wide_plan(mesh):
 
 def test_a_model_that_does_not_fit_under_ddp_is_planned_into_layouts_that_do(wide_plan):
     by_layout = {c.layout: c for c in wide_plan.candidates}
-    assert set(by_layout) == {"ddp=4", "fsdp=4", "ddp=2,tp=2", "fsdp=2,tp=2", "tp=4"}
+    assert set(by_layout) == {"ddp=4", "fsdp=4", "ddp=2,tp=2", "fsdp=2,tp=2", "tp=4", "pp=2,ddp=2", "pp=2,fsdp=2",
+                              "pp=4"}
     ddp = by_layout["ddp=4"]
     assert not ddp.fits and "over 10 MiB" in ddp.reason and "per rank" in ddp.reason
     assert ddp.peak_bytes > 10 << 20 and sum(ddp.memory.values()) == ddp.peak_bytes
@@ -65,15 +66,56 @@ def small_plan(mesh):
     return mesh.plan(pm.build, pm.batch, loss=pm.lm_loss, lr=3e-3, memory="1GiB")
 
 
-@pytest.mark.parametrize("layout", ["ddp=4", "fsdp=4", "tp=4", "fsdp=2,tp=2", "ddp=2,tp=2"])
+@pytest.mark.parametrize("layout", ["ddp=4", "fsdp=4", "tp=4", "fsdp=2,tp=2", "ddp=2,tp=2", "pp=2,ddp=2",
+                                    "pp=2,fsdp=2"])
 def test_every_layout_applies_and_trains_with_the_one_process_losses(mesh, small_plan, layout):
     small_plan.apply(layout, seed=0)
+    _assert_trains_as_one_process(mesh, layout, pm.build, 3e-3)
+
+
+def _assert_trains_as_one_process(mesh, layout, build, lr, optimizer="adamw"):
     mesh.push(_batch=pm.batch)
     losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
-    expected = reference_losses(TrainingSpec(pm.build, pm.lm_loss, "adamw", 3e-3, 0), [pm.batch()] * 3)
+    expected = reference_losses(TrainingSpec(build, pm.lm_loss, optimizer, lr, 0), [pm.batch()] * 3)
     for rank, got in losses.by_rank().items():
         for a, b in zip(got, expected):
             assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
+
+
+def test_four_pipeline_stages_train_with_sgd_as_one_process(mesh):
+    """SGD shows a gradient scaled wrongly over the micro-batches, which AdamW's normalisation hides."""
+    plan = mesh.plan(pm.build_wide, pm.batch, loss=pm.lm_loss, optimizer="sgd", lr=0.5, memory="1GiB",
+                     strategies=("pp",))
+    assert [c.layout for c in plan.candidates] == ["pp=4"]
+    stage = plan.candidates[0]
+    assert stage.fits and sum(stage.memory.values()) == stage.peak_bytes
+    plan.apply("pp=4")
+    held = mesh.run("sum(p.numel() for p in model.parameters())").by_rank()
+    assert sum(held.values()) == sum(p.numel() for p in pm.build_wide().parameters())  # each rank one stage
+    assert mesh.run("[name for name, _ in model.named_children()]").by_rank()[0][0] == "emb"
+    _assert_trains_as_one_process(mesh, "pp=4", pm.build_wide, 0.5, "sgd")
+
+
+def test_pipeline_layouts_a_model_cannot_take_are_named_with_the_reason(small_plan):
+    by_layout = {c.layout: c for c in small_plan.candidates}
+    assert not by_layout["pp=4"].applicable  # two blocks, four stages
+    assert "needs at least 4 repeated blocks" in by_layout["pp=4"].reason and "has 2" in by_layout["pp=4"].reason
+    assert by_layout["pp=2,fsdp=2"].applicable and by_layout["pp=2,fsdp=2"].fits
+
+
+def test_a_batch_that_does_not_fill_the_pipeline_rules_the_layout_out(mesh):
+    def six_rows():
+        return pm.batch()[0][:6], pm.batch()[1][:6]
+
+    plan = mesh.plan(pm.build, six_rows, loss=pm.lm_loss, memory="1GiB", strategies=("ddp", "pp"))
+    assert plan.layouts() == [] and plan.best is None
+    assert plan.notes == [
+        "ddp=4: ruled out: the global batch of 6 does not split over 4 data-parallel ranks",
+        "pp=2,ddp=2: ruled out: a data-parallel share of 3 samples does not split into 2 equal micro-batches "
+        "(one per pipeline stage at least): use a global batch that does",
+        "pp=4: ruled out: a data-parallel share of 6 samples does not split into 4 equal micro-batches "
+        "(one per pipeline stage at least): use a global batch that does"], plan.notes
+    assert "none fits" in str(plan)
 
 
 def test_a_conv_net_plans_with_tensor_parallelism_marked_not_applicable(mesh):
@@ -82,14 +124,20 @@ def test_a_conv_net_plans_with_tensor_parallelism_marked_not_applicable(mesh):
     for layout in ("tp=4", "ddp=2,tp=2", "fsdp=2,tp=2"):
         assert not by_layout[layout].applicable and "Conv2d" in by_layout[layout].reason, by_layout[layout]
     assert by_layout["ddp=4"].fits and by_layout["fsdp=4"].fits
-    assert conv.best.layout in ("ddp=4", "fsdp=4")
+    assert by_layout["pp=2,ddp=2"].fits  # its two convolutions are two blocks to put in stages
+    assert "tp" not in conv.best.layout
 
 
-def test_the_plans_script_runs_under_torchrun_with_the_same_losses(tmp_path):
-    world_plan = plan_world(pm.build, pm.batch, loss=pm.lm_loss, lr=3e-3, world={"hosts": 1, "gpus": 4},
-                            device="H100")
+@pytest.fixture(scope="module")
+def world_plan():
+    return plan_world(pm.build, pm.batch, loss=pm.lm_loss, lr=3e-3, world={"hosts": 1, "gpus": 4}, device="H100",
+                      strategies=("fsdp", "tp", "pp"))
+
+
+@pytest.mark.parametrize("layout", ["fsdp=2,tp=2", "pp=2,fsdp=2"])
+def test_the_plans_script_runs_under_torchrun_with_the_same_losses(tmp_path, world_plan, layout):
     script = tmp_path / "train.py"
-    script.write_text(world_plan.code(steps=3, candidate="fsdp=2,tp=2"))
+    script.write_text(world_plan.code(steps=3, candidate=layout))
     notebooks = os.path.join(os.path.dirname(HERE), "notebooks")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, notebooks, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")

@@ -66,12 +66,13 @@ def apply(plan: Any, candidate: Any, seed: int, names: tuple[str, str, str]) -> 
                       stacklevel=3)
     spec = dataclasses.replace(plan.spec, seed=seed)
     layout = Layout.parse(candidate.layout)
+    batch = plan.batch() if layout.pp > 1 else None  # (a pipeline is traced on the batch's shape)
     model_name, optimizer_name, step_name = names
 
     def bind(worker: Any) -> str:
         from monarch_kernel.planner.apply import build_in_layout
 
-        model, optimizer, step, device_mesh = build_in_layout(spec, layout)
+        model, optimizer, step, device_mesh = build_in_layout(spec, layout, batch)
         worker.namespace.update({model_name: model, optimizer_name: optimizer, step_name: step,
                                  "device_mesh": device_mesh})
         return layout.text

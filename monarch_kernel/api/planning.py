@@ -33,6 +33,7 @@ from monarch_kernel.planner.hardware import (
     size_text,
 )
 from monarch_kernel.planner.layout import STRATEGIES, Layout, candidate_layouts
+from monarch_kernel.planner.pipeline import microbatch_count
 
 
 @dataclass
@@ -193,9 +194,15 @@ def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: in
         flops = known.flops(estimate.dtype_bytes) if known is not None else figures.flops
         candidate.compute_seconds = (estimate.flops / flops + estimate.ops * figures.op_overhead
                                      + estimate.dtensor_ops * figures.dtensor_overhead)
+        if layout.pp > 1:  # 1F1B: the slowest stage's micro-batches, plus the pipeline's fill and drain
+            candidate.compute_seconds *= (estimate.microbatches + layout.pp - 1) / estimate.microbatches
         dp_bandwidth = figures.inter_host_bandwidth if hosts > 1 else figures.intra_host_bandwidth
         comm = 0.0
         for key, size in estimate.collectives.items():
+            if key in ("send", "recv"):  # activations between stages: each rank's own link, both ways at once
+                if key == "send":
+                    comm += size / (figures.inter_host_bandwidth if hosts > 1 else figures.intra_host_bandwidth)
+                continue
             on_tp = key == "all_reduce" and layout.tp > 1 and layout.ddp == 1
             group, bandwidth = (layout.tp, figures.intra_host_bandwidth) if on_tp else (layout.data_parallel, dp_bandwidth)
             comm += collective_seconds(key, size, group, bandwidth)
@@ -219,8 +226,7 @@ def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[.
     candidate's `modules` holds every module's (two levels deep) parameter bytes and peak."""
     unknown = set(strategies) - set(STRATEGIES)
     if unknown:
-        raise MeshUsageError(f"unknown strategies {sorted(unknown)}: use some of {', '.join(STRATEGIES)} "
-                             "(pipeline parallelism is not planned yet)")
+        raise MeshUsageError(f"unknown strategies {sorted(unknown)}: use some of {', '.join(STRATEGIES)}")
     spec = TrainingSpec(build, loss, optimizer, lr)
     if mesh is not None:
         from monarch_kernel.api.plan_on_mesh import mesh_figures
@@ -239,16 +245,21 @@ def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[.
         figures.memory = parse_bytes(memory)
     global_batch = batch()
     layouts = candidate_layouts(hosts, gpus, tuple(strategies))
-    notes = ["pipeline parallelism (pp=...) is not planned yet: every candidate keeps the whole model per "
-             "data-parallel group"]
+    notes: list[str] = []
     usable = []
+    size = global_batch[0].shape[0]
     for layout in layouts:
-        size = global_batch[0].shape[0]
         if size % layout.data_parallel:
             notes.append(f"{layout}: ruled out: the global batch of {size} does not split over "
                          f"{layout.data_parallel} data-parallel ranks")
-        else:
-            usable.append(layout)
+            continue
+        if layout.pp > 1:
+            try:
+                microbatch_count(size // layout.data_parallel, layout.pp)
+            except ValueError as exc:
+                notes.append(f"{layout}: ruled out: {exc}")
+                continue
+        usable.append(layout)
     estimates = run_estimates(spec, global_batch, usable, per_module=per_module)
     known = accelerator(device) if device is not None and mesh is None else None
     candidates = rank_candidates(estimates, figures, hosts, known)

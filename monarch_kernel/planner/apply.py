@@ -13,7 +13,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from monarch_kernel.planner.layout import Layout
-from monarch_kernel.planner.parallelize import Batch, device_mesh, make_optimizer, make_train_step, parallelize
+from monarch_kernel.planner.parallelize import (
+    Batch,
+    data_share,
+    device_mesh,
+    make_optimizer,
+    make_train_step,
+    module_of,
+    place,
+)
 
 
 @dataclass(frozen=True)
@@ -34,9 +42,10 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_in_layout(spec: TrainingSpec, layout: Layout) -> tuple[nn.Module, torch.optim.Optimizer,
-                                                                   Callable[[Batch], float], Any]:
-    """(model, optimizer, train_step, device mesh) on this rank, for `layout`.
+def build_in_layout(spec: TrainingSpec, layout: Layout, batch: Batch | None = None,
+                    ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[Batch], float], Any]:
+    """(model, optimizer, train_step, device mesh) on this rank, for `layout`; the model is this
+    rank's part (its pipeline stage's module for PP, traced on the global `batch`'s shape).
 
     Every rank builds the whole model from the same seed, then keeps its part: the weights are
     exactly those of a one-process `torch.manual_seed(seed); build()`, so a run can be checked
@@ -50,9 +59,16 @@ def build_in_layout(spec: TrainingSpec, layout: Layout) -> tuple[nn.Module, torc
     torch.manual_seed(spec.seed)
     model = spec.build().to(device)
     mesh = device_mesh(layout, device.type)
-    model = parallelize(model, layout, mesh)
-    optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.lr)
-    return model, optimizer, make_train_step(model, optimizer, spec.loss, layout, mesh, device), mesh
+    local_inputs = None
+    if layout.pp > 1:
+        if batch is None:
+            raise ValueError("a pipeline layout is built for a batch's shape: give the global batch")
+        dp_rank = mesh["dp"].get_local_rank() if layout.data_parallel > 1 else 0
+        local_inputs = data_share(batch, layout.data_parallel, dp_rank)[0]
+    placed = place(model, layout, mesh, device, spec.loss, local_inputs)
+    module = module_of(placed)
+    optimizer = make_optimizer(spec.optimizer, module.parameters(), spec.lr)
+    return module, optimizer, make_train_step(placed, optimizer, spec.loss, layout, mesh, device), mesh
 
 
 def reference_losses(spec: TrainingSpec, batches: list[Batch]) -> list[float]:

@@ -1,5 +1,6 @@
 """`Plan.code()`: a standalone torchrun script that trains the model in a layout, written out in
-torch's own calls (`init_device_mesh`, `parallelize_module`, `fully_shard`, DDP), importing the
+torch's own calls (`init_device_mesh`, `parallelize_module`, `fully_shard`, DDP, `pipeline` and
+`Schedule1F1B`), importing the
 user's `build`, `batch` and loss from where they are defined: nothing of monarch_kernel is needed
 to run it."""
 
@@ -12,6 +13,7 @@ import torch
 
 from monarch_kernel.planner.apply import TrainingSpec
 from monarch_kernel.planner.layout import Layout
+from monarch_kernel.planner.pipeline import microbatch_count, split_points, stage_blocks
 from monarch_kernel.planner.structure import blocks, tp_plan
 
 
@@ -45,15 +47,21 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
         lines.append("from torch.distributed.fsdp import fully_shard")
     if layout.tp > 1:
         lines.append("from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module")
-    if layout.ddp > 1 and layout.tp == 1:
+    if layout.ddp > 1 and layout.tp == 1 and layout.pp == 1:
         lines.append("from torch.nn.parallel import DistributedDataParallel")
+    if layout.pp > 1:
+        lines.append("from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline")
     lines.append("")
     by_module: dict[str, list[str]] = {}
     for module, name in imports:
         by_module.setdefault(module, []).append(name)
     lines += [f"from {module} import {', '.join(dict.fromkeys(names))}" for module, names in by_module.items()]
     dp = layout.data_parallel
-    shape, dims = ([dp], ["dp"]) if layout.tp == 1 else (([dp, layout.tp], ["dp", "tp"]) if dp > 1 else ([layout.tp], ["tp"]))
+    shape, dims = [], []
+    for name, degree in (("pp", layout.pp), ("dp", dp), ("tp", layout.tp)):
+        if degree > 1 or (name == "dp" and layout.tp == 1 and layout.pp == 1):
+            shape.append(degree)
+            dims.append(name)
     optimizer = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[spec.optimizer]
     lr = 1e-3 if spec.lr is None else spec.lr
     lines += ["", f"SEED, STEPS, DP, TP = {spec.seed}, {steps}, {dp}, {layout.tp}", "", "",
@@ -66,6 +74,8 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
               f"    mesh = init_device_mesh(device.type, {tuple(shape)!r}, mesh_dim_names={tuple(dims)!r})",
               "    torch.manual_seed(SEED)  # every rank builds the same model, then keeps its part",
               f"    model = {imports[0][1]}().to(device)"]
+    if layout.pp > 1:
+        return "\n".join(lines + _pipeline_lines(model, layout, batch, imports, optimizer, lr))
     if layout.tp > 1:
         plan = tp_plan(model, layout.tp)
         styles = [f'"{p}": ColwiseParallel()' for p in plan.colwise] + [f'"{p}": RowwiseParallel()' for p in plan.rowwise]
@@ -106,3 +116,55 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
               'if __name__ == "__main__":',
               "    main()", ""]
     return "\n".join(lines)
+
+
+def _pipeline_lines(model: torch.nn.Module, layout: Layout, batch: Callable[[], Any], imports: list[tuple[str, str]],
+                    optimizer: str, lr: float) -> list[str]:
+    """The body of main() for a pipeline layout: trace, keep this rank's stage, 1F1B steps."""
+    _, batch_name, loss_name = (name for _, name in imports)
+    size = batch()[0].shape[0] // layout.data_parallel
+    micro = microbatch_count(size, layout.pp)
+    held = [stage_blocks(model, layout.pp, index) for index in range(layout.pp)]
+    lines = [f"    PP, MICROBATCHES = {layout.pp}, {micro}",
+             f"    inputs, targets = {batch_name}()  # the micro-batches' shape is fixed when the model is traced",
+             '    dp_rank = mesh["dp"].get_local_rank() if "dp" in mesh.mesh_dim_names else 0',
+             "    size = inputs.shape[0]",
+             "    share = slice(dp_rank * size // DP, (dp_rank + 1) * size // DP)",
+             "    example = inputs[share][: (size // DP) // MICROBATCHES].to(device)",
+             f"    split_spec = {{name: SplitPoint.BEGINNING for name in {split_points(model, layout.pp)!r}}}",
+             "    pipe = pipeline(model, mb_args=(example,), split_spec=split_spec)",
+             '    stage_index = mesh["pp"].get_local_rank()',
+             '    stage = pipe.build_stage(stage_index, device, group=mesh["pp"].get_group())',
+             "    module = stage.submod"]
+    if layout.fsdp > 1:
+        lines += [f"    for name in {held!r}[stage_index]:",
+                  '        fully_shard(module.get_submodule(name), mesh=mesh["dp"])',
+                  '    fully_shard(module, mesh=mesh["dp"])']
+    lines += [f"    schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn={loss_name})",
+              f"    optimizer = torch.optim.{optimizer}(module.parameters(), lr={lr!r})",
+              "    for step in range(STEPS):",
+              f"        inputs, targets = {batch_name}()",
+              "        optimizer.zero_grad(set_to_none=True)",
+              "        losses = []",
+              "        if stage_index == 0:",
+              "            schedule.step(inputs[share].to(device))",
+              "        elif stage_index == PP - 1:",
+              "            schedule.step(target=targets[share].to(device), losses=losses)",
+              "        else:",
+              "            schedule.step()"]
+    if layout.ddp > 1:
+        lines += ["        for param in module.parameters():  # data parallel over the dp dimension, by hand",
+                  "            if param.grad is not None:",
+                  '                dist.all_reduce(param.grad, group=mesh["dp"].get_group())',
+                  "                param.grad /= DP"]
+    lines += ["        optimizer.step()",
+              "        value = torch.stack(losses).detach().mean() if losses else torch.zeros((), device=device)",
+              "        dist.all_reduce(value)  # the last stages hold the losses",
+              "        value /= DP",
+              "        if dist.get_rank() == 0:",
+              '            print(f"step {step} loss {value.item():.10g}", flush=True)',
+              "    dist.destroy_process_group()",
+              "", "",
+              'if __name__ == "__main__":',
+              "    main()", ""]
+    return lines

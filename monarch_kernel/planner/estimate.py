@@ -13,28 +13,32 @@ copy of the gradients) as collective buffers, and the trial's measurement adds t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from monarch_kernel.planner.apply import TrainingSpec
 from monarch_kernel.planner.layout import Layout
-from monarch_kernel.planner.parallelize import Batch, device_mesh, make_optimizer, parallelize
+from monarch_kernel.planner.parallelize import (
+    Batch,
+    data_share,
+    device_mesh,
+    make_local_step,
+    make_optimizer,
+    module_of,
+    parallelize,
+    place,
+)
+from monarch_kernel.planner.pipeline import PipelineStage
 from monarch_kernel.planner.structure import tp_plan
+from monarch_kernel.planner.trackers import CATEGORIES, memory_tracker, peak_by_category
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "temporary", "buffers")
-# torch's tracker categories (by their display names) -> ours
-_CATEGORY_OF = {
-    "Parameter": "params", "Sharded Param": "params", "Unsharded Param": "params", "Buffer": "params",
-    "Gradient": "grads", "Sharded Grad": "grads", "Unsharded Grad": "grads",
-    "Optstate": "optimizer", "OptState": "optimizer", "Other": "temporary",
-    "Activation": "activations",
-    "Temp": "temporary", "Inputs": "temporary",
-    "All Gather": "buffers", "Reduce Scatter": "buffers",
-}
+__all__ = ["CATEGORIES", "LayoutEstimate", "estimate_layout"]
 
 
 @dataclass
@@ -51,6 +55,8 @@ class LayoutEstimate:
     param_count: int = 0
     dtype_bytes: int = 4  # of the model's parameters (which FLOP/s figure applies)
     modules: dict[str, dict[str, int]] = field(default_factory=dict)  # on request: module -> params, peak bytes
+    microbatches: int = 1  # per step, through a pipeline
+    stage_peaks: list[int] = field(default_factory=list)  # PP: each stage's peak bytes
     error: str = ""
 
     @property
@@ -75,16 +81,6 @@ def module_peaks(tracker: Any, depth: int) -> dict[str, dict[str, int]]:
         peaks = getattr(stats, "local_peak", {}) or {}
         found[name] = {"params": int(getattr(stats, "parameter_mem", 0)), "peak": int(max(peaks.values(), default=0))}
     return dict(sorted(found.items()))
-
-
-def split_batch(batch: Batch, layout: Layout, dp_rank: int = 0) -> Batch:
-    """The slice of a global batch one data-parallel rank takes (raises ValueError if it does not divide)."""
-    inputs, targets = batch
-    size, parts = inputs.shape[0], layout.data_parallel
-    if size % parts:
-        raise ValueError(f"a global batch of {size} does not split over {parts} data-parallel ranks")
-    share = slice(dp_rank * size // parts, (dp_rank + 1) * size // parts)
-    return inputs[share], targets[share]
 
 
 def _collective_recorder() -> Any:
@@ -153,7 +149,6 @@ def per_rank_flops(build: Callable[[], nn.Module], batch: Batch, loss: Callable[
     Counted on a plain fake copy of the model (DTensor ops count at their global size): the
     layers tensor parallelism splits, and the attention between them, count 1/tp each.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
@@ -189,17 +184,11 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
     per_module: also each module's parameter bytes and the peak while it ran, for modules at
     most `depth` levels below the model.
     """
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    local = data_share(batch, layout.data_parallel, 0)
+    if layout.pp > 1:
+        return _estimate_pipeline(spec, local, layout, per_module, depth)
     result = LayoutEstimate(layout.text)
-    local = split_batch(batch, layout)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world)
-    try:
-        _fake_friendly_device_mesh()
+    with _fake_group(layout, rank=0):
         mesh = device_mesh(layout, "cpu")
         recorder = _collective_recorder()
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
@@ -208,9 +197,7 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
                 model = parallelize(model, layout, mesh)
             optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.lr)
             inputs, targets = (fake.from_tensor(t) for t in local)
-            tracker: Any = FSDPMemTracker(model, optimizer) if layout.fsdp > 1 else MemTracker()
-            if layout.fsdp == 1:
-                tracker.track_external(model, optimizer)
+            tracker = memory_tracker(model, optimizer, fsdp=layout.fsdp > 1)
             with tracker:
                 for step in range(2):  # the second step holds the optimizer's state: the steady peak
                     with recorder:
@@ -220,14 +207,9 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
                     if step == 0:
                         tracker.reset_mod_stats()
                         recorder.clear()
-            peak: dict[Any, int] = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
             if per_module:
                 result.modules = module_peaks(tracker, depth)
-        memory = dict.fromkeys(CATEGORIES, 0)
-        for kind, size in peak.items():
-            name = getattr(kind, "value", str(kind))
-            if name != "Total":
-                memory[_CATEGORY_OF.get(name, "temporary")] += int(size)
+        memory = peak_by_category(tracker)
         result.collectives = dict(recorder.bytes)
         result.collective_calls, result.ops, result.dtensor_ops = recorder.calls, recorder.ops, recorder.dtensor_ops
         if layout.ddp > 1:  # the gradients' all-reduce, in DDP's buckets (with TP: averaged in place)
@@ -238,7 +220,66 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
             grad_count = sum(1 for p in model.parameters() if p.requires_grad)
             result.collective_calls += grad_count if layout.tp > 1 else max(1, -(-grads // (25 << 20)))  # DDP: 25 MB buckets
         result.memory = memory
+    result.flops, result.param_count, result.dtype_bytes = per_rank_flops(spec.build, local, spec.loss, layout)
+    return result
+
+
+@contextlib.contextmanager
+def _fake_group(layout: Layout, rank: int) -> Iterator[None]:
+    """torch's fake process group as the default group, this process playing `rank` of the layout."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world)
+    try:
+        _fake_friendly_device_mesh()
+        yield
     finally:
         dist.destroy_process_group()
-    result.flops, result.param_count, result.dtype_bytes = per_rank_flops(spec.build, local, spec.loss, layout)
+
+
+def _estimate_pipeline(spec: TrainingSpec, local: Batch, layout: Layout, per_module: bool,
+                       depth: int) -> LayoutEstimate:
+    """Each stage in turn, this process playing its first rank, through the layout's real schedule
+    and step; the layout's memory is the stage that peaks highest, its compute the slowest stage."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    result = LayoutEstimate(layout.text)
+    for index in range(layout.pp):
+        with _fake_group(layout, rank=index * layout.data_parallel):
+            mesh = device_mesh(layout, "cpu")
+            recorder = _collective_recorder()
+            with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+                model = spec.build()
+                if index == 0:
+                    params = list(model.parameters())
+                    result.param_count = sum(p.numel() for p in params)
+                    result.dtype_bytes = params[0].element_size() if params else 4
+                inputs, targets = (fake.from_tensor(t) for t in local)
+                placed = place(model, layout, mesh, torch.device("cpu"), spec.loss, inputs)
+                assert isinstance(placed, PipelineStage)
+                module = module_of(placed)
+                optimizer = make_optimizer(spec.optimizer, module.parameters(), spec.lr)
+                step = make_local_step(placed, optimizer, spec.loss, layout, mesh)
+                tracker = memory_tracker(module, optimizer, fsdp=layout.fsdp > 1)
+                counter = FlopCounterMode(display=False)
+                with tracker:
+                    step(inputs, targets)  # makes the optimizer's state
+                    tracker.reset_mod_stats()
+                    with recorder, counter:
+                        step(inputs, targets)
+                memory = peak_by_category(tracker)
+                peak = sum(memory.values())
+                result.stage_peaks.append(peak)
+                if peak >= max(result.stage_peaks):
+                    result.memory = memory
+                    if per_module:
+                        result.modules = module_peaks(tracker, depth)
+                result.microbatches = placed.microbatches
+                result.flops = max(result.flops, float(counter.get_total_flops()))
+                result.ops = max(result.ops, recorder.ops)
+                result.dtensor_ops = max(result.dtensor_ops, recorder.dtensor_ops)
+                result.collective_calls = max(result.collective_calls, recorder.calls)
+                for kind, size in recorder.bytes.items():
+                    result.collectives[kind] = max(result.collectives.get(kind, 0), size)
     return result

@@ -1,35 +1,42 @@
-"""A layout: how the ranks of a mesh split a model (data parallel, fully sharded, tensor parallel).
+"""A layout: how the ranks of a mesh split a model (data parallel, fully sharded, tensor
+parallel, pipeline stages).
 
-Written as a short string, `"ddp=4"`, `"fsdp=4"`, `"tp=4"`, `"fsdp=2,tp=2"`, `"ddp=2,tp=2"`: the
-degrees multiply to the number of ranks. Tensor parallelism stays inside a host (its collectives
-run on every layer); the data-parallel dimension spans hosts.
+Written as a short string, `"ddp=4"`, `"fsdp=4"`, `"tp=4"`, `"fsdp=2,tp=2"`, `"ddp=2,tp=2"`,
+`"pp=2,fsdp=2"`, `"pp=4"`: the degrees multiply to the number of ranks. Tensor parallelism stays
+inside a host (its collectives run on every layer); the data-parallel dimension spans hosts.
+Pipeline stages are the outer dimension (rank = stage x data-parallel degree + data-parallel
+index), so a stage's data-parallel ranks sit together and only activations cross between stages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-STRATEGIES = ("ddp", "fsdp", "tp")
+STRATEGIES = ("ddp", "fsdp", "tp", "pp")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees of each kind of parallelism (1: not used); dp and fsdp exclude each other."""
+    """Degrees of each kind of parallelism (1: not used); ddp and fsdp exclude each other, and
+    pipeline stages are not combined with tensor parallelism."""
 
     ddp: int = 1
     fsdp: int = 1
     tp: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.ddp, self.fsdp, self.tp) < 1:
+        if min(self.ddp, self.fsdp, self.tp, self.pp) < 1:
             raise ValueError(f"degrees must be at least 1: {self}")
         if self.ddp > 1 and self.fsdp > 1:
             raise ValueError("a layout shards data either with DDP or with FSDP, not both")
+        if self.pp > 1 and self.tp > 1:
+            raise ValueError("pipeline stages combine with DDP or FSDP, not with tensor parallelism")
 
     @property
     def world(self) -> int:
         """The number of ranks it needs."""
-        return self.ddp * self.fsdp * self.tp
+        return self.ddp * self.fsdp * self.tp * self.pp
 
     @property
     def data_parallel(self) -> int:
@@ -39,8 +46,8 @@ class Layout:
     @property
     def text(self) -> str:
         """`"fsdp=2,tp=2"`."""
-        parts = [f"{name}={degree}" for name, degree in (("ddp", self.ddp), ("fsdp", self.fsdp), ("tp", self.tp))
-                 if degree > 1]
+        degrees = (("pp", self.pp), ("ddp", self.ddp), ("fsdp", self.fsdp), ("tp", self.tp))
+        parts = [f"{name}={degree}" for name, degree in degrees if degree > 1]
         return ",".join(parts) or "ddp=1"
 
     def __str__(self) -> str:
@@ -53,7 +60,8 @@ class Layout:
         for part in text.replace(" ", "").split(","):
             name, _, value = part.partition("=")
             if name not in STRATEGIES or not value.isdigit():
-                raise ValueError(f"{text!r} is not a layout: write it as ddp=N, fsdp=N, tp=N or fsdp=A,tp=B")
+                raise ValueError(f"{text!r} is not a layout: write it as ddp=N, fsdp=N, tp=N, pp=N or "
+                                 "combinations such as fsdp=A,tp=B and pp=A,fsdp=B")
             degrees[name] = int(value)
         return cls(**degrees)
 
@@ -65,11 +73,20 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(hosts: int, gpus: int, strategies: tuple[str, ...] = STRATEGIES) -> list[Layout]:
     """Every sensible layout of `hosts` x `gpus` ranks with the given strategies, simplest first.
 
-    Tensor parallelism takes a divisor of the ranks per host (never across hosts); the rest is
-    data parallel, replicated (DDP) or fully sharded (FSDP).
+    Tensor parallelism takes a divisor of the ranks per host (never across hosts); pipeline stages
+    any divisor of the ranks; the rest is data parallel, replicated (DDP) or fully sharded (FSDP).
     """
     world = hosts * gpus
     found: list[Layout] = []
+    for pp in _divisors(world)[1:] if "pp" in strategies else []:
+        rest = world // pp
+        if rest == 1:
+            found.append(Layout(pp=pp))
+            continue
+        if "ddp" in strategies:
+            found.append(Layout(pp=pp, ddp=rest))
+        if "fsdp" in strategies:
+            found.append(Layout(pp=pp, fsdp=rest))
     for tp in _divisors(gpus):
         if tp > 1 and "tp" not in strategies:
             continue
@@ -83,4 +100,4 @@ def candidate_layouts(hosts: int, gpus: int, strategies: tuple[str, ...] = STRAT
             found.append(Layout(fsdp=rest, tp=tp))
     if world == 1:
         return [Layout()]
-    return sorted(set(found), key=lambda layout: (layout.tp, layout.fsdp > 1, layout.ddp))
+    return sorted(set(found), key=lambda layout: (layout.pp, layout.tp, layout.fsdp > 1, layout.ddp))

@@ -103,7 +103,7 @@ def trial_layout(spec: TrainingSpec, layout: Layout, batch: Batch, steps: int) -
     """Build the layout for real, run `steps` steps (the first warms up), and measure on this rank:
     the median step time and the peak memory of a step (GPU: max_memory_allocated; CPU: torch's
     memory tracker around a real step, plus DDP's gradient buckets, which it cannot see)."""
-    model, optimizer, step, _ = build_in_layout(spec, layout)
+    model, optimizer, step, _ = build_in_layout(spec, layout, batch)
     step(batch)  # warm-up: the optimizer's state is made here
     device = rank_device()
     if device.type == "cuda":
@@ -119,16 +119,13 @@ def trial_layout(spec: TrainingSpec, layout: Layout, batch: Batch, steps: int) -
 
 def _tracked_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[Batch], float],
                   batch: Batch, layout: Layout) -> int:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from monarch_kernel.planner.trackers import memory_tracker, peak_by_category
 
     plain = getattr(model, "module", model)  # (DDP's wrapper: track the model inside)
-    tracker: Any = FSDPMemTracker(plain, optimizer) if layout.fsdp > 1 else MemTracker()
-    if layout.fsdp == 1:
-        tracker.track_external(plain, optimizer)
+    tracker = memory_tracker(plain, optimizer, fsdp=layout.fsdp > 1)
     with tracker:
         step(batch)
-    peak = int(tracker.get_tracker_snapshot("peak")[next(iter(tracker.get_tracker_snapshot("peak")))]["Total"])
-    if layout.ddp > 1 and layout.tp == 1:
+    peak = sum(peak_by_category(tracker).values())
+    if layout.ddp > 1 and layout.tp == 1 and layout.pp == 1:
         peak += sum(p.numel() * p.element_size() for p in plain.parameters() if p.requires_grad)  # DDP's buckets
     return peak

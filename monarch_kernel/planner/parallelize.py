@@ -9,6 +9,9 @@ when a layout is estimated: what is estimated is what is applied.
   attention modules are divided by the degree.
 - DDP with TP: the tensor-parallel model, its gradients averaged over the data-parallel ranks
   after each backward (DistributedDataParallel does not take DTensor parameters).
+- PP: this rank's pipeline stage (`pipeline.py`), with FSDP on its blocks, or its gradients
+  averaged by hand over the data-parallel ranks (DDP's per-backward reduction does not fit a
+  schedule that runs a backward per micro-batch).
 """
 
 from __future__ import annotations
@@ -21,17 +24,22 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from monarch_kernel.planner.layout import Layout
+from monarch_kernel.planner.pipeline import PipelineStage, build_stage, pipeline_step
 from monarch_kernel.planner.structure import blocks, tp_plan
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+Placed = nn.Module | PipelineStage  # what a layout makes of the model on one rank
 
 
 def device_mesh(layout: Layout, device_type: str) -> Any:
-    """The DeviceMesh of a layout over the default process group: dims ("dp", "tp") as used."""
+    """The DeviceMesh of a layout over the default process group: dims ("pp", "dp", "tp") as used."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape, names = [], []
-    if layout.data_parallel > 1 or layout.tp == 1:
+    if layout.pp > 1:
+        shape.append(layout.pp)
+        names.append("pp")
+    if layout.data_parallel > 1 or (layout.tp == 1 and layout.pp == 1):
         shape.append(layout.data_parallel)
         names.append("dp")
     if layout.tp > 1:
@@ -40,8 +48,38 @@ def device_mesh(layout: Layout, device_type: str) -> Any:
     return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
 
 
+def fully_shard_blocks(module: nn.Module, block_paths: list[str], mesh: Any) -> None:
+    """FSDP over the data-parallel dimension: each block its own unit, then the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    for path in block_paths:
+        fully_shard(module.get_submodule(path), mesh=mesh["dp"])
+    fully_shard(module, mesh=mesh["dp"])
+
+
+def place(model: nn.Module, layout: Layout, mesh: Any, device: torch.device, loss_fn: Callable[..., torch.Tensor],
+          local_inputs: torch.Tensor | None = None) -> Placed:
+    """The model in `layout` on this rank: the parallelized module, or (PP) its pipeline stage,
+    traced on `local_inputs` (this rank's data-parallel share of a global batch's inputs)."""
+    if layout.pp == 1:
+        return parallelize(model, layout, mesh)
+    if local_inputs is None:
+        raise ValueError("a pipeline layout is traced on a batch: give the global batch")
+
+    def shard(module: nn.Module, held: list[str]) -> None:
+        if layout.fsdp > 1:
+            fully_shard_blocks(module, held, mesh)
+
+    return build_stage(model, mesh, layout.pp, local_inputs, device, loss_fn, shard)
+
+
+def module_of(placed: Placed) -> nn.Module:
+    """The module whose parameters this rank trains (a pipeline's stage module)."""
+    return placed.module if isinstance(placed, PipelineStage) else placed
+
+
 def parallelize(model: nn.Module, layout: Layout, mesh: Any) -> nn.Module:
-    """The model in `layout` (modified in place; DDP alone returns its wrapper)."""
+    """The model in a layout without pipeline stages (modified in place; DDP alone returns its wrapper)."""
     if layout.tp > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -55,11 +93,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any) -> nn.Module:
             owner = model.get_submodule(path) if path else model
             setattr(owner, attr, getattr(owner, attr) // layout.tp)
     if layout.fsdp > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        for _, block in blocks(model):
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+        fully_shard_blocks(model, [path for path, _ in blocks(model)], mesh)
     elif layout.ddp > 1 and layout.tp == 1:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -87,30 +121,60 @@ def data_parallel_rank(layout: Layout, mesh: Any) -> tuple[int, Any]:
     return mesh["dp"].get_local_rank(), mesh["dp"].get_group()
 
 
-def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+def data_share(batch: Batch, parts: int, dp_rank: int) -> Batch:
+    """The slice of a global batch one of `parts` data-parallel ranks takes (ValueError if it does not divide)."""
+    inputs, targets = batch
+    size = inputs.shape[0]
+    if size % parts:
+        raise ValueError(f"a global batch of {size} does not split over {parts} data-parallel ranks")
+    share = slice(dp_rank * size // parts, (dp_rank + 1) * size // parts)
+    return inputs[share], targets[share]
+
+
+def make_local_step(placed: Placed, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+                    layout: Layout, mesh: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """step(inputs, targets) on this rank's share: forward, backward (the pipeline's schedule for
+    PP), gradients averaged by hand where DDP cannot, the optimizer's step; returns the share's
+    loss (None on a pipeline stage that is not the last)."""
+    _, dp_group = data_parallel_rank(layout, mesh)
+    module = module_of(placed)
+    average_by_hand = layout.ddp > 1 and (layout.tp > 1 or layout.pp > 1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        optimizer.zero_grad(set_to_none=True)
+        if isinstance(placed, PipelineStage):
+            loss = pipeline_step(placed, x, y)
+        else:
+            loss = loss_fn(placed(x), y)
+            loss.backward()
+        if average_by_hand:
+            average_gradients(module, dp_group, layout.data_parallel)
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def make_train_step(placed: Placed, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
                     layout: Layout, mesh: Any, device: torch.device) -> Callable[[Batch], float]:
     """train_step(global batch) -> the global batch's mean loss, on every rank.
 
-    The batch is split over the data-parallel ranks (the ranks of one tensor-parallel group
-    take the same slice); forward, backward and the optimizer step follow.
+    The batch is split over the data-parallel ranks (the ranks of one tensor-parallel group, and
+    the stages of one pipeline, take the same slice); forward, backward and the optimizer step
+    follow.
     """
     dp_rank, dp_group = data_parallel_rank(layout, mesh)
     parts = layout.data_parallel
-    average_by_hand = layout.ddp > 1 and layout.tp > 1
+    local_step = make_local_step(placed, optimizer, loss_fn, layout, mesh)
 
     def train_step(batch: Batch) -> float:
-        inputs, targets = batch
-        size = inputs.shape[0]
-        if size % parts:
-            raise ValueError(f"a global batch of {size} does not split over {parts} data-parallel ranks")
-        share = slice(dp_rank * size // parts, (dp_rank + 1) * size // parts)
-        x, y = inputs[share].to(device), targets[share].to(device)
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        if average_by_hand:
-            average_gradients(model, dp_group, parts)
-        optimizer.step()
+        inputs, targets = data_share(batch, parts, dp_rank)
+        loss = local_step(inputs.to(device), targets.to(device))
+        if layout.pp > 1:  # only the last stages hold a loss: sum theirs over every rank
+            value = torch.zeros((), device=device) if loss is None else loss.float().clone()
+            dist.all_reduce(value)
+            return float(value) / parts
+        assert loss is not None
         value = loss.detach().float().clone()
         if dp_group is not None:
             dist.all_reduce(value, group=dp_group)

@@ -1,0 +1,109 @@
+"""Pipeline stages: the model traced and split at its block boundaries with torch's own
+`torch.distributed.pipelining` (its tracing front end, `pipeline()` with `SplitPoint`s), one stage
+per pipeline rank, trained with the 1F1B schedule over micro-batches.
+
+Each stage gets a contiguous run of the model's repeated blocks (`structure.blocks`), as even as
+the count allows; what comes before the first block (embeddings) goes with the first stage and
+what follows the last (norm, head, loss) with the last. A data-parallel rank's share of the global
+batch is cut into micro-batches (twice the stages when its size allows, else as many as the
+stages); their shape is fixed when the model is traced, so every step takes a batch of the size
+the stage was built for. The schedule scales each micro-batch's gradients by their count, so a
+step's gradients are those of the mean loss over the share, as without stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from monarch_kernel.planner.structure import blocks
+
+
+def split_points(model: nn.Module, stages: int) -> list[str]:
+    """The block paths where stages 1.. begin (ValueError if the model has fewer blocks than stages)."""
+    found = [path for path, _ in blocks(model)]
+    if len(found) < stages:
+        raise ValueError(f"pipeline parallelism over {stages} stages needs at least {stages} repeated blocks "
+                         f"(a ModuleList of layers) to split at; this model has {len(found)}")
+    return [found[round(i * len(found) / stages)] for i in range(1, stages)]
+
+
+def stage_blocks(model: nn.Module, stages: int, index: int) -> list[str]:
+    """The block paths stage `index` holds."""
+    found = [path for path, _ in blocks(model)]
+    bounds = [round(i * len(found) / stages) for i in range(stages + 1)]
+    return found[bounds[index]:bounds[index + 1]]
+
+
+def microbatch_count(local_size: int, stages: int) -> int:
+    """How many micro-batches a data-parallel share of `local_size` samples is cut into."""
+    for count in (2 * stages, stages):
+        if local_size % count == 0:
+            return count
+    raise ValueError(f"a data-parallel share of {local_size} samples does not split into {stages} equal "
+                     f"micro-batches (one per pipeline stage at least): use a global batch that does")
+
+
+@dataclass
+class PipelineStage:
+    """This rank's stage: its module, its schedule, and where it sits in the pipeline."""
+
+    module: nn.Module
+    schedule: Any
+    index: int
+    stages: int
+    microbatches: int
+    local_size: int  # the data-parallel share of samples a step takes
+
+    @property
+    def first(self) -> bool:
+        """Whether the inputs enter here."""
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        """Whether the loss is computed here."""
+        return self.index == self.stages - 1
+
+
+def build_stage(model: nn.Module, mesh: Any, stages: int, local_inputs: torch.Tensor, device: torch.device,
+                loss_fn: Callable[..., torch.Tensor], shard: Callable[[nn.Module, list[str]], None] | None = None,
+                ) -> PipelineStage:
+    """Trace `model` on one micro-batch of `local_inputs`, split it, and keep this rank's stage.
+
+    `mesh` has a "pp" dimension; `shard(stage_module, block_paths)` (FSDP) runs on the stage's
+    module before its schedule is made.
+    """
+    from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
+
+    local_size = local_inputs.shape[0]
+    count = microbatch_count(local_size, stages)
+    points = split_points(model, stages)
+    index = mesh["pp"].get_local_rank()
+    held = stage_blocks(model, stages, index)
+    example = local_inputs[: local_size // count].to(device)
+    pipe = pipeline(model, mb_args=(example,), split_spec=dict.fromkeys(points, SplitPoint.BEGINNING))
+    stage = pipe.build_stage(index, device, group=mesh["pp"].get_group())
+    if shard is not None:
+        shard(stage.submod, held)
+    schedule = Schedule1F1B(stage, n_microbatches=count, loss_fn=loss_fn)
+    return PipelineStage(stage.submod, schedule, index, stages, count, local_size)
+
+
+def pipeline_step(stage: PipelineStage, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    """One forward and backward of a data-parallel share through the pipeline (no optimizer step);
+    the mean loss of the share on the last stage, None on the others."""
+    if inputs.shape[0] != stage.local_size:
+        raise ValueError(f"this pipeline was built for a data-parallel share of {stage.local_size} samples, "
+                         f"got {inputs.shape[0]}: train with global batches of the size it was planned for")
+    losses: list[torch.Tensor] = []
+    args = (inputs,) if stage.first else ()
+    kwargs: dict[str, Any] = {"target": targets, "losses": losses} if stage.last else {}
+    stage.schedule.step(*args, **kwargs)
+    if not stage.last:
+        return None
+    return torch.stack([loss.detach() for loss in losses]).mean()

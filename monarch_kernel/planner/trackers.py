@@ -1,0 +1,74 @@
+"""torch's memory trackers as the planner uses them: on fake tensors for an estimate, on real ones
+for a CPU trial (a GPU trial reads `max_memory_allocated`).
+
+`FSDPMemTracker` follows FSDP's own hooks (sharded and unsharded parameters, all-gather and
+reduce-scatter buffers); `MemTracker` follows everything else. Both take a second forward of the
+model they track as the next iteration and refuse it, which a pipeline stage does on purpose
+(once per micro-batch; torch's module tracker forgets its parents at the end of every backward,
+so no wrapper around the step helps). The trackers here forget that module's own statistics when
+it enters again instead: the totals and the peak, which the planner reads, are kept whole; only
+the per-module figures of the stage's root restart with each micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporary", "buffers")
+# torch's tracker categories (by their display names) -> ours
+_CATEGORY_OF = {
+    "Parameter": "params", "Sharded Param": "params", "Unsharded Param": "params", "Buffer": "params",
+    "Gradient": "grads", "Sharded Grad": "grads", "Unsharded Grad": "grads",
+    "Optstate": "optimizer", "OptState": "optimizer", "Other": "temporary",
+    "Activation": "activations",
+    "Temp": "temporary", "Inputs": "temporary",
+    "All Gather": "buffers", "Reduce Scatter": "buffers",
+}
+
+
+def memory_tracker(module: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool) -> Any:
+    """The tracker for a model (FSDP's for a fully sharded one), following its optimizer too."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def forget_repeated_root(tracker: Any, mod: nn.Module) -> None:
+        name = tracker._mod_tracker.get_known_fqn(mod)
+        entered_again = mod in tracker.memory_tracking and not tracker._mod_tracker.is_bw
+        if entered_again and set(tracker._mod_tracker.parents) - {name} == {"Global"}:
+            del tracker.memory_tracking[mod]
+
+    class StageMemTracker(MemTracker):
+        def _pre_fw_hook(self, mod: nn.Module, inputs: Any) -> None:
+            forget_repeated_root(self, mod)
+            super()._pre_fw_hook(mod, inputs)
+
+    class StageFSDPMemTracker(FSDPMemTracker):
+        def _fsdp_state_pre_forward(self, fsdp_mod: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+            def pre_forward(*args: Any, **kwargs: Any) -> Any:
+                forget_repeated_root(self, fsdp_mod)
+                return inner(*args, **kwargs)
+
+            return pre_forward
+
+    if fsdp:
+        return StageFSDPMemTracker(module, optimizer)
+    tracker = StageMemTracker()
+    tracker.track_external(module, optimizer)
+    return tracker
+
+
+def peak_by_category(tracker: Any) -> dict[str, int]:
+    """The tracker's peak, in our categories (they add up to its total)."""
+    peak: dict[Any, int] = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    memory = dict.fromkeys(CATEGORIES, 0)
+    for kind, size in peak.items():
+        name = getattr(kind, "value", str(kind))
+        if name != "Total":
+            memory[_CATEGORY_OF.get(name, "temporary")] += int(size)
+    return memory
