@@ -25,9 +25,21 @@ def mesh_figures(mesh: Any) -> Figures:
                         inter_host_bandwidth=min(v["inter_host_bandwidth"] for v in values),
                         source=f"measured on mesh {mesh.name!r}", latency=max(v["latency"] for v in values),
                         op_overhead=max(v["op_overhead"] for v in values),
-                        dtensor_overhead=max(v["dtensor_overhead"] for v in values))
+                        dtensor_overhead=max(v["dtensor_overhead"] for v in values),
+                        links=_slowest_links([v["links"] for v in values]))
         _FIGURES[mesh._runtime] = found
     return dataclasses.replace(found)
+
+
+def _slowest_links(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, dict[str, list[float]]]:
+    """Per scope and kind, the highest latency and the lowest bandwidth any rank measured."""
+    merged: dict[str, dict[str, list[float]]] = {}
+    for links in per_rank:
+        for scope, kinds in links.items():
+            for kind, (latency, bandwidth) in kinds.items():
+                seen = merged.setdefault(scope, {}).setdefault(kind, [latency, bandwidth])
+                seen[0], seen[1] = max(seen[0], latency), min(seen[1], bandwidth)
+    return merged
 
 
 def _require_mesh(plan: Any) -> Any:

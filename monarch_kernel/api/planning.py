@@ -28,12 +28,12 @@ from monarch_kernel.planner.hardware import (
     Accelerator,
     Figures,
     accelerator,
-    collective_seconds,
     parse_bytes,
     size_text,
 )
 from monarch_kernel.planner.layout import STRATEGIES, Layout, candidate_layouts
 from monarch_kernel.planner.pipeline import microbatch_count
+from monarch_kernel.planner.step_time import comm_seconds, compute_seconds
 
 
 @dataclass
@@ -180,7 +180,7 @@ def run_estimates(spec: TrainingSpec, batch: Any, layouts: Sequence[Layout],
         return list(pool.map(one, layouts))
 
 
-def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: int,
+def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: int, gpus: int,
                     known: Accelerator | None = None) -> list[Candidate]:
     """Candidates from estimates: fit against the memory per rank, step time from FLOPs and bytes."""
     found = []
@@ -192,22 +192,9 @@ def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: in
         candidate = Candidate(estimate.layout, peak_bytes=estimate.peak_bytes, memory=dict(estimate.memory),
                               collectives=dict(estimate.collectives), modules=dict(estimate.modules))
         flops = known.flops(estimate.dtype_bytes) if known is not None else figures.flops
-        candidate.compute_seconds = (estimate.flops / flops + estimate.ops * figures.op_overhead
-                                     + estimate.dtensor_ops * figures.dtensor_overhead)
-        if layout.pp > 1:  # 1F1B: the slowest stage's micro-batches, plus the pipeline's fill and drain
-            candidate.compute_seconds *= (estimate.microbatches + layout.pp - 1) / estimate.microbatches
-        dp_bandwidth = figures.inter_host_bandwidth if hosts > 1 else figures.intra_host_bandwidth
-        comm = 0.0
-        for key, size in estimate.collectives.items():
-            if key in ("send", "recv"):  # activations between stages: each rank's own link, both ways at once
-                if key == "send":
-                    comm += size / (figures.inter_host_bandwidth if hosts > 1 else figures.intra_host_bandwidth)
-                continue
-            on_tp = key == "all_reduce" and layout.tp > 1 and layout.ddp == 1
-            group, bandwidth = (layout.tp, figures.intra_host_bandwidth) if on_tp else (layout.data_parallel, dp_bandwidth)
-            comm += collective_seconds(key, size, group, bandwidth)
-        candidate.comm_seconds = comm + estimate.collective_calls * figures.latency
-        candidate.step_seconds = candidate.compute_seconds + comm
+        candidate.compute_seconds = compute_seconds(estimate, layout, figures, flops)
+        candidate.comm_seconds = comm_seconds(estimate, layout, figures, hosts, gpus)
+        candidate.step_seconds = candidate.compute_seconds + candidate.comm_seconds
         candidate.fits = candidate.peak_bytes <= figures.memory
         if not candidate.fits:
             biggest = max(CATEGORIES, key=lambda k: estimate.memory.get(k, 0))
@@ -262,5 +249,5 @@ def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[.
         usable.append(layout)
     estimates = run_estimates(spec, global_batch, usable, per_module=per_module)
     known = accelerator(device) if device is not None and mesh is None else None
-    candidates = rank_candidates(estimates, figures, hosts, known)
+    candidates = rank_candidates(estimates, figures, hosts, gpus, known)
     return Plan(candidates, figures, hosts, gpus, spec, batch, mesh, notes)

@@ -50,6 +50,7 @@ class LayoutEstimate:
     flops: float = 0.0  # per rank per step
     collectives: dict[str, int] = field(default_factory=dict)  # kind -> bytes per rank per step
     collective_calls: int = 0  # how many collectives a step runs (each costs the links' latency)
+    calls: dict[str, int] = field(default_factory=dict)  # ... by kind
     ops: int = 0  # operators a step dispatches (each costs the rank's per-operator overhead)
     dtensor_ops: int = 0  # ... of which on DTensors (each also costs DTensor's sharding propagation)
     param_count: int = 0
@@ -92,12 +93,14 @@ def _collective_recorder() -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.bytes: dict[str, int] = {}
+            self.calls_by_kind: dict[str, int] = {}
             self.calls = 0
             self.ops = 0
             self.dtensor_ops = 0
 
         def clear(self) -> None:
             self.bytes.clear()
+            self.calls_by_kind.clear()
             self.calls = self.ops = self.dtensor_ops = 0
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -111,6 +114,7 @@ def _collective_recorder() -> Any:
                 size = max((t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)), default=0)
                 kind = _collective_kind(func._opname)
                 self.bytes[kind] = self.bytes.get(kind, 0) + size
+                self.calls_by_kind[kind] = self.calls_by_kind.get(kind, 0) + 1
             return out
 
     return CollectiveBytes()
@@ -212,13 +216,16 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
         memory = peak_by_category(tracker)
         result.collectives = dict(recorder.bytes)
         result.collective_calls, result.ops, result.dtensor_ops = recorder.calls, recorder.ops, recorder.dtensor_ops
+        result.calls = dict(recorder.calls_by_kind)
         if layout.ddp > 1:  # the gradients' all-reduce, in DDP's buckets (with TP: averaged in place)
             grads = sum(local_bytes(p) for p in model.parameters() if p.requires_grad)
             if layout.tp == 1:
                 memory["buffers"] += grads
             result.collectives["all_reduce"] = result.collectives.get("all_reduce", 0) + grads
             grad_count = sum(1 for p in model.parameters() if p.requires_grad)
-            result.collective_calls += grad_count if layout.tp > 1 else max(1, -(-grads // (25 << 20)))  # DDP: 25 MB buckets
+            calls = grad_count if layout.tp > 1 else max(1, -(-grads // (25 << 20)))  # DDP: 25 MB buckets
+            result.collective_calls += calls
+            result.calls["all_reduce"] = result.calls.get("all_reduce", 0) + calls
         result.memory = memory
     result.flops, result.param_count, result.dtype_bytes = per_rank_flops(spec.build, local, spec.loss, layout)
     return result
@@ -282,4 +289,6 @@ def _estimate_pipeline(spec: TrainingSpec, local: Batch, layout: Layout, per_mod
                 result.collective_calls = max(result.collective_calls, recorder.calls)
                 for kind, size in recorder.bytes.items():
                     result.collectives[kind] = max(result.collectives.get(kind, 0), size)
+                for kind, count in recorder.calls_by_kind.items():
+                    result.calls[kind] = max(result.calls.get(kind, 0), count)
     return result

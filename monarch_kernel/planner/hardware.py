@@ -8,9 +8,10 @@ On a live mesh the figures are measured instead (`measure.py`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 GiB = 1 << 30
+LINK_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,18 @@ def size_text(size: float) -> str:
     return f"{int(size)} B"
 
 
+def bus_factor(kind: str, ranks: int) -> float:
+    """The share of a buffer that crosses each rank's link in a ring of `ranks` (all of it for send/recv)."""
+    if kind == "send_recv":
+        return 1.0
+    return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
+
+
 def collective_seconds(kind: str, size: int, group: int, bandwidth: float) -> float:
     """Ring-algorithm time of one rank's collectives of `size` bytes in a group of `group` ranks."""
     if group <= 1 or size <= 0:
         return 0.0
-    factor = 2 * (group - 1) / group if kind == "all_reduce" else (group - 1) / group
-    return factor * size / bandwidth
+    return bus_factor(kind, group) * size / bandwidth
 
 
 @dataclass
@@ -95,3 +102,15 @@ class Figures:
     latency: float = 10e-6  # of one collective, in seconds
     op_overhead: float = 5e-6  # per dispatched operator (a GPU's kernel launch, a CPU's dispatch)
     dtensor_overhead: float = 30e-6  # more per operator on DTensors (sharding propagation, in Python)
+    # measured: {"intra" | "inter": {LINK_KINDS: [latency s, bus bandwidth bytes/s]}}
+    links: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+    def link(self, kind: str, across_hosts: bool) -> tuple[float, float]:
+        """(latency, bus bandwidth) of a kind of collective inside a host or across hosts:
+        measured where the mesh measured it, else this figure's latency and bandwidths."""
+        kind = kind if kind in LINK_KINDS else "all_reduce"
+        scope = "inter" if across_hosts else "intra"
+        found = self.links.get(scope, {}).get(kind)
+        if found is not None:
+            return found[0], found[1]
+        return self.latency, self.inter_host_bandwidth if across_hosts else self.intra_host_bandwidth

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,53 +13,38 @@ import torch.distributed as dist
 
 from monarch_kernel.planner.apply import TrainingSpec, build_in_layout, rank_device
 from monarch_kernel.planner.layout import Layout
+from monarch_kernel.planner.links import measure_links, median_seconds
 from monarch_kernel.planner.parallelize import Batch
 
 
-def _timed(fn: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def rank_figures() -> dict[str, float]:
-    """This rank's fp32 matmul FLOP/s, its memory to use (free GPU memory, or a fair share of the
-    host's available memory), and the all-reduce bandwidth of the whole group and of this host."""
+def rank_figures() -> dict[str, Any]:
+    """This rank's fp32 matmul FLOP/s, its per-operator costs, its memory to use (free GPU memory,
+    or a fair share of the host's available memory), and the mesh's links (`links.py`)."""
     device = rank_device()
     n = 1024 if device.type == "cpu" else 4096
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
 
-    def matmul() -> None:
-        torch.mm(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    matmul()
-    flops = 2 * n ** 3 / _timed(matmul, 5)
+    torch.mm(a, b)
+    flops = 2 * n ** 3 / median_seconds(lambda: torch.mm(a, b), 5, device)
     small = torch.ones(16, device=device)
-    op_overhead = _timed(lambda: [torch.add(small, small) for _ in range(200)], 3) / 200
+    op_overhead = median_seconds(lambda: [torch.add(small, small) for _ in range(200)], 3) / 200
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     replicated = distribute_tensor(small, init_device_mesh(device.type, (dist.get_world_size(),)), [Replicate()])
-    dtensor_overhead = _timed(lambda: [torch.add(replicated, replicated) for _ in range(100)], 3) / 100
+    dtensor_overhead = median_seconds(lambda: [torch.add(replicated, replicated) for _ in range(100)], 3) / 100
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
         free = _available_host_memory() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    figures = {"flops_fp32": flops, "memory": float(free), "op_overhead": op_overhead,
+    figures: dict[str, Any] = {"flops_fp32": flops, "memory": float(free), "op_overhead": op_overhead,
                "dtensor_overhead": max(0.0, dtensor_overhead - op_overhead)}
-    figures["inter_host_bandwidth"], figures["latency"] = _all_reduce_bandwidth(None, device)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    world = dist.get_world_size()
-    if local < world:  # several hosts: this host's ranks alone as well
-        groups = [dist.new_group(list(range(h * local, (h + 1) * local))) for h in range(world // local)]
-        figures["intra_host_bandwidth"], _ = _all_reduce_bandwidth(groups[dist.get_rank() // local], device)
-    else:
-        figures["intra_host_bandwidth"] = figures["inter_host_bandwidth"]
+    links = measure_links(device)
+    figures["links"] = links
+    intra = links["intra"].get("all_reduce", [0.0, float("inf")])
+    inter = links["inter"].get("all_reduce", intra)
+    figures["intra_host_bandwidth"], figures["inter_host_bandwidth"] = intra[1], inter[1]
+    figures["latency"] = max(intra[0], inter[0])
     return figures
 
 
@@ -75,30 +59,6 @@ def _available_host_memory() -> int:
     return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def _all_reduce_bandwidth(group: Any, device: torch.device) -> tuple[float, float]:
-    """Bus bandwidth of all_reduce in bytes/s (ring: 2(n-1)/n of the bytes cross each link), and the
-    time of a tiny one (the latency every collective pays)."""
-    size = dist.get_world_size(group)
-    if size == 1:
-        return float("inf"), 0.0
-    best, latency = 0.0, 0.0
-    for nbytes in (4, 1 << 20, 16 << 20):
-        tensor = torch.ones(nbytes // 4, device=device)
-
-        def reduce(tensor: torch.Tensor = tensor) -> None:
-            dist.all_reduce(tensor, group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-        reduce()
-        seconds = _timed(reduce, 5 if nbytes == 4 else 3)
-        if nbytes == 4:
-            latency = seconds
-        else:
-            best = max(best, 2 * (size - 1) / size * nbytes / max(seconds - latency, 1e-9))
-    return best, latency
-
-
 def trial_layout(spec: TrainingSpec, layout: Layout, batch: Batch, steps: int) -> dict[str, float]:
     """Build the layout for real, run `steps` steps (the first warms up), and measure on this rank:
     the median step time and the peak memory of a step (GPU: max_memory_allocated; CPU: torch's
@@ -109,10 +69,10 @@ def trial_layout(spec: TrainingSpec, layout: Layout, batch: Batch, steps: int) -
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        times = [_timed(lambda: step(batch), 1) for _ in range(max(1, steps - 1))]
+        times = [median_seconds(lambda: step(batch), 1, device) for _ in range(max(1, steps - 1))]
         peak = float(torch.cuda.max_memory_allocated(device))
     else:
-        times = [_timed(lambda: step(batch), 1) for _ in range(max(1, steps - 2))]
+        times = [median_seconds(lambda: step(batch), 1) for _ in range(max(1, steps - 2))]
         peak = float(_tracked_peak(model, optimizer, step, batch, layout))
     return {"step_seconds": statistics.median(times), "peak_bytes": peak}
 

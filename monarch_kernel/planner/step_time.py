@@ -1,0 +1,46 @@
+"""The time of one training step of a layout, modelled from its estimate: compute from FLOPs and
+per-operator costs, communication per kind of collective from the links it runs on.
+
+- Compute: the rank's FLOPs over its FLOP/s, plus each dispatched operator's overhead (more on
+  DTensors). Through a pipeline, the slowest stage's micro-batches plus the 1F1B schedule's fill
+  and drain: (micro-batches + stages - 1) / micro-batches of it.
+- Communication: every collective pays its link's latency per call, and its bytes at the
+  link's bus bandwidth. Tensor-parallel all-reduces run inside a host; data-parallel collectives
+  cross hosts when the data-parallel group spans them; activations between pipeline stages
+  cross hosts when the mesh has several. Nothing is assumed to overlap with compute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from monarch_kernel.planner.hardware import Figures, collective_seconds
+from monarch_kernel.planner.layout import Layout
+
+
+def compute_seconds(estimate: Any, layout: Layout, figures: Figures, flops_per_second: float) -> float:
+    """The compute part of a step (see the module docstring)."""
+    seconds = (estimate.flops / flops_per_second + estimate.ops * figures.op_overhead
+               + estimate.dtensor_ops * figures.dtensor_overhead)
+    if layout.pp > 1:
+        seconds *= (estimate.microbatches + layout.pp - 1) / estimate.microbatches
+    return seconds
+
+
+def comm_seconds(estimate: Any, layout: Layout, figures: Figures, hosts: int, gpus: int) -> float:
+    """The communication part of a step (see the module docstring)."""
+    dp_across_hosts = layout.data_parallel > gpus if layout.pp > 1 else hosts > 1
+    total = 0.0
+    for kind, size in estimate.collectives.items():
+        if kind == "recv":  # counted with its send: both directions at once
+            continue
+        calls = estimate.calls.get(kind, 0)
+        if kind == "send":
+            latency, bandwidth = figures.link("send_recv", hosts > 1)
+            total += calls * latency + collective_seconds("send_recv", size, 2, bandwidth)
+            continue
+        on_tp = kind == "all_reduce" and layout.tp > 1 and layout.ddp == 1
+        group = layout.tp if on_tp else layout.data_parallel
+        latency, bandwidth = figures.link(kind, dp_across_hosts and not on_tp)
+        total += calls * latency + collective_seconds(kind, size, group, bandwidth)
+    return total
