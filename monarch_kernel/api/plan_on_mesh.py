@@ -36,8 +36,8 @@ def _slowest_links(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[st
     merged: dict[str, dict[str, list[float]]] = {}
     for links in per_rank:
         for scope, kinds in links.items():
-            for kind, (latency, bandwidth) in kinds.items():
-                seen = merged.setdefault(scope, {}).setdefault(kind, [latency, bandwidth])
+            for kind, (latency, bandwidth, ranks) in kinds.items():
+                seen = merged.setdefault(scope, {}).setdefault(kind, [latency, bandwidth, ranks])
                 seen[0], seen[1] = max(seen[0], latency), min(seen[1], bandwidth)
     return merged
 

@@ -10,20 +10,17 @@ layout; `Plan.code` writes the same as a torchrun script.
 
 from __future__ import annotations
 
-import concurrent.futures
 import html
-import os
-import pickle
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from monarch_kernel.api.estimate_helpers import run_estimates
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.texttable import text_table
 from monarch_kernel.planner.apply import TrainingSpec
 from monarch_kernel.planner.estimate import CATEGORIES, LayoutEstimate
+from monarch_kernel.planner.flops import ModelFlops
 from monarch_kernel.planner.hardware import (
     Accelerator,
     Figures,
@@ -156,28 +153,15 @@ class Plan:
         return torchrun_script(self.spec, self.batch, Layout.parse(chosen.layout), steps)
 
 
-def run_estimates(spec: TrainingSpec, batch: Any, layouts: Sequence[Layout],
-                  workers: int | None = None, per_module: bool = False) -> list[LayoutEstimate]:
-    """Estimate each layout in a helper process of its own, several at a time."""
-    import cloudpickle
-
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-
-    def one(layout: Layout) -> LayoutEstimate:
-        payload = cloudpickle.dumps({"spec": spec, "batch": batch, "layout": layout.text, "per_module": per_module})
-        job = pickle.dumps({"sys_path": list(sys.path), "payload": payload})
-        done = subprocess.run([sys.executable, "-m", "monarch_kernel.planner.estimate_job"], input=job,
-                              capture_output=True, env=env, timeout=1800)
-        if done.returncode != 0 or not done.stdout:
-            tail = done.stderr.decode(errors="replace").strip().splitlines()[-3:]
-            return LayoutEstimate(layout.text, error=f"the estimate failed: {' / '.join(tail)}")
-        result: LayoutEstimate = pickle.loads(done.stdout)
-        return result
-
-    count = workers or max(1, min(len(layouts), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(count) as pool:
-        return list(pool.map(one, layouts))
+def add_flops(counted: ModelFlops, estimates: list[LayoutEstimate], notes: list[str]) -> None:
+    """Each estimate's FLOPs per rank from the model's count (pipelines count their own)."""
+    if counted.error:
+        notes.append(f"the model's FLOPs could not be counted ({counted.error}): step times without pipeline stages "
+                     "leave out compute")
+    for estimate in estimates:
+        if estimate.layout in counted.per_rank:
+            estimate.flops = counted.per_rank[estimate.layout]
+            estimate.param_count, estimate.dtype_bytes = counted.param_count, counted.dtype_bytes
 
 
 def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: int, gpus: int,
@@ -247,7 +231,8 @@ def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[.
                 notes.append(f"{layout}: ruled out: {exc}")
                 continue
         usable.append(layout)
-    estimates = run_estimates(spec, global_batch, usable, per_module=per_module)
+    estimates, counted = run_estimates(spec, global_batch, usable, per_module=per_module)
+    add_flops(counted, estimates, notes)
     known = accelerator(device) if device is not None and mesh is None else None
     candidates = rank_candidates(estimates, figures, hosts, gpus, known)
     return Plan(candidates, figures, hosts, gpus, spec, batch, mesh, notes)

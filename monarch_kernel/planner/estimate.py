@@ -1,11 +1,13 @@
-"""One layout estimated on fake tensors: memory per category, FLOPs and collective bytes per step.
+"""One layout estimated on fake tensors: memory per category, collective bytes and calls per
+step (and, through a pipeline, each stage's FLOPs; other layouts' FLOPs come from `flops.py`).
 
-It runs the layout's real code (`parallelize`, the optimizer, two training steps on rank 0's
-slice of the batch) under FakeTensorMode with torch's fake process group, so no memory is
-allocated and no rank is needed: torch's own trackers (`FSDPMemTracker` for FSDP layouts,
-`MemTracker` otherwise) record what the step would hold at its peak, `FlopCounterMode` counts
-the FLOPs, and a dispatch mode records the bytes of every collective. It needs a process of
-its own (the fake group becomes the default group): `estimate_job` runs it so.
+It runs the layout's real code (`parallelize` or the pipeline's stage and schedule, the
+optimizer, a training step on rank 0's slice of the batch, after the optimizer's state has been
+made) under FakeTensorMode with torch's fake process group, so no memory is allocated and no
+rank is needed: torch's own trackers (`FSDPMemTracker` for FSDP layouts, `MemTracker`
+otherwise) record what the step holds at its peak, and a dispatch mode records the bytes of
+every collective. It needs a process of its own (the fake group becomes the default group):
+`estimate_job` runs it so.
 
 DDP's gradient buckets live in C++ where the trackers cannot see them; they are added (one
 copy of the gradients) as collective buffers, and the trial's measurement adds the same.
@@ -14,7 +16,7 @@ copy of the gradients) as collective buffers, and the trial's measurement adds t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +37,6 @@ from monarch_kernel.planner.parallelize import (
     place,
 )
 from monarch_kernel.planner.pipeline import PipelineStage
-from monarch_kernel.planner.structure import tp_plan
 from monarch_kernel.planner.trackers import CATEGORIES, memory_tracker, peak_by_category
 
 __all__ = ["CATEGORIES", "LayoutEstimate", "estimate_layout"]
@@ -47,7 +48,7 @@ class LayoutEstimate:
 
     layout: str
     memory: dict[str, int] = field(default_factory=dict)  # CATEGORIES -> bytes at the peak
-    flops: float = 0.0  # per rank per step
+    flops: float = 0.0  # per rank per step (pipelines: the slowest stage's; others: filled in from flops.py)
     collectives: dict[str, int] = field(default_factory=dict)  # kind -> bytes per rank per step
     collective_calls: int = 0  # how many collectives a step runs (each costs the links' latency)
     calls: dict[str, int] = field(default_factory=dict)  # ... by kind
@@ -146,41 +147,6 @@ def _fake_friendly_device_mesh() -> None:
     DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign,assignment]
 
 
-def per_rank_flops(build: Callable[[], nn.Module], batch: Batch, loss: Callable[..., torch.Tensor],
-                   layout: Layout) -> tuple[float, int, int]:
-    """FLOPs of one rank's forward and backward, the model's parameter count and their dtype's bytes.
-
-    Counted on a plain fake copy of the model (DTensor ops count at their global size): the
-    layers tensor parallelism splits, and the attention between them, count 1/tp each.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        model = build()
-        params = list(model.parameters())
-        count = sum(p.numel() for p in params)
-        dtype_bytes = params[0].element_size() if params else 4
-        inputs, targets = (fake.from_tensor(t) for t in batch)
-        with FlopCounterMode(display=False) as counter:
-            loss(model(inputs), targets).backward()
-    if layout.tp == 1:
-        return float(counter.get_total_flops()), count, dtype_bytes
-    by_module = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
-    root = type(model).__name__
-    plan = tp_plan(model, layout.tp)
-    split = {f"{root}.{path}" for path in plan.colwise + plan.rowwise}
-    split |= {f"{root}.{path}" if path else root for path, _ in plan.heads}  # the attention between the pairs
-    total = float(by_module.get("Global", counter.get_total_flops()))
-    shared = 0.0
-    for name in split:
-        shared += by_module.get(name, 0)
-    for name in split:  # a split module inside another split one is already counted with its parent
-        parent = name.rsplit(".", 1)[0]
-        if parent in split:
-            shared -= by_module.get(name, 0)
-    return total - shared + shared / layout.tp, count, dtype_bytes
-
-
 def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_module: bool = False,
                     depth: int = 2) -> LayoutEstimate:
     """Estimate `layout` in this process (which must have no process group of its own: see `estimate_job`).
@@ -201,16 +167,14 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
                 model = parallelize(model, layout, mesh)
             optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.lr)
             inputs, targets = (fake.from_tensor(t) for t in local)
-            tracker = memory_tracker(model, optimizer, fsdp=layout.fsdp > 1)
+            tracker = memory_tracker(model, optimizer, fsdp=layout.fsdp > 1, per_module=per_module)
             with tracker:
-                for step in range(2):  # the second step holds the optimizer's state: the steady peak
-                    with recorder:
-                        spec.loss(model(inputs), targets).backward()
-                        optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    if step == 0:
-                        tracker.reset_mod_stats()
-                        recorder.clear()
+                make_optimizer_state(model, optimizer)  # a step in the steady state holds it
+                tracker.reset_mod_stats()
+                with recorder:
+                    spec.loss(model(inputs), targets).backward()
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             if per_module:
                 result.modules = module_peaks(tracker, depth)
         memory = peak_by_category(tracker)
@@ -227,8 +191,17 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
             result.collective_calls += calls
             result.calls["all_reduce"] = result.calls.get("all_reduce", 0) + calls
         result.memory = memory
-    result.flops, result.param_count, result.dtype_bytes = per_rank_flops(spec.build, local, spec.loss, layout)
     return result
+
+
+def make_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's state as after a first step, without running one (zero gradients, one
+    optimizer step): the model's forward and backward are most of an estimate's time."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 @contextlib.contextmanager
@@ -249,29 +222,33 @@ def _estimate_pipeline(spec: TrainingSpec, local: Batch, layout: Layout, per_mod
                        depth: int) -> LayoutEstimate:
     """Each stage in turn, this process playing its first rank, through the layout's real schedule
     and step; the layout's memory is the stage that peaks highest, its compute the slowest stage."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.utils.flop_counter import FlopCounterMode
 
+    from monarch_kernel.planner.pipeline import trace_pipeline
+
     result = LayoutEstimate(layout.text)
-    for index in range(layout.pp):
-        with _fake_group(layout, rank=index * layout.data_parallel):
-            mesh = device_mesh(layout, "cpu")
-            recorder = _collective_recorder()
-            with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-                model = spec.build()
-                if index == 0:
-                    params = list(model.parameters())
-                    result.param_count = sum(p.numel() for p in params)
-                    result.dtype_bytes = params[0].element_size() if params else 4
-                inputs, targets = (fake.from_tensor(t) for t in local)
-                placed = place(model, layout, mesh, torch.device("cpu"), spec.loss, inputs)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        model = spec.build()
+        params = list(model.parameters())
+        result.param_count = sum(p.numel() for p in params)
+        result.dtype_bytes = params[0].element_size() if params else 4
+        inputs, targets = (fake.from_tensor(t) for t in local)
+        traced = trace_pipeline(model, layout.pp, inputs, torch.device("cpu"))  # once: every stage comes from it
+        for index in range(layout.pp):
+            with _fake_group(layout, rank=index * layout.data_parallel):
+                with unset_fake_temporarily():
+                    mesh = device_mesh(layout, "cpu")
+                recorder = _collective_recorder()
+                placed = place(traced, layout, mesh, torch.device("cpu"), spec.loss)
                 assert isinstance(placed, PipelineStage)
                 module = module_of(placed)
                 optimizer = make_optimizer(spec.optimizer, module.parameters(), spec.lr)
                 step = make_local_step(placed, optimizer, spec.loss, layout, mesh)
-                tracker = memory_tracker(module, optimizer, fsdp=layout.fsdp > 1)
+                tracker = memory_tracker(module, optimizer, fsdp=layout.fsdp > 1, per_module=per_module)
                 counter = FlopCounterMode(display=False)
                 with tracker:
-                    step(inputs, targets)  # makes the optimizer's state
+                    make_optimizer_state(module, optimizer)
                     tracker.reset_mod_stats()
                     with recorder, counter:
                         step(inputs, targets)

@@ -1,43 +1,137 @@
-"""`python -m monarch_kernel.planner.estimate_job`: estimate one layout in a process of its own.
+"""`python -m monarch_kernel.planner.estimate_job`: a helper process that estimates layouts.
 
-The job (on stdin: the notebook's sys.path, then, cloudpickled, a TrainingSpec, the global batch
-and a layout string) runs `estimate_layout`, which makes torch's fake process group its default
-group; the LayoutEstimate goes back pickled on stdout. A process per layout keeps the
-notebook light, and the layouts run in parallel.
+`estimate_layout` makes torch's fake process group the default group of its process, and a
+plan's estimates should neither weigh on the notebook nor pay torch's import (seconds) once per
+layout. So a helper imports torch and the planner once, then forks a child per layout: the child
+runs the estimate (a fresh process state each time, as if started anew) and hands the
+LayoutEstimate back through a pipe; a child that dies or runs past its time gives an estimate
+whose `error` says so.
+
+Frames on stdin and stdout are an 8-byte length and a pickle. The first frame in is the
+notebook's sys.path (plain data, so that the payloads' functions can be imported by reference);
+each later one a job: {"payload": cloudpickled {spec, batch, layout, per_module}, "layout": text,
+"timeout": seconds}. Each job is answered with one pickled LayoutEstimate, in order; a job whose
+layout is "" counts the model's FLOPs instead (a `flops.ModelFlops`, with the share per rank of
+each of the payload's "layouts").
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import select
+import signal
+import struct
 import sys
+import time
 import traceback
 import warnings
+from typing import IO, Any
+
+_LENGTH = struct.Struct(">Q")
 
 
-def main() -> None:
-    """Read the job, estimate, write the result."""
+def write_frame(stream: IO[bytes], data: bytes) -> None:
+    """One frame: its length, then its bytes."""
+    stream.write(_LENGTH.pack(len(data)) + data)
+    stream.flush()
+
+
+def read_frame(stream: IO[bytes]) -> bytes | None:
+    """The next frame, or None at the end of the stream."""
+    head = stream.read(_LENGTH.size)
+    if len(head) < _LENGTH.size:
+        return None
+    (length,) = _LENGTH.unpack(head)
+    data = stream.read(length)
+    return data if len(data) == length else None
+
+
+def _estimate(payload: bytes) -> Any:
     import cloudpickle
 
-    outer = pickle.loads(sys.stdin.buffer.read())  # plain data: the paths first, so that what the
-    for path in reversed(outer["sys_path"]):  # payload names by reference can be imported from them
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    job = cloudpickle.loads(outer["payload"])
     from monarch_kernel.planner.estimate import LayoutEstimate, estimate_layout
     from monarch_kernel.planner.layout import Layout
 
-    out = sys.stdout.buffer
-    sys.stdout = sys.stderr  # what the model prints must not mix with the result
-    warnings.simplefilter("ignore")
+    job = cloudpickle.loads(payload)
+    if not job["layout"]:
+        from monarch_kernel.planner.flops import ModelFlops, count_flops
+
+        try:
+            layouts = [Layout.parse(text) for text in job.get("layouts", [])]
+            return count_flops(job["spec"].build, job["batch"], job["spec"].loss, layouts)
+        except Exception as exc:  # noqa: BLE001 - the plan says its step times lack the FLOPs, and why
+            return ModelFlops(0.0, "", error=f"{type(exc).__name__}: {exc}")
     try:
-        result = estimate_layout(job["spec"], job["batch"], Layout.parse(job["layout"]),
-                                 per_module=job.get("per_module", False))
+        return estimate_layout(job["spec"], job["batch"], Layout.parse(job["layout"]),
+                               per_module=job.get("per_module", False))
     except Exception as exc:  # noqa: BLE001 - the notebook shows why this layout could not be estimated
         last = traceback.extract_tb(exc.__traceback__)[-1:]
         where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
-        result = LayoutEstimate(job["layout"], error=f"{type(exc).__name__}: {exc}{where}")
-    out.write(pickle.dumps(result))
-    out.flush()
+        return LayoutEstimate(job["layout"], error=f"{type(exc).__name__}: {exc}{where}")
+
+
+def _in_child(payload: bytes, layout: str, timeout: float) -> bytes:
+    """Run one estimate in a forked child; its pickled result (or an estimate naming the failure)."""
+    from monarch_kernel.planner.estimate import LayoutEstimate
+
+    readable, writable = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: estimate, write, leave without running the parent's exit handlers
+        os.close(readable)
+        status = 0
+        try:
+            data = pickle.dumps(_estimate(payload))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(writable, view):]
+        except BaseException:  # noqa: BLE001 - whatever happens, the child must not return into the loop
+            traceback.print_exc()
+            status = 1
+        finally:
+            os._exit(status)
+    os.close(writable)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            os.kill(pid, signal.SIGKILL)
+            break
+        ready, _, _ = select.select([readable], [], [], min(left, 1.0))
+        if ready:
+            chunk = os.read(readable, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    os.close(readable)
+    _, status = os.waitpid(pid, 0)
+    if timed_out:
+        return pickle.dumps(LayoutEstimate(layout, error=f"the estimate ran past {timeout:.0f} s and was stopped"))
+    if status != 0 or not chunks:
+        how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}")
+        return pickle.dumps(LayoutEstimate(layout, error=f"the estimate's process died ({how})"))
+    return b"".join(chunks)
+
+
+def main() -> None:
+    """Serve jobs until stdin ends."""
+    source, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # what the model prints must not mix with the results
+    warnings.simplefilter("ignore")
+    setup = read_frame(source)
+    if setup is None:
+        return
+    for path in reversed(pickle.loads(setup)["sys_path"]):  # before any payload names its modules
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    import monarch_kernel.planner.estimate  # noqa: F401 - imported once, inherited by every child
+
+    while (frame := read_frame(source)) is not None:
+        job = pickle.loads(frame)
+        write_frame(out, _in_child(job["payload"], job["layout"], float(job["timeout"])))
 
 
 if __name__ == "__main__":

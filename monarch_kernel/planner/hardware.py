@@ -83,6 +83,15 @@ def bus_factor(kind: str, ranks: int) -> float:
     return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
 
 
+def ring_hops(kind: str, ranks: int) -> int:
+    """The sequential steps of a ring collective over `ranks` (each pays one hop's latency)."""
+    if ranks <= 1:
+        return 0
+    if kind == "send_recv":
+        return 1
+    return (2 if kind == "all_reduce" else 1) * (ranks - 1)
+
+
 def collective_seconds(kind: str, size: int, group: int, bandwidth: float) -> float:
     """Ring-algorithm time of one rank's collectives of `size` bytes in a group of `group` ranks."""
     if group <= 1 or size <= 0:
@@ -102,15 +111,18 @@ class Figures:
     latency: float = 10e-6  # of one collective, in seconds
     op_overhead: float = 5e-6  # per dispatched operator (a GPU's kernel launch, a CPU's dispatch)
     dtensor_overhead: float = 30e-6  # more per operator on DTensors (sharding propagation, in Python)
-    # measured: {"intra" | "inter": {LINK_KINDS: [latency s, bus bandwidth bytes/s]}}
+    # measured: {"intra" | "inter": {LINK_KINDS: [latency s, bus bandwidth bytes/s, ranks measured over]}}
     links: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
-    def link(self, kind: str, across_hosts: bool) -> tuple[float, float]:
-        """(latency, bus bandwidth) of a kind of collective inside a host or across hosts:
-        measured where the mesh measured it, else this figure's latency and bandwidths."""
+    def link(self, kind: str, across_hosts: bool, ranks: int) -> tuple[float, float]:
+        """(latency of one call, bus bandwidth) of a kind of collective over `ranks`, inside a host
+        or across hosts: measured where the mesh measured it (the latency scaled by the ring's
+        steps), else this figure's latency and bandwidths."""
         kind = kind if kind in LINK_KINDS else "all_reduce"
         scope = "inter" if across_hosts else "intra"
         found = self.links.get(scope, {}).get(kind)
-        if found is not None:
-            return found[0], found[1]
-        return self.latency, self.inter_host_bandwidth if across_hosts else self.intra_host_bandwidth
+        if found is None:
+            return self.latency, self.inter_host_bandwidth if across_hosts else self.intra_host_bandwidth
+        latency, bandwidth, measured_over = found
+        per_hop = latency / max(1, ring_hops(kind, int(measured_over)))
+        return per_hop * ring_hops(kind, ranks), bandwidth

@@ -2,7 +2,8 @@
 latency and bus bandwidth of all-reduce, all-gather, reduce-scatter and send/recv, among the
 ranks of one host ("intra") and over the whole mesh ("inter", when it spans hosts).
 
-Each kind is timed at a few sizes: the smallest gives the latency every call pays, the larger
+Each kind is timed at a few sizes: the smallest gives the latency every call pays (in a ring,
+one hop's latency per step: `hardware.ring_hops` scales it to groups of other sizes), the larger
 ones the bandwidth (the best of them, as bus bandwidth: the bytes that cross each rank's link
 in a ring, 2(n-1)/n of the buffer for all-reduce, (n-1)/n for the gathers and scatters, all of
 it for send/recv). Send/recv pairs neighbouring ranks, both directions at once.
@@ -61,7 +62,7 @@ def median_seconds(fn: Callable[[], Any], repeat: int, device: torch.device | No
 
 
 def _measure(kind: str, group: Any, ranks: list[int], device: torch.device) -> list[float] | None:
-    """[latency in seconds, bus bandwidth in bytes/s] of one kind over `group` (None: not measurable)."""
+    """[latency in seconds, bus bandwidth in bytes/s, ranks] of one kind over `group` (None: not measurable)."""
     if len(ranks) < 2 or (kind == "send_recv" and len(ranks) % 2):
         return None
     latency, best = 0.0, 0.0
@@ -74,11 +75,11 @@ def _measure(kind: str, group: Any, ranks: list[int], device: torch.device) -> l
         else:
             moved = bus_factor(kind, len(ranks)) * nbytes
             best = max(best, moved / max(seconds - latency, 1e-9))
-    return [latency, best]
+    return [latency, best, float(len(ranks))]
 
 
 def measure_links(device: torch.device) -> dict[str, dict[str, list[float]]]:
-    """{"intra": {kind: [latency, bandwidth]}, "inter": {...}} on this rank (every rank must call it)."""
+    """{"intra": {kind: [latency, bandwidth, ranks]}, "inter": {...}} on this rank (every rank must call it)."""
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     hosts = max(1, world // local)

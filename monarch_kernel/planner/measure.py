@@ -41,7 +41,7 @@ def rank_figures() -> dict[str, Any]:
                "dtensor_overhead": max(0.0, dtensor_overhead - op_overhead)}
     links = measure_links(device)
     figures["links"] = links
-    intra = links["intra"].get("all_reduce", [0.0, float("inf")])
+    intra = links["intra"].get("all_reduce", [0.0, float("inf"), 1.0])
     inter = links["inter"].get("all_reduce", intra)
     figures["intra_host_bandwidth"], figures["inter_host_bandwidth"] = intra[1], inter[1]
     figures["latency"] = max(intra[0], inter[0])

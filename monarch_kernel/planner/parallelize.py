@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from monarch_kernel.planner.layout import Layout
-from monarch_kernel.planner.pipeline import PipelineStage, build_stage, pipeline_step
+from monarch_kernel.planner.pipeline import PipelineStage, TracedPipeline, pipeline_step, take_stage, trace_pipeline
 from monarch_kernel.planner.structure import blocks, tp_plan
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -57,20 +57,24 @@ def fully_shard_blocks(module: nn.Module, block_paths: list[str], mesh: Any) -> 
     fully_shard(module, mesh=mesh["dp"])
 
 
-def place(model: nn.Module, layout: Layout, mesh: Any, device: torch.device, loss_fn: Callable[..., torch.Tensor],
-          local_inputs: torch.Tensor | None = None) -> Placed:
+def place(model: nn.Module | TracedPipeline, layout: Layout, mesh: Any, device: torch.device,
+          loss_fn: Callable[..., torch.Tensor], local_inputs: torch.Tensor | None = None) -> Placed:
     """The model in `layout` on this rank: the parallelized module, or (PP) its pipeline stage,
-    traced on `local_inputs` (this rank's data-parallel share of a global batch's inputs)."""
+    traced on `local_inputs` (this rank's data-parallel share of a global batch's inputs) unless
+    given traced already."""
     if layout.pp == 1:
+        assert isinstance(model, nn.Module)
         return parallelize(model, layout, mesh)
-    if local_inputs is None:
-        raise ValueError("a pipeline layout is traced on a batch: give the global batch")
+    if isinstance(model, nn.Module):
+        if local_inputs is None:
+            raise ValueError("a pipeline layout is traced on a batch: give the global batch")
+        model = trace_pipeline(model, layout.pp, local_inputs, device)
 
     def shard(module: nn.Module, held: list[str]) -> None:
         if layout.fsdp > 1:
             fully_shard_blocks(module, held, mesh)
 
-    return build_stage(model, mesh, layout.pp, local_inputs, device, loss_fn, shard)
+    return take_stage(model, mesh, device, loss_fn, shard)
 
 
 def module_of(placed: Placed) -> nn.Module:

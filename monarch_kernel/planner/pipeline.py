@@ -70,28 +70,42 @@ class PipelineStage:
         return self.index == self.stages - 1
 
 
-def build_stage(model: nn.Module, mesh: Any, stages: int, local_inputs: torch.Tensor, device: torch.device,
-                loss_fn: Callable[..., torch.Tensor], shard: Callable[[nn.Module, list[str]], None] | None = None,
-                ) -> PipelineStage:
-    """Trace `model` on one micro-batch of `local_inputs`, split it, and keep this rank's stage.
+@dataclass
+class TracedPipeline:
+    """A model traced and split into stages (any rank's stage can be taken from it)."""
 
-    `mesh` has a "pp" dimension; `shard(stage_module, block_paths)` (FSDP) runs on the stage's
-    module before its schedule is made.
-    """
-    from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
+    pipe: Any
+    stages: int
+    microbatches: int
+    local_size: int
+    held: list[list[str]]  # each stage's block paths
+
+
+def trace_pipeline(model: nn.Module, stages: int, local_inputs: torch.Tensor, device: torch.device) -> TracedPipeline:
+    """Trace `model` on one micro-batch of `local_inputs` and split it at block boundaries."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
 
     local_size = local_inputs.shape[0]
     count = microbatch_count(local_size, stages)
     points = split_points(model, stages)
-    index = mesh["pp"].get_local_rank()
-    held = stage_blocks(model, stages, index)
     example = local_inputs[: local_size // count].to(device)
     pipe = pipeline(model, mb_args=(example,), split_spec=dict.fromkeys(points, SplitPoint.BEGINNING))
-    stage = pipe.build_stage(index, device, group=mesh["pp"].get_group())
+    held = [stage_blocks(model, stages, index) for index in range(stages)]
+    return TracedPipeline(pipe, stages, count, local_size, held)
+
+
+def take_stage(traced: TracedPipeline, mesh: Any, device: torch.device, loss_fn: Callable[..., torch.Tensor],
+               shard: Callable[[nn.Module, list[str]], None] | None = None) -> PipelineStage:
+    """This rank's stage of a traced pipeline (its index: this rank's place on the mesh's "pp"
+    dimension), with its 1F1B schedule; `shard(stage_module, block_paths)` (FSDP) runs first."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    index = mesh["pp"].get_local_rank()
+    stage = traced.pipe.build_stage(index, device, group=mesh["pp"].get_group())
     if shard is not None:
-        shard(stage.submod, held)
-    schedule = Schedule1F1B(stage, n_microbatches=count, loss_fn=loss_fn)
-    return PipelineStage(stage.submod, schedule, index, stages, count, local_size)
+        shard(stage.submod, traced.held[index])
+    schedule = Schedule1F1B(stage, n_microbatches=traced.microbatches, loss_fn=loss_fn)
+    return PipelineStage(stage.submod, schedule, index, traced.stages, traced.microbatches, traced.local_size)
 
 
 def pipeline_step(stage: PipelineStage, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:

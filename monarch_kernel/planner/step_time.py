@@ -4,10 +4,11 @@ per-operator costs, communication per kind of collective from the links it runs 
 - Compute: the rank's FLOPs over its FLOP/s, plus each dispatched operator's overhead (more on
   DTensors). Through a pipeline, the slowest stage's micro-batches plus the 1F1B schedule's fill
   and drain: (micro-batches + stages - 1) / micro-batches of it.
-- Communication: every collective pays its link's latency per call, and its bytes at the
-  link's bus bandwidth. Tensor-parallel all-reduces run inside a host; data-parallel collectives
-  cross hosts when the data-parallel group spans them; activations between pipeline stages
-  cross hosts when the mesh has several. Nothing is assumed to overlap with compute.
+- Communication: every collective pays its link's latency per call (per step of its ring, so
+  more in larger groups), and its bytes at the link's bus bandwidth. Tensor-parallel
+  all-reduces run inside a host; data-parallel collectives cross hosts when the data-parallel
+  group spans them; activations between pipeline stages cross hosts when the mesh has
+  several. Nothing is assumed to overlap with compute.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ def comm_seconds(estimate: Any, layout: Layout, figures: Figures, hosts: int, gp
             continue
         calls = estimate.calls.get(kind, 0)
         if kind == "send":
-            latency, bandwidth = figures.link("send_recv", hosts > 1)
+            latency, bandwidth = figures.link("send_recv", hosts > 1, 2)
             total += calls * latency + collective_seconds("send_recv", size, 2, bandwidth)
             continue
         on_tp = kind == "all_reduce" and layout.tp > 1 and layout.ddp == 1
         group = layout.tp if on_tp else layout.data_parallel
-        latency, bandwidth = figures.link(kind, dp_across_hosts and not on_tp)
+        latency, bandwidth = figures.link(kind, dp_across_hosts and not on_tp, group)
         total += calls * latency + collective_seconds(kind, size, group, bandwidth)
     return total

@@ -8,6 +8,10 @@ model they track as the next iteration and refuse it, which a pipeline stage doe
 so no wrapper around the step helps). The trackers here forget that module's own statistics when
 it enters again instead: the totals and the peak, which the planner reads, are kept whole; only
 the per-module figures of the stage's root restart with each micro-batch.
+
+Per-module peaks cost torch's trackers a walk over every tracked module at every operator
+(most of an estimate's time for a model of 24 blocks); without `per_module` only the totals'
+peak is kept up to date, which is all a plan's ranking reads.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ _CATEGORY_OF = {
 }
 
 
-def memory_tracker(module: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool) -> Any:
-    """The tracker for a model (FSDP's for a fully sharded one), following its optimizer too."""
+def memory_tracker(module: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool, per_module: bool = False) -> Any:
+    """The tracker for a model (FSDP's for a fully sharded one), following its optimizer too;
+    per_module: also each module's peak (slower)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -41,12 +46,30 @@ def memory_tracker(module: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bo
         if entered_again and set(tracker._mod_tracker.parents) - {name} == {"Global"}:
             del tracker.memory_tracking[mod]
 
+    def update_total_peak(tracker: Any) -> None:
+        for device, snapshot in tracker._curr_mem_snap.items():
+            if tracker._peak_mem.get(device, 0) < snapshot["Total"]:
+                tracker._peak_mem[device] = snapshot["Total"]
+                tracker._peak_mem_snap[device] = dict(snapshot)
+
     class StageMemTracker(MemTracker):
         def _pre_fw_hook(self, mod: nn.Module, inputs: Any) -> None:
             forget_repeated_root(self, mod)
             super()._pre_fw_hook(mod, inputs)
 
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            if per_module:
+                super()._update_peak_stats(peak_state)
+            else:
+                update_total_peak(self)
+
     class StageFSDPMemTracker(FSDPMemTracker):
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            if per_module:
+                super()._update_peak_stats(peak_state)
+            else:
+                update_total_peak(self)
+
         def _fsdp_state_pre_forward(self, fsdp_mod: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
             inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
 

@@ -1,0 +1,74 @@
+"""A model's FLOPs per training step, counted once on fake tensors for the whole global batch,
+and each layout's share per rank.
+
+FLOPs grow linearly with the batch (matmuls, convolutions, attention), so a rank of a layout
+without pipeline stages does 1/dp of them; tensor parallelism then splits the layers its plan
+covers (and the attention between a pair) tp ways, and repeats the rest (embeddings, norms, the
+head) on every rank. Pipeline stages count their own FLOPs where they are estimated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from monarch_kernel.planner.layout import Layout
+from monarch_kernel.planner.structure import tp_plan
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class ModelFlops:
+    """Forward and backward FLOPs of one global batch, in all and per module (torch's names)."""
+
+    total: float
+    root: str  # the model's class name, which prefixes the module names
+    by_module: dict[str, float] = field(default_factory=dict)
+    param_count: int = 0
+    dtype_bytes: int = 4  # of the parameters (which FLOP/s figure applies)
+    per_rank: dict[str, float] = field(default_factory=dict)  # layout -> one rank's FLOPs (`rank_flops`)
+    error: str = ""  # why they could not be counted
+
+
+def count_flops(build: Callable[[], nn.Module], batch: Batch, loss: Callable[..., torch.Tensor],
+                layouts: list[Layout] | None = None) -> ModelFlops:
+    """Count on a fake copy of the model (nothing of it is allocated), and one rank's share in
+    each of `layouts` (those without pipeline stages)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        model = build()
+        params = list(model.parameters())
+        inputs, targets = (fake.from_tensor(t) for t in batch)
+        with FlopCounterMode(display=False) as counter:
+            loss(model(inputs), targets).backward()
+    by_module = {name: float(sum(ops.values())) for name, ops in counter.get_flop_counts().items()}
+    counted = ModelFlops(float(counter.get_total_flops()), type(model).__name__, by_module,
+                         sum(p.numel() for p in params), params[0].element_size() if params else 4)
+    for layout in layouts or []:
+        if layout.pp == 1:
+            counted.per_rank[layout.text] = rank_flops(counted, model, layout)
+    return counted
+
+
+def rank_flops(flops: ModelFlops, structure: nn.Module, layout: Layout) -> float:
+    """One rank's FLOPs per step in a layout without pipeline stages; `structure` is the model
+    (a fake copy will do), for its tensor-parallel plan."""
+    total = flops.total / layout.data_parallel
+    if layout.tp == 1:
+        return total
+    plan = tp_plan(structure, layout.tp)
+    root = flops.root
+    split = {f"{root}.{path}" for path in plan.colwise + plan.rowwise}
+    split |= {f"{root}.{path}" if path else root for path, _ in plan.heads}  # the attention between the pairs
+    shared = sum(flops.by_module.get(name, 0.0) for name in split)
+    for name in split:  # a split module inside another split one is already counted with its parent
+        if name.rsplit(".", 1)[0] in split:
+            shared -= flops.by_module.get(name, 0.0)
+    shared /= layout.data_parallel
+    return total - shared + shared / layout.tp
