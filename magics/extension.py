@@ -11,7 +11,7 @@ from monarch_kernel.api import sinks
 from monarch_kernel.api.mesh import Mesh
 from monarch_kernel.core.failures import set_traceback_rewriter
 from monarch_kernel.views.base import TextHtmlView
-from monarch_kernel.views.display import rank_labels, show, show_mesh, widget_for
+from monarch_kernel.views.display import rank_labels, show, show_mesh, show_plan, widget_for
 from monarch_kernel.views.errortext import ipython_cell_names
 from monarch_kernel.views.live import KernelPublisher, LiveOutput, TerminalOutput, WidgetPublisher
 from monarch_kernel.views.timing import run_timing_view
@@ -19,6 +19,8 @@ from monarch_kernel.views.timing import run_timing_view
 from . import sidebar
 from .mesh_magic import MeshMagics
 from .registry import MeshRegistry
+
+PLAN_TYPE = ("monarch_kernel.api.planning", "Plan")  # shown by name: loading the extension imports no torch
 
 _state: dict[str, Any] = {}
 
@@ -48,6 +50,7 @@ def load_ipython_extension(ipython) -> None:
     if getattr(ipython, "kernel", None) is not None:  # a mesh as a cell's value: the live view
         ipython.display_formatter.ipython_display_formatter.for_type(Mesh, _display_mesh)
     ipython.display_formatter.ipython_display_formatter.for_type(TextHtmlView, show)  # widgets, or rich
+    ipython.display_formatter.ipython_display_formatter.for_type_by_name(*PLAN_TYPE, show_plan)  # (no torch until a plan)
     sinks.set_timing_reporter(_ActorTiming(ipython, magics))
     set_traceback_rewriter(ipython_cell_names(ipython))  # remote tracebacks name cells "Cell In[3]"
     if sidebar.register(ipython, registry):  # the JupyterLab Meshes panel talks to this comm target
@@ -111,6 +114,7 @@ def unload_ipython_extension(ipython) -> None:
     set_traceback_rewriter(None)
     for shown in (Mesh, TextHtmlView):
         ipython.display_formatter.ipython_display_formatter.pop(shown, None)
+    ipython.display_formatter.ipython_display_formatter.pop(".".join(PLAN_TYPE), None)
     sidebar.unregister(ipython)
 
 

@@ -81,6 +81,9 @@ def test_planning_notebook_plans_trials_applies_and_trains_like_one_process():
     nb = execute("09_planning.ipynb")
     planned = texts(cell_with(nb, "plan = mesh.plan("))
     assert "ddp=4" in planned and "over 10 MiB" in planned and "best: " in planned
+    shown = [o.data for o in cell_with(nb, "plan = mesh.plan(").outputs if o.output_type == "display_data"]
+    assert any("application/vnd.jupyter.widget-view+json" in data and "best: " in data["text/plain"]
+               for data in shown)  # the plan's widget
     ratios = [float(line.rsplit(" ", 1)[1]) for line in texts(cell_with(nb, "plan.trial(")).splitlines()
               if "estimated/measured peak" in line]
     assert ratios and all(0.9 <= r <= 1.1 for r in ratios)
@@ -88,6 +91,8 @@ def test_planning_notebook_plans_trials_applies_and_trains_like_one_process():
     ours = ast.literal_eval(shown.split("all ranks: ", 1)[1].split("]", 1)[0] + "]")
     reference = ast.literal_eval(texts(cell_with(nb, "reference_losses(")).strip())
     assert len(ours) == len(reference) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ours, reference))
-    assert "torchrun" in texts(cell_with(nb, "plan.code(")) and "fully_shard" in texts(cell_with(nb, "plan.code("))
+    best = texts(cell_with(nb, "plan.trial(")).split("best: ", 1)[1].split()[0]
+    assert f"layout {best} on 4 ranks" in texts(cell_with(nb, "plan.code(")) and "torchrun" in texts(cell_with(nb, "plan.code("))
+    assert "module model:" in texts(cell_with(nb, "%mesh sharding model"))
     assert "H100" in texts(cell_with(nb, "world={'hosts': 4"))
     assert "is down" in texts(nb.cells[-1])

@@ -93,6 +93,14 @@ def test_four_pipeline_stages_train_with_sgd_as_one_process(mesh):
     held = mesh.run("sum(p.numel() for p in model.parameters())").by_rank()
     assert sum(held.values()) == sum(p.numel() for p in pm.build_wide().parameters())  # each rank one stage
     assert mesh.run("[name for name, _ in model.named_children()]").by_rank()[0][0] == "emb"
+    from monarch_kernel.views.shardview import visualize_sharding
+
+    rows = {row.name: row for row in visualize_sharding(mesh, "model").rows}  # matched by name, not position
+    whole = dict(pm.build_wide().named_parameters())
+    assert set(rows) == set(whole)
+    assert list(rows["emb.weight"].bytes_per_rank) == [0] and list(rows["head.weight"].bytes_per_rank) == [3]
+    assert list(rows["blocks.2.up.weight"].bytes_per_rank) == [2]
+    assert all(rows[n].total == p.numel() * 4 for n, p in whole.items())
     _assert_trains_as_one_process(mesh, "pp=4", pm.build_wide, 0.5, "sgd")
 
 
@@ -179,27 +187,6 @@ def test_planning_a_cluster_you_do_not_have_stays_light():
     assert cluster.figures.source == "H100"
 
 
-def test_the_plan_magic_plans_the_mesh_from_the_notebooks_names(mesh):
-    from conftest import ipython_shell
-    from IPython.utils.capture import capture_output
-
-    from monarch_kernel.magics import current_registry
-
-    ip = ipython_shell()
-    ip.run_line_magic("load_ext", "monarch_kernel")
-    try:
-        current_registry().add(mesh)
-        ip.user_ns.update(build=pm.build_wide, batch=pm.batch, lm_loss=pm.lm_loss)
-        with capture_output():
-            result = ip.run_cell(f"%mesh plan build batch --loss lm_loss --memory {MEMORY} --strategies fsdp --apply "
-                                 "--name planner")
-        assert result.success, result.error_in_exec
-        assert [c.layout for c in result.result.candidates] == ["fsdp=4"]
-        assert mesh.run("type(model).__name__").by_rank() == {r: "FSDPGPT" for r in range(4)}
-    finally:
-        ip.run_line_magic("unload_ext", "monarch_kernel")
-
-
 def test_functions_from_the_notebooks_own_modules_reach_the_estimates(tmp_path, monkeypatch):
     """The estimate jobs unpickled the user's functions before the notebook's sys.path was theirs:
     a build() imported from a module beside the notebook failed to load in every job."""
@@ -219,3 +206,73 @@ def test_functions_from_the_notebooks_own_modules_reach_the_estimates(tmp_path, 
     ddp = next(c for c in cluster.candidates if c.layout == "ddp=2")
     assert ddp.modules["Sequential"]["params"] == (8 * 32 + 32 + 32 * 4 + 4) * 4  # per module, on request
     assert ddp.modules["Sequential.0"]["params"] == (8 * 32 + 32) * 4
+
+
+def test_the_plan_view_draws_every_layout_with_its_memory_by_category(wide_plan):
+    from monarch_kernel.views.planview import PlanView
+
+    view = PlanView(wide_plan)
+    page = view.html()
+    assert view.text() == str(wide_plan)
+    for candidate in wide_plan.candidates:
+        assert f"<code>{candidate.layout}" in page
+    assert page.count("\u2716 too big") == 1 and "\u2714 fits" in page  # ddp=4 alone does not fit in 10 MiB
+    ddp = next(c for c in wide_plan.candidates if c.layout == "ddp=4")
+    from monarch_kernel.planner.hardware import size_text
+    assert f"title='optimizer: {size_text(ddp.memory['optimizer'])}'" in page  # each segment says what it is
+    assert "memory per rank: 10 MiB" in page
+    for category in ("params", "grads", "optimizer", "activations", "temporary", "buffers"):
+        assert f"{category} &nbsp;" in page or page.count(category) > 1
+    assert f"{wide_plan.best.layout} \u2605 best" in page
+
+
+def test_the_plan_widget_applies_the_layout_picked_and_trials_from_its_buttons(mesh):
+    from monarch_kernel.views.planview import PlanView
+    from monarch_kernel.views.widgets import PlanWidget
+
+    plan = mesh.plan(pm.build, pm.batch, loss=pm.lm_loss, memory="1GiB", strategies=("fsdp", "pp"))
+    widget = PlanWidget(PlanView(plan))
+    assert set(widget.choice.options) == {c.layout for c in plan.candidates if c.applicable}
+    widget.choice.value = "pp=2,fsdp=2"
+    widget.apply_button.click()
+    assert widget.status.value.startswith("applied pp=2,fsdp=2: model"), widget.status.value
+    assert mesh.run("type(model).__name__").by_rank() == {r: "FSDPGraphModule" for r in range(4)}
+    widget.trial_button.click()
+    assert "trialled; fastest measured:" in widget.status.value, widget.status.value
+    assert all(c.measured_step_seconds is not None for c in plan.candidates if c.fits)
+    assert widget.choice.value == plan.best.layout and " ms, " in widget.picture.value  # measured column filled
+
+
+def test_a_failed_apply_from_the_widget_says_why_and_keeps_the_plan(mesh):
+    from monarch_kernel.views.planview import PlanView
+    from monarch_kernel.views.widgets import PlanWidget
+
+    conv = mesh.plan(pm.build_conv, pm.conv_batch, loss=pm.class_loss, memory="1GiB", strategies=("ddp",))
+    widget = PlanWidget(PlanView(conv))
+    widget.choice.options = ["ddp=4", "tp=4"]  # a layout the plan does not have
+    widget.choice.value = "tp=4"
+    widget.apply_button.click()
+    assert "applying tp=4 failed" in widget.status.value and "not a candidate" in widget.status.value
+    assert "<code>ddp=4" in widget.picture.value
+
+
+def test_the_plan_magic_plans_the_mesh_from_the_notebooks_names(mesh):
+    """(Last: unloading the extension shuts down the meshes it knows, this module's too.)"""
+    from conftest import ipython_shell
+    from IPython.utils.capture import capture_output
+
+    from monarch_kernel.magics import current_registry
+
+    ip = ipython_shell()
+    ip.run_line_magic("load_ext", "monarch_kernel")
+    try:
+        current_registry().add(mesh)
+        ip.user_ns.update(build=pm.build_wide, batch=pm.batch, lm_loss=pm.lm_loss)
+        with capture_output():
+            result = ip.run_cell(f"%mesh plan build batch --loss lm_loss --memory {MEMORY} --strategies fsdp --apply "
+                                 "--name planner")
+        assert result.success, result.error_in_exec
+        assert [c.layout for c in result.result.candidates] == ["fsdp=4"]
+        assert mesh.run("type(model).__name__").by_rank() == {r: "FSDPGPT" for r in range(4)}
+    finally:
+        ip.run_line_magic("unload_ext", "monarch_kernel")

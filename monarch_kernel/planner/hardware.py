@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 GiB = 1 << 30
 LINK_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporary", "buffers")  # of a rank's memory
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,10 @@ def _operation(kind: str, group: Any, ranks: list[int], nbytes: int, device: tor
         return lambda: dist.all_reduce(flat, group=group)
     if kind == "all_gather":
         out = torch.empty(count * size, device=device)
-        return lambda: dist.all_gather_into_tensor(out, flat, group=group)
+        return lambda: dist.all_gather_single(out, flat, group=group)
     if kind == "reduce_scatter":
         out = torch.empty(count // size, device=device)
-        return lambda: dist.reduce_scatter_tensor(out, flat, group=group)
+        return lambda: dist.reduce_scatter_single(out, flat, group=group)
     me = ranks.index(dist.get_rank())
     peer = ranks[me ^ 1]
     inbox = torch.empty(count, device=device)

@@ -13,7 +13,9 @@ step's gradients are those of the mean loss over the share, as without stages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +72,14 @@ class PipelineStage:
         return self.index == self.stages - 1
 
 
+@contextlib.contextmanager
+def _quiet_torch() -> Iterator[None]:
+    """torch's tracer warns about its own pytree internals (a deprecation inside torch): not the user's to act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        yield
+
+
 @dataclass
 class TracedPipeline:
     """A model traced and split into stages (any rank's stage can be taken from it)."""
@@ -89,7 +99,8 @@ def trace_pipeline(model: nn.Module, stages: int, local_inputs: torch.Tensor, de
     count = microbatch_count(local_size, stages)
     points = split_points(model, stages)
     example = local_inputs[: local_size // count].to(device)
-    pipe = pipeline(model, mb_args=(example,), split_spec=dict.fromkeys(points, SplitPoint.BEGINNING))
+    with _quiet_torch():
+        pipe = pipeline(model, mb_args=(example,), split_spec=dict.fromkeys(points, SplitPoint.BEGINNING))
     held = [stage_blocks(model, stages, index) for index in range(stages)]
     return TracedPipeline(pipe, stages, count, local_size, held)
 
@@ -101,7 +112,8 @@ def take_stage(traced: TracedPipeline, mesh: Any, device: torch.device, loss_fn:
     from torch.distributed.pipelining import Schedule1F1B
 
     index = mesh["pp"].get_local_rank()
-    stage = traced.pipe.build_stage(index, device, group=mesh["pp"].get_group())
+    with _quiet_torch():
+        stage = traced.pipe.build_stage(index, device, group=mesh["pp"].get_group())
     if shard is not None:
         shard(stage.submod, traced.held[index])
     schedule = Schedule1F1B(stage, n_microbatches=traced.microbatches, loss_fn=loss_fn)

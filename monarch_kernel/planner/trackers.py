@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "temporary", "buffers")
+from monarch_kernel.planner.hardware import CATEGORIES
+
 # torch's tracker categories (by their display names) -> ours
 _CATEGORY_OF = {
     "Parameter": "params", "Sharded Param": "params", "Unsharded Param": "params", "Buffer": "params",

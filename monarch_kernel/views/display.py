@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from monarch_kernel.core.ranksets import rank_label
 from monarch_kernel.views.base import TextHtmlView
 from monarch_kernel.views.meshview import MeshView
+from monarch_kernel.views.planview import PlanView
 from monarch_kernel.views.shardview import ModuleShardingView, ShardingView
 from monarch_kernel.views.timing import TimingView, run_timing_view
 
@@ -35,6 +36,8 @@ def widget_for(view: TextHtmlView) -> Any:
         return widgets.ShardingWidget(view)
     if isinstance(view, TimingView):
         return widgets.TimingWidget(view)
+    if isinstance(view, PlanView):
+        return widgets.PlanWidget(view)
     return None
 
 
@@ -52,6 +55,11 @@ def show(view: TextHtmlView) -> None:
         Console().print(view)
     else:
         display(view._repr_mimebundle_(), raw=True)
+
+
+def show_plan(plan: Any) -> None:
+    """A plan as a cell's value: its widget in a notebook (trial and apply buttons on a mesh)."""
+    show(PlanView(plan))
 
 
 def show_mesh(mesh: Mesh, *, default: bool = False) -> None:

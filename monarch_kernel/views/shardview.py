@@ -314,7 +314,8 @@ class ModuleShardingView(TextHtmlView):
         """The HTML table."""
         rows = "".join(
             f"<tr><td>{html.escape(r.name)}</td><td>{list(r.global_shape)}</td><td>{html.escape(r.placements)}</td>"
-            f"<td>{', '.join(_bytes(v) for _, v in sorted(r.bytes_per_rank.items()))}</td><td>{_bytes(r.total)}</td></tr>"
+            f"<td>{', '.join(f'{k}: {_bytes(v)}' for k, v in sorted(r.bytes_per_rank.items()))}</td>"
+            f"<td>{_bytes(r.total)}</td></tr>"
             for r in self.rows)
         return (f"<div class='mk-sharding'><b>{html.escape(self.title())}</b><table><tr>"
                 "<th>parameter</th><th>global shape</th><th>placements</th><th>bytes per rank</th><th>total</th></tr>"
@@ -335,11 +336,17 @@ def visualize_sharding(mesh: Mesh, expr: str, *, rows: int | None = None,
 
 
 def _module_view(name: str, described: list[list[tuple[str, dict]]]) -> ModuleShardingView:
+    """Parameters matched by name across ranks (a pipeline stage holds only its own), in the
+    order the ranks list them; each row names the ranks that hold the parameter."""
+    by_name: dict[str, tuple[dict, dict[int, int]]] = {}
+    for listed in described:
+        for pname, info in listed:
+            first, per_rank = by_name.setdefault(pname, (info, {}))
+            per_rank[info["rank"]] = info["nbytes"]
     rows = []
-    for i, (pname, first) in enumerate(described[0]):
-        per_rank = {d[i][1]["rank"]: d[i][1]["nbytes"] for d in described}
+    for pname, (first, per_rank) in by_name.items():
         placements = (", ".join(str(Placement(*p)) for p in first["placements"])
                       if first["kind"] == "dtensor" else "local tensor")
-        rows.append(ParameterRow(pname, tuple(first["global_shape"]), placements, per_rank))
+        rows.append(ParameterRow(pname, tuple(first["global_shape"]), placements, dict(sorted(per_rank.items()))))
     return ModuleShardingView(name, rows)
 

@@ -181,3 +181,55 @@ class TimingWidget(_TextFallback, widgets.HTML):
     def __init__(self, view: Any):
         self.fallback_text = view.text()
         super().__init__(view.html())
+
+
+class PlanWidget(_TextFallback, widgets.VBox):
+    """A plan's table and bars; on a live mesh, a layout to pick and buttons to trial and apply."""
+
+    def __init__(self, view: Any):
+        self.view = view
+        self.picture = widgets.HTML(view.html())
+        self.fallback_text = view.text()
+        self.status = widgets.HTML("")
+        children: list[widgets.Widget] = [self.picture]
+        plan = view.plan
+        if plan.mesh is not None:
+            usable = [c.layout for c in plan.candidates if c.applicable]
+            best = plan.best.layout if plan.best else (usable[0] if usable else None)
+            self.choice = widgets.Dropdown(options=usable, value=best, description="layout")
+            self.trial_button = widgets.Button(description="Trial fitting layouts", icon="stopwatch")
+            self.apply_button = widgets.Button(description="Apply", icon="check", button_style="primary")
+            self.trial_button.on_click(self._trial)
+            self.apply_button.on_click(self._apply)
+            children.append(widgets.HBox([self.choice, self.apply_button, self.trial_button]))
+        super().__init__([*children, self.status])
+
+    def _redraw(self) -> None:
+        self.picture.value = self.view.html()
+        self.fallback_text = self.view.text()
+        if hasattr(self, "choice") and self.view.plan.best is not None:
+            self.choice.value = self.view.plan.best.layout
+
+    def _run(self, doing: str, action: Any) -> None:
+        self.status.value = html.escape(f"{doing} ...")
+        try:
+            done = action()
+        except Exception as exc:  # noqa: BLE001 - a failed trial or apply is said here; the plan stays usable
+            self.status.value = f"<b>{html.escape(doing)} failed:</b> {html.escape(f'{type(exc).__name__}: {exc}')}"
+            return
+        self._redraw()
+        self.status.value = html.escape(done)
+
+    def _trial(self, _button: Any = None) -> None:
+        plan = self.view.plan
+        self._run("running the fitting layouts", lambda: (
+            plan.trial(), f"trialled; fastest measured: {plan.best.layout if plan.best else 'none'}")[1])
+
+    def _apply(self, _button: Any = None) -> None:
+        plan, layout = self.view.plan, self.choice.value
+
+        def apply() -> str:
+            plan.apply(layout)
+            return f"applied {layout}: model, optimizer and train_step(batch) are bound on every rank"
+
+        self._run(f"applying {layout}", apply)
