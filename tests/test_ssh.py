@@ -644,3 +644,29 @@ def test_a_copy_left_by_a_killed_agent_is_swept_by_the_next_ship(hosts, sink):
         holder.wait()
         for folder in folders.values():
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_planner_measures_links_per_host_and_across_and_trains_a_pipeline_over_two_hosts(mesh):
+    import cloudpickle
+    import planner_models as pm
+
+    from monarch_kernel.planner.apply import TrainingSpec, reference_losses
+    from monarch_kernel.planner.measure import rank_figures
+
+    cloudpickle.register_pickle_by_value(pm)
+    cloudpickle.register_pickle_by_value(pm.gpt_model)
+    for figures in mesh.call(rank_figures, timeout=120).values():
+        links = figures["links"]
+        assert set(links["intra"]) == set(links["inter"]) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
+        assert all(ranks == 2 for _, _, ranks in links["intra"].values())  # each host's own two ranks
+        assert links["inter"]["all_reduce"][2] == 4 and links["inter"]["send_recv"][2] == 2  # the mesh; host pairs
+        assert all(latency > 0 and 0 < bandwidth < float("inf") for latency, bandwidth, _ in
+                   [*links["intra"].values(), *links["inter"].values()])
+    plan = mesh.plan(pm.build, pm.batch, loss=pm.lm_loss, memory="1GiB", strategies=("fsdp", "pp"))
+    assert {"fsdp=4", "pp=2,fsdp=2"} <= set(plan.layouts()) and plan.hosts == 2
+    plan.apply("pp=2,fsdp=2")  # a stage per host, FSDP inside each: activations cross between the hosts
+    mesh.push(_batch=pm.batch)
+    losses = mesh.run("[train_step(_batch()) for _ in range(3)]", timeout=120)
+    expected = reference_losses(TrainingSpec(pm.build, pm.lm_loss, "adamw", None, 0), [pm.batch()] * 3)
+    for got in losses.values():
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, expected)), (got, expected)
