@@ -15,7 +15,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+# The one place the version lives (pyproject.toml reads it). 0.MINOR.PATCH: MINOR rises with each
+# landed set of features, PATCH with fixes alone; hosts must run the same version as the notebook
+# (the handshake names both when they differ).
+__version__ = "0.12.0"
 
 # public name -> the module that defines it
 _EXPORTS = {

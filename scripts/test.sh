@@ -30,4 +30,6 @@ fi
 # Lint (with import order) and types before the tests: both must pass.
 .venv/bin/ruff check .
 .venv/bin/mypy
+# The documentation site, warnings (a broken internal link among them) as errors.
+.venv/bin/sphinx-build -q -W --keep-going -b html docs docs/_build/html
 .venv/bin/python -m pytest tests --durations=15 "$@"  # (the slowest tests, for keeping CI under 20 minutes)

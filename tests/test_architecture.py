@@ -1,7 +1,7 @@
 """The layout's rules: which folder may import which, no import cycles, light ranks and agents.
 
 Each folder of monarch_kernel/ holds the code of one process (or of every process, for
-core/ and wire/). The README's "Package layout" section states the same rules.
+core/ and wire/). docs/architecture.md ("Package layout") states the same rules.
 """
 
 import ast
@@ -97,7 +97,7 @@ def rule_violations(graph: dict[str, set[str]]) -> list[str]:
         folder = folder_of(module)
         if folder is None:
             continue
-        assert folder in RULES, f"{module}: folder {folder!r} has no rule; add it to RULES and the README"
+        assert folder in RULES, f"{module}: folder {folder!r} has no rule; add it to RULES and docs/architecture.md"
         for dep in deps:
             target = folder_of(dep)
             if target is not None and target != folder and target not in RULES[folder]:

@@ -12,9 +12,11 @@ import zipfile
 
 import pytest
 
+import monarch_kernel
+
 HERE = pathlib.Path(__file__).resolve().parent.parent
 BUILT = HERE / "monarch_kernel" / "labextension" / "package.json"
-SHARE = "monarch_kernel-0.1.0.data/data/share/jupyter/labextensions/monarch-kernel-meshes/"
+SHARE = f"monarch_kernel-{monarch_kernel.__version__}.data/data/share/jupyter/labextensions/monarch-kernel-meshes/"
 SOURCES = {"monarch_kernel": HERE / "monarch_kernel", "monarch_kernel.magics": HERE / "magics"}
 
 

@@ -201,7 +201,7 @@ class Mesh:
                             finish=lambda req: self._values(req, device)).get()
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> ValueMesh:
-        """Call fn(*args, **kwargs) on every rank (it travels by cloudpickle)."""
+        """Call ``fn(*args, **kwargs)`` on every rank (it travels by cloudpickle)."""
         return self._call_in_worker(lambda worker: fn(*args, **kwargs), f"call({getattr(fn, '__name__', 'fn')})",
                                     timeout)
 
