@@ -15,10 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# The one place the version lives (pyproject.toml reads it). 0.MINOR.PATCH: MINOR rises with each
-# landed set of features, PATCH with fixes alone; hosts must run the same version as the notebook
-# (the handshake names both when they differ).
-__version__ = "0.12.0"
+from monarch_kernel.core.versions import __version__ as __version__  # (the one place it lives)
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -39,6 +36,7 @@ _EXPORTS = {
     "MeshStartError": "monarch_kernel.core.errors",
     "MeshTimeoutError": "monarch_kernel.core.errors",
     "MeshUsageError": "monarch_kernel.core.errors",
+    "MonarchWarning": "monarch_kernel.core.errors",
     "RankDiedError": "monarch_kernel.core.errors",
     "RemoteError": "monarch_kernel.core.errors",
     "SerializationError": "monarch_kernel.core.errors",
@@ -80,6 +78,7 @@ __all__ = [
     "MeshStartError",
     "MeshTimeoutError",
     "MeshUsageError",
+    "MonarchWarning",
     "Plan",
     "Point",
     "RankDiedError",

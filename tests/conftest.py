@@ -74,3 +74,27 @@ def ipython_shell():
     from IPython.testing.globalipapp import start_ipython
 
     return get_ipython() or start_ipython() or get_ipython()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked `unit` that starts a process (fork, exec, multiprocessing), in itself or in a
+    fixture it sets up (module-scoped ones included), fails at once."""
+    if item.get_closest_marker("unit") is None:
+        yield
+        return
+    import multiprocessing
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a unit test may not start processes: mark it otherwise, or use the in-memory agent")
+
+    patched = [(subprocess.Popen, "_execute_child"), (os, "fork"), (os, "posix_spawn"), (multiprocessing.Process, "start")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in patched]
+    for owner, name in patched:
+        setattr(owner, name, refuse)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)

@@ -16,6 +16,8 @@ from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.safe_pickle import ForbiddenGlobal, loads
 from monarch_kernel.wire.transport import BlockingConnection, FrameError, FrameProtocol, encode
 
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
+
 HEAD = struct.Struct("!II")
 LEN = struct.Struct("!Q")
 

@@ -3,10 +3,14 @@
 import asyncio
 import threading
 
+import pytest
+
 from monarch_kernel.wire.calls import CallTable, CallTracker, death_reply
 from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply, CancelCall
 from monarch_kernel.wire.routing import CallRouter
 from monarch_kernel.wire.serialization import seal
+
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
 
 
 def call(caller, call_id, ranks):

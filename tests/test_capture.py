@@ -1,8 +1,12 @@
 import time
 
+import pytest
+
 from monarch_kernel.rank import capture
 from monarch_kernel.rank.capture import DisplayCapture, RankStream, mime_bundle
 from monarch_kernel.wire.messages import Display, Output
+
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
 
 
 def test_stream_batches_writes_and_tags_requests():

@@ -3,6 +3,8 @@ import pytest
 from monarch_kernel.core.source import check_syntax
 from monarch_kernel.rank.cell import CellRunner, describe_failure
 
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
+
 
 def run(code, ns=None):
     runner = CellRunner(ns if ns is not None else {})

@@ -8,6 +8,8 @@ from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.serialization import seal, unseal
 from monarch_kernel.wire.transport import FrameProtocol, encode
 
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
+
 
 def frames(*msgs):
     return b"".join(b"".join(bytes(c) for c in encode(msg)) for msg in msgs)

@@ -8,6 +8,8 @@ import pytest
 from monarch_kernel.core.errors import MeshInterrupted, MeshTimeoutError
 from monarch_kernel.core.future import INTERRUPT_GRACE_S, Future
 
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
+
 
 class Work(Future[str]):
     """Work that finishes when `finish()` is called, from any thread."""

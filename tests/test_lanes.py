@@ -14,6 +14,8 @@ from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply
 from monarch_kernel.wire.serialization import seal, unseal
 from monarch_kernel.wire.transport import encode
 
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
+
 
 class Loop:
     """An asyncio loop on its own thread (the rank's, or the controller's)."""

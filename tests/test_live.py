@@ -2,7 +2,11 @@
 
 import io
 
+import pytest
+
 from monarch_kernel.views.live import LiveOutput, TerminalOutput, label_bundle
+
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
 
 
 class Publisher:

@@ -1,4 +1,8 @@
+import pytest
+
 from monarch_kernel.views.output import MAX_SHOWN_LINES, OutputGroups, render_html, render_text
+
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
 
 
 def lines(model):

@@ -226,6 +226,14 @@ def test_the_plan_view_draws_every_layout_with_its_memory_by_category(wide_plan)
     assert f"{wide_plan.best.layout} \u2605 best" in page
 
 
+def test_a_layout_that_does_not_fit_is_applied_on_request_with_a_warning(mesh, wide_plan):
+    from monarch_kernel import MonarchWarning
+
+    with pytest.warns(MonarchWarning, match="layout ddp=4 does not fit .* applying it as asked"):
+        wide_plan.apply("ddp=4")
+    assert mesh.run("type(model).__name__").by_rank() == {r: "DistributedDataParallel" for r in range(4)}
+
+
 def test_the_plan_widget_applies_the_layout_picked_and_trials_from_its_buttons(mesh):
     from monarch_kernel.views.planview import PlanView
     from monarch_kernel.views.widgets import PlanWidget

@@ -3,6 +3,8 @@ import pytest
 from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
 from monarch_kernel.magics.registry import MeshRegistry
 
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
+
 
 class FakeMesh:
     """Only what the registry touches: a name and shutdown()."""

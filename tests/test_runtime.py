@@ -23,6 +23,8 @@ from monarch_kernel.core.shape import Shape
 from monarch_kernel.core.status import RankStatus
 from monarch_kernel.wire import messages as m
 
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
+
 FAST = m.HealthTimings(ping_interval_s=0.005, host_unreachable_after_s=1.0, host_lost_after_s=3.0)
 
 

@@ -10,6 +10,8 @@ import torch
 from monarch_kernel.core.errors import SerializationError
 from monarch_kernel.wire.serialization import SHM_THRESHOLD, Sealed, ShmRef, release, seal, unseal
 
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64,
                                    torch.bool, torch.complex64, torch.uint8, torch.float16])

@@ -4,6 +4,8 @@ from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import Shape, parse_spec
 
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
+
 
 def test_grid_points_are_row_major():
     shape = Shape.grid(hosts=2, gpus=3)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from monarch_kernel import local_mesh
-from monarch_kernel.wire import serialization
+from monarch_kernel.wire import shm_pool
 from monarch_kernel.wire.serialization import release, seal, unseal
 
 MIB = 1 << 20
@@ -151,10 +151,11 @@ def _mapped_here(folder: str) -> bool:
         return folder in maps.read()
 
 
+@pytest.mark.unit
 def test_the_free_pool_is_bounded(tmp_path, monkeypatch):
     folder = tmp_path / "monarch-pool"
     folder.mkdir(mode=0o700)
-    monkeypatch.setattr(serialization, "SHM_POOL_BYTES", 8 * MIB)
+    monkeypatch.setattr(shm_pool, "SHM_POOL_BYTES", 8 * MIB)
     values = [unseal(seal(np.full(size, 1, dtype=np.uint8), shm_dir=str(folder)))
               for size in (MIB, 2 * MIB, 4 * MIB, 4 * MIB)]
     del values
@@ -166,6 +167,7 @@ def test_the_free_pool_is_bounded(tmp_path, monkeypatch):
     assert sum(int(n.split("-")[1]) for n in _files(str(folder), "free-")) <= 8 * MIB + 16 * MIB
 
 
+@pytest.mark.unit
 def test_a_shared_buffer_outlives_the_sender_until_every_receiver_lets_go(tmp_path):
     folder = tmp_path / "monarch-shared"
     folder.mkdir(mode=0o700)

@@ -4,6 +4,8 @@ import pytest
 
 from monarch_kernel.controller.slurm import HOLD_SCRIPT, SlurmRequest, _hint, time_left_seconds
 
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
+
 
 @pytest.mark.parametrize("text, seconds", [("1-02:03:04", 93784), ("2:03:04", 7384), ("3:04", 184), ("59", 59),
                                            ("UNLIMITED", None), ("INVALID", None), ("NOT_SET", None)])

@@ -1,4 +1,8 @@
+import pytest
+
 from monarch_kernel.core.termtext import LineLog, compact, open_line, progress_chars, shown_line
+
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
 
 
 def test_a_line_shows_what_follows_its_last_carriage_return():

@@ -1,6 +1,10 @@
 """The per-rank timing view: bars, stragglers, failures."""
 
+import pytest
+
 from monarch_kernel.views.timing import RankTime, TimingView
+
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
 
 
 def test_stragglers_and_failures_are_marked():

@@ -2,10 +2,13 @@ import asyncio
 import socket
 import threading
 
+import pytest
 import torch
 
 from monarch_kernel.wire.serialization import seal, unseal
 from monarch_kernel.wire.transport import AsyncConnection, BlockingConnection, ConnectionClosed
+
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
 
 
 def test_blocking_round_trip_with_big_buffers():

@@ -4,6 +4,8 @@ from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.shape import Shape
 from monarch_kernel.core.values import ValueMesh
 
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
+
 
 def test_item_values_items():
     vm = ValueMesh(Shape.grid(hosts=1, gpus=4), [10, 11, 12, 13])

@@ -11,6 +11,8 @@ from monarch_kernel.wire.messages import Call, Output, Pull, Push, Result, RunCe
 from monarch_kernel.wire.serialization import seal, unseal
 from monarch_kernel.wire.transport import BlockingConnection
 
+pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
+
 
 @pytest.fixture
 def rank():

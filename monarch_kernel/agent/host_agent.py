@@ -22,7 +22,6 @@ import traceback
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from monarch_kernel import __version__
 from monarch_kernel.agent import files, workspace
 from monarch_kernel.agent.descendants import kill_descendants
 from monarch_kernel.agent.fd_output import FdOutput
@@ -32,6 +31,7 @@ from monarch_kernel.agent.preload import Preloader
 from monarch_kernel.agent.rank_set import RankSet, tail_text
 from monarch_kernel.agent.relays import UP_TYPES, AgentRelays
 from monarch_kernel.core.failures import exit_text
+from monarch_kernel.core.versions import __version__
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.relay_link import RelayLink

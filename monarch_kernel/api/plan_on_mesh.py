@@ -6,7 +6,7 @@ import dataclasses
 import weakref
 from typing import Any
 
-from monarch_kernel.core.errors import MeshUsageError
+from monarch_kernel.core.errors import MeshUsageError, MonarchWarning
 from monarch_kernel.planner.hardware import Figures, size_text
 from monarch_kernel.planner.layout import Layout
 
@@ -74,7 +74,7 @@ def apply(plan: Any, candidate: Any, seed: int, names: tuple[str, str, str]) -> 
     if not candidate.applicable:
         raise MeshUsageError(f"layout {candidate.layout} does not apply to this model: {candidate.reason}")
     if not candidate.fits:
-        warnings.warn(f"layout {candidate.layout} does not fit ({candidate.reason}); applying it as asked",
+        warnings.warn(f"layout {candidate.layout} does not fit ({candidate.reason}); applying it as asked", MonarchWarning,
                       stacklevel=3)
     spec = dataclasses.replace(plan.spec, seed=seed)
     layout = Layout.parse(candidate.layout)

@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, ClassVar
 
-from monarch_kernel import __version__
 from monarch_kernel.controller.host_ops import HostOps
 from monarch_kernel.controller.hosts import HostConnection, HostSpec, open_host
 from monarch_kernel.controller.loop import ControllerLoop
@@ -29,6 +28,7 @@ from monarch_kernel.controller.router import ControllerSender, TimingReporter
 from monarch_kernel.controller.state import HostLink, MeshSpec, MeshState, RankSnapshot, RankState
 from monarch_kernel.core.errors import MeshStartError, MeshUsageError
 from monarch_kernel.core.folders import release_folder
+from monarch_kernel.core.versions import __version__
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.calls import register_sender, unregister_sender

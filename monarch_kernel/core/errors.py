@@ -13,6 +13,10 @@ class MeshError(Exception):
     """Base class of all monarch_kernel errors."""
 
 
+class MonarchWarning(UserWarning):
+    """What monarch_kernel warns about (the tests turn these into errors unless a test expects one)."""
+
+
 class MeshUsageError(MeshError, ValueError):
     """The caller asked for something that cannot be done (bad slice, bad option...)."""
 

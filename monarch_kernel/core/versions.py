@@ -8,6 +8,11 @@ import importlib.util
 import platform
 import sys
 
+# The one place monarch_kernel's version lives (the package root and pyproject.toml read it).
+# 0.MINOR.PATCH: MINOR rises with each landed set of features, PATCH with fixes alone; a host must
+# run the notebook's version (the handshake refuses one that differs, naming both).
+__version__ = "0.12.0"
+
 PACKAGES = ("torch", "cloudpickle", "monarch_kernel")
 
 
