@@ -340,7 +340,8 @@ def _failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...] | No
     return found
 
 
-def _raise_failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...], partial: object) -> None:
+def raise_failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...], partial: object) -> None:
+    """Raise the failures of `ranks` in a finished call, if any (ActorError naming them; `partial`: the answers)."""
     failures = _failures(pending, mesh, ranks)
     if not failures:
         return
@@ -350,58 +351,21 @@ def _raise_failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...
     raise_for(failures, summary, partial, ActorError, ActorDiedError)
 
 
-def _value(reply: ActorReply) -> Any:
+def reply_value(reply: ActorReply) -> Any:
+    """The value an actor's reply carries."""
     return None if reply.value is None else unseal(reply.value)
 
 
 def _value_mesh(pending: PendingCall, mesh: ActorMesh) -> ValueMesh[Any]:
     times = [(r, pending.replies[r].seconds, pending.replies[r].failure is None) for r in mesh.ranks]
     mesh._sender().record_timing(pending.label, f"{pending.label} (actor mesh {mesh.name!r})", times)
-    values = [_value(pending.replies[r]) if pending.replies[r].failure is None else None for r in mesh.ranks]
+    values = [reply_value(pending.replies[r]) if pending.replies[r].failure is None else None for r in mesh.ranks]
     vm = ValueMesh(mesh.shape, values)
-    _raise_failures(pending, mesh, mesh.ranks, vm)
+    raise_failures(pending, mesh, mesh.ranks, vm)
     return vm
 
 
 def _single(pending: PendingCall, mesh: ActorMesh, rank: int | None = None) -> Any:
     rank = pending.ranks[0] if rank is None else rank
-    _raise_failures(pending, mesh, (rank,), None)
-    return _value(pending.replies[rank])
-
-
-# ------------------------------------------------------------------ Monarch's helpers
-
-
-def send(endpoint: EndpointHandle, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
-         port: Port[Any] | None = None, selection: str = "all") -> None:
-    """Call an endpoint without waiting (Monarch's `send`): answers go through `port`, or nowhere."""
-    if port is None:
-        if selection == "choose":
-            endpoint.choose(*args, **(kwargs or {}))
-        else:
-            endpoint.broadcast(*args, **(kwargs or {}))
-        return
-    endpoint.send_to_port(port, tuple(args), dict(kwargs or {}), selection)
-
-
-class Accumulator:
-    """Fold the answers of a call into one value: `Accumulator(counters.value, 0, operator.add)`."""
-
-    def __init__(self, endpoint: EndpointHandle, identity: Any, combine: Callable[[Any, Any], Any]):
-        self._endpoint = endpoint
-        self._identity = identity
-        self._combine = combine
-
-    def accumulate(self, *args: Any, **kwargs: Any) -> Future[Any]:
-        """Call every actor; the future gives combine(...combine(identity, a1)..., aN), in arrival order."""
-        mesh = self._endpoint._mesh
-        pending = mesh._send(self._endpoint._name, mesh.ranks, args, kwargs)
-
-        def fold(p: PendingCall) -> Any:
-            _raise_failures(p, mesh, mesh.ranks, None)
-            value = self._identity
-            for rank in p.arrivals:
-                value = self._combine(value, _value(p.replies[rank]))
-            return value
-
-        return ActorFuture(mesh, pending, fold)
+    raise_failures(pending, mesh, (rank,), None)
+    return reply_value(pending.replies[rank])

@@ -121,7 +121,7 @@ async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str],
         proc, sock = spawn_local_agent(spec.name, log_path, python=None, mesh_folders=mesh_folders)
         return HostConnection(sock, "127.0.0.1", process=proc)
     if spec.kind == HostKind.SLURM:
-        from monarch_kernel.controller.slurm import SlurmStep
+        from monarch_kernel.controller.slurm_step import SlurmStep
 
         step = SlurmStep.start(spec.options["job"], spec.target or spec.name, python=spec.python, setup=spec.setup,
                                env=env, log_path=log_path, address=spec.options["address"],

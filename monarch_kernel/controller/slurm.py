@@ -14,34 +14,24 @@ allocation is left queued or running; `keep` leaves it for the next `--job` atta
 
 from __future__ import annotations
 
-import asyncio
-import ctypes
 import dataclasses
-import os
 import shlex
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from monarch_kernel.controller.direct_join import direct_target, join_direct
 from monarch_kernel.controller.hostspec import HostKind, HostSpec
 from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.core.status import SHORT_TIME_NOTE
-from monarch_kernel.wire.direct_auth import AuthenticationFailed, new_secret
-from monarch_kernel.wire.relay_link import DOWN, RelayLink
-from monarch_kernel.wire.transport import AsyncConnection
 
 
 def poll_interval(waited: float) -> float:
     """How often to ask squeue while a job waits: briskly at first (most start within a second), then gently."""
     return 0.1 if waited < 3 else 0.5 if waited < 60 else 2.0
 
-OFFER_TIMEOUT_S = 300.0  # srun, the node's --setup line and python's start, until the agent offers its link
 STEP_GRACE_S = 600  # a held job whose agents never came (the notebook died meanwhile) ends after this
 HOLD_SCRIPT = """#!/bin/sh
 # monarch_kernel: hold these nodes for a mesh's agents (job steps); end once they are all gone
@@ -381,191 +371,6 @@ def allocate(request: SlurmRequest, report: Callable[[str], None], *,
 
 
 # ---------------------------------------------------------------- one node's agent
-
-
-def _death_signal() -> Callable[[], None] | None:
-    """What the forked srun runs before exec: SIGKILL it when the controller's thread goes.
-
-    libc is looked up here, in the parent: the child of a threaded process must not dlopen.
-    """
-    try:
-        prctl = ctypes.CDLL(None).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL (Slurm then ends the step)
-
-
-@dataclass
-class SlurmStep:
-    """A host agent running as a job step on one node, talking on the step's stdin/stdout.
-
-    With a secret, the agent offers a direct TCP link on the node's address, which the
-    controller joins by proving the secret (`wire.direct_auth`): bulk data then skips
-    srun's stdio forwarding (about 10 MB/s). If the node cannot be reached, the protocol
-    stays on the pipes.
-    """
-
-    job_id: str
-    node: str
-    process: subprocess.Popen
-    read_fd: int
-    write_fd: int
-    log_path: str
-    python: str
-    address: str = ""
-    secret: bytes | None = None
-    channel: str = "starting"  # what the link rides on: "stdio" or "direct" once attached
-
-    @classmethod
-    def start(cls, job_id: str, node: str, *, python: str, setup: str | None, env: dict[str, str],
-              log_path: str, address: str = "", direct: bool = True) -> SlurmStep:
-        """srun the agent on node (the environment and the direct link's secret go first on its stdin)."""
-        to_agent_r, to_agent_w = os.pipe()
-        from_agent_r, from_agent_w = os.pipe()
-        from monarch_kernel.controller.ssh import agent_command, env_line
-
-        secret = new_secret() if direct and address else None
-        command = ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
-                   "--unbuffered", f"--job-name=monarch-agent-{node}",
-                   "/bin/sh", "-c", agent_command(python=python, name=node, setup=setup, env=env,
-                                                  direct_address=address if secret else None)]
-        if shutil.which("srun") is None:
-            raise MeshStartError("srun is not on PATH: is this machine a Slurm login node?")
-        with open(log_path, "ab") as log:
-            # a session of its own: the kernel's SIGINT must not reach srun (it would signal the tasks)
-            process = subprocess.Popen(command, stdin=to_agent_r, stdout=from_agent_w, stderr=log,
-                                       preexec_fn=_death_signal(), start_new_session=True, close_fds=True)
-        os.close(to_agent_r)
-        os.close(from_agent_w)
-        if env:
-            os.write(to_agent_w, env_line(env))
-        if secret:
-            os.write(to_agent_w, secret.hex().encode() + b"\n")
-        return cls(job_id, node, process, from_agent_r, to_agent_w, log_path, python, address, secret)
-
-    async def attach(self, on_message: Callable[[Any], None],
-                     on_close: Callable[[Exception | None], None]) -> AsyncConnection | RelayLink:
-        """The framed connection to the agent: the direct link if it can be made, else srun's pipes."""
-        if self.secret is not None:
-            offer = (await self._read_offer()).split()[1:]
-            target = direct_target(offer, self.address)
-            if isinstance(target, str):
-                self._stay_on_stdio(f"node {self.node}: {target}; data moves through srun's stdio instead")
-            elif target is not None:
-                ip, port = target
-                try:
-                    sock, session = await asyncio.to_thread(join_direct, ip, port, self.secret)
-                except AuthenticationFailed as exc:
-                    raise MeshStartError(f"the direct link to the agent on node {self.node} failed: {exc}") from None
-                except OSError as exc:
-                    self._stay_on_stdio(f"node {self.node}: the direct link to {ip}:{port} failed ({exc}); data "
-                                        "moves through srun's stdio instead (about 10x slower for large tensors)")
-                else:
-                    self.channel = "direct"
-                    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 22)
-                    return RelayLink(reader, writer, session, DOWN, on_message, on_close)
-        self.channel = "stdio"  # the connection owns the pipes from here
-        return await AsyncConnection.from_pipes(self.read_fd, self.write_fd, on_message, on_close)
-
-    def _stay_on_stdio(self, why: str) -> None:
-        self._log(why)
-        print(f"monarch_kernel: {why}", file=sys.stderr, flush=True)
-        os.write(self.write_fd, b"stdio\n")
-
-    async def _read_offer(self, timeout: float = OFFER_TIMEOUT_S) -> str:
-        """The agent's first line: `direct IP PORT` (or `direct none`)."""
-        loop = asyncio.get_running_loop()
-        line = bytearray()
-        done: asyncio.Future[bytes] = loop.create_future()
-
-        def readable() -> None:
-            try:
-                byte = os.read(self.read_fd, 1)
-            except BlockingIOError:
-                return
-            line.extend(byte)
-            if done.done():
-                return
-            if not byte or len(line) > 256:
-                done.set_result(b"")
-            elif byte == b"\n":
-                done.set_result(bytes(line))
-
-        os.set_blocking(self.read_fd, False)
-        loop.add_reader(self.read_fd, readable)
-        try:
-            said = await asyncio.wait_for(done, timeout)
-        except TimeoutError:
-            raise MeshStartError(f"the agent on node {self.node} did not start within {timeout:.0f} s "
-                                 f"(see {self.log_path})") from None
-        finally:
-            loop.remove_reader(self.read_fd)
-        if not said.startswith(b"direct "):
-            raise MeshStartError(await self.explain_exit())
-        return said.decode(errors="replace").strip()
-
-    def _log(self, text: str) -> None:
-        with open(self.log_path, "a", encoding="utf-8") as log:
-            log.write(f"monarch_kernel controller: {text}\n")
-
-    async def wait_closed(self) -> None:
-        """Until srun (and so the step) has ended."""
-        while self.process.poll() is None:
-            await asyncio.sleep(0.05)
-
-    def job_ended(self) -> str:
-        """What Slurm says if the job is no longer running ("" while it runs, or if Slurm cannot say)."""
-        said = self._slurm_says()
-        return "" if said is None or said.endswith(" is RUNNING") else said
-
-    def lost_reason(self) -> str:
-        """What Slurm says of the job now, for the error of a lost node ("" if Slurm cannot say)."""
-        said = self._slurm_says()
-        if said is not None and said.endswith(" is RUNNING"):
-            return (f"{said}, and says node {self.node} is {node_state(self.node)}: the node, its network "
-                    "or its agent failed (Slurm notices a dead node only after its SlurmdTimeout)")
-        return said or ""
-
-    def _slurm_says(self) -> str | None:
-        try:
-            state, reason, _ = job_state(self.job_id)
-        except (MeshStartError, subprocess.TimeoutExpired, OSError):
-            return None
-        if not state:
-            return f"Slurm no longer knows job {self.job_id} (it ended)"
-        return f"Slurm job {self.job_id} is {state}" + (f" ({reason})" if reason not in ("", "None") else "")
-
-    async def remove_shipped(self) -> None:
-        """Nothing is shipped to Slurm nodes (they run the cluster's own environment)."""
-
-    def close(self) -> None:
-        """End the step: srun passes SIGTERM on to the agent, which stops its ranks."""
-        if self.process.poll() is None:
-            self.process.terminate()
-        if self.channel in ("starting", "direct"):  # the pipes are ours alone (on stdio the connection owns them)
-            for fd in (self.read_fd, self.write_fd):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self.channel = "closed"
-
-    async def explain_exit(self, timeout: float = 3.0) -> str:
-        """Why the step ended, from srun's status and the log."""
-        try:
-            await asyncio.wait_for(self.wait_closed(), timeout)
-        except TimeoutError:
-            pass
-        try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                tail = "".join(f.readlines()[-20:])
-        except OSError:
-            tail = ""
-        if "No module named" in tail and "monarch_kernel" in tail:
-            return (f"monarch_kernel is not importable on node {self.node} with {self.python}: install it in "
-                    "an environment the nodes share, and pass --python")
-        return (f"the agent step on node {self.node} (job {self.job_id}) ended (srun status "
-                f"{self.process.poll()})" + (f":\n{tail}" if tail else ""))
 
 
 def describe(job: SlurmJob) -> str:

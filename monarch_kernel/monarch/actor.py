@@ -25,7 +25,8 @@ that no actor's `__supervise__` handled (the default prints a report in the note
 from __future__ import annotations
 
 from monarch_kernel.actors.base import Actor, current_rank, current_size, endpoint
-from monarch_kernel.actors.client import Accumulator, ActorMesh, send
+from monarch_kernel.actors.client import ActorMesh
+from monarch_kernel.actors.helpers import Accumulator, send
 from monarch_kernel.actors.ports import Channel, Port, PortReceiver
 from monarch_kernel.actors.procs import HostMesh, ProcMesh, this_proc_of_rank
 from monarch_kernel.core.errors import ActorError, MeshUsageError
