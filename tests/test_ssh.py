@@ -646,7 +646,10 @@ def test_a_copy_left_by_a_killed_agent_is_swept_by_the_next_ship(hosts, sink):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_the_planner_measures_links_per_host_and_across_and_trains_a_pipeline_over_two_hosts(mesh):
+def test_the_planner_measures_links_per_host_and_across_and_trains_a_pipeline_over_two_hosts(hosts):
+    """(A mesh of its own: the module's mesh has lived through the link-cut test's cut by now. Its SSH
+    keepalive allows 15 silent seconds, not 3: the collectives of four ranks on two cores once starved
+    a host's answers for longer, and this test is about the planner, not about losing hosts.)"""
     import cloudpickle
     import planner_models as pm
 
@@ -655,6 +658,12 @@ def test_the_planner_measures_links_per_host_and_across_and_trains_a_pipeline_ov
 
     cloudpickle.register_pickle_by_value(pm)
     cloudpickle.register_pickle_by_value(pm.gpt_model)
+    with ssh_mesh([h.alias for h in hosts.hosts], gpus=2, dist="gloo", python=sys.executable,
+                  connect_options={**hosts.connect_options(), "keepalive_count_max": 15}, name="ssh-planner") as mesh:
+        _plan_and_train_over_two_hosts(mesh, pm, rank_figures, TrainingSpec, reference_losses)
+
+
+def _plan_and_train_over_two_hosts(mesh, pm, rank_figures, TrainingSpec, reference_losses):
     for figures in mesh.call(rank_figures, timeout=120).values():
         links = figures["links"]
         assert set(links["intra"]) == set(links["inter"]) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
