@@ -16,6 +16,14 @@ from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.pipeline import microbatch_count, split_points, stage_blocks
 from monarch_kernel.planner.structure import blocks, tp_plan
 
+_SCRIPT_END = [  # every script: rank 0 prints the step's loss; then the process group goes
+    "        if dist.get_rank() == 0:",
+    '            print(f"step {step} loss {value.item():.10g}", flush=True)',
+    "    dist.destroy_process_group()",
+    "", "",
+    'if __name__ == "__main__":',
+    "    main()", ""]
+
 
 def _importable(fn: Any, what: str) -> tuple[str, str]:
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
@@ -108,13 +116,8 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
               "        value = loss.detach().float().clone()",
               "        if dp_group is not None:",
               "            dist.all_reduce(value, group=dp_group)",
-              "            value /= DP",
-              "        if dist.get_rank() == 0:",
-              '            print(f"step {step} loss {value.item():.10g}", flush=True)',
-              "    dist.destroy_process_group()",
-              "", "",
-              'if __name__ == "__main__":',
-              "    main()", ""]
+              "            value /= DP"]
+    lines += _SCRIPT_END
     return "\n".join(lines)
 
 
@@ -160,11 +163,6 @@ def _pipeline_lines(model: torch.nn.Module, layout: Layout, batch: Callable[[], 
     lines += ["        optimizer.step()",
               "        value = torch.stack(losses).detach().mean() if losses else torch.zeros((), device=device)",
               "        dist.all_reduce(value)  # the last stages hold the losses",
-              "        value /= DP",
-              "        if dist.get_rank() == 0:",
-              '            print(f"step {step} loss {value.item():.10g}", flush=True)',
-              "    dist.destroy_process_group()",
-              "", "",
-              'if __name__ == "__main__":',
-              "    main()", ""]
+              "        value /= DP"]
+    lines += _SCRIPT_END
     return lines

@@ -70,6 +70,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _with_data_parallel(rest: int, strategies: tuple[str, ...], **degrees: int) -> list[Layout]:
+    """A layout of `degrees` with the remaining `rest` ranks data parallel (DDP or FSDP, as allowed)."""
+    if rest == 1:
+        return [Layout(**degrees)]
+    return [Layout(**degrees, **{kind: rest}) for kind in ("ddp", "fsdp") if kind in strategies]
+
+
 def candidate_layouts(hosts: int, gpus: int, strategies: tuple[str, ...] = STRATEGIES) -> list[Layout]:
     """Every sensible layout of `hosts` x `gpus` ranks with the given strategies, simplest first.
 
@@ -79,25 +86,10 @@ def candidate_layouts(hosts: int, gpus: int, strategies: tuple[str, ...] = STRAT
     world = hosts * gpus
     found: list[Layout] = []
     for pp in _divisors(world)[1:] if "pp" in strategies else []:
-        rest = world // pp
-        if rest == 1:
-            found.append(Layout(pp=pp))
-            continue
-        if "ddp" in strategies:
-            found.append(Layout(pp=pp, ddp=rest))
-        if "fsdp" in strategies:
-            found.append(Layout(pp=pp, fsdp=rest))
+        found += _with_data_parallel(world // pp, strategies, pp=pp)
     for tp in _divisors(gpus):
-        if tp > 1 and "tp" not in strategies:
-            continue
-        rest = world // tp
-        if rest == 1:
-            found.append(Layout(tp=tp))
-            continue
-        if "ddp" in strategies:
-            found.append(Layout(ddp=rest, tp=tp))
-        if "fsdp" in strategies:
-            found.append(Layout(fsdp=rest, tp=tp))
+        if tp == 1 or "tp" in strategies:
+            found += _with_data_parallel(world // tp, strategies, tp=tp)
     if world == 1:
         return [Layout()]
     return sorted(set(found), key=lambda layout: (layout.pp, layout.tp, layout.fsdp > 1, layout.ddp))
