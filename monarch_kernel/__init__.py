@@ -15,10 +15,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from monarch_kernel.core.versions import __version__ as __version__  # (the one place it lives)
-
 # public name -> the module that defines it
 _EXPORTS = {
+    "__version__": "monarch_kernel.core.versions",  # (the one place it lives)
     "Actor": "monarch_kernel.actors.base",
     "current_rank": "monarch_kernel.actors.base",
     "endpoint": "monarch_kernel.actors.base",
@@ -123,6 +122,7 @@ if TYPE_CHECKING:
     from monarch_kernel.core.failures import RankFailure
     from monarch_kernel.core.shape import Point, Shape
     from monarch_kernel.core.values import ValueMesh
+    from monarch_kernel.core.versions import __version__ as __version__
     from monarch_kernel.planner.hardware import Accelerator
     from monarch_kernel.views.shardview import visualize_sharding
     from monarch_kernel.wire.messages import HealthTimings

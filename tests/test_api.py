@@ -9,7 +9,8 @@ PUBLIC = {
     "Accelerator", "Actor", "ActorDeadlockError", "ActorDiedError", "ActorError", "ActorFailureEvent", "ActorFuture", "ActorMesh",
     "current_rank", "endpoint", "visualize_sharding",
     "Candidate", "CellSyntaxError", "HealthTimings", "Mesh", "MeshError", "MeshFuture", "MeshInterrupted", "MeshNotRunningError",
-    "MeshBusyError", "MeshStartError", "MeshTimeoutError", "MeshUsageError", "Plan", "Point", "RankDiedError", "RankFailure",
+    "MeshBusyError", "MeshStartError", "MeshTimeoutError", "MeshUsageError", "MonarchWarning", "Plan", "Point",
+    "RankDiedError", "RankFailure",
     "RemoteError", "SerializationError", "Shape", "ValueMesh", "load_ipython_extension", "local_mesh",
     "plan", "slurm_mesh", "ssh_mesh", "unload_ipython_extension"}
 
