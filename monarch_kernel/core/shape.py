@@ -205,6 +205,7 @@ class MeshShaped:
     shape: Shape
 
     def _with(self, shape: Shape) -> Self:
+        """The same kind of handle over `shape`'s points: every subclass defines it (the mixin cannot)."""
         raise NotImplementedError
 
     def slice(self, **selectors: Selector | None) -> Self:
