@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 
 from IPython.core.error import UsageError
 
-from monarch_kernel.api.mesh import BACKENDS
+from monarch_kernel.api.mesh_start import BACKENDS
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import threading
 from typing import Any
 
@@ -55,7 +54,6 @@ def load_ipython_extension(ipython) -> None:
     set_traceback_rewriter(ipython_cell_names(ipython))  # remote tracebacks name cells "Cell In[3]"
     if sidebar.register(ipython, registry):  # the JupyterLab Meshes panel talks to this comm target
         sidebar.announce(ipython)  # an open panel links up now, not at its next look
-    atexit.register(registry.shutdown_all)
     procs.mesh_started.append(registry.adopt)  # meshes a Monarch program starts show up too
     _state.update(registry=registry, magics=magics)
 
@@ -106,7 +104,6 @@ def unload_ipython_extension(ipython) -> None:
     if magics is not None:
         magics._set_auto(None)
     registry.shutdown_all()
-    atexit.unregister(registry.shutdown_all)
     if registry.adopt in procs.mesh_started:
         procs.mesh_started.remove(registry.adopt)
     sinks.set_default_sink_factory(None)

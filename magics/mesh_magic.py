@@ -10,13 +10,14 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from monarch_kernel.api.mesh import Mesh, local_mesh, ssh_mesh
+from monarch_kernel.api.mesh import Mesh
 from monarch_kernel.api.slurm import slurm_mesh
+from monarch_kernel.api.starting import local_mesh, ssh_mesh
 from monarch_kernel.core.errors import CellSyntaxError, MeshError, RemoteError
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import parse_spec
+from monarch_kernel.core.shell_syntax import to_mesh_python
 from monarch_kernel.core.values import ValueMesh
-from monarch_kernel.rank.rankshell import to_mesh_python
 from monarch_kernel.views.display import show_mesh, show_run_timing
 from monarch_kernel.views.shardview import visualize_sharding
 

@@ -45,8 +45,8 @@ _EXPORTS = {
     "ValueMesh": "monarch_kernel.core.values",
     "MeshFuture": "monarch_kernel.api.futures",
     "Mesh": "monarch_kernel.api.mesh",
-    "local_mesh": "monarch_kernel.api.mesh",
-    "ssh_mesh": "monarch_kernel.api.mesh",
+    "local_mesh": "monarch_kernel.api.starting",
+    "ssh_mesh": "monarch_kernel.api.starting",
     "slurm_mesh": "monarch_kernel.api.slurm",
     "plan": "monarch_kernel.api.planning",
     "Plan": "monarch_kernel.api.planning",
@@ -101,8 +101,9 @@ if TYPE_CHECKING:
     from monarch_kernel.actors.base import Actor, current_rank, endpoint
     from monarch_kernel.actors.client import ActorFailureEvent, ActorFuture, ActorMesh
     from monarch_kernel.api.futures import MeshFuture
-    from monarch_kernel.api.mesh import Mesh, local_mesh, ssh_mesh
+    from monarch_kernel.api.mesh import Mesh
     from monarch_kernel.api.planning import Candidate, Plan, plan
+    from monarch_kernel.api.starting import local_mesh, ssh_mesh
     from monarch_kernel.core.errors import (
         ActorDeadlockError,
         ActorDiedError,

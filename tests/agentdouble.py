@@ -39,6 +39,11 @@ class MemoryLink:
     def __init__(self, agent: AgentDouble):
         self.agent = agent
         self.closed = False
+        self.bytes_sent = 0
+        self.last_received = 0.0  # whole messages only: no partly arrived frame shows life here
+
+    def backlog(self) -> int:
+        return 0  # nothing queued: the double takes every message at once
 
     def send(self, msg: Any) -> None:
         if self.closed:
@@ -71,7 +76,15 @@ class AgentDouble:
         self.closed = asyncio.Event()
         self.greeting: Any = handshake.hello(__version__)
 
-    # what HostConnection expects of a remote agent
+    # what HostConnection expects of a remote agent (controller/hosts.AgentHandle)
+    scheduled = False
+
+    def job_ended(self) -> str:
+        return ""
+
+    def lost_reason(self) -> str:
+        return ""
+
     def attach(self, on_message: Any, on_close: Any) -> MemoryLink:
         self._on_message, self._on_close = on_message, on_close
         self.link = MemoryLink(self)

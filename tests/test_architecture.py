@@ -22,14 +22,15 @@ RULES = {
     "core": set(),
     "wire": {"core"},
     "actors": {"core", "wire"},
-    "rank": {"core", "wire", "actors"},
+    # a rank applies a plan's layout (planner/, pure torch) when the notebook asks (wire/ops.ApplyLayout)
+    "rank": {"core", "wire", "actors", "planner"},
     "agent": {"core", "wire", "rank"},
     "controller": {"core", "wire"},
     # the planner: pure torch, in the notebook (estimates, in helper processes) and on ranks (apply)
     "planner": {"core"},
     "api": {"core", "wire", "actors", "controller", "planner"},
-    "views": {"core", "wire", "actors", "controller", "api", "planner"},
-    "magics": {"core", "wire", "actors", "rank", "controller", "api", "views", "planner"},
+    "views": {"core", "api", "planner"},
+    "magics": {"core", "actors", "api", "views"},
     # Monarch's API for programs, in the notebook and on ranks: its notebook-only parts (starting
     # processes) import api/ inside functions that ranks never call (checked on real ranks below)
     "monarch": {"core", "wire", "actors", "api"},
@@ -205,3 +206,84 @@ def test_agent_entry_point_runs_as_a_module():
     out = subprocess.run([sys.executable, "-m", "monarch_kernel.agent", "--help"], capture_output=True, text=True,
                          env={**os.environ}, check=True).stdout
     assert "--stdio" in out
+
+
+def _product_sources(*folders: str) -> dict[Path, str]:
+    """The text of every module of these folders of the package ("magics": the magics package)."""
+    found = {}
+    for folder in folders:
+        base = MAGICS if folder == "magics" else PKG / folder
+        for path in sorted(base.rglob("*.py")):
+            found[path] = path.read_text()
+    return found
+
+
+def _lines_matching(pattern: str, sources: dict[Path, str]) -> list[str]:
+    import re
+
+    compiled = re.compile(pattern)
+    return [f"{path.relative_to(PKG.parent)}:{n}: {line.strip()}" for path, text in sources.items()
+            for n, line in enumerate(text.splitlines(), 1) if compiled.search(line)]
+
+
+def test_internal_operations_are_typed_messages_not_closures():
+    """The notebook asks ranks for internal work with wire/ops.py operations: no function of the
+    notebook's that takes the rank's Worker, and `Call` only for the user's own Mesh.call(fn)."""
+    notebook_side = _product_sources("api", "actors", "monarch", "views", "magics")
+    assert _lines_matching(r"lambda worker\b|def \w+\(worker\b", notebook_side) == []
+    calls = _lines_matching(r"\bm\.Call\(|\bCall\(", _product_sources("api", "actors", "monarch", "controller"))
+    assert [line for line in calls if "ActorCall(" not in line and "CancelCall(" not in line] == [
+        line for line in calls if line.startswith("monarch_kernel/api/mesh.py") and "m.Call(rid, sealed)" in line]
+    assert len([line for line in calls if "m.Call(rid, sealed)" in line]) == 1  # in Mesh.call
+
+
+def test_host_operations_have_no_string_kinds():
+    """An agent's operations are types (wire/ops.py), handled through a table keyed by type."""
+    from dataclasses import fields
+
+    from monarch_kernel.wire import messages, ops
+
+    assert [f.name for f in fields(messages.HostOp)] == ["op_id", "op"]
+    everywhere = _product_sources("api", "controller", "agent", "wire", "rank", "actors", "core")
+    assert _lines_matching(r"\"(files|workspace)\.(put_begin|put_chunk|put_end|describe|read|checksum|prefix|list|hash|write)\"",
+                           everywhere) == []
+    from monarch_kernel.agent.ops import HANDLERS
+
+    assert set(HANDLERS) == set(ops.HOST_OPERATIONS)
+
+
+def test_no_capability_is_probed_with_getattr():
+    """Senders, connections and agent handles declare what they can do (typed protocols)."""
+    sources = _product_sources("api", "actors", "monarch", "controller", "rank", "agent", "wire")
+    assert _lines_matching(r"getattr\((sender|remote|conn|here|link\.conn|link\.host\.remote)\b", sources) == []
+    assert _lines_matching(r"getattr\([^)]*\"(own_rank|send_up|answer|watch_failures)\"", sources) == []
+
+
+def test_the_wire_digest_covers_every_internal_operation():
+    """A host whose monarch_kernel has other operations (or other fields in one) is refused at connect."""
+    import dataclasses
+
+    from monarch_kernel.wire import handshake, ops
+
+    assert handshake.PROTOCOL == handshake._protocol_digest()
+    changed = dataclasses.make_dataclass("WriteFiles", [("key", str), ("files", list)], frozen=True)
+    original = ops.WriteFiles
+    try:
+        ops.WriteFiles = changed  # what an older agent's module would hold
+        changed.__module__ = ops.__name__
+        assert handshake._protocol_digest() != handshake.PROTOCOL
+    finally:
+        ops.WriteFiles = original
+    assert handshake._protocol_digest() == handshake.PROTOCOL
+
+
+def test_core_reads_no_module_of_the_layers_above_at_run_time():
+    """core/ is the stdlib-only floor: no peeking into sys.modules for a layer above it."""
+    assert _lines_matching(r"sys\.modules\.get\(\"monarch_kernel", _product_sources("core")) == []
+
+
+def test_no_module_is_over_400_lines():
+    """One idea per module: a module past 400 lines holds more than one (split it by idea)."""
+    long = {str(path.relative_to(PKG.parent)): n for path, text in _product_sources(*RULES, "magics").items()
+            if (n := len(text.splitlines())) > 400}
+    assert long == {}

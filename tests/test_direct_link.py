@@ -9,6 +9,7 @@ import pytest
 
 from monarch_kernel.agent import direct_link
 from monarch_kernel.wire.direct_auth import AuthenticationFailed, new_secret, prove_controller
+from monarch_kernel.wire.ops import PutBegin
 
 
 class Offer:
@@ -176,7 +177,7 @@ def test_a_relay_of_the_handshake_cannot_inject_frames_afterwards():
         # (the next sequence number, the right length) but without the session key
         import struct
 
-        frame = b"".join(bytes(c) for c in encode(m.HostOp(1, "files.put_begin", {"path": "/tmp/pwned"})))
+        frame = b"".join(bytes(c) for c in encode(m.HostOp(1, PutBegin("/tmp/pwned", 0))))
         c_writer.write(struct.pack("!QQ", 2, len(frame)) + os.urandom(32) + frame)
         while not closed and loop.time() < deadline:
             await asyncio.sleep(0.01)

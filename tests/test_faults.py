@@ -47,9 +47,13 @@ def hold_the_gil(seconds_at_least):
         re.match(r"(a+)+$", "a" * n + "b")
         took = time.monotonic() - start
     n += max(0, math.ceil(math.log2(seconds_at_least / took)))
-    start = time.monotonic()
-    re.match(r"(a+)+$", "a" * n + "b")
-    return time.monotonic() - start
+    while True:  # (a calibration slowed by a busy machine can fall short: one more character doubles it)
+        start = time.monotonic()
+        re.match(r"(a+)+$", "a" * n + "b")
+        held = time.monotonic() - start
+        if held >= seconds_at_least:
+            return held
+        n += 1
 
 
 def controller_answers(mesh, timeout):

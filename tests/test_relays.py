@@ -19,6 +19,7 @@ from monarch_kernel.agent.relays import HOLD_S, AgentRelays, combine
 from monarch_kernel.controller.relays import RelayTree
 from monarch_kernel.core.status import RankStatus
 from monarch_kernel.wire import messages as m
+from monarch_kernel.wire import relay_messages as rm
 from monarch_kernel.wire.relay_link import (
     DOWN,
     UP,
@@ -62,7 +63,7 @@ def test_a_relay_sends_a_requests_results_up_once_its_subtree_answered_or_after_
         relay.index = 0  # a relay at the top of its tree, with one child (host 1) below it
         relay.children[1] = type("Link", (), {"send": lambda self, msg: None, "closed": False})()
         relay._routes = {1: 1}
-        relay.down(m.RelayDown(((0, (0, 1)), (1, (2, 3))), m.RunCell(5, "pass", "<cell>")))
+        relay.down(rm.RelayDown(((0, (0, 1)), (1, (2, 3))), m.RunCell(5, "pass", "<cell>")))
         assert [msg.ranks for msg in ran] == [(0, 1)]
         result = [m.Result(5, r, None, None, 0.0, 0.0) for r in range(4)]
         relay.up(m.Gathered(5, tuple(result[:2])))  # its own ranks
@@ -72,7 +73,7 @@ def test_a_relay_sends_a_requests_results_up_once_its_subtree_answered_or_after_
         await asyncio.sleep(0)
         assert [[r.rank for r in g.results] for up in sent for g in up.msgs] == [[0, 1, 2, 3]]  # one set
         sent.clear()
-        relay.down(m.RelayDown(((0, (0, 1)), (1, (2, 3))), m.RunCell(6, "pass", "<cell>")))
+        relay.down(rm.RelayDown(((0, (0, 1)), (1, (2, 3))), m.RunCell(6, "pass", "<cell>")))
         relay.up(m.Gathered(6, tuple(m.Result(6, r, None, None, 0.0, 0.0) for r in (0, 1))))
         await asyncio.sleep(HOLD_S * 3)  # host 1's ranks died: what is in goes up after the short wait
         assert [[r.rank for r in g.results] for up in sent for g in up.msgs] == [[0, 1]]
@@ -139,9 +140,9 @@ def test_frames_flow_both_ways_in_order():
         assert pair.index == 7
         payload = np.arange(1 << 18, dtype=np.int64)  # 2 MiB as an out-of-band buffer
         for i in range(3):
-            pair.parent.send(m.RelayDown(((7, (i,)),), m.Ping(i)))
-        pair.child.send(m.RelayUp((m.Output(1, None, "stdout", "hi"),)))
-        pair.parent.send(m.RelayDown(((7, (0,)),), m.Push(1, seal({"x": payload}))))
+            pair.parent.send(rm.RelayDown(((7, (i,)),), m.Ping(i)))
+        pair.child.send(rm.RelayUp((m.Output(1, None, "stdout", "hi"),)))
+        pair.parent.send(rm.RelayDown(((7, (0,)),), m.Push(1, seal({"x": payload}))))
         await until(lambda: len(pair.at_child) == 4 and pair.at_parent)
         assert [msg.hosts[0][1] for msg in pair.at_child[:3]] == [(0,), (1,), (2,)]
         assert np.array_equal(unseal(pair.at_child[3].body.values)["x"], payload)
@@ -176,7 +177,7 @@ def _raw_frames(link_writer_target):
 async def one_delivered_frame(pair) -> bytes:
     """The bytes of one frame the parent sent and the child took."""
     frames = _raw_frames(pair.parent)
-    pair.parent.send(m.RelayStop())
+    pair.parent.send(rm.RelayStop())
     await until(lambda: len(pair.at_child) == 1)
     return frames[0]
 
@@ -320,7 +321,7 @@ def test_a_relay_refuses_strangers_and_stops_listening_once_its_children_joined(
         relay = AgentRelays(reported.append, lambda msg: None)
         key = new_key()
         serving = asyncio.get_running_loop().create_task(
-            relay.serve(m.RelayServe(key, "127.0.0.1", 0, (1,), ((1, 1),))))
+            relay.serve(rm.RelayServe(key, "127.0.0.1", 0, (1,), ((1, 1),))))
         await until(lambda: reported)
         port = reported[0].port
         assert port
@@ -330,8 +331,8 @@ def test_a_relay_refuses_strangers_and_stops_listening_once_its_children_joined(
         writer.close()
         assert relay.children == {}
         child = AgentRelays(reported.append, lambda msg: None)
-        await child.join(m.RelayJoin("127.0.0.1", port, key, 1))
-        assert reported[-1] == m.RelayJoined(1)
+        await child.join(rm.RelayJoin("127.0.0.1", port, key, 1))
+        assert reported[-1] == rm.RelayJoined(1)
         await until(lambda: 1 in relay.children)
         await asyncio.wait_for(serving, 5)  # every child joined: the relay stopped listening
         with pytest.raises(OSError):
@@ -349,7 +350,7 @@ def test_many_strangers_do_not_stop_a_relay_before_its_child_joins():
         relay = AgentRelays(reported.append, lambda msg: None)
         key = new_key()
         serving = asyncio.get_running_loop().create_task(
-            relay.serve(m.RelayServe(key, "localhost", 0, (1,), ((1, 1),))))
+            relay.serve(rm.RelayServe(key, "localhost", 0, (1,), ((1, 1),))))
         await until(lambda: reported)
         listening = reported[0]
         assert listening.port and listening.address in ("127.0.0.1", "::1")  # the literal it bound
@@ -359,8 +360,8 @@ def test_many_strangers_do_not_stop_a_relay_before_its_child_joins():
                 await handshake_as_child(reader, writer, new_key(), 1)
             writer.close()
         child = AgentRelays(reported.append, lambda msg: None)
-        await child.join(m.RelayJoin(listening.address, listening.port, key, 1))
-        assert reported[-1] == m.RelayJoined(1)
+        await child.join(rm.RelayJoin(listening.address, listening.port, key, 1))
+        assert reported[-1] == rm.RelayJoined(1)
         await asyncio.wait_for(serving, 5)
         relay.stop()
         child.stop()

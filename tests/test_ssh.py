@@ -1,11 +1,13 @@
 """Multi-host meshes over real SSH: network namespaces, each with its own OpenSSH sshd."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import wait_until
@@ -412,6 +414,41 @@ def test_ship_package_makes_a_host_with_only_torch_work(hosts, tmp_path, sink):
         assert "/monarch-pkg-" in where[0] and where[1] == 1
         shipped = where[0].split("/monarch_kernel/")[0]
     assert wait_until(lambda: not os.path.exists(shipped), 10)  # the agent removed it on exit
+
+
+def test_a_host_whose_internal_operations_differ_is_refused_at_connect_naming_both_versions(hosts, tmp_path):
+    """A host with an older monarch_kernel (one of its internal operations has other fields) is refused
+    when its agent says hello, before anything runs there: not later, inside a misread operation."""
+    import shutil
+    import site
+    import subprocess
+
+    import monarch_kernel
+    from monarch_kernel.wire import handshake
+
+    older = tmp_path / "older"
+    shutil.copytree(Path(monarch_kernel.__file__).parent, older / "monarch_kernel",
+                    ignore=shutil.ignore_patterns("__pycache__", "labextension"))
+    ops_file = older / "monarch_kernel" / "wire" / "ops.py"
+    ops_file.write_text(ops_file.read_text().replace("    touches: dict[str, int] | None = None\n", ""))
+    versions_file = older / "monarch_kernel" / "core" / "versions.py"
+    versions_file.write_text(re.sub(r'__version__ = "[^"]+"', '__version__ = "0.11.0"', versions_file.read_text()))
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    packages = [p for p in site.getsitepackages() if p.endswith("site-packages")][0]
+    lib = next((bare / "lib").iterdir()) / "site-packages"
+    (lib / "deps.pth").write_text(f"{older}\n{packages}\n")  # the older copy first; torch and the rest after
+    python = str(bare / "bin" / "python")
+    probe = subprocess.run([python, "-c", "import monarch_kernel.wire.handshake as h; print(h.PROTOCOL)"],
+                           capture_output=True, text=True, cwd=str(tmp_path))
+    assert probe.stdout.strip() not in ("", handshake.PROTOCOL), probe.stderr
+    baseline = processes(hosts)
+    with pytest.raises(MeshStartError) as info:
+        ssh_mesh(["host-1"], gpus=1, dist="none", python=python, connect_options=hosts.connect_options(), timeout=60)
+    text = str(info.value)
+    assert "host-1" in text and "monarch_kernel 0.11.0" in text and monarch_kernel.__version__ in text
+    assert probe.stdout.strip() in text and handshake.PROTOCOL in text
+    assert wait_until(back_to(hosts, baseline), 10)  # nothing of it keeps running there
 
 
 def test_changed_host_key_is_rejected(hosts, tmp_path):

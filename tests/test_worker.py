@@ -1,5 +1,6 @@
 """The rank runtime in-process, over a real socketpair (no agent)."""
 
+import platform
 import signal
 import socket
 import sys
@@ -7,7 +8,9 @@ import sys
 import pytest
 
 from monarch_kernel.rank.worker import Worker, WorkerConfig
-from monarch_kernel.wire.messages import Call, Output, Pull, Push, Result, RunCell
+from monarch_kernel.wire.calls import _default_sender
+from monarch_kernel.wire.messages import Call, Output, Pull, Push, Result, RunCell, RunOp
+from monarch_kernel.wire.ops import Describe, ListFiles, SetAutoreload, Versions
 from monarch_kernel.wire.serialization import seal, unseal
 from monarch_kernel.wire.transport import BlockingConnection
 
@@ -23,6 +26,7 @@ def rank():
     yield worker, peer
     peer.close()
     signal.signal(signal.SIGINT, saved)
+    _default_sender.clear()  # the worker made itself this process's way to actors: not for the tests after this one
 
 
 def request(worker, peer, msg):
@@ -54,8 +58,18 @@ def test_push_pull_call_share_the_namespace(rank):
     worker, peer = rank
     request(worker, peer, Push(1, seal({"x": 5})))
     assert unseal(request(worker, peer, Pull(2, "x * 2"))[-1].value) == 10
-    fn = seal(lambda w: w.namespace["x"] + 1)
+    fn = seal(lambda: 5 + 1)  # Mesh.call: the user's function, called with nothing of ours
     assert unseal(request(worker, peer, Call(3, fn))[-1].value) == 6
+
+
+def test_internal_operations_are_typed_and_answered_by_their_handlers(rank):
+    worker, peer = rank
+    request(worker, peer, Push(1, seal({"t": __import__("torch").zeros(2, 3)})))
+    assert unseal(request(worker, peer, RunOp(2, Versions()))[-1].value)["python"] == platform.python_version()
+    assert unseal(request(worker, peer, RunOp(3, Describe("t")))[-1].value)["global_shape"] == (2, 3)
+    assert unseal(request(worker, peer, RunOp(4, SetAutoreload(False)))[-1].value) is False
+    result = request(worker, peer, RunOp(5, ListFiles("k")))[-1]  # a host operation is not a rank's
+    assert result.failure.error_type == "TypeError" and "no operation ListFiles" in result.failure.message
 
 
 def test_failures_and_stand_ins(rank):

@@ -36,6 +36,7 @@ from monarch_kernel.core.supervision import MeshFailure, report_unhandled
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire.calls import CallSender, PendingCall, find_sender
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall
+from monarch_kernel.wire.ops import StopActors
 from monarch_kernel.wire.serialization import release, seal, unseal
 
 T = TypeVar("T")
@@ -141,7 +142,7 @@ class ActorMesh(MeshShaped):
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
         """Stop these actors (their queued calls fail; later calls say they were stopped)."""
-        system_actors(self.mesh_name, self.shape).stop_actors.call(self.key).get()
+        system_actors(self.mesh_name, self.shape).operate.call(StopActors(self.key)).get()
         return DoneFuture(None)
 
     @property
@@ -214,9 +215,8 @@ class ActorMesh(MeshShaped):
 
 
 def system_actors(mesh_name: str, shape: Shape) -> ActorMesh:
-    """The system actor of each rank of `shape` (spawn_actors, stop_actors): see rank/actor_host.py."""
-    return ActorMesh(mesh_name, SYSTEM_ACTOR, "processes", frozenset({"spawn_actors", "stop_actors"}), shape,
-                     SYSTEM_ACTOR)
+    """The system actor of each rank of `shape` (it takes SpawnActors and StopActors): see rank/ops.py."""
+    return ActorMesh(mesh_name, SYSTEM_ACTOR, "processes", frozenset({"operate"}), shape, SYSTEM_ACTOR)
 
 
 # (mesh, actor mesh name, rank) -> the key of the newest spawn there that the notebook owns

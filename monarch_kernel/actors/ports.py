@@ -59,11 +59,10 @@ class Port(Generic[R]):
     def _deliver(self, obj: Any, failure: Failure | None) -> None:
         if self._answers is not None:  # the answer to a call: only the rank that got the call can give it
             here = _here()
-            answer = getattr(here, "answer", None)
-            if here is None or getattr(here, "own_rank", None) != self._answers or answer is None:
+            if here is None or here.own_rank != self._answers:
                 raise MeshUsageError(f"this port answers a call made to rank {self._answers}; send through it "
                                      "on that rank (for values sent from elsewhere, open a Channel)")
-            if not answer(self._owner, self._port_id, obj, failure):
+            if not here.answer(self._owner, self._port_id, obj, failure):
                 raise MeshUsageError("this port already answered its call (a call's port answers once; "
                                      "open a Channel to send many values)")
             return

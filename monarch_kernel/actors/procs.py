@@ -14,25 +14,23 @@ there (`this_host()`, `mesh.host_mesh()`) carries how to start a mesh on its hos
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from monarch_kernel.actors.base import Actor, class_sources, current_actor
+from monarch_kernel.actors.base import Actor
 from monarch_kernel.actors.client import ActorMesh, system_actors
-from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
+from monarch_kernel.actors.spawning import spawn_actor_mesh
+from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.future import DoneFuture, Future
 from monarch_kernel.core.shape import MeshShaped, Shape
 from monarch_kernel.wire.calls import find_sender
-from monarch_kernel.wire.messages import OwnActors
 
 A = TypeVar("A", bound=Actor)
 # starts a mesh of `count` ranks per host on these hosts (notebook only): (hosts, count, name, options)
 StartMesh = Callable[[tuple[Any, ...], int, "str | None", dict[str, Any]], Any]
 # called with each mesh that spawn_procs starts (the notebook's %mesh registry adopts it)
 mesh_started: list[Callable[[Any], None]] = []
-_spawns = itertools.count(1)
 
 
 class ProcMesh(MeshShaped):
@@ -56,28 +54,9 @@ class ProcMesh(MeshShaped):
         Waits until every constructor ran (Monarch's returns at once): a constructor that
         raises fails the spawn with its traceback. Spawned inside an actor, the actor owns it.
         """
-        if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
-            raise MeshUsageError(f"spawn() needs a subclass of Actor, got {actor_class!r}")
-        if not name or not isinstance(name, str):
-            raise MeshUsageError("spawn() needs a name for the actor mesh, e.g. procs.spawn('trainers', Trainer)")
-        sender = find_sender(self._mesh)
-        if sender is None:
-            raise MeshNotRunningError(f"the processes of mesh {self._mesh!r} are gone (it was stopped or lost)")
-        key = f"{name}#{sender.caller_id}.{next(_spawns)}"
         system = system_actors(self._mesh, self.shape)
-        system.spawn_actors.call(name, key, actor_class, args, kwargs, self.shape, class_sources(actor_class)).get()
-        actors = ActorMesh(self._mesh, name, actor_class.__name__, actor_class._endpoints, self.shape, key)
-        owner = current_actor.get()
-        send_up = getattr(sender, "send_up", None)
-        if owner is not None and send_up is not None:  # an actor spawned it: the controller routes its failures
-            actors._supervised = "actor"
-            send_up(OwnActors(sender.caller_id, owner, _owner_label(owner, sender.caller_id), key, name,
-                              actor_class.__name__, self.shape.ranks))
-        elif owner is None:
-            watch = getattr(sender, "watch_failures", None)
-            if watch is not None and getattr(sender, "own_rank", None) is None:  # the notebook owns it
-                actors.supervise_from_notebook()
-        return actors
+        return spawn_actor_mesh(self._mesh, self.shape, name, actor_class, args, kwargs,
+                                lambda op, label: system.operate.call(op).get())
 
     # ------------------------------------------------------------ processes
     def stop(self, reason: str = "stopped by client") -> Future[None]:
@@ -172,14 +151,9 @@ class HostMesh(MeshShaped):
         return f"<HostMesh {self.shape} of {names}>"
 
 
-def _owner_label(key: str, rank: int) -> str:
-    return f"actor mesh {key.split('#')[0]!r} on rank {rank}"
-
-
 def this_proc_of_rank() -> ProcMesh:
     """On a rank: the one process running this code, as a ProcMesh with no dims."""
     sender = find_sender("")
-    rank = getattr(sender, "own_rank", None)
-    if sender is None or rank is None:
+    if sender is None or sender.own_rank is None:
         raise MeshUsageError("this_proc_of_rank() runs on ranks")
-    return ProcMesh("", Shape((), (rank,)))
+    return ProcMesh("", Shape((), (sender.own_rank,)))

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.direct and stdio is not None:
         direct = direct_link.offer(*stdio, args.direct, direct_link.read_secret(stdio[0]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts come as messages, not signals
-    from monarch_kernel.rank.worker import die_with_parent
+    from monarch_kernel.rank.entry import die_with_parent
 
     die_with_parent(signal.SIGTERM)  # the kernel is gone: stop every rank's process group, then exit
     become_subreaper()  # what the ranks start stays below us, however it detaches (agent/descendants.py)

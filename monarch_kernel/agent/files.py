@@ -15,7 +15,6 @@ import hashlib
 import os
 import socket
 import stat
-from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.core.partial_files import finish_partial, open_partial, resumable_size
@@ -126,12 +125,6 @@ def checksum(path: str) -> dict[str, Any]:
     return {"sha256": file_sha256(src), "size": os.path.getsize(src)}
 
 
-OPERATIONS: dict[str, Callable[..., dict[str, Any]]] = {
-    "files.put_begin": put_begin,
-    "files.put_chunk": put_chunk,
-    "files.put_end": put_end,
-    "files.describe": describe,
-    "files.read": read_chunk,
-    "files.checksum": checksum,
-    "files.prefix": lambda path, length: {"sha256": prefix_sha256(_path(path), length)},
-}
+def prefix(path: str, length: int) -> dict[str, Any]:
+    """The sha256 of a file's first `length` bytes ("" if it is shorter or unreadable)."""
+    return {"sha256": prefix_sha256(_path(path), length)}

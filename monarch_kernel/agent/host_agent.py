@@ -22,11 +22,11 @@ import traceback
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from monarch_kernel.agent import files, workspace
 from monarch_kernel.agent.descendants import kill_descendants
 from monarch_kernel.agent.fd_output import FdOutput
 from monarch_kernel.agent.host_shm import HostShm
 from monarch_kernel.agent.launcher import RankProcess
+from monarch_kernel.agent.ops import run_host_operation
 from monarch_kernel.agent.preload import Preloader
 from monarch_kernel.agent.rank_set import RankSet, tail_text
 from monarch_kernel.agent.relays import UP_TYPES, AgentRelays
@@ -34,14 +34,14 @@ from monarch_kernel.core.failures import exit_text
 from monarch_kernel.core.versions import __version__
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
+from monarch_kernel.wire import relay_messages as rm
 from monarch_kernel.wire.relay_link import RelayLink
 from monarch_kernel.wire.routing import CallRouter, Send
 from monarch_kernel.wire.serialization import Sealed, release
 from monarch_kernel.wire.transport import AsyncConnection, encode
 
-HOST_OPERATIONS = {**workspace.OPERATIONS, **files.OPERATIONS}  # HostOp kinds: work for the agent itself
 # work for the ranks that keeps the order it was sent in, behind a push being copied off the loop
-IN_ORDER = (m.ToRanks, m.ActorCall, m.InterruptRanks, m.InputReply, m.CancelCall, m.RelayDown)
+IN_ORDER = (m.ToRanks, m.ActorCall, m.InterruptRanks, m.InputReply, m.CancelCall, rm.RelayDown)
 
 class HostAgent:
     """Routes between one controller connection and this host's ranks."""
@@ -80,10 +80,10 @@ class HostAgent:
             m.StartRanks: lambda msg: self._spawn(self._start(msg)),
             m.Shutdown: lambda msg: self._spawn(self.shutdown("the controller asked", asked=True)),
             m.HostOp: lambda msg: self._spawn(self._host_op(msg)),
-            m.RelayServe: lambda msg: self._spawn(self.relays.serve(msg)),
-            m.RelayJoin: lambda msg: self._spawn(self.relays.join(msg)),
-            m.RelayDown: lambda msg: self.relays.down(msg),
-            m.RelayStop: lambda msg: self.relays.stop(),
+            rm.RelayServe: lambda msg: self._spawn(self.relays.serve(msg)),
+            rm.RelayJoin: lambda msg: self._spawn(self.relays.join(msg)),
+            rm.RelayDown: lambda msg: self.relays.down(msg),
+            rm.RelayStop: lambda msg: self.relays.stop(),
         }
         self.relays = AgentRelays(self._send_controller, self._fan_out)  # its place in a relay tree, if any
         self._from_rank: dict[type, Callable[[int, Any], None]] = {
@@ -344,10 +344,7 @@ class HostAgent:
         if self._files is None:
             self._files = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-op")
         try:
-            operation = HOST_OPERATIONS.get(msg.kind)
-            if operation is None:
-                raise KeyError(f"this agent has no operation {msg.kind!r} (another monarch_kernel version?)")
-            result = await asyncio.get_running_loop().run_in_executor(self._files, lambda: operation(**msg.args))
+            result = await asyncio.get_running_loop().run_in_executor(self._files, run_host_operation, msg.op)
         except Exception as exc:  # noqa: BLE001 - the controller gets the reason
             self.to_controller(m.HostOpDone(msg.op_id, None, f"{type(exc).__name__}: {exc}"))
         else:

@@ -125,7 +125,8 @@ def _become_rank(spec: m.RankSpec, start: m.StartRanks, conn: socket.socket, hb:
     keep = {0, 1, 2, conn.fileno(), hb.fileno()} | ({store.listen_fd} if store.listen_fd is not None else set())
     _close_fds_except(keep)
     from monarch_kernel.rank.dist import init_process_group, limit_threads, rank_environment
-    from monarch_kernel.rank.worker import WorkerConfig, run_rank
+    from monarch_kernel.rank.entry import run_rank
+    from monarch_kernel.rank.worker import WorkerConfig
 
     os.environ.update(start.env)
     os.environ.update(rank_environment(spec, start.dist, store.port, start.node_rank))

@@ -22,6 +22,7 @@ from typing import Any
 
 from monarch_kernel.core.addresses import numeric_address
 from monarch_kernel.wire import messages as m
+from monarch_kernel.wire import relay_messages as rm
 from monarch_kernel.wire.relay_link import DOWN, UP, RelayLink, RelayRefused, handshake_as_child, handshake_as_parent
 
 UP_TYPES = (m.Output, m.Display, m.Gathered)  # what goes up the tree (in order); the rest goes straight
@@ -78,7 +79,7 @@ class AgentRelays:
         return self.parent is not None or bool(self.children)
 
     # ------------------------------------------------------------ setting up
-    async def serve(self, msg: m.RelayServe) -> None:
+    async def serve(self, msg: rm.RelayServe) -> None:
         """Listen for the children the controller named; say the port; stop once they joined."""
         self.index, self._routes, self._stopped = msg.index, dict(msg.routes), False
         expected, joined = set(msg.children), asyncio.Event()
@@ -103,9 +104,9 @@ class AgentRelays:
             numeric = numeric_address(msg.address)
             server = self._server = await asyncio.start_server(accept, host=numeric, port=0)
         except OSError as exc:
-            self._to_controller(m.RelayListening(0, f"cannot listen on {msg.address}: {exc}"))
+            self._to_controller(rm.RelayListening(0, f"cannot listen on {msg.address}: {exc}"))
             return
-        self._to_controller(m.RelayListening(server.sockets[0].getsockname()[1], address=numeric))
+        self._to_controller(rm.RelayListening(server.sockets[0].getsockname()[1], address=numeric))
         try:
             await asyncio.wait_for(joined.wait(), JOIN_WAIT_S)
         except TimeoutError:
@@ -114,18 +115,18 @@ class AgentRelays:
             server.close()  # nothing of ours stays listening
             self._server = None
 
-    async def join(self, msg: m.RelayJoin) -> None:
+    async def join(self, msg: rm.RelayJoin) -> None:
         """Connect to the relay parent and prove the key; tell the controller how it went."""
         self.index, self._stopped = msg.index, False
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(msg.address, msg.port), CONNECT_TIMEOUT_S)
             session = await handshake_as_child(reader, writer, msg.key, msg.index)
         except (OSError, TimeoutError, RelayRefused) as exc:
-            self._to_controller(m.RelayJoined(msg.index, f"cannot join the relay at {msg.address}:{msg.port}: {exc}"))
+            self._to_controller(rm.RelayJoined(msg.index, f"cannot join the relay at {msg.address}:{msg.port}: {exc}"))
             return
         _nodelay(writer)
         self.parent = RelayLink(reader, writer, session, UP, self._from_parent, self._parent_closed)
-        self._to_controller(m.RelayJoined(msg.index))
+        self._to_controller(rm.RelayJoined(msg.index))
 
     def stop(self) -> None:
         """Close every relay link (the controller asked, or the agent ends); nothing is reported."""
@@ -141,7 +142,7 @@ class AgentRelays:
         self.parent = None
 
     # ------------------------------------------------------------ down
-    def down(self, msg: m.RelayDown) -> None:
+    def down(self, msg: rm.RelayDown) -> None:
         """Pass a RelayDown on to the children leading to its hosts, then run this host's part."""
         mine: tuple[int, ...] = ()
         onward: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
@@ -156,12 +157,12 @@ class AgentRelays:
         for child, entries in onward.items():
             link = self.children.get(child)
             if link is not None:  # (a broken link was reported: the controller fails those ranks)
-                link.send(m.RelayDown(tuple(entries), msg.body))
+                link.send(rm.RelayDown(tuple(entries), msg.body))
         if mine:
             self._fan_out(m.ToRanks(mine, msg.body))
 
     def _from_parent(self, msg: Any) -> None:
-        if isinstance(msg, m.RelayDown):
+        if isinstance(msg, rm.RelayDown):
             self.down(msg)
 
     # ------------------------------------------------------------ up
@@ -195,7 +196,7 @@ class AgentRelays:
             self.up(m.Gathered(req_id, tuple(held)))
 
     def _from_child(self, msg: Any) -> None:
-        if isinstance(msg, m.RelayUp):
+        if isinstance(msg, rm.RelayUp):
             for inner in msg.msgs:
                 if isinstance(inner, UP_TYPES):
                     self.up(inner)
@@ -205,7 +206,7 @@ class AgentRelays:
         if not self._batch:
             return
         batch, self._batch = combine(self._batch), []
-        up = m.RelayUp(tuple(batch))
+        up = rm.RelayUp(tuple(batch))
         if self.parent is not None:
             self.parent.send(up)
         else:
@@ -215,12 +216,12 @@ class AgentRelays:
     def _child_closed(self, index: int, exc: Exception | None) -> None:
         self.children.pop(index, None)
         if not self._stopped:
-            self._to_controller(m.RelayLost(index, f"the relay link to it closed ({exc or 'connection ended'})"))
+            self._to_controller(rm.RelayLost(index, f"the relay link to it closed ({exc or 'connection ended'})"))
 
     def _parent_closed(self, exc: Exception | None) -> None:
         self.parent = None
         if not self._stopped and self.index is not None:
-            self._to_controller(m.RelayLost(self.index, f"its relay link to its parent closed "
+            self._to_controller(rm.RelayLost(self.index, f"its relay link to its parent closed "
                                                         f"({exc or 'connection ended'})"))
 
 

@@ -15,7 +15,6 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.core.partial_files import finish_partial, open_partial
@@ -183,11 +182,3 @@ def _prune_empty(root: str, folder: str) -> None:
         except OSError:
             return
         folder = os.path.dirname(folder)
-
-
-OPERATIONS: dict[str, Callable[..., dict[str, Any]]] = {
-    "workspace.list": list_files,
-    "workspace.hash": hash_files,
-    "workspace.write": write_files,
-}
-

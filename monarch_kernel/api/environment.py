@@ -11,10 +11,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from monarch_kernel.api.workspace import CallOnRanks
+from monarch_kernel.api.workspace import AskRanks
 from monarch_kernel.controller.runtime import MeshRuntime
 from monarch_kernel.core.texttable import text_table
 from monarch_kernel.core.versions import versions
+from monarch_kernel.wire.ops import Versions
 
 
 @dataclass
@@ -61,19 +62,18 @@ class EnvReport:
         printer.text(self.text())
 
 
-def check(runtime: MeshRuntime, call_on: CallOnRanks) -> EnvReport:
+def check(runtime: MeshRuntime, ask: AskRanks) -> EnvReport:
     """Ask one rank of each host for its versions."""
     firsts = [link.ranks[0] for link in runtime.state.links if link.ranks]
-    # `versions` travels by reference: the rank imports core.versions, nothing of the notebook's side
-    answers = call_on(firsts, versions, "environment").by_rank()
+    answers = ask(firsts, Versions(), "environment").by_rank()
     hosts = {link.name: answers.get(link.ranks[0], {}) for link in runtime.state.links if link.ranks}
     return EnvReport(versions(), hosts)
 
 
-def warn_if_mismatched(runtime: MeshRuntime, call_on: CallOnRanks) -> EnvReport | None:
+def warn_if_mismatched(runtime: MeshRuntime, ask: AskRanks) -> EnvReport | None:
     """At start: a warning on stderr when a host differs from the notebook (nothing otherwise)."""
     try:
-        report = check(runtime, call_on)
+        report = check(runtime, ask)
     except Exception:  # noqa: BLE001 - a check must not stop a mesh that started
         return None
     for problem in report.mismatches:

@@ -10,38 +10,32 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import os
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from monarch_kernel.actors.base import Actor, class_sources
 from monarch_kernel.actors.client import ActorMesh
 from monarch_kernel.actors.procs import HostMesh
+from monarch_kernel.actors.spawning import spawn_actor_mesh
 from monarch_kernel.api import environment, transfer, workspace
 from monarch_kernel.api.futures import MeshFuture, raise_failures
-from monarch_kernel.api.sinks import IdleOutput, OutputSink, default_sink, report_timing
+from monarch_kernel.api.mesh_start import start_runtime
+from monarch_kernel.api.sinks import OutputSink, default_sink
+from monarch_kernel.api.values import check_device, seal_named
 from monarch_kernel.controller.hosts import HostKind, HostSpec
 from monarch_kernel.controller.runtime import MeshRuntime
-from monarch_kernel.controller.state import RELAY_BRANCHING, Allocation, MeshSpec, RankSnapshot, Request
-from monarch_kernel.core.addresses import is_unspecified
-from monarch_kernel.core.errors import MeshInterrupted, MeshStartError, MeshUsageError, SerializationError
+from monarch_kernel.controller.state import RankSnapshot, Request
+from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import Selector, Shape
 from monarch_kernel.core.source import CellNames, check_syntax
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.messages import HealthTimings
-from monarch_kernel.wire.serialization import Sealed, arriving_on, release, seal, unseal
+from monarch_kernel.wire.ops import Describe, PostMortem, RankOperation
+from monarch_kernel.wire.serialization import arriving_on, release, seal, unseal
 
 _cell_names = CellNames()
-_mesh_numbers = itertools.count(0)
-_spawns = itertools.count(1)
-BACKENDS = ("gloo", "nccl", "none")
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
-_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 class Mesh:
@@ -112,11 +106,11 @@ class Mesh:
         """The last (stream, line) pairs a rank printed, including between cells."""
         if rank not in self._runtime.ranks:
             raise MeshUsageError(f"mesh {self.name!r} has no rank {rank}")
-        return self._runtime.logs(rank, lines)
+        return self._runtime.state.ranks[rank].log.tail(lines)
 
     def agent_log(self, host: int | str, lines: int = 50) -> str:
         """The last lines of a host agent's log (its stderr): start-up problems, crashes."""
-        return self._runtime.agent_log(host, lines)
+        return self._runtime.state.agent_log(host, lines)
 
     # ------------------------------------------------------------ slicing
     def slice(self, **selectors: Selector | None) -> Mesh:
@@ -182,7 +176,7 @@ class Mesh:
         """Start a push; returns a MeshFuture."""
         if not values:
             raise MeshUsageError("push() needs at least one name=value")
-        sealed = _seal_named(values, self._runtime.state.shm_dir_for(self.ranks))
+        sealed = seal_named(values, self._runtime.state.shm_dir_for(self.ranks))
         names = ", ".join(values)
         return self._submit(lambda rid: m.Push(rid, sealed), label=f"push({names})",
                             on_done=lambda: release(sealed), finish=lambda req: raise_failures(req, self._runtime))
@@ -196,20 +190,20 @@ class Mesh:
         """
         check_syntax(expr, "<mesh pull>")
         if device is not None:
-            _check_device(device)
+            check_device(device)
         return self._submit(lambda rid: m.Pull(rid, expr), label=f"pull({expr!r})", timeout=timeout,
                             finish=lambda req: self._values(req, device)).get()
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> ValueMesh:
         """Call ``fn(*args, **kwargs)`` on every rank (it travels by cloudpickle)."""
-        return self._call_in_worker(lambda worker: fn(*args, **kwargs), f"call({getattr(fn, '__name__', 'fn')})",
-                                    timeout)
+        sealed = seal(functools.partial(fn, *args, **kwargs), shm_dir=self._runtime.state.shm_dir_for(self.ranks),
+                      shared=True)
+        return self._submit(lambda rid: m.Call(rid, sealed), label=f"call({getattr(fn, '__name__', 'fn')})",
+                            timeout=timeout, on_done=lambda: release(sealed), finish=self._values).get()
 
-    def _call_in_worker(self, fn: Callable[[Any], Any], label: str, timeout: float | None = None) -> ValueMesh:
-        """Run fn(worker) on every rank (internal operations such as spawning actors)."""
-        sealed = seal(fn, shm_dir=self._runtime.state.shm_dir_for(self.ranks), shared=True)
-        return self._submit(lambda rid: m.Call(rid, sealed), label=label, timeout=timeout,
-                            on_done=lambda: release(sealed), finish=self._values).get()
+    def _ask(self, op: RankOperation, label: str, timeout: float | None = None) -> ValueMesh:
+        """Run an internal operation (`wire/ops.py`) on every rank of this mesh; the ranks' answers."""
+        return self._submit(lambda rid: m.RunOp(rid, op), label=label, timeout=timeout, finish=self._values).get()
 
     def _submit(self, make_body: Callable[[int], Any], *, label: str, finish: Callable[[Request], Any],
                 timeout: float | None = None, fail_fast: bool = False, sink: OutputSink | None = None,
@@ -262,17 +256,8 @@ class Mesh:
         instance is also `actors[name]` in `%%mesh` cells. Spawning a name again replaces
         those actors on these ranks (as re-running a notebook cell expects).
         """
-        if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
-            raise MeshUsageError(f"spawn() needs a subclass of monarch_kernel.Actor, got {actor_class!r}")
-        if not name or not isinstance(name, str):
-            raise MeshUsageError("spawn() needs a name for the actor mesh, e.g. mesh.spawn('trainers', Trainer)")
-        shape, sources, key = self._shape, class_sources(actor_class), f"{name}#{next(_spawns)}"
-
-        def create(worker: Any) -> str:
-            return str(worker.actors.spawn(name, key, actor_class, args, kwargs, shape, sources))
-
-        self._call_in_worker(create, f"spawn({name!r}, {actor_class.__name__})")
-        return ActorMesh(self.name, name, actor_class.__name__, actor_class._endpoints, shape, key)
+        return spawn_actor_mesh(self.name, self._shape, name, actor_class, args, kwargs,
+                                lambda op, label: self._ask(op, label), notebook_hook=False)
 
     def host_mesh(self) -> HostMesh:
         """This mesh's hosts as a Monarch-style HostMesh (dim `hosts`): `spawn_procs` starts new
@@ -286,7 +271,7 @@ class Mesh:
         No tensor data crosses the wire; `visualize_sharding` draws these.
         """
         check_syntax(expr, "<mesh describe>")
-        return self._call_in_worker(lambda worker: worker.describe(expr), f"describe({expr!r})")
+        return self._ask(Describe(expr), f"describe({expr!r})")
 
     def debug(self) -> bool:
         """Post-mortem pdb (like `%debug`) on the ranks of this mesh whose last cell failed.
@@ -294,7 +279,7 @@ class Mesh:
         The debugger's prompts come to the notebook (one box for the ranks that ask alike).
         False if no rank had a failed cell.
         """
-        return any(self._call_in_worker(lambda worker: worker.post_mortem(), "debug").values())
+        return any(self._ask(PostMortem(), "debug").values())
 
     # ------------------------------------------------------------ control
     def interrupt(self) -> None:
@@ -307,7 +292,7 @@ class Mesh:
         Synced workspaces are synced again and put back on the fresh ranks' sys.path.
         """
         self._runtime.restart()
-        workspace.reapply(self._runtime, self._call_on)
+        workspace.reapply(self._runtime, self._ask_on)
 
     # ------------------------------------------------------------ the user's files
     def sync_workspace(self, path: str | None = None, *, exclude: Sequence[str] = (), auto: bool = False,
@@ -322,7 +307,7 @@ class Mesh:
         sends changes before each mesh cell; `chdir=True` makes it the ranks' working
         folder. A folder over `max_bytes` is refused (naming its largest files) unless `force`.
         """
-        return workspace.sync(self._runtime, self._call_on, path, exclude=exclude, auto=auto, chdir=chdir,
+        return workspace.sync(self._runtime, self._ask_on, path, exclude=exclude, auto=auto, chdir=chdir,
                               force=force, max_bytes=max_bytes)
 
     def put(self, src: str, dst: str) -> transfer.TransferReport:
@@ -343,15 +328,23 @@ class Mesh:
 
     def environment(self) -> environment.EnvReport:
         """Python, torch, cloudpickle and monarch_kernel versions of each host next to the notebook's."""
-        return environment.check(self._runtime, self._call_on)
+        return environment.check(self._runtime, self._ask_on)
 
     def autoreload(self, on: bool = True) -> None:
         """Reload changed modules of the synced folders on every rank before each cell (IPython's %autoreload 2)."""
-        workspace.set_autoreload(self._runtime, self._call_on, on)
+        workspace.set_autoreload(self._runtime, self._ask_on, on)
 
-    def _call_on(self, ranks: list[int], fn: Callable[[Any], Any], label: str) -> Any:
+    def _ask_on(self, ranks: list[int], op: RankOperation, label: str) -> ValueMesh:
         whole = Mesh(self._runtime, Shape.grid(hosts=len(self._runtime.spec.hosts), gpus=self._runtime.spec.gpus))
-        return whole.select_ranks(ranks)._call_in_worker(fn, label)
+        return whole.select_ranks(ranks)._ask(op, label)
+
+    @classmethod
+    def started(cls, runtime: MeshRuntime) -> Mesh:
+        """The handle on a runtime that just started (a host that may run other versions is checked now)."""
+        mesh = cls(runtime, Shape.grid(hosts=len(runtime.spec.hosts), gpus=runtime.spec.gpus))
+        if any(h.kind != HostKind.LOCAL for h in runtime.spec.hosts):  # another machine may run other versions
+            environment.warn_if_mismatched(runtime, mesh._ask_on)
+        return mesh
 
     def shutdown(self) -> None:
         """Stop the whole mesh: every rank and agent process ends."""
@@ -371,109 +364,6 @@ class Mesh:
         return f"<Mesh {self.name!r} {self._shape} dist={self.backend}: {text}>"
 
 
-def _check_device(device: str) -> None:
-    """A device this process can put pulled tensors on (else MeshUsageError saying why)."""
-    import torch
-
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, ValueError) as exc:
-        raise MeshUsageError(f"pull(device={device!r}): not a torch device ({exc}); e.g. 'cpu' or 'cuda:0'") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise MeshUsageError(f"pull(device={device!r}): the notebook's process has no CUDA device; pull to the "
-                             "CPU (the default) and move the values where they can go")
-
-
-def _seal_named(values: dict[str, Any], shm_dir: str | None) -> Sealed:
-    try:
-        return seal(values, shm_dir=shm_dir, shared=True)
-    except SerializationError:
-        for key, value in values.items():  # find which variable is the problem
-            seal(value, name=key)
-        raise
-
-
-def local_mesh(gpus: int | None = None, *, dist: str = "gloo", name: str | None = None,
-               env: dict[str, str] | None = None, timeout: float = 120.0,
-               health: HealthTimings | None = None, preload: Sequence[str] | None = None) -> Mesh:
-    """Start `gpus` ranks on this machine, shape {hosts: 1, gpus: N}.
-
-    `gpus` defaults to the number of CUDA devices (or 2 without any). `dist` is the
-    torch.distributed backend: "gloo", "nccl" or "none". `health` sets how soon silent
-    ranks and hosts count as failed (the defaults suit most uses). `preload` names modules
-    each host imports once before forking its ranks (default: torch, unless dist="none").
-    """
-    if gpus is None:
-        gpus = _cuda_count() or 2
-    return _start_mesh([HostSpec("localhost")], gpus, dist, name, env, timeout, None, health, preload=preload)
-
-
-def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "python3",
-             setup: str | None = None, env: dict[str, str] | None = None, name: str | None = None,
-             connect_options: dict[str, Any] | None = None, connect_timeout: float = 30.0,
-             master_addr: str | None = None, ship_package: bool = False, timeout: float = 180.0,
-             health: HealthTimings | None = None, preload: Sequence[str] | None = None,
-             relay_branching: int = RELAY_BRANCHING) -> Mesh:
-    """Start `gpus` ranks on each SSH host, shape {hosts: len(hosts), gpus: N}.
-
-    Hosts are `host`, `user@host` or `user@host:port`, resolved through ~/.ssh/config;
-    host keys must be in known_hosts. Every host is connected and started in parallel.
-    `python` is the remote interpreter (monarch_kernel must be importable there, or
-    pass ship_package=True to copy this package's source to a temporary folder);
-    `setup` is a shell snippet run first (e.g. "source ~/env.sh"); `master_addr` is
-    host 0's address as the other hosts reach it (default: the one we connected to).
-    `preload`: as for `local_mesh`. Past `relay_branching` hosts, the controller sends broadcasts
-    to that many hosts and their agents relay them to the others (authenticated links).
-    """
-    if not hosts:
-        raise MeshUsageError("ssh_mesh() needs at least one host, e.g. ssh_mesh(['gpu-a'], gpus=8)")
-    specs = [HostSpec(h, HostKind.SSH, target=h, python=python, setup=setup, options=dict(connect_options or {}),
-                      connect_timeout_s=connect_timeout, ship_package=ship_package)
-             for h in hosts]
-    return _start_mesh(specs, gpus, dist, name, env, timeout, master_addr, health, preload=preload,
-                       relay_branching=relay_branching)
-
-
-def _start_mesh(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, env: dict[str, str] | None,
-                timeout: float, master_addr: str | None, health: HealthTimings | None, *,
-                allocation: Allocation | None = None, preload: Sequence[str] | None = None,
-                relay_branching: int = RELAY_BRANCHING) -> Mesh:
-    if not isinstance(gpus, int) or gpus < 1:
-        raise MeshUsageError(f"gpus={gpus!r}: give a positive number of ranks per host, e.g. gpus=4")
-    if dist not in BACKENDS:
-        raise MeshUsageError(f"dist={dist!r}: expected one of {', '.join(BACKENDS)}")
-    name = name or f"mesh{next(_mesh_numbers)}"
-    bad_keys = [k for k in (env or {}) if not _ENV_KEY.fullmatch(k)]
-    if bad_keys:
-        raise MeshUsageError(f"env keys {bad_keys!r} are not variable names (letters, digits and '_', "
-                             "not starting with a digit)")
-    if not _NAME.fullmatch(name):
-        raise MeshUsageError(f"mesh name {name!r}: use 1 to 64 letters, digits, '_', '-' or '.' "
-                             "(it names private folders and sockets, so no '/' or spaces)")
-    if master_addr is not None and is_unspecified(master_addr):
-        raise MeshUsageError(f"master_addr={master_addr!r} names no host: give the address at which the "
-                             "other hosts reach the first one (never 0.0.0.0 or an empty one)")
-    if not isinstance(relay_branching, int) or relay_branching < 1:
-        raise MeshUsageError(f"relay_branching={relay_branching!r}: give the number of hosts a relay sends to (>= 1)")
-    spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings(),
-                    preload=_preload_list(preload, dist), allocation=allocation, relay_branching=relay_branching)
-    runtime = MeshRuntime(spec, idle_output=IdleOutput().write, report_timing=report_timing)
-    try:
-        runtime.start()
-    except BaseException as exc:
-        runtime.shutdown()
-        if isinstance(exc, MeshStartError):
-            raise
-        if isinstance(exc, KeyboardInterrupt):
-            raise MeshInterrupted(f"starting mesh {name!r} was interrupted; nothing of it is left running",
-                                  []) from None
-        raise MeshStartError(f"mesh {name!r} failed to start: {exc}") from exc
-    mesh = Mesh(runtime, Shape.grid(hosts=len(hosts), gpus=gpus))
-    if any(h.kind != HostKind.LOCAL for h in hosts):  # another machine may run other versions: say so now
-        environment.warn_if_mismatched(runtime, mesh._call_on)
-    return mesh
-
-
 def _start_like(like: Mesh, hosts: tuple[HostSpec, ...], gpus: int, name: str | None,
                 options: dict[str, Any]) -> Mesh:
     """A new mesh on some of `like`'s hosts, with its settings unless `options` say otherwise."""
@@ -485,32 +375,9 @@ def _start_like(like: Mesh, hosts: tuple[HostSpec, ...], gpus: int, name: str | 
     if set(options) - known:
         raise MeshUsageError(f"spawn_procs() on a mesh's hosts takes {', '.join(sorted(known))}; "
                              f"not {', '.join(sorted(set(options) - known))}")
-    return _start_mesh(list(hosts), gpus, options.get("dist", spec.backend), name, options.get("env", spec.env),
+    return Mesh.started(start_runtime(list(hosts), gpus, options.get("dist", spec.backend), name, options.get("env", spec.env),
                        options.get("timeout", spec.start_timeout_s), options.get("master_addr", spec.master_addr),
                        options.get("health", spec.health), allocation=allocation,
-                       preload=options.get("preload", spec.preload), relay_branching=spec.relay_branching)
+                       preload=options.get("preload", spec.preload), relay_branching=spec.relay_branching))
 
 
-def _preload_list(preload: Sequence[str] | None, dist: str) -> tuple[str, ...]:
-    """What each agent imports before forking: as asked, else torch when there is a process group."""
-    if preload is None:
-        return () if dist == "none" else ("torch",)
-    if isinstance(preload, str):
-        preload = [part for part in preload.split(",") if part.strip()]
-    names = tuple(part.strip() for part in preload)
-    bad = [n for n in names if not _MODULE.fullmatch(n)]
-    if bad:
-        raise MeshUsageError(f"preload={bad!r}: give module names (e.g. preload=['torch', 'transformers'])")
-    return names
-
-
-def _cuda_count() -> int:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except ImportError:
-        return 0

@@ -9,6 +9,8 @@ from typing import Any
 from monarch_kernel.core.errors import MeshUsageError, MonarchWarning
 from monarch_kernel.planner.hardware import Figures, size_text
 from monarch_kernel.planner.layout import Layout
+from monarch_kernel.wire.ops import ApplyLayout
+from monarch_kernel.wire.serialization import seal
 
 _FIGURES: weakref.WeakKeyDictionary[Any, Figures] = weakref.WeakKeyDictionary()  # per mesh runtime
 
@@ -81,15 +83,8 @@ def apply(plan: Any, candidate: Any, seed: int, names: tuple[str, str, str]) -> 
     batch = plan.batch() if layout.pp > 1 else None  # (a pipeline is traced on the batch's shape)
     model_name, optimizer_name, step_name = names
 
-    def bind(worker: Any) -> str:
-        from monarch_kernel.planner.apply import build_in_layout
-
-        model, optimizer, step, device_mesh = build_in_layout(spec, layout, batch)
-        worker.namespace.update({model_name: model, optimizer_name: optimizer, step_name: step,
-                                 "device_mesh": device_mesh})
-        return layout.text
-
-    mesh._call_in_worker(bind, f"plan.apply({layout})", timeout=1800)
+    sealed = seal((spec, batch))
+    mesh._ask(ApplyLayout(sealed, layout.text, (model_name, optimizer_name, step_name)), f"plan.apply({layout})", timeout=1800)
     print(f"applied {layout} on {mesh.name!r}: {model_name}, {optimizer_name} and {step_name}(batch) are bound on "
           f"every rank (estimated peak {size_text(candidate.peak_bytes)} per rank)")
     return candidate

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from monarch_kernel.api.mesh import _NAME, Mesh, _mesh_numbers, _start_mesh
+from monarch_kernel.api.mesh import Mesh
+from monarch_kernel.api.mesh_start import MESH_NAME, mesh_numbers, start_runtime
 from monarch_kernel.controller import slurm
 from monarch_kernel.controller.state import RELAY_BRANCHING
 from monarch_kernel.core.errors import MeshInterrupted, MeshUsageError
@@ -34,8 +35,8 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
     `preload` and `relay_branching`: as for `local_mesh` and `ssh_mesh`.
     """
     reuse_name = name
-    name = name or f"mesh{next(_mesh_numbers)}"
-    if not _NAME.fullmatch(name):
+    name = name or f"mesh{next(mesh_numbers)}"
+    if not MESH_NAME.fullmatch(name):
         raise MeshUsageError(f"mesh name {name!r}: use 1 to 64 letters, digits, '_', '-' or '.'")
     if not isinstance(nodes, int) or nodes < 1:
         raise MeshUsageError(f"nodes={nodes!r}: give a positive number of nodes")
@@ -54,8 +55,9 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
                               "cancelled, nothing is queued", []) from None
     allocation.python, allocation.setup, allocation.direct = python or sys.executable, setup, direct
     try:
-        return _start_mesh(list(allocation.host_specs()), gpus, dist, name, env, timeout, master_addr, health,
-                           allocation=allocation, preload=preload, relay_branching=relay_branching)
+        return Mesh.started(start_runtime(list(allocation.host_specs()), gpus, dist, name, env, timeout, master_addr,
+                                          health, allocation=allocation, preload=preload,
+                                          relay_branching=relay_branching))
     except BaseException:
         allocation.release()  # a mesh that did not start leaves no allocation behind (unless keep)
         raise

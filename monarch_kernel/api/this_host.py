@@ -12,7 +12,8 @@ import threading
 from typing import Any
 
 from monarch_kernel.actors.procs import HostMesh, ProcMesh, mesh_started
-from monarch_kernel.api.mesh import Mesh, local_mesh
+from monarch_kernel.api.mesh import Mesh
+from monarch_kernel.api.starting import local_mesh
 from monarch_kernel.controller.hostspec import HostSpec
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.shape import Shape

@@ -23,12 +23,13 @@ from monarch_kernel.controller.runtime import MeshRuntime
 from monarch_kernel.controller.workspace_sync import HostResult, Scan, scan, sync_hosts
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.workspace import workspace_key
+from monarch_kernel.wire.ops import RankOperation, SetAutoreload, UseWorkspace
 
 DEFAULT_MAX_BYTES = 1 << 30  # a sync larger than this is refused unless forced (a dataset in the folder?)
 PROJECT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
 
 # how the API runs a function on some ranks: (ranks, fn(worker), label) -> each rank's value
-CallOnRanks = Callable[[list[int], Callable[[Any], Any], str], Any]
+AskRanks = Callable[[list[int], RankOperation, str], Any]  # runs an operation on these ranks (`Mesh._ask_on`)
 
 
 @dataclass
@@ -138,7 +139,7 @@ def project_folder(start: str | None = None) -> str:
         folder = parent
 
 
-def sync(runtime: MeshRuntime, call_on: CallOnRanks, path: str | None = None, *, exclude: Iterable[str] = (),
+def sync(runtime: MeshRuntime, ask: AskRanks, path: str | None = None, *, exclude: Iterable[str] = (),
          auto: bool = False, chdir: bool = False, force: bool = False, max_bytes: int = DEFAULT_MAX_BYTES,
          show: Callable[[str], None] | None = None) -> SyncReport:
     """Sync a folder to every host of the mesh and put it on the ranks' sys.path (see `Mesh.sync_workspace`)."""
@@ -152,7 +153,7 @@ def sync(runtime: MeshRuntime, call_on: CallOnRanks, path: str | None = None, *,
     workspaces = workspaces_of(runtime)
     workspaces.folders[folder] = entry
     if (folder, chdir) not in workspaces.in_use or report.errors:  # a re-sync needs no round trip to the ranks
-        _use_on_ranks(runtime, call_on, report, chdir)
+        _use_on_ranks(runtime, ask, report, chdir)
         workspaces.in_use.add((folder, chdir))
     return report
 
@@ -168,43 +169,32 @@ def sync_changed(runtime: MeshRuntime, show: Callable[[str], None] | None = None
     return reports
 
 
-def reapply(runtime: MeshRuntime, call_on: CallOnRanks) -> None:
+def reapply(runtime: MeshRuntime, ask: AskRanks) -> None:
     """After a restart: sync again (the hosts may be new: a new Slurm allocation), then the fresh
     ranks get the synced folders on sys.path (and autoreload) again."""
     workspaces = workspaces_of(runtime)
     workspaces.in_use.clear()  # fresh ranks
     for entry in workspaces.folders.values():
         report = _sync_folder(runtime, entry, force=True, show=show_stdout)
-        _use_on_ranks(runtime, call_on, report, entry.chdir)
+        _use_on_ranks(runtime, ask, report, entry.chdir)
         workspaces.in_use.add((entry.folder, entry.chdir))
     if workspaces.autoreload:
-        set_autoreload(runtime, call_on, True)
+        set_autoreload(runtime, ask, True)
 
 
-def set_autoreload(runtime: MeshRuntime, call_on: CallOnRanks, on: bool) -> None:
+def set_autoreload(runtime: MeshRuntime, ask: AskRanks, on: bool) -> None:
     """Turn autoreload of the synced folders' modules on or off on every rank."""
     workspaces_of(runtime).autoreload = on
-    call_on(list(runtime.ranks), lambda worker: worker.autoreload(on), "autoreload")
+    ask(list(runtime.ranks), SetAutoreload(on), "autoreload")
 
 
-def _use(local_folder: str | None, key: str, chdir: bool) -> Callable[[Any], Any]:
-    """What a rank runs to use a workspace: the folder itself (this machine) or its host's copy."""
-    def use(worker: Any) -> Any:
-        if local_folder is not None:
-            return worker.use_workspace(local_folder, chdir)
-        from monarch_kernel.core.workspace import private_host_path
-
-        return worker.use_workspace(private_host_path(key, create=False), chdir)
-    return use
-
-
-def _use_on_ranks(runtime: MeshRuntime, call_on: CallOnRanks, report: SyncReport, chdir: bool) -> None:
+def _use_on_ranks(runtime: MeshRuntime, ask: AskRanks, report: SyncReport, chdir: bool) -> None:
     failed_hosts = {h.host for h in report.hosts if h.errors and not h.root}
     for link, spec in zip(runtime.state.links, runtime.spec.hosts):
         if link.name in failed_hosts:
             continue
         where = report.folder if spec.kind == HostKind.LOCAL else None
-        call_on(link.ranks, _use(where, report.key, chdir), "use_workspace")
+        ask(link.ranks, UseWorkspace(where, report.key, chdir), "use_workspace")
 
 
 def _sync_folder(runtime: MeshRuntime, entry: SyncedFolder, *, force: bool, show: Callable[[str], None],

@@ -22,6 +22,7 @@ from monarch_kernel.controller.host_ops import HostOps, Progress
 from monarch_kernel.controller.state import HostLink
 from monarch_kernel.core.partial_files import finish_partial, open_partial, resumable_size
 from monarch_kernel.core.workspace import prefix_digest, safe_relative
+from monarch_kernel.wire.ops import Checksum, DescribePath, PrefixDigest, PutBegin, PutChunk, PutEnd, ReadChunk
 
 CHUNK = 8 << 20
 WINDOW = 4
@@ -101,7 +102,7 @@ async def _put_file(ops: HostOps, link: HostLink, path: str, target: str, progre
                     result: TransferResult) -> None:
     info = os.stat(path)
     size = info.st_size
-    begin = await ops.send(link, "files.put_begin", {"path": target, "size": size})
+    begin = await ops.send(link, PutBegin(target, size))
     digest, offset = hashlib.sha256(), 0
     if begin["partial"]:
         ours = await asyncio.to_thread(prefix_digest, path, begin["partial"])
@@ -121,7 +122,7 @@ async def _put_file(ops: HostOps, link: HostLink, path: str, target: str, progre
             data = await asyncio.to_thread(_read, path, at, min(CHUNK, size - at))
             if before is not None:
                 await before  # chunks go out in file order (the reads may finish in any order)
-            answer = ops.send(link, "files.put_chunk", {"path": target, "offset": at, "data": pickle.PickleBuffer(data)})
+            answer = ops.send(link, PutChunk(target, at, pickle.PickleBuffer(data)))
             queued.set_result(None)
             await answer
             return data
@@ -133,14 +134,13 @@ async def _put_file(ops: HostOps, link: HostLink, path: str, target: str, progre
         result.bytes_moved += len(data)
 
     await _windowed(offsets, start, finish)
-    await ops.send(link, "files.put_end", {"path": target, "size": size, "sha256": digest.hexdigest(),
-                                            "mode": info.st_mode, "mtime_ns": info.st_mtime_ns})
+    await ops.send(link, PutEnd(target, size, digest.hexdigest(), info.st_mode, info.st_mtime_ns))
 
 
 async def get_host(ops: HostOps, link: HostLink, src: str, dst: str, progress: Progress) -> TransferResult:
     """Copy path `src` of one host (a file, or a folder's files) to the local path `dst`."""
     result = TransferResult(link.name)
-    described = await ops.send(link, "files.describe", {"path": src})
+    described = await ops.send(link, DescribePath(src))
     remote = described["path"]
     files: dict[str, int] = described["files"]
     modes: dict[str, int] = described.get("modes", {})
@@ -167,7 +167,7 @@ async def _get_file(ops: HostOps, link: HostLink, remote: str, local: str, size:
     digest, offset = hashlib.sha256(), 0
     have = resumable_size(partial)
     if 0 < have <= size:
-        theirs = await ops.send(link, "files.prefix", {"path": remote, "length": have})
+        theirs = await ops.send(link, PrefixDigest(remote, have))
         ours = await asyncio.to_thread(prefix_digest, partial, have)
         if ours is not None and ours.hexdigest() == theirs["sha256"]:
             digest, offset = ours, have
@@ -177,7 +177,7 @@ async def _get_file(ops: HostOps, link: HostLink, remote: str, local: str, size:
         out.seek(offset)
 
         def start(at: int) -> asyncio.Future[Any]:
-            return ops.send(link, "files.read", {"path": remote, "offset": at, "size": min(CHUNK, size - at)})
+            return ops.send(link, ReadChunk(remote, at, min(CHUNK, size - at)))
 
         async def finish(_at: int, answer: Any) -> None:
             data = answer["data"]
@@ -192,7 +192,7 @@ async def _get_file(ops: HostOps, link: HostLink, remote: str, local: str, size:
         await _windowed(list(range(offset, size, CHUNK)), start, finish)
         out.truncate(size)
         out.flush()
-        check = await ops.send(link, "files.checksum", {"path": remote})
+        check = await ops.send(link, Checksum(remote))
         if check["size"] != size or check["sha256"] != digest.hexdigest():
             os.unlink(partial)
             raise RuntimeError("the file changed on the host while it was read (checksums differ); get it again")

@@ -13,6 +13,7 @@ from typing import Any
 
 from monarch_kernel.controller.state import HostLink
 from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.ops import HostOperation
 
 
 @dataclass
@@ -36,12 +37,12 @@ class HostOps:
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[HostLink, asyncio.Future[Any]]] = {}
 
-    def send(self, link: HostLink, kind: str, args: dict[str, Any]) -> asyncio.Future[Any]:
-        """Send an operation to link's agent; the future holds its result (loop thread only)."""
+    def send(self, link: HostLink, op: HostOperation) -> asyncio.Future[Any]:
+        """Send an operation (`wire/ops.py`) to link's agent; the future holds its result (loop thread only)."""
         op_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[op_id] = (link, future)
-        if not link.send(m.HostOp(op_id, kind, args)):
+        if not link.send(m.HostOp(op_id, op)):
             self._waiting.pop(op_id)
             future.set_exception(HostOpFailed(f"host {link.name} is not connected"))
         return future

@@ -15,11 +15,39 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from monarch_kernel.controller.hostspec import HostKind, HostSpec
 from monarch_kernel.core.package import PACKAGE_PARENT
 from monarch_kernel.wire.transport import AsyncConnection
+
+
+class AgentHandle(Protocol):
+    """The controller's hold on a remote host agent: an SSH session (`ssh.RemoteAgent`) or a Slurm job
+    step (`slurm_step.SlurmStep`). Local agents are a process and a socketpair instead."""
+
+    scheduled: bool  # a scheduler (Slurm) can say why the agent or its ranks went away: see below
+
+    def attach(self, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]) -> Any:
+        """The framed connection to the agent (or a coroutine that makes it)."""
+
+    async def explain_exit(self) -> str:
+        """Why the agent is gone (for start-up failures)."""
+
+    def job_ended(self) -> str:
+        """What the scheduler says ended the job, if it did ("" if nothing); blocking."""
+
+    def lost_reason(self) -> str:
+        """What the scheduler says of the agent's node when the link is lost ("" if nothing); blocking."""
+
+    async def remove_shipped(self) -> None:
+        """Remove the package copy shipped to the host, if any."""
+
+    async def wait_closed(self) -> None:
+        """Until the agent's session or step has ended."""
+
+    def close(self) -> None:
+        """End the session or step."""
 
 
 @dataclass
@@ -29,7 +57,7 @@ class HostConnection:
     sock: socket.socket | None  # local agents: our end of the socketpair
     address: str  # the address the controller reached the host at
     process: subprocess.Popen | None = None  # local agents
-    remote: Any = None  # ssh.RemoteAgent for remote ones
+    remote: AgentHandle | None = None  # remote ones: SSH or a Slurm job step
 
     async def connect(self, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]) -> Any:
         """A framed connection to the agent (socketpair, or the SSH channel)."""

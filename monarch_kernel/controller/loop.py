@@ -41,3 +41,16 @@ class ControllerLoop:
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run fn(*args) on the loop thread soon."""
         self.loop.call_soon_threadsafe(fn, *args)
+
+    @classmethod
+    def stop(cls, timeout: float = 5.0) -> None:
+        """End the shared loop and its thread, if it runs (again and again: nothing happens). The next
+        get() starts a fresh one. Meshes still open on it stop being served: shut them down first."""
+        with cls._lock:
+            instance, cls._instance = cls._instance, None
+        if instance is None:
+            return
+        instance.loop.call_soon_threadsafe(instance.loop.stop)
+        instance.thread.join(timeout)
+        if not instance.thread.is_alive():
+            instance.loop.close()

@@ -22,6 +22,7 @@ from typing import Any
 
 from monarch_kernel.controller.state import RELAY_BRANCHING, HostLink
 from monarch_kernel.wire import messages as m
+from monarch_kernel.wire import relay_messages as rm
 from monarch_kernel.wire.relay_link import new_key
 
 DEFAULT_BRANCHING = RELAY_BRANCHING
@@ -75,8 +76,8 @@ class ControllerRelays:
         self.branching = branching
         self._notice = notice  # tells the notebook (a setup that failed, a cut subtree)
         self.tree: RelayTree | None = None  # set while the tree carries traffic
-        self._listening: dict[int, asyncio.Future[m.RelayListening]] = {}
-        self._joined: dict[int, asyncio.Future[m.RelayJoined]] = {}
+        self._listening: dict[int, asyncio.Future[rm.RelayListening]] = {}
+        self._joined: dict[int, asyncio.Future[rm.RelayJoined]] = {}
 
     @property
     def active(self) -> bool:
@@ -93,7 +94,7 @@ class ControllerRelays:
             await asyncio.wait_for(self._build(tree, links), SETUP_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - any failure (a timeout too): run direct
             for link in links:
-                link.send(m.RelayStop())
+                link.send(rm.RelayStop())
             why = str(exc) or f"{type(exc).__name__} after {SETUP_TIMEOUT_S:g} s"
             self._notice(f"relays between the {len(links)} hosts could not be set up ({why}); the controller "
                          "sends to every host itself (check that the hosts reach each other over TCP)\n")
@@ -109,7 +110,7 @@ class ControllerRelays:
         relays = sorted(tree.children)
         for host in relays:
             self._listening[host] = loop.create_future()
-            links[host].send(m.RelayServe(key, _address(links[host]), host, tuple(tree.children[host]),
+            links[host].send(rm.RelayServe(key, _address(links[host]), host, tuple(tree.children[host]),
                                           tree.routes(host)))
         where: dict[int, tuple[str, int]] = {}  # the literal address and port each relay bound
         for host, listening in zip(relays, await asyncio.gather(*(self._listening[h] for h in relays))):
@@ -121,18 +122,18 @@ class ControllerRelays:
             self._joined[child] = loop.create_future()
             parent = tree.parents[child]
             assert parent is not None
-            links[child].send(m.RelayJoin(*where[parent], key, child))
+            links[child].send(rm.RelayJoin(*where[parent], key, child))
         for child, joined in zip(children, await asyncio.gather(*(self._joined[c] for c in children))):
             if joined.error:
                 raise RuntimeError(f"host {links[child].name}: {joined.error}")
 
-    def listening(self, link: HostLink, msg: m.RelayListening) -> None:
+    def listening(self, link: HostLink, msg: rm.RelayListening) -> None:
         """A relay host says where it listens."""
         waiting = self._listening.get(link.index)
         if waiting is not None and not waiting.done():
             waiting.set_result(msg)
 
-    def joined(self, link: HostLink, msg: m.RelayJoined) -> None:
+    def joined(self, link: HostLink, msg: rm.RelayJoined) -> None:
         """A child host says whether it joined its relay."""
         waiting = self._joined.get(link.index)
         if waiting is not None and not waiting.done():
@@ -164,7 +165,7 @@ class ControllerRelays:
             if len(entries) == 1 and entries[0][0].index == top:
                 links[top].send(m.ToRanks(entries[0][1], body))
             else:  # (a lost top host: its subtree was declared lost, so its ranks are not among these)
-                links[top].send(m.RelayDown(tuple((link.index, local) for link, local in entries), body))
+                links[top].send(rm.RelayDown(tuple((link.index, local) for link, local in entries), body))
 
 
 def _address(link: HostLink) -> str:

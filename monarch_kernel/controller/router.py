@@ -32,6 +32,7 @@ class ControllerSender:
     """Routes the actor calls of one mesh for the notebook's process (thread-safe entry points)."""
 
     caller_id = m.CONTROLLER
+    own_rank = None  # the notebook is no rank
 
     def __init__(self, state: MeshState, loop: ControllerLoop, report_timing: TimingReporter | None = None):
         self._state = state
@@ -121,6 +122,14 @@ class ControllerSender:
         """Send a message through a Port that a rank opened."""
         self._state.require_open()
         self._loop.call(self.router.reply, msg)
+
+    def send_up(self, msg: m.OwnActors) -> None:
+        """Actors live on ranks: the notebook never owns an actor mesh through one of its actors."""
+        raise RuntimeError("send_up is for ranks: the notebook has no actors")
+
+    def answer(self, caller: int, call_id: int, value: Any, failure: m.Failure | None) -> bool:
+        """No call is ever made to the notebook, so none waits for an answer here."""
+        return False
 
     def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
         """Poll ready() until it holds or the timeout passes (ports in the notebook wait on their own)."""

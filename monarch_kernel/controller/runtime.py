@@ -19,18 +19,21 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, ClassVar
 
+from monarch_kernel.controller.heartbeat import HostHearing
 from monarch_kernel.controller.host_ops import HostOps
 from monarch_kernel.controller.hosts import HostConnection, HostSpec, open_host
 from monarch_kernel.controller.loop import ControllerLoop
+from monarch_kernel.controller.rank_start import quiet_future, start_failure, start_ranks
 from monarch_kernel.controller.relays import ControllerRelays
 from monarch_kernel.controller.requests import IdleOutput, RequestBook
 from monarch_kernel.controller.router import ControllerSender, TimingReporter
 from monarch_kernel.controller.state import HostLink, MeshSpec, MeshState, RankSnapshot, RankState
-from monarch_kernel.core.errors import MeshStartError, MeshUsageError
+from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.core.folders import release_folder
 from monarch_kernel.core.versions import __version__
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
+from monarch_kernel.wire import relay_messages as rm
 from monarch_kernel.wire.calls import register_sender, unregister_sender
 from monarch_kernel.wire.serialization import carries_shm_refs, forget_mappings
 from monarch_kernel.wire.transport import FrameError
@@ -56,6 +59,7 @@ class MeshRuntime:
         self.requests = RequestBook(self.state, self.controller, self.sender, idle_output or (lambda *_: None))
         self.relays = ControllerRelays(spec.relay_branching, _notice)  # fan-out through agents, past branching hosts
         self._heartbeat: asyncio.Task[None] | None = None
+        self.hearing = HostHearing(self.state, spec, clock, self._on_lost, _notice)  # pings, silences
         self.host_ops = HostOps()  # work for the agents themselves (workspace files)
         self._lifecycle = asyncio.Lock()  # one restart or shutdown at a time (a double click, two cells)
         self._handlers: dict[type, Handler] = {
@@ -69,10 +73,10 @@ class MeshRuntime:
             m.ActorCall: lambda link, msg: self.sender.router.call(msg),
             m.CancelCall: lambda link, msg: self.sender.router.cancel(msg),
             m.OwnActors: lambda link, msg: self.sender.supervisors.own(msg),
-            m.RelayUp: self._on_relayed,
-            m.RelayListening: self.relays.listening,
-            m.RelayJoined: self.relays.joined,
-            m.RelayLost: lambda link, msg: self._relay_lost(msg.host, msg.why),
+            rm.RelayUp: self._on_relayed,
+            rm.RelayListening: self.relays.listening,
+            rm.RelayJoined: self.relays.joined,
+            rm.RelayLost: lambda link, msg: self._relay_lost(msg.host, msg.why),
             m.HostLoad: self._on_load,
             m.Pong: lambda link, msg: None,  # any message counts as a sign of life
             m.AgentProblem: lambda link, msg: print(f"monarch_kernel: host {link.name}: {msg.text}",
@@ -129,11 +133,11 @@ class MeshRuntime:
         state.links = []
         loop = asyncio.get_running_loop()
         if self._heartbeat is None or self._heartbeat.done():  # each agent is pinged once connected
-            self._heartbeat = loop.create_task(self._ping_hosts())
+            self._heartbeat = loop.create_task(self.hearing.ping_hosts())
         for index, host in enumerate(self.spec.hosts):
             ranks = list(range(index * self.spec.gpus, (index + 1) * self.spec.gpus))
             link = HostLink(index, host.name, ranks, log_path=os.path.join(state.run_dir, f"agent-{index}.log"),
-                            started=_quiet_future(loop))
+                            started=quiet_future(loop))
             state.links.append(link)
             for local, rank in enumerate(ranks):
                 state.ranks[rank] = RankState(rank, host.name, local)
@@ -142,68 +146,17 @@ class MeshRuntime:
         failed = [(link, exc) for link, exc in zip(state.links, results) if isinstance(exc, BaseException)]
         if failed:
             await self._close_links()  # leave nothing running on the hosts that did start
-            report = "\n".join(f"  {link.name}: {_reason(exc)}" for link, exc in failed)
+            report = "\n".join(f"  {link.name}: {start_failure(exc)}" for link, exc in failed)
             raise MeshStartError(f"mesh {self.name!r} could not start on {len(failed)} of "
                                  f"{len(state.links)} hosts:\n{report}")
-        await self._start_ranks()
+        await start_ranks(self.state, self.spec, self.relays)
 
     async def _connect(self, link: HostLink, spec: HostSpec) -> None:
-        link.greeted = _quiet_future(asyncio.get_running_loop())
+        link.greeted = quiet_future(asyncio.get_running_loop())
         host = link.host = await self._open_host(spec, log_path=link.log_path, env=self.spec.env,
                                                  mesh_folders=(self.state.run_dir, self.state.shm_dir))
         link.last_pong = self._clock()
         link.conn = await host.connect(partial(self._on_message, link), partial(self._on_lost, link))
-
-    async def _start_ranks(self) -> None:
-        links = self.state.links
-        try:
-            await asyncio.wait_for(asyncio.gather(*(link.greeted for link in links if link.greeted is not None)),
-                                   self.spec.start_timeout_s)
-        except TimeoutError:
-            raise MeshStartError(f"mesh {self.name!r}: no agent answered within {self.spec.start_timeout_s:.0f} s; "
-                                 f"see the agent logs in {self.state.run_dir}") from None
-        hosts = [link.host for link in links if link.host is not None]
-        assert len(hosts) == len(links), "every host is connected before its ranks start"
-        master = self.spec.master_addr or hosts[0].address
-        dist = m.DistConfig(self.spec.backend, master, len(links) * self.spec.gpus)
-        loop = asyncio.get_running_loop()
-        started = []
-        for link in links:
-            if link.started is None or link.started.done():
-                link.started = _quiet_future(loop)  # fails if the agent is lost meanwhile
-            started.append(link.started)
-        # one host: its ranks meet in a FileStore there; several: rank 0's TCPStore on MASTER_ADDR
-        multi_host = self.spec.backend != "none" and len(links) > 1
-        port = await self._bind_store(links[0], started[0], master) if multi_host else 0
-        if not self.relays.active:  # (a restart that kept every agent keeps their tree)
-            await self.relays.setup(links)
-            self.state.relay_route = self.relays.route if self.relays.active else None
-        for link, host in zip(links, hosts):
-            specs = tuple(m.RankSpec(r, i, self.spec.gpus) for i, r in enumerate(link.ranks))
-            link.send(m.StartRanks(ranks=specs, dist=dist, env=dict(self.spec.env),
-                                   shm_dir=self.state.shm_dir if host.process else None,
-                                   node_rank=link.index, master_port=port, health=self.spec.health))
-        try:
-            infos = await asyncio.wait_for(asyncio.gather(*started), self.spec.start_timeout_s)
-        except TimeoutError:
-            raise MeshStartError(
-                f"mesh {self.name!r} did not start within {self.spec.start_timeout_s:.0f} s; "
-                f"see the agent log in {self.state.run_dir}") from None
-        for batch in infos:
-            for info in batch:
-                self.state.ranks[info.rank].started(info.pid)
-
-    async def _bind_store(self, first: HostLink, started: asyncio.Future[Any], master: str) -> int:
-        """Have host 0's agent bind the rendezvous store; its port."""
-        port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        first.store_port = port
-        first.send(m.BindStore(master))
-        await asyncio.wait([port, started], timeout=30, return_when=asyncio.FIRST_COMPLETED)
-        if not port.done():
-            if started.done():
-                started.result()  # raises why the host failed
-            raise MeshStartError(f"mesh {self.name!r}: host {first.name} did not bind the rendezvous store")
-        return port.result()
 
     def restart(self, timeout: float | None = None) -> None:
         """Replace every rank with a fresh one (same shape); namespaces are lost."""
@@ -241,7 +194,7 @@ class MeshRuntime:
             rank_state.alive = False
             rank_state.inflight.clear()
             rank_state.fd_seen = 0  # the fresh ranks' fd output is counted from 0 (wire/fd_marks.py)
-        await self._start_ranks()
+        await start_ranks(self.state, self.spec, self.relays)
 
     def shutdown(self) -> None:
         """Stop every rank and agent and remove temporary files (idempotent)."""
@@ -278,52 +231,11 @@ class MeshRuntime:
         for link in links:
             link.close()
 
-    async def _ping_hosts(self) -> None:
-        """Ping every agent regularly; a host silent for host_lost_after_s is lost."""
-        seq = 0
-        interval = self.spec.health.ping_interval_s
-        loop = asyncio.get_running_loop()
-        last_tick = loop.time()
-        while not self.state.closed:
-            await asyncio.sleep(interval)
-            seq += 1
-            now = self._clock()
-            if loop.time() - last_tick > 2 * interval + 0.5:
-                # this loop itself was stalled (the kernel held the GIL in a C call): the
-                # agents' answers are still unread, so their silence says nothing yet
-                for link in self.state.links:
-                    link.last_pong = max(link.last_pong, now)
-            last_tick = loop.time()
-            for link in self.state.links:
-                if not link.is_open:
-                    continue
-                if _made_progress(link):
-                    link.last_pong = max(link.last_pong, now)
-                silent = now - link.last_pong
-                if link.answered and silent > self.spec.health.host_lost_after_s:
-                    self._on_lost(link, TimeoutError(f"no heartbeat for {silent:.1f} s"))
-                    link.close()
-                    continue
-                self._note_reachability(link, silent)
-                link.send(m.Ping(seq))
-
-    def _note_reachability(self, link: HostLink, silent: float) -> None:
-        """Say once when a host goes quiet (its ranks and link are kept) and when it is heard again."""
-        health = self.spec.health
-        quiet = link.answered and silent > min(health.host_unreachable_after_s, health.host_lost_after_s)
-        if quiet and not link.unreachable:
-            link.unreachable = True
-            _notice(f"mesh {self.name!r}: host {link.name} has not answered for {silent:.1f} s: unreachable; "
-                    f"its ranks are kept, and it is given up after {health.host_lost_after_s:.0f} s of silence\n")
-        elif not quiet and link.unreachable:
-            link.unreachable = False
-            _notice(f"mesh {self.name!r}: host {link.name} answers again\n")
-
     # ------------------------------------------------------------ messages from agents
     def _on_message(self, link: HostLink, msg: Any) -> None:
         link.last_pong = self._clock()
         if link.unreachable:
-            self._note_reachability(link, 0.0)
+            self.hearing.note_reachability(link, 0.0)
         if not link.answered:  # the agent's first frame says which version it runs
             link.answered = True
             problem = handshake.mismatch(msg, link.name, __version__)
@@ -370,14 +282,14 @@ class MeshRuntime:
                 f"mesh {self.name!r}: ranks on host {link.name} failed to start:\n{msg.text}"))
 
     def _on_rank_exited(self, link: HostLink, msg: m.RankExited) -> None:
-        ended = getattr(link.host.remote, "job_ended", None) if link.host is not None else None
-        if ended is None or msg.expected:
+        remote = link.host.remote if link.host is not None else None
+        if remote is None or not remote.scheduled or msg.expected:
             self.requests.rank_exited(msg.rank, msg.exit_code, msg.signal, msg.stderr_tail, expected=msg.expected)
             return
 
         async def with_cause() -> None:  # a rank killed by the scheduler (time limit, scancel): say so
             try:
-                cause = await asyncio.wait_for(asyncio.to_thread(ended), 5)
+                cause = await asyncio.wait_for(asyncio.to_thread(remote.job_ended), 5)
             except Exception:  # noqa: BLE001 - reported without it
                 cause = ""
             rank_state = self.state.ranks[msg.rank]
@@ -390,11 +302,11 @@ class MeshRuntime:
     def _on_lost(self, link: HostLink, exc: Exception | None) -> None:
         if self.state.closed:
             return
-        explain = getattr(link.host.remote, "lost_reason", None) if link.host is not None else None
-        if explain is not None:  # a Slurm node: ask Slurm why (off the loop); that answer reports the loss
+        remote = link.host.remote if link.host is not None else None
+        if remote is not None and remote.scheduled:  # a Slurm node: ask Slurm why (off the loop); that answer reports the loss
             if not link.explained:  # (the connection closing after a missed heartbeat is the same loss)
                 link.explained = True
-                asyncio.get_running_loop().create_task(self._lost_because(link, exc, explain))
+                asyncio.get_running_loop().create_task(self._lost_because(link, exc, remote.lost_reason))
             return
         self._host_lost(link, exc)
 
@@ -443,7 +355,7 @@ class MeshRuntime:
         for link in cut:
             self._host_lost(link, RuntimeError(f"cut off from the controller: {why}"))
 
-    def _on_relayed(self, link: HostLink, msg: m.RelayUp) -> None:
+    def _on_relayed(self, link: HostLink, msg: rm.RelayUp) -> None:
         """Output and results of hosts below `link`'s, combined on the way up (already checked, as any
         message of a remote host, for shared-memory file names)."""
         for inner in msg.msgs:
@@ -457,59 +369,17 @@ class MeshRuntime:
             if waiting is not None and not waiting.done():
                 waiting.set_exception(MeshStartError(f"mesh {self.name!r}: host {link.name}: {why}"))
 
-    # ------------------------------------------------------------ logs
-    def agent_log(self, host: int | str, lines: int = 50) -> str:
-        """The last lines of the log of a host agent, by host index or name."""
-        for link in self.state.links:
-            if host in (link.index, link.name):
-                try:
-                    with open(link.log_path, encoding="utf-8", errors="replace") as f:
-                        return "".join(f.readlines()[-lines:])
-                except OSError:
-                    return ""
-        names = ", ".join(link.name for link in self.state.links)
-        raise MeshUsageError(f"mesh {self.name!r} has no host {host!r} (hosts: {names})")
-
-    def logs(self, rank: int, lines: int = 50) -> list[tuple[str, str]]:
-        """The last lines a rank printed (stream, text)."""
-        return self.state.ranks[rank].log.tail(lines)
-
 
 @atexit.register
 def _shutdown_open_meshes() -> None:
-    """Meshes the user never shut down: stop their processes and remove their files."""
+    """The one exit hook: meshes the user never shut down (by API or magic) stop their processes and
+    remove their files, then the controller's loop ends."""
     for runtime in list(MeshRuntime._open):
         try:
             runtime.shutdown()
         except Exception:  # noqa: BLE001 - best effort while the interpreter exits
             pass
-
-
-def _quiet_future(loop: asyncio.AbstractEventLoop) -> asyncio.Future[Any]:
-    """A future whose failure may go unawaited (a host failing while the start is aborted)."""
-    future = loop.create_future()
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return future
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc)
-    return text.split(": ", 1)[1] if text.startswith("host ") and ": " in text else (text or type(exc).__name__)
-
-
-def _made_progress(link: HostLink) -> bool:
-    """Whether bytes moved on the link since the last ping tick, though no message completed.
-
-    Part of a large frame arrived (a pull), or the peer took part of what we queued for it (a
-    push): either way the host is alive, and its pong may simply be queued behind those bytes,
-    here or on its side (an oversubscribed machine, or a slow link). A cut link moves nothing.
-    """
-    received = getattr(link.conn, "last_received", None)
-    backlog_of = getattr(link.conn, "backlog", None)
-    backlog = backlog_of() if backlog_of is not None else 0
-    moved = (received is not None and received != link.last_bytes) or backlog < link.last_backlog
-    link.last_bytes, link.last_backlog = received, backlog
-    return moved
+    ControllerLoop.stop()
 
 
 RELAYED_UP = (m.Output, m.Display, m.Gathered)  # what may come up a relay tree (see agent/relays.py)

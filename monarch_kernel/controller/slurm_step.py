@@ -46,6 +46,8 @@ class SlurmStep:
     stays on the pipes.
     """
 
+    scheduled = True  # Slurm says why a rank or the whole step went away (time limit, scancel, a dead node)
+
     job_id: str
     node: str
     process: subprocess.Popen

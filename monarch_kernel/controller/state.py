@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from monarch_kernel.controller.events import RequestEvent
 from monarch_kernel.controller.hosts import HostSpec
-from monarch_kernel.core.errors import ConnectionClosed, MeshNotRunningError
+from monarch_kernel.core.errors import ConnectionClosed, MeshNotRunningError, MeshUsageError
 from monarch_kernel.core.failures import FailureKind, RankFailure, exit_text
 from monarch_kernel.core.folders import owned_folder, private_shm_dir, sweep_stale_folders
 from monarch_kernel.core.status import RankStatus
@@ -30,7 +30,6 @@ from monarch_kernel.wire import messages as m
 
 if TYPE_CHECKING:
     from monarch_kernel.controller.hosts import HostConnection
-    from monarch_kernel.wire.transport import AsyncConnection
 
 RANK_LOG_LINES = 500
 RELAY_BRANCHING = 16  # the default: hosts the controller (and each relay) sends a broadcast to itself
@@ -202,6 +201,33 @@ class TimingRecord(NamedTuple):
     finished_at: float
 
 
+class Connection(Protocol):
+    """A framed link to one host agent: a socketpair or pipe (`wire/transport.AsyncConnection`), an
+    SSH channel (`controller/ssh_channel.ChannelConnection`) or a sealed TCP link (`wire/relay_link.RelayLink`)."""
+
+    bytes_sent: int  # what send() has queued in all
+
+    @property
+    def last_received(self) -> float:
+        """When bytes last arrived (time.monotonic()), complete frame or not."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether the link is closed."""
+
+    def backlog(self) -> int:
+        """Bytes queued for the agent that it has not taken yet."""
+
+    def send(self, msg: Any) -> None:
+        """Queue one message (never blocks)."""
+
+    def send_chunks(self, chunks: list) -> None:
+        """Queue an already encoded frame."""
+
+    def close(self) -> None:
+        """Close the link (the agent sees its end)."""
+
+
 @dataclass
 class HostLink:
     """The controller's end of one host agent."""
@@ -210,7 +236,7 @@ class HostLink:
     name: str
     ranks: list[int]
     host: HostConnection | None = None
-    conn: AsyncConnection | None = None
+    conn: Connection | None = None
     greeted: asyncio.Future[None] | None = None  # the agent said which version it runs
     explained: bool = False  # its loss is being (or was) reported with what the scheduler says (Slurm)
     started: asyncio.Future[tuple[m.RankInfo, ...]] | None = None
@@ -307,6 +333,18 @@ class MeshState:
                               for r in link.ranks)
             self._local_ranks = (self.links, local)
         return self.shm_dir if local.issuperset(ranks) else None
+
+    def agent_log(self, host: int | str, lines: int = 50) -> str:
+        """The last lines of the log of a host agent, by host index or name."""
+        for link in self.links:
+            if host in (link.index, link.name):
+                try:
+                    with open(link.log_path, encoding="utf-8", errors="replace") as f:
+                        return "".join(f.readlines()[-lines:])
+                except OSError:
+                    return ""
+        names = ", ".join(link.name for link in self.links)
+        raise MeshUsageError(f"mesh {self.name!r} has no host {host!r} (hosts: {names})")
 
     def require_open(self) -> None:
         """Raise MeshNotRunningError if the mesh was shut down."""

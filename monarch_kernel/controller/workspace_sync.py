@@ -22,6 +22,7 @@ from typing import Any
 from monarch_kernel.controller.host_ops import HostOps, Progress
 from monarch_kernel.controller.state import HostLink
 from monarch_kernel.core.workspace import file_sha256
+from monarch_kernel.wire.ops import HashFiles, ListFiles, WriteFiles
 
 CHUNK = 8 << 20  # bytes per write operation (small files share one)
 BATCH_FILES = 1024  # files per write operation at most (a frame holds 4096 buffers)
@@ -280,7 +281,7 @@ async def sync_hosts(ops: HostOps, links: list[HostLink], key: str, found: Scan,
     Each host first lists its copy, which also says which disk the copy is on (`fsid`):
     on a cluster whose home folders are one NFS share, one host writes and the rest read.
     """
-    listings = await asyncio.gather(*(ops.send(link, "workspace.list", {"key": key}) for link in links),
+    listings = await asyncio.gather(*(ops.send(link, ListFiles(key)) for link in links),
                                     return_exceptions=True)
     writer: dict[str, HostLink] = {}
     listed: dict[str, dict[str, Any]] = {}
@@ -324,7 +325,7 @@ async def sync_host(ops: HostOps, link: HostLink, key: str, found: Scan, progres
             result.unchanged += 1
     touches: dict[str, int] = {}
     if maybe_same:  # same size, another mtime: compare contents before sending
-        theirs = (await ops.send(link, "workspace.hash", {"key": key, "paths": maybe_same}))["hashes"]
+        theirs = (await ops.send(link, HashFiles(key, maybe_same)))["hashes"]
         ours = await asyncio.to_thread(lambda: {rel: local_sha256(found.files[rel].path) for rel in maybe_same})
         for rel in maybe_same:
             if ours[rel] and ours[rel] == theirs.get(rel):
@@ -359,12 +360,10 @@ async def sync_host(ops: HostOps, link: HostLink, key: str, found: Scan, progres
         progress.bytes_done += sum(len(memoryview(c[5])) for c in chunks)
         progress.files_done += sum(1 for c in chunks if c[3] + len(memoryview(c[5])) >= c[4])
         if chunks:
-            in_flight.append(ops.send(link, "workspace.write", {"key": key, "files": chunks, "deletes": [],
-                                                                "touches": {}}))
+            in_flight.append(ops.send(link, WriteFiles(key, chunks, [], {})))
             await settle(WINDOW)
     if deletes or touches:
-        in_flight.append(ops.send(link, "workspace.write", {"key": key, "files": [], "deletes": deletes,
-                                                            "touches": touches}))
+        in_flight.append(ops.send(link, WriteFiles(key, [], deletes, touches)))
     await settle(0)
     result.sent_files = len(sends) - len(failed & set(sends))
     result.sent_bytes = progress.bytes_done

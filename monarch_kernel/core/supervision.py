@@ -60,10 +60,18 @@ def default_fault_hook(failure: MeshFailure) -> None:
           f"to handle these)\n{failure.report()}", file=sys.stderr, flush=True)
 
 
+_hook_source: list[Callable[[], FaultHook]] = []  # where the hook a program set is read (the Monarch API)
+
+
+def read_fault_hook_from(source: Callable[[], FaultHook]) -> None:
+    """Where report_unhandled finds the notebook's hook from now on, read anew at each failure
+    (`monarch_kernel.monarch.actor` registers its `unhandled_fault_hook`, which programs assign)."""
+    _hook_source[:] = [source]
+
+
 def report_unhandled(failure: MeshFailure) -> None:
     """Hand a failure nobody handled to the notebook's hook (the one a program set, if any)."""
-    facade = sys.modules.get("monarch_kernel.monarch.actor")
-    hook: FaultHook = getattr(facade, "unhandled_fault_hook", default_fault_hook)
+    hook = _hook_source[0]() if _hook_source else default_fault_hook
     try:
         hook(failure)
     except BaseException as exc:  # noqa: BLE001 - a hook that raises must not take the kernel with it

@@ -16,11 +16,8 @@ __version__ = "0.12.0"
 PACKAGES = ("torch", "cloudpickle", "monarch_kernel")
 
 
-def versions(_worker: object = None) -> dict[str, str]:
-    """This process's Python and package versions ("-" for a package it cannot import).
-
-    (A rank calls it as fn(worker), so it takes and ignores one argument.)
-    """
+def versions() -> dict[str, str]:
+    """This process's Python and package versions ("-" for a package it cannot import)."""
     return {"python": platform.python_version(), **{name: package_version(name) for name in PACKAGES}}
 
 

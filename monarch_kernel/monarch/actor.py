@@ -32,7 +32,7 @@ from monarch_kernel.actors.procs import HostMesh, ProcMesh, this_proc_of_rank
 from monarch_kernel.core.errors import ActorError, MeshUsageError
 from monarch_kernel.core.future import Future
 from monarch_kernel.core.shape import Point
-from monarch_kernel.core.supervision import MeshFailure, default_fault_hook
+from monarch_kernel.core.supervision import MeshFailure, default_fault_hook, read_fault_hook_from
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire.calls import find_sender
 
@@ -62,10 +62,12 @@ __all__ = [
 # What the notebook does with an actor mesh failure that no actor handled; a program may
 # replace it (monarch_kernel.monarch.actor.unhandled_fault_hook = my_hook), as in Monarch.
 unhandled_fault_hook = default_fault_hook
+read_fault_hook_from(lambda: unhandled_fault_hook)  # read at each failure: a program's assignment counts
 
 
 def _on_rank() -> bool:
-    return getattr(find_sender(""), "own_rank", None) is not None
+    sender = find_sender("")
+    return sender is not None and sender.own_rank is not None
 
 
 def this_host() -> HostMesh:

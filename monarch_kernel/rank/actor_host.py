@@ -9,38 +9,36 @@ awaiting another call does not hold up the other actors of the rank.
 Each actor is its own unit: while a sync endpoint (or a `%%mesh` cell) waits on actor
 calls, the main thread serves the other actors' mailboxes from inside that wait, so a
 sync endpoint may block on another actor of its own rank (as in Ray or Monarch). What
-cannot finish is reported instead of hanging: an actor waiting on itself, actors of the
-rank waiting on each other in a cycle, or a wait on an async endpoint of the rank (the
-event loop that would run it is the thread that waits): `ActorDeadlockError`, naming them.
-
-The rank's `CallSender` lives here too: actor meshes used inside an endpoint or a
-`%%mesh` cell send their calls through the rank's host agent.
+cannot finish is reported instead of hanging (`rank/deadlocks.py`). The rank's own
+`CallSender` is `rank/rank_sender.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
 import inspect
 import linecache
-import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from monarch_kernel.actors.base import SYSTEM_ACTOR, current_actor, current_point, endpoint, is_endpoint, takes_port
+from monarch_kernel.actors.base import SYSTEM_ACTOR, current_actor, current_point, is_endpoint, takes_port
 from monarch_kernel.actors.ports import Port
-from monarch_kernel.core.errors import ActorDeadlockError, ConnectionClosed, MeshUsageError, SerializationError
+from monarch_kernel.core.errors import ConnectionClosed, SerializationError
 from monarch_kernel.core.shape import Point, Shape
 from monarch_kernel.core.supervision import SUPERVISE
 from monarch_kernel.rank.cell import describe_failure
+from monarch_kernel.rank.deadlocks import raise_deadlock
+from monarch_kernel.rank.interrupts import MainThreadInterrupts
+from monarch_kernel.rank.ops import RankOps, SystemActor
+from monarch_kernel.rank.rank_sender import RankSender
 from monarch_kernel.rank.recent import MAX_REMEMBERED, RecentKeys
-from monarch_kernel.wire.calls import PORTS, CallKey, CallTable, PendingCall, poll_until, set_default_sender
-from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, OwnActors
+from monarch_kernel.wire.calls import CallKey, PendingCall, set_default_sender
+from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure
 from monarch_kernel.wire.serialization import seal, unseal
 
 
@@ -67,111 +65,11 @@ class _Mailbox:
         return found
 
 
-class _Procs:
-    """The system actor of every rank (key SYSTEM_ACTOR): actors on other ranks spawn and stop actors here."""
-
-    def __init__(self, host: ActorHost):
-        self._host = host
-
-    @endpoint
-    def spawn_actors(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
-              sources: dict[str, list[str]]) -> str:
-        return self._host.spawn(name, key, cls, args, kwargs, shape, sources)
-
-    @endpoint
-    def stop_actors(self, key: str) -> bool:
-        return self._host.stop_key(key)
-
-
-class RankSender:
-    """Sends this rank's own actor calls through its host agent."""
-
-    def __init__(self, rank: int, send: Callable[[Any], None], shm_dir: str | None,
-                 wait_serving: Callable[[Callable[[], bool], float | None, PendingCall | None], bool],
-                 notify: Callable[[], None], answer: Callable[[int, int, Any, Failure | None], bool]):
-        self.caller_id = rank
-        self.own_rank = rank
-        self.calls = CallTable()
-        self._send = send
-        self._shm_dir = shm_dir
-        self._wait_serving = wait_serving  # the main thread's wait: it serves the rank's actors meanwhile
-        self._notify = notify  # wakes that wait
-        self._answer = answer  # answers a call whose endpoint took a Port
-        self._post_local: Callable[[ActorCall], None] | None = None  # calls to this rank's own actors
-
-    def send_call(self, msg: ActorCall) -> None:
-        """Hand a call to the host agent, which routes it; this rank's own part goes straight to its
-        actors (every call of this sender to them takes that one way, so their order holds)."""
-        if self.own_rank not in msg.ranks or self._post_local is None:
-            self._send(msg)
-            return
-        others = tuple(r for r in msg.ranks if r != self.own_rank)
-        if others:
-            self._send(dataclasses.replace(msg, ranks=others))
-        self._post_local(dataclasses.replace(msg, ranks=(self.own_rank,)))
-
-    def send_cancel(self, msg: CancelCall) -> None:
-        """Ask the ranks of a call to stop it."""
-        self._send(msg)
-
-    def send_up(self, msg: OwnActors) -> None:
-        """Tell the controller that an actor of this rank owns an actor mesh (it routes the failures)."""
-        self._send(msg)
-
-    def shm_dir_for(self, ranks: tuple[int, ...]) -> str | None:
-        """Large arguments go through shared memory when the mesh is on one machine."""
-        return self._shm_dir
-
-    def flush_calls(self) -> None:
-        """Calls go out as they are made (no queue to flush)."""
-
-    def wait_for_replies(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
-        """Replies are delivered by the rank's reader thread; the main thread serves the rank's
-        other actors while it waits (see the module's note), other threads just wait."""
-        if threading.current_thread() is threading.main_thread():
-            return self._wait_serving(lambda: len(pending.replies) >= count, timeout, pending)
-        return pending.wait(count, timeout)
-
-    def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
-        """Wait until ready() (a port's message): serving, on the main thread (as for replies);
-        other threads poll."""
-        if threading.current_thread() is threading.main_thread():
-            return self._wait_serving(ready, timeout, None)
-        return poll_until(ready, timeout)
-
-    def send_port(self, msg: ActorReply) -> None:
-        """A message through another process's Port: to this rank's own port, or via the agent."""
-        if msg.caller == self.own_rank:
-            PORTS.deliver(msg)
-            self._notify()
-        else:
-            self._send(msg)
-
-    def answer(self, caller: int, call_id: int, value: Any, failure: Failure | None) -> bool:
-        """Answer a call of this rank whose endpoint took a Port (False: it has no such call waiting)."""
-        return self._answer(caller, call_id, value, failure)
-
-    def host_of(self, rank: int) -> str:
-        """Ranks do not track where other ranks run."""
-        return ""
-
-    def is_alive(self, rank: int) -> bool:
-        """Ranks do not track other ranks' health (the agent answers for dead ones)."""
-        return True
-
-    def watch_failures(self, ranks: Iterable[int], callback: Callable[[int, str], None]) -> None:
-        """Supervision is the notebook's: a rank cannot watch other ranks."""
-        raise MeshUsageError("on_failure() is for the notebook that spawned the actors")
-
-    def record_timing(self, label: str, title: str, times: list[tuple[int, float | None, bool]]) -> None:
-        """Ranks keep no timing history."""
-
-
 class ActorHost:
     """Instances and mailboxes of the actors on one rank."""
 
     def __init__(self, rank: int, send: Callable[[Any], None], run_user: Callable[..., Any],
-                 shm_dir: str | None):
+                 shm_dir: str | None, ops: RankOps, interrupts: MainThreadInterrupts):
         self.rank = rank
         self.instances: dict[str, Any] = {}  # what `actors[...]` shows in %%mesh cells
         self._mailboxes: dict[str, _Mailbox] = {}  # by spawn key ("name#N")
@@ -179,6 +77,7 @@ class ActorHost:
         self._retired: dict[str, str] = {}  # keys of replaced spawns -> their name
         self._send = send
         self._run_user = run_user  # runs a function with interrupts enabled
+        self._interrupts = interrupts
         self._shm_dir = shm_dir
         self._lock = threading.Lock()  # guards the three below (reader thread vs main)
         self._cancelled = RecentKeys()  # may come before its call (other route)
@@ -196,7 +95,8 @@ class ActorHost:
         self.sender = RankSender(rank, send, shm_dir, self.wait_serving, self.notify, self.answer_through_port)
         self.sender._post_local = self.post_local
         set_default_sender(self.sender)
-        self._mailboxes[SYSTEM_ACTOR] = _Mailbox(SYSTEM_ACTOR, SYSTEM_ACTOR, _Procs(self), Shape((), (rank,)),
+        ops.serve_actors(self)
+        self._mailboxes[SYSTEM_ACTOR] = _Mailbox(SYSTEM_ACTOR, SYSTEM_ACTOR, SystemActor(ops), Shape((), (rank,)),
                                           Point((), rank))
 
     # ------------------------------------------------------------ spawning
@@ -253,7 +153,7 @@ class ActorHost:
         with self._lock:
             self._cancelled.add(key)  # (the oldest, of calls long ended, are forgotten)
             if key in self._running_sync:  # (if others run nested above it, they are stopped with it)
-                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+                self._interrupts.interrupt(lambda: key in self._running_sync)
             task = self._tasks.get(key)
         if task is not None and self.loop is not None:
             self.loop.call_soon_threadsafe(task.cancel)
@@ -327,30 +227,10 @@ class ActorHost:
 
     def _check_wait(self, pending: PendingCall) -> None:
         """Raise if waiting on `pending` could never end (see the module's note)."""
-        if self.rank not in pending.outstanding:
-            return
-        box = self._mailboxes.get(pending.actor)
-        if box is None or not box.busy:
-            return  # it will be served from this wait (or answered as not found)
-        waiter = self._serving[-1][1] if self._serving else "this %%mesh cell"
-        target = type(box.instance).__name__
-        for i, (running, label) in enumerate(self._serving):
-            if running is box:
-                if i == len(self._serving) - 1:
-                    raise ActorDeadlockError(
-                        f"{waiter} on rank {self.rank} waits on {pending.label} of its own actor, which serves "
-                        f"one message at a time and is busy in {waiter}: an actor cannot wait on itself. Call the "
-                        "method directly (self.method(...)), or make the endpoint async def and await the call.")
-                cycle = " -> ".join([lbl for _, lbl in self._serving[i:]] + [pending.label])
-                raise ActorDeadlockError(
-                    f"deadlock on rank {self.rank}: {waiter} waits on {pending.label}, but {target} is busy in "
-                    f"{label}, which waits on {waiter.split('.')[0]} in turn ({cycle}); actors that wait on each "
-                    "other in a cycle never finish. Break the cycle: do not call back, or make one of the "
-                    "endpoints async def and await the call.")
-        raise ActorDeadlockError(
-            f"{waiter} on rank {self.rank} waits on {pending.label}, an async endpoint of this rank; it runs "
-            "on the rank's event loop, which is the thread that waits. Make the waiting endpoint async def "
-            f"and await the call, or make {pending.label} a plain def.")
+        if self.rank in pending.outstanding:
+            box = self._mailboxes.get(pending.actor)
+            if box is not None and box.busy:  # (else it will be served from this wait, or answered as not found)
+                raise_deadlock(self.rank, pending.label, self._serving, box)
 
     def deliver(self, msg: ActorCall, reply_via: Callable[[Any], None] | None = None) -> None:
         """Queue a call on its actor's mailbox and serve the mailbox if idle.

@@ -1,7 +1,7 @@
 """IPython's shell syntax in mesh cells, run on every rank: `!cmd`, `out = !cmd`, some magics.
 
 The notebook's IPython rewrites the IPython syntax of a `%%mesh` cell into calls such as
-`_mesh_shell.system('nvidia-smi')` before the cell is sent (see `to_mesh_python`); on
+`_mesh_shell.system('nvidia-smi')` before the cell is sent (see `core/shell_syntax.py`); on
 each rank `_mesh_shell` is a RankShell. Commands run on the rank's host, their output
 streamed live like prints, and an interrupt stops the whole command. The magics that
 make sense on a rank are here (%pip, %env, %cd, %pwd, %time, %%time, %%bash, %%sh,
@@ -11,7 +11,6 @@ make sense on a rank are here (%pip, %env, %cd, %pwd, %time, %%time, %%bash, %%s
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
 import string
@@ -25,14 +24,8 @@ from monarch_kernel.core.errors import MeshUsageError
 
 SHELL = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
 STOP_GRACE_S = 2.0
-_IPYTHON_CALL = re.compile(r"\bget_ipython\(\)\.(system|getoutput|run_line_magic|run_cell_magic)\(")
 LINE_MAGICS = ("pip", "env", "cd", "pwd", "time")
 CELL_MAGICS = ("time", "bash", "sh", "writefile")
-
-
-def to_mesh_python(python_from_ipython: str) -> str:
-    """Point the `get_ipython()` calls that IPython's input transformer wrote at the rank shell."""
-    return _IPYTHON_CALL.sub(r"_mesh_shell.\1(", python_from_ipython)
 
 
 class RankShell:

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import _signal
 import asyncio
-import faulthandler
-import importlib
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -30,10 +27,13 @@ from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed, NoTerminalError, SerializationError
 from monarch_kernel.core.package import PACKAGE_DIR
+from monarch_kernel.core.shell_syntax import MESH_SHELL
 from monarch_kernel.rank.actor_host import ActorHost
 from monarch_kernel.rank.autoreload import Reloader
 from monarch_kernel.rank.capture import DisplayCapture, RankStream
 from monarch_kernel.rank.cell import CellRunner, describe_failure
+from monarch_kernel.rank.interrupts import MainThreadInterrupts
+from monarch_kernel.rank.ops import RankOps
 from monarch_kernel.rank.rankshell import RankShell
 from monarch_kernel.rank.recent import RecentKeys
 from monarch_kernel.wire.fd_marks import FdMarkReader, fd_mark_path
@@ -54,12 +54,13 @@ from monarch_kernel.wire.messages import (
     Push,
     Result,
     RunCell,
+    RunOp,
 )
 from monarch_kernel.wire.serialization import seal, unseal
 from monarch_kernel.wire.transport import BlockingConnection
 
 READY_REQ = 0  # req_id of the rank's start-up reply
-REQUESTS = frozenset({RunCell, Pull, Push, Call})  # what a rank runs for the notebook, by the agent or a lane
+REQUESTS = frozenset({RunCell, Pull, Push, Call, RunOp})  # what a rank runs for the notebook, by the agent or a lane
 REQUEST_REPLIES = frozenset({Output, Display, InputRequest, Result})  # what a rank sends back about a request
 
 
@@ -114,14 +115,17 @@ class Worker:
         self.stdout = RankStream("stdout", config.rank, self._send)
         self.stderr = RankStream("stderr", config.rank, self._send)
         self.displays = DisplayCapture(config.rank, self._send, lambda: self.current_req, self.flush_streams)
-        self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir)
+        self.reloader = Reloader(config.rank)  # modules of synced workspaces (`Mesh.autoreload`)
+        self.ops = RankOps(config.rank, self.namespace, self.runner, self.reloader)  # internal operations
+        self.interrupts = MainThreadInterrupts()  # SIGINT for the main thread that is not lost
+        self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir, self.ops, self.interrupts)
         self.lane_listener = listen_lane(lane_path(config.shm_dir, config.rank)) if config.shm_dir else None
         self.namespace["actors"] = self.actors.instances
         self._input_lock = threading.Lock()
         self._input_ready = threading.Event()
         self._input_answer: tuple[str, str | None] = ("", None)
-        self.reloader = Reloader(config.rank)  # modules of synced workspaces (`Mesh.autoreload`)
         self._sigint_handler = self._on_sigint  # the one installed (bound once: checked after every request)
+        self.interrupts.handler = self._sigint_handler
 
     def _send(self, msg: Any) -> None:
         """To the agent; a request's output and result go back the lane it came by, if it did."""
@@ -187,9 +191,10 @@ class Worker:
             for req_id in msg.req_ids:
                 self._stopped.add(req_id)
             if self.in_user_code and (msg.running or self.current_req in msg.req_ids):
-                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+                self.interrupts.interrupt(lambda: self.in_user_code)
 
     def _on_sigint(self, signum, frame) -> None:
+        self.interrupts.seen()
         if self.in_user_code:
             raise KeyboardInterrupt
         # idle or in our own code: an interrupt that came too late is ignored
@@ -308,8 +313,8 @@ class Worker:
     def _dispatch(self, msg: Any) -> Any:
         if isinstance(msg, RunCell):
             sys.last_type = sys.last_value = sys.last_traceback = None  # %mesh debug: this cell's error only
-            if "_mesh_shell" in msg.code:
-                self.namespace["_mesh_shell"] = self.shell  # even after a cell cleared its globals
+            if MESH_SHELL in msg.code:
+                self.namespace[MESH_SHELL] = self.shell  # even after a cell cleared its globals
             if self.reloader.enabled:
                 self._user(self.reloader.check, self._warn)
             try:
@@ -322,9 +327,11 @@ class Worker:
             values = unseal(msg.values)
             self.namespace.update(values)
             return None
+        if isinstance(msg, RunOp):
+            return self._user(self.ops.handle, msg.op)
         if isinstance(msg, Call):
             fn = unseal(msg.fn)
-            return self._user(fn, self)
+            return self._user(fn)
         raise TypeError(f"unknown request {type(msg).__name__}")
 
     def _user(self, fn, *args, **kwargs) -> Any:
@@ -342,33 +349,6 @@ class Worker:
     def _warn(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    def use_workspace(self, folder: str, chdir: bool = False) -> str:
-        """Put a synced folder first on sys.path (and make it the working directory); returns it."""
-        folder = os.path.realpath(folder)
-        if folder in sys.path:
-            sys.path.remove(folder)
-        sys.path.insert(0, folder)
-        importlib.invalidate_caches()
-        self.reloader.watch(folder)
-        if chdir:
-            os.chdir(folder)
-        return folder
-
-    def autoreload(self, on: bool) -> bool:
-        """Reload changed modules of the synced folders before each cell (or stop)."""
-        self.reloader.enable(on)
-        return on
-
-    def describe(self, expr: str) -> Any:
-        """Metadata of what `expr` is here (tensor, DTensor or module): `Mesh.describe()`."""
-        from monarch_kernel.rank.tensorinfo import describe
-
-        return describe(self.runner.evaluate(expr), self.config.rank)
-
-    def post_mortem(self) -> bool:
-        """pdb at the error of this rank's last failed cell (False if it had none): `Mesh.debug()`."""
-        return post_mortem()
-
     def _seal_value(self, msg: Any, value: Any) -> tuple[Any, Failure | None]:
         if value is None:  # (most cells and pushes: nothing to pickle, nothing to unpickle)
             return None, None
@@ -380,19 +360,6 @@ class Worker:
                 stand_in = UnpicklableValue(type(value).__name__, text, str(exc.__cause__), self.config.rank)
                 return seal(stand_in, shm_dir=self.config.shm_dir), None
             return None, Failure("SerializationError", str(exc), "")
-
-
-def post_mortem() -> bool:
-    """pdb at the error of this rank's last failed cell (False if it had none); for %mesh debug."""
-    tb = getattr(sys, "last_traceback", None)
-    if tb is None:
-        return False
-    import pdb
-
-    debugger = pdb.Pdb(nosigint=True)
-    debugger.reset()
-    debugger.interaction(None, tb)
-    return True
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
@@ -419,71 +386,3 @@ def _short_repr(value: Any, limit: int = 200) -> str:
     except Exception as exc:  # noqa: BLE001
         text = f"<repr failed: {exc}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _heartbeat(sock: socket.socket, activity) -> None:
-    """Answer every ping of the agent with what this rank is doing ("" when idle)."""
-    while True:
-        try:
-            data = sock.recv(64)
-        except OSError:
-            return
-        if not data or not _tell(sock, activity()):
-            return
-
-
-def _tell(sock: socket.socket, activity: str) -> bool:
-    """One heartbeat answer (also sent unasked when the rank stops being busy)."""
-    try:
-        sock.sendall(b"." + activity.encode("utf-8", "replace")[:200] + b"\n")
-    except OSError:
-        return False
-    return True
-
-
-def die_with_parent(signum: int = signal.SIGKILL) -> None:
-    """Ask Linux to send `signum` to this process when its parent dies."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signum)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _end_process_group(signum: int, frame: Any) -> None:
-    """SIGTERM on a rank (its agent stops it, or died): take everything it started along."""
-    os.killpg(0, signal.SIGKILL)
-
-
-def run_rank(conn_sock: socket.socket, hb_sock: socket.socket, config: WorkerConfig, setup) -> None:
-    """Entry point of a freshly forked rank. `setup()` initializes torch.distributed."""
-    parent = os.getppid()
-    # the rank leads its own process group: when its agent goes (even by SIGKILL), the whole
-    # group goes, with whatever the user's code started (subprocesses, DataLoader workers)
-    signal.signal(signal.SIGTERM, _end_process_group)
-    die_with_parent(signal.SIGTERM)
-    if os.getppid() != parent:
-        os._exit(1)
-    faulthandler.enable(file=sys.__stderr__ or sys.stderr, all_threads=True)
-    conn = BlockingConnection(conn_sock)
-    worker = Worker(conn, config)
-    worker.install()
-    threading.Thread(target=_heartbeat, args=(hb_sock, worker.actors.activity), name="heartbeat",
-                     daemon=True).start()
-    worker.actors.on_idle = lambda: None if _tell(hb_sock, worker.actors.activity()) else None
-    started = time.time()
-    failure = None
-    try:
-        worker.in_user_code = True
-        summary = setup()
-    except BaseException as exc:  # noqa: BLE001
-        failure = describe_failure(exc)
-        summary = None
-    finally:
-        worker.in_user_code = False
-    worker.flush_streams()
-    conn.send(Result(READY_REQ, config.rank, seal(summary), failure, started, time.time()))
-    if failure is None:
-        worker.serve()

@@ -14,9 +14,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
-from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply, CancelCall, Failure
+from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply, CancelCall, Failure, OwnActors
 
 CallKey = tuple[int, int]  # (caller, call_id)
 
@@ -283,6 +283,16 @@ class CallSender(Protocol):
 
     caller_id: int
     calls: CallTable
+
+    @property
+    def own_rank(self) -> int | None:
+        """The rank this process is (None: the notebook)."""
+
+    def send_up(self, msg: OwnActors) -> None:
+        """Tell the controller that an actor here owns an actor mesh (ranks only)."""
+
+    def answer(self, caller: int, call_id: int, value: Any, failure: Failure | None) -> bool:
+        """Answer a call to this process whose endpoint took a Port (False: no such call waits here)."""
 
     def send_call(self, msg: ActorCall) -> None:
         """Send a call towards its ranks."""

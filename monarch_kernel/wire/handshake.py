@@ -11,17 +11,18 @@ import hashlib
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from monarch_kernel.wire import messages
+from monarch_kernel.wire import flat, messages, ops, relay_messages
 
 TAG = "monarch_kernel hello"
 
 
 def _protocol_digest() -> str:
-    """A digest of every message type and its fields, in order (what both ends must agree on)."""
+    """A digest of every message type and internal operation with its fields, in order (what both
+    ends must agree on)."""
     parts = [f"{cls.__name__}({','.join(f.name for f in fields(cls))})"
-             for cls in vars(messages).values()
-             if isinstance(cls, type) and cls.__module__ == messages.__name__ and is_dataclass(cls)]
-    parts.append("flat:" + ",".join(cls.__name__ for cls in messages.FLAT_TYPES))
+             for module in (messages, relay_messages, ops) for cls in vars(module).values()
+             if isinstance(cls, type) and cls.__module__ == module.__name__ and is_dataclass(cls)]
+    parts.append("flat:" + ",".join(cls.__name__ for cls in flat.FLAT_TYPES))
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -6,10 +6,12 @@ without unpickling what the user sent.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from monarch_kernel.wire import ops
+from monarch_kernel.wire.message_pickling import fast_pickling
+from monarch_kernel.wire.ops import HostOperation, RankOperation
 from monarch_kernel.wire.serialization import Sealed
 
 # ---------------------------------------------------------------- controller -> rank
@@ -42,10 +44,18 @@ class Pull:
 
 @dataclass(frozen=True)
 class Call:
-    """Run a pickled function fn(namespace, *args, **kwargs) on a rank (internal ops)."""
+    """Run the user's pickled function fn() on a rank (`Mesh.call`) and reply with its value."""
 
     req_id: int
     fn: Sealed
+
+
+@dataclass(frozen=True)
+class RunOp:
+    """An internal operation on a rank (`wire/ops.py`, handled by `rank/ops.py`); reply with its answer."""
+
+    req_id: int
+    op: RankOperation
 
 
 # ---------------------------------------------------------------- rank -> controller
@@ -308,14 +318,13 @@ class AgentProblem:
 
 @dataclass(frozen=True)
 class HostOp:
-    """Work for the agent itself, not its ranks (workspace files: `agent.workspace`).
+    """Work for the agent itself, not its ranks (`wire/ops.py`: files, workspace copies).
 
-    `args` holds plain data; file contents travel as out-of-band buffers (PickleBuffer).
+    File contents travel as out-of-band buffers (PickleBuffer).
     """
 
     op_id: int
-    kind: str
-    args: dict[str, Any]
+    op: HostOperation
 
 
 @dataclass(frozen=True)
@@ -325,78 +334,6 @@ class HostOpDone:
     op_id: int
     result: Any
     error: str = ""
-
-
-# ---------------------------------------------------------------- relays (wire/relay_link.py)
-
-
-@dataclass(frozen=True)
-class RelayServe:
-    """Controller -> a relay agent: listen on `address` for these child hosts (they prove `key`).
-
-    `routes` says, for each host below this one, which child leads to it."""
-
-    key: bytes
-    address: str
-    index: int  # this host's index
-    children: tuple[int, ...]
-    routes: tuple[tuple[int, int], ...]  # (descendant host, child host)
-
-
-@dataclass(frozen=True)
-class RelayListening:
-    """A relay agent -> controller: it listens on this port of this numeric address (0: it could not, see `error`)."""
-
-    port: int
-    error: str = ""
-    address: str = ""
-
-
-@dataclass(frozen=True)
-class RelayJoin:
-    """Controller -> a child agent: connect to your relay parent, proving `key` as host `index`."""
-
-    address: str
-    port: int
-    key: bytes
-    index: int
-
-
-@dataclass(frozen=True)
-class RelayJoined:
-    """A child agent -> controller: its link to the parent is up (or not: `error`)."""
-
-    index: int
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class RelayLost:
-    """An agent -> controller: the relay link to host `host` broke (that host's subtree is cut off)."""
-
-    host: int
-    why: str
-
-
-@dataclass(frozen=True)
-class RelayStop:
-    """Controller -> agents: close your relay links (setting them up failed; the controller sends directly)."""
-
-
-@dataclass(frozen=True)
-class RelayDown:
-    """Down a relay tree: ToRanks(ranks, body) for each (host, ranks), the body encoded once per link."""
-
-    hosts: tuple[tuple[int, tuple[int, ...]], ...]
-    body: Any
-
-
-@dataclass(frozen=True)
-class RelayUp:
-    """Up a relay tree: what agents below sent (output and results), batched per hop, results of one
-    request combined."""
-
-    msgs: tuple[Any, ...]
 
 
 # ---------------------------------------------------------------- actor calls (any -> any)
@@ -457,79 +394,5 @@ class OwnActors:
     ranks: tuple[int, ...]
 
 
-# ---------------------------------------------------------------- fast pickling
-
-
-@functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
-
-
-def _rebuild(cls: type, values: tuple[Any, ...]) -> Any:
-    """Recreate a message without the frozen dataclass __init__ (about twice as fast)."""
-    obj: Any = object.__new__(cls)
-    obj.__dict__.update(zip(_field_names(cls), values))
-    return obj
-
-
-def _reduce(self: Any) -> tuple[Any, ...]:
-    return (_rebuild, (type(self), tuple(self.__dict__.values())))
-
-
-for _cls in list(globals().values()):
-    if isinstance(_cls, type) and _cls.__module__ == __name__ and is_dataclass(_cls):
-        setattr(_cls, "__reduce__", _reduce)  # noqa: B010 - mypy refuses to assign a method
-
-
-# ---------------------------------------------------------------- flat frames
-# The messages of every cell and actor call travel as a plain tuple (tag, field values):
-# a tuple of ints, strings and bytes pickles about four times faster, both ways, than
-# objects whose pickles name a class and a rebuild function. Tags are positions in
-# FLAT_TYPES, the same in every process (all import this module).
-
-FLAT_TYPES: tuple[type, ...] = (RunCell, Push, Pull, Call, Result, Output, ToRanks, Gathered, Ping, Pong,
-                                ActorCall, ActorReply, CancelCall)
-_TAGS = {cls: tag for tag, cls in enumerate(FLAT_TYPES)}
-_NESTED = {ToRanks: "body", Gathered: "results"}  # fields holding a message / messages
-_SEALED = {cls: tuple(i for i, f in enumerate(fields(cls)) if "Sealed" in str(f.type)) for cls in FLAT_TYPES}
-_NESTED_AT = {cls: _field_names(cls).index(name) for cls, name in _NESTED.items()}
-_NOT_FLAT = -1
-
-
-def flatten(msg: Any) -> tuple[Any, ...] | None:
-    """A message as a flat tuple (None if its type does not travel flat)."""
-    cls = type(msg)
-    tag = _TAGS.get(cls)
-    if tag is None:
-        return None
-    values = list(msg.__dict__.values())
-    for i in _SEALED[cls]:
-        if values[i] is not None:
-            values[i] = values[i].parts()
-    at = _NESTED_AT.get(cls)
-    if at is not None:
-        inner = values[at]
-        if cls is Gathered:
-            values[at] = tuple(flatten(r) or (_NOT_FLAT, r) for r in inner)
-        else:
-            values[at] = flatten(inner) or (_NOT_FLAT, inner)
-    return (tag, *values)
-
-
-def unflatten(flat: tuple[Any, ...]) -> Any:
-    """The message a flat tuple stands for."""
-    tag = flat[0]
-    if tag == _NOT_FLAT:
-        return flat[1]
-    cls = FLAT_TYPES[tag]
-    values = list(flat[1:])
-    for i in _SEALED[cls]:
-        if values[i] is not None:
-            values[i] = Sealed.from_parts(values[i])
-    at = _NESTED_AT.get(cls)
-    if at is not None:
-        inner = values[at]
-        values[at] = tuple(unflatten(r) for r in inner) if cls is Gathered else unflatten(inner)
-    obj: Any = object.__new__(cls)  # as _rebuild does, inline: this runs for every message
-    obj.__dict__.update(zip(_field_names(cls), values))
-    return obj
+fast_pickling(vars().values(), __name__)
+fast_pickling(ops.RANK_OPERATIONS + ops.HOST_OPERATIONS, ops.__name__)

@@ -22,8 +22,8 @@ _PLAIN = {
         "complex", "bool", "slice", "range", "object",
     )
 } | {("copyreg", "_reconstructor"), ("collections", "OrderedDict"), ("datetime", "timedelta"),
-     # rebuilds a message of an allowed class from its field values (messages._reduce)
-     ("monarch_kernel.wire.messages", "_rebuild")}
+     # rebuilds a message of an allowed class from its field values (wire/message_pickling.py)
+     ("monarch_kernel.wire.message_pickling", "rebuild")}
 
 _OUR_MODULES = ("monarch_kernel.",)
 

@@ -21,11 +21,11 @@ from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.wire import safe_pickle
-from monarch_kernel.wire.messages import flatten, unflatten
+from monarch_kernel.wire.flat import flatten, unflatten
 
 _HEAD = struct.Struct("!II")
 _LEN = struct.Struct("!Q")
-_FLAT = 1 << 31  # flag in the buffer-count field: the pickle is a flat tuple (messages.flatten)
+_FLAT = 1 << 31  # flag in the buffer-count field: the pickle is a flat tuple (wire/flat.py)
 
 MAX_META_BYTES = 256 << 20  # a message's own pickle (values travel as buffers)
 MAX_BUFFERS = 4096

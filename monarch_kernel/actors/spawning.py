@@ -1,0 +1,64 @@
+"""The one way an actor mesh is spawned, whoever asks: `Mesh.spawn` and `ProcMesh.spawn`, in the
+notebook or inside an actor.
+
+The spawn key, the `SpawnActors` operation and who supervises the new actor mesh are decided
+here; only how the operation reaches the ranks differs (a notebook request, or the ranks'
+system actors).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from monarch_kernel.actors.base import Actor, class_sources, current_actor
+from monarch_kernel.actors.client import ActorMesh
+from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
+from monarch_kernel.core.shape import Shape
+from monarch_kernel.wire.calls import find_sender
+from monarch_kernel.wire.messages import OwnActors
+from monarch_kernel.wire.ops import SpawnActors
+from monarch_kernel.wire.serialization import release, seal
+
+_spawns = itertools.count(1)
+RunSpawn = Callable[[SpawnActors, str], object]  # (operation, label): runs it on the shape's ranks, raises on failure
+
+
+def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, args: tuple[Any, ...],
+                     kwargs: dict[str, Any], run: RunSpawn, *, notebook_hook: bool = True) -> ActorMesh:
+    """One `actor_class(*args, **kwargs)` per rank of `shape`, as actor mesh `name`; its handle.
+
+    Spawned inside an actor, that actor owns (and supervises) it. Spawned in the notebook
+    with `notebook_hook` (Monarch's way: ProcMesh.spawn), the notebook's fault hook hears its
+    failures; without (`Mesh.spawn`), failed broadcasts are shown with the mesh's output and
+    dead ranks in the mesh's own notices.
+    """
+    if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
+        raise MeshUsageError(f"spawn() needs a subclass of monarch_kernel.Actor, got {actor_class!r}")
+    if not name or not isinstance(name, str):
+        raise MeshUsageError("spawn() needs a name for the actor mesh, e.g. procs.spawn('trainers', Trainer)")
+    sender = find_sender(mesh_name)
+    if sender is None:
+        raise MeshNotRunningError(f"the processes of mesh {mesh_name!r} are gone (it was stopped or lost)")
+    key = f"{name}#{sender.caller_id}.{next(_spawns)}"
+    sealed = seal((actor_class, args, kwargs), shm_dir=sender.shm_dir_for(shape.ranks), shared=True)
+    try:
+        run(SpawnActors(name, key, sealed, shape, class_sources(actor_class)),
+            f"spawn({name!r}, {actor_class.__name__})")
+    finally:
+        release(sealed)
+    actors = ActorMesh(mesh_name, name, actor_class.__name__, actor_class._endpoints, shape, key)
+    owner = current_actor.get()
+    if owner is not None and sender.own_rank is not None:  # an actor spawned it: the controller routes its failures
+        actors._supervised = "actor"
+        sender.send_up(OwnActors(sender.caller_id, owner, owner_label(owner, sender.caller_id), key, name,
+                                 actor_class.__name__, shape.ranks))
+    elif sender.own_rank is None and notebook_hook:  # the notebook owns it
+        actors.supervise_from_notebook()
+    return actors
+
+
+def owner_label(key: str, rank: int) -> str:
+    """How a report names the actor that owns an actor mesh."""
+    return f"actor mesh {key.split('#')[0]!r} on rank {rank}"

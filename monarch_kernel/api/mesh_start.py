@@ -1,0 +1,88 @@
+"""Checking a new mesh's settings and starting its runtime: what `local_mesh`, `ssh_mesh`,
+`slurm_mesh` and `spawn_procs` share before there is a `Mesh` to hand out."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from collections.abc import Sequence
+
+from monarch_kernel.api.sinks import IdleOutput, report_timing
+from monarch_kernel.controller.hosts import HostSpec
+from monarch_kernel.controller.runtime import MeshRuntime
+from monarch_kernel.controller.state import RELAY_BRANCHING, Allocation, MeshSpec
+from monarch_kernel.core.addresses import is_unspecified
+from monarch_kernel.core.errors import MeshInterrupted, MeshStartError, MeshUsageError
+from monarch_kernel.wire.messages import HealthTimings
+
+mesh_numbers = itertools.count(0)
+BACKENDS = ("gloo", "nccl", "none")
+MESH_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def start_runtime(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, env: dict[str, str] | None,
+                timeout: float, master_addr: str | None, health: HealthTimings | None, *,
+                allocation: Allocation | None = None, preload: Sequence[str] | None = None,
+                relay_branching: int = RELAY_BRANCHING) -> MeshRuntime:
+    """Check a mesh's settings and start its runtime (agents and ranks); raises MeshUsageError or
+    MeshStartError saying what to change. `Mesh.started` wraps it for the user."""
+    if not isinstance(gpus, int) or gpus < 1:
+        raise MeshUsageError(f"gpus={gpus!r}: give a positive number of ranks per host, e.g. gpus=4")
+    if dist not in BACKENDS:
+        raise MeshUsageError(f"dist={dist!r}: expected one of {', '.join(BACKENDS)}")
+    name = name or f"mesh{next(mesh_numbers)}"
+    bad_keys = [k for k in (env or {}) if not _ENV_KEY.fullmatch(k)]
+    if bad_keys:
+        raise MeshUsageError(f"env keys {bad_keys!r} are not variable names (letters, digits and '_', "
+                             "not starting with a digit)")
+    if not MESH_NAME.fullmatch(name):
+        raise MeshUsageError(f"mesh name {name!r}: use 1 to 64 letters, digits, '_', '-' or '.' "
+                             "(it names private folders and sockets, so no '/' or spaces)")
+    if master_addr is not None and is_unspecified(master_addr):
+        raise MeshUsageError(f"master_addr={master_addr!r} names no host: give the address at which the "
+                             "other hosts reach the first one (never 0.0.0.0 or an empty one)")
+    if not isinstance(relay_branching, int) or relay_branching < 1:
+        raise MeshUsageError(f"relay_branching={relay_branching!r}: give the number of hosts a relay sends to (>= 1)")
+    spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings(),
+                    preload=preload_list(preload, dist), allocation=allocation, relay_branching=relay_branching)
+    runtime = MeshRuntime(spec, idle_output=IdleOutput().write, report_timing=report_timing)
+    try:
+        runtime.start()
+    except BaseException as exc:
+        runtime.shutdown()
+        if isinstance(exc, MeshStartError):
+            raise
+        if isinstance(exc, KeyboardInterrupt):
+            raise MeshInterrupted(f"starting mesh {name!r} was interrupted; nothing of it is left running",
+                                  []) from None
+        raise MeshStartError(f"mesh {name!r} failed to start: {exc}") from exc
+    return runtime
+
+
+def preload_list(preload: Sequence[str] | None, dist: str) -> tuple[str, ...]:
+    """What each agent imports before forking: as asked, else torch when there is a process group."""
+    if preload is None:
+        return () if dist == "none" else ("torch",)
+    if isinstance(preload, str):
+        preload = [part for part in preload.split(",") if part.strip()]
+    names = tuple(part.strip() for part in preload)
+    bad = [n for n in names if not _MODULE.fullmatch(n)]
+    if bad:
+        raise MeshUsageError(f"preload={bad!r}: give module names (e.g. preload=['torch', 'transformers'])")
+    return names
+
+
+def cuda_count() -> int:
+    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES first; 0 without torch)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0

@@ -1,0 +1,99 @@
+"""The rank's `CallSender`: actor meshes used inside an endpoint or a `%%mesh` cell send their
+calls through the rank's host agent, and calls to the rank's own actors go straight to them."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from monarch_kernel.core.errors import MeshUsageError
+from monarch_kernel.wire.calls import PORTS, CallTable, PendingCall, poll_until
+from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, OwnActors
+
+
+class RankSender:
+    """Sends this rank's own actor calls through its host agent."""
+
+    def __init__(self, rank: int, send: Callable[[Any], None], shm_dir: str | None,
+                 wait_serving: Callable[[Callable[[], bool], float | None, PendingCall | None], bool],
+                 notify: Callable[[], None], answer: Callable[[int, int, Any, Failure | None], bool]):
+        self.caller_id = rank
+        self.own_rank = rank
+        self.calls = CallTable()
+        self._send = send
+        self._shm_dir = shm_dir
+        self._wait_serving = wait_serving  # the main thread's wait: it serves the rank's actors meanwhile
+        self._notify = notify  # wakes that wait
+        self._answer = answer  # answers a call whose endpoint took a Port
+        self._post_local: Callable[[ActorCall], None] | None = None  # calls to this rank's own actors
+
+    def send_call(self, msg: ActorCall) -> None:
+        """Hand a call to the host agent, which routes it; this rank's own part goes straight to its
+        actors (every call of this sender to them takes that one way, so their order holds)."""
+        if self.own_rank not in msg.ranks or self._post_local is None:
+            self._send(msg)
+            return
+        others = tuple(r for r in msg.ranks if r != self.own_rank)
+        if others:
+            self._send(dataclasses.replace(msg, ranks=others))
+        self._post_local(dataclasses.replace(msg, ranks=(self.own_rank,)))
+
+    def send_cancel(self, msg: CancelCall) -> None:
+        """Ask the ranks of a call to stop it."""
+        self._send(msg)
+
+    def send_up(self, msg: OwnActors) -> None:
+        """Tell the controller that an actor of this rank owns an actor mesh (it routes the failures)."""
+        self._send(msg)
+
+    def shm_dir_for(self, ranks: tuple[int, ...]) -> str | None:
+        """Large arguments go through shared memory when the mesh is on one machine."""
+        return self._shm_dir
+
+    def flush_calls(self) -> None:
+        """Calls go out as they are made (no queue to flush)."""
+
+    def wait_for_replies(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
+        """Replies are delivered by the rank's reader thread; the main thread serves the rank's
+        other actors while it waits (see the module's note), other threads just wait."""
+        if threading.current_thread() is threading.main_thread():
+            return self._wait_serving(lambda: len(pending.replies) >= count, timeout, pending)
+        return pending.wait(count, timeout)
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ready() (a port's message): serving, on the main thread (as for replies);
+        other threads poll."""
+        if threading.current_thread() is threading.main_thread():
+            return self._wait_serving(ready, timeout, None)
+        return poll_until(ready, timeout)
+
+    def send_port(self, msg: ActorReply) -> None:
+        """A message through another process's Port: to this rank's own port, or via the agent."""
+        if msg.caller == self.own_rank:
+            PORTS.deliver(msg)
+            self._notify()
+        else:
+            self._send(msg)
+
+    def answer(self, caller: int, call_id: int, value: Any, failure: Failure | None) -> bool:
+        """Answer a call of this rank whose endpoint took a Port (False: it has no such call waiting)."""
+        return self._answer(caller, call_id, value, failure)
+
+    def host_of(self, rank: int) -> str:
+        """Ranks do not track where other ranks run."""
+        return ""
+
+    def is_alive(self, rank: int) -> bool:
+        """Ranks do not track other ranks' health (the agent answers for dead ones)."""
+        return True
+
+    def watch_failures(self, ranks: Iterable[int], callback: Callable[[int, str], None]) -> None:
+        """Supervision is the notebook's: a rank cannot watch other ranks."""
+        raise MeshUsageError("on_failure() is for the notebook that spawned the actors")
+
+    def record_timing(self, label: str, title: str, times: list[tuple[int, float | None, bool]]) -> None:
+        """Ranks keep no timing history."""
+
+

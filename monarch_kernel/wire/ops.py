@@ -1,0 +1,191 @@
+"""The internal operations between processes: one frozen dataclass per operation.
+
+These are what the runtime asks of the other side for itself (the user's own code travels
+as cells, pushes, pulls, `Mesh.call` functions and actor calls). Each side handles them
+through a table keyed by type: a rank in `rank/ops.py` (sent as a `RunOp` request, or to
+the rank's system actor by another rank), a host agent in `agent/ops.py` (sent as a
+`HostOp`). The wire protocol's digest (`wire/handshake.py`) covers every class here, so a
+host whose monarch_kernel has other operations is refused when it connects.
+
+User objects inside an operation (an actor class and its arguments, a plan's functions)
+are `Sealed`, so whoever routes the operation never unpickles them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from monarch_kernel.core.shape import Shape
+from monarch_kernel.wire.serialization import Sealed
+
+# ---------------------------------------------------------------- rank operations
+
+
+@dataclass(frozen=True)
+class SpawnActors:
+    """Create this rank's actor of actor mesh `name` (`actor`: the sealed (class, args, kwargs)).
+
+    Answer: the spawn key. `sources` are the class's source lines by file, for tracebacks.
+    """
+
+    name: str
+    key: str
+    actor: Sealed
+    shape: Shape
+    sources: dict[str, list[str]]
+
+
+@dataclass(frozen=True)
+class StopActors:
+    """Stop this rank's actor of the spawn `key`. Answer: whether it was there."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class Describe:
+    """Metadata of what `expr` is on the rank (tensor, DTensor or module). Answer: a TensorInfo-like dict."""
+
+    expr: str
+
+
+@dataclass(frozen=True)
+class PostMortem:
+    """pdb at the error of the rank's last failed cell. Answer: False if it had none."""
+
+
+@dataclass(frozen=True)
+class UseWorkspace:
+    """Put a synced folder first on sys.path (and make it the working folder with `chdir`).
+
+    `folder`: the notebook's own folder (a rank on the notebook's machine), or None for the
+    host's private copy named by `key`. Answer: the folder used.
+    """
+
+    folder: str | None
+    key: str
+    chdir: bool
+
+
+@dataclass(frozen=True)
+class SetAutoreload:
+    """Reload changed modules of the synced folders before each cell (or stop). Answer: `on`."""
+
+    on: bool
+
+
+@dataclass(frozen=True)
+class Versions:
+    """The rank's Python and package versions. Answer: name -> version."""
+
+
+@dataclass(frozen=True)
+class ApplyLayout:
+    """Build the plan's model in `layout` on the rank and bind (model, optimizer, step) to `names`.
+
+    `plan`: the sealed (ModelSpec, batch or None). Answer: the layout's text.
+    """
+
+    plan: Sealed
+    layout: str
+    names: tuple[str, str, str]
+
+
+RankOperation = (SpawnActors | StopActors | Describe | PostMortem | UseWorkspace | SetAutoreload | Versions
+                 | ApplyLayout)
+RANK_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors, Describe, PostMortem, UseWorkspace, SetAutoreload,
+                                     Versions, ApplyLayout)
+ACTOR_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors)  # what a rank's system actor takes from others
+
+# ---------------------------------------------------------------- host operations (the agent's own files)
+
+
+@dataclass(frozen=True)
+class PutBegin:
+    """A put of one file begins: what an earlier, interrupted put left (its length and sha256)."""
+
+    path: str
+    size: int
+
+
+@dataclass(frozen=True)
+class PutChunk:
+    """Bytes of a put at `offset` (`data` travels out of band)."""
+
+    path: str
+    offset: int
+    data: Any
+
+
+@dataclass(frozen=True)
+class PutEnd:
+    """A put is complete: check the whole file's sha256, then put it in place with its mode and time."""
+
+    path: str
+    size: int
+    sha256: str
+    mode: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
+class DescribePath:
+    """What a get will fetch: one file, or a folder's files, with sizes and modes."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class ReadChunk:
+    """Bytes of a file from `offset`."""
+
+    path: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Checksum:
+    """A file's sha256 and size."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class PrefixDigest:
+    """The sha256 of a file's first `length` bytes (to resume a get)."""
+
+    path: str
+    length: int
+
+
+@dataclass(frozen=True)
+class ListFiles:
+    """Every file of the host's copy of workspace `key`: path -> (size, mtime_ns, mode)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class HashFiles:
+    """The sha256 of each named file of workspace `key`'s copy."""
+
+    key: str
+    paths: list[str]
+
+
+@dataclass(frozen=True)
+class WriteFiles:
+    """Apply chunks (rel, mode, mtime_ns, offset, total size, data), deletions and mtime fixes to a copy."""
+
+    key: str
+    files: list[tuple[str, int, int, int, int, Any]]
+    deletes: list[str]
+    touches: dict[str, int] | None = None
+
+
+HostOperation = (PutBegin | PutChunk | PutEnd | DescribePath | ReadChunk | Checksum | PrefixDigest | ListFiles
+                 | HashFiles | WriteFiles)
+HOST_OPERATIONS: tuple[type, ...] = (PutBegin, PutChunk, PutEnd, DescribePath, ReadChunk, Checksum, PrefixDigest,
+                                     ListFiles, HashFiles, WriteFiles)
