@@ -32,7 +32,8 @@ from monarch_kernel.core.failures import FailureKind, RankFailure
 from monarch_kernel.core.future import DoneFuture, Future
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import MeshShaped, Shape
-from monarch_kernel.core.supervision import MeshFailure, report_unhandled
+from monarch_kernel.core.supervision import MeshFailure, Owner, report_unhandled
+from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire.calls import CallSender, PendingCall, find_sender
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall
@@ -137,7 +138,7 @@ class ActorMesh(MeshShaped):
 
     def _with(self, shape: Shape) -> ActorMesh:
         sliced = ActorMesh(self.mesh_name, self.name, self.class_name, self.endpoints, shape, self.key)
-        sliced._supervised = self.__dict__.get("_supervised", "")
+        sliced._supervised = self.__dict__.get("_supervised", Owner.NOBODY)
         return sliced
 
     def stop(self, reason: str = "stopped by client") -> Future[None]:
@@ -153,14 +154,14 @@ class ActorMesh(MeshShaped):
     def supervise_from_notebook(self) -> None:
         """The notebook owns these actors: a rank's death, or a failed broadcast, goes to its fault hook
         (while no later spawn of the same name replaced them)."""
-        self._supervised = "notebook"
+        self._supervised = Owner.NOTEBOOK
         newest = _notebook_owned
         for rank in self.ranks:
             newest[(self.mesh_name, self.name, rank)] = self.key
 
         def died(rank: int, why: str) -> None:
             if newest.get((self.mesh_name, self.name, rank)) == self.key:
-                report_unhandled(MeshFailure(self.name, self.class_name, rank, "died", why))
+                report_unhandled(MeshFailure(self.name, self.class_name, rank, FailureKind.DIED, why))
 
         self._sender().watch_failures(self.ranks, died)
 
@@ -263,7 +264,7 @@ class EndpointHandle:
         """Call every actor without waiting; failures are printed when they come back."""
         mesh = self._mesh
         label = f"{mesh.class_name}.{self._name}"
-        supervised = mesh.__dict__.get("_supervised", "")  # who owns these actors: "notebook", "actor" or unknown
+        supervised: Owner = mesh.__dict__.get("_supervised", Owner.NOBODY)  # who owns these actors
 
         def report(reply: ActorReply) -> None:
             f = reply.failure
@@ -271,8 +272,8 @@ class EndpointHandle:
                 return
             if supervised and f.error_type in _KIND_OF_ERROR:
                 return  # a death reaches the owner as such; a mesh shut down is nobody's failure
-            if supervised == "notebook":
-                report_unhandled(MeshFailure(mesh.name, mesh.class_name, reply.rank, "exception",
+            if supervised is Owner.NOTEBOOK:
+                report_unhandled(MeshFailure(mesh.name, mesh.class_name, reply.rank, FailureKind.EXCEPTION,
                                              f"broadcast {label} raised {f.message}", f.traceback))
             else:
                 print(f"monarch_kernel: broadcast {label} failed on rank {reply.rank}: "
@@ -357,7 +358,7 @@ def reply_value(reply: ActorReply) -> Any:
 
 
 def _value_mesh(pending: PendingCall, mesh: ActorMesh) -> ValueMesh[Any]:
-    times = [(r, pending.replies[r].seconds, pending.replies[r].failure is None) for r in mesh.ranks]
+    times = [RankTiming(r, pending.replies[r].seconds, pending.replies[r].failure is None) for r in mesh.ranks]
     mesh._sender().record_timing(pending.label, f"{pending.label} (actor mesh {mesh.name!r})", times)
     values = [reply_value(pending.replies[r]) if pending.replies[r].failure is None else None for r in mesh.ranks]
     vm = ValueMesh(mesh.shape, values)

@@ -16,6 +16,7 @@ from monarch_kernel.actors.base import Actor, class_sources, current_actor
 from monarch_kernel.actors.client import ActorMesh
 from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
 from monarch_kernel.core.shape import Shape
+from monarch_kernel.core.supervision import Owner
 from monarch_kernel.wire.calls import find_sender
 from monarch_kernel.wire.messages import OwnActors
 from monarch_kernel.wire.ops import SpawnActors
@@ -51,7 +52,7 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
     actors = ActorMesh(mesh_name, name, actor_class.__name__, actor_class._endpoints, shape, key)
     owner = current_actor.get()
     if owner is not None and sender.own_rank is not None:  # an actor spawned it: the controller routes its failures
-        actors._supervised = "actor"
+        actors._supervised = Owner.ACTOR
         sender.send_up(OwnActors(sender.caller_id, owner, owner_label(owner, sender.caller_id), key, name,
                                  actor_class.__name__, shape.ranks))
     elif sender.own_rank is None and notebook_hook:  # the notebook owns it

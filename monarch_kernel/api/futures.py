@@ -20,6 +20,7 @@ from monarch_kernel.core.errors import raise_for
 from monarch_kernel.core.failures import FailureKind, RankFailure
 from monarch_kernel.core.future import INTERRUPT_GRACE_S, Future
 from monarch_kernel.core.ranksets import format_ranks
+from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.wire import messages as m
 
 if TYPE_CHECKING:
@@ -56,17 +57,9 @@ class MeshFuture(Future[T]):
         """Whether every rank has answered (or failed)."""
         return self._request.done
 
-    def rank_times(self) -> list[tuple[int, float | None, bool]]:
+    def rank_times(self) -> list[RankTiming]:
         """(rank, seconds, ok) for each rank of a finished run; seconds None if it died."""
-        req = self._request
-        out: list[tuple[int, float | None, bool]] = []
-        for rank in sorted(req.ranks):
-            result = req.results.get(rank)
-            if result is None:
-                out.append((rank, None, False))
-            else:
-                out.append((rank, result.finished - result.started, result.failure is None))
-        return out
+        return list(self._request.timings)
 
     def pump_in_background(self) -> None:
         """Deliver live output from a daemon thread (for runs nobody waits on)."""

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from monarch_kernel.core.timing import RankTiming, TimingReporter
+
 
 class OutputSink(Protocol):
     """Receives a run's output events, in order, on one thread."""
@@ -173,7 +175,6 @@ def default_sink(**options: Any) -> OutputSink:
     return _default_factory(options)
 
 
-TimingReporter = Callable[[str, list[tuple[int, "float | None", bool]]], None]
 _timing_reporter: list[TimingReporter] = []
 
 
@@ -182,7 +183,7 @@ def set_timing_reporter(reporter: TimingReporter | None) -> None:
     _timing_reporter[:] = [reporter] if reporter is not None else []
 
 
-def report_timing(label: str, times: list[tuple[int, float | None, bool]]) -> None:
+def report_timing(label: str, times: list[RankTiming]) -> None:
     """Show how long each rank took for a call, if someone shows such things."""
     for reporter in _timing_reporter:
         reporter(label, times)

@@ -26,6 +26,7 @@ from monarch_kernel.controller.state import MeshState, RankState, Request
 from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.core.failures import FailureKind, RankFailure
 from monarch_kernel.core.output_caps import fd_dropped_note, fit
+from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.transport import encode
 
@@ -182,8 +183,9 @@ class RequestBook:
         times = []
         for rank in sorted(req.ranks):
             result = req.results.get(rank)
-            times.append((rank, None, False) if result is None
-                         else (rank, result.finished - result.started, result.failure is None))
+            times.append(RankTiming(rank, None, False) if result is None
+                         else RankTiming(rank, result.finished - result.started, result.failure is None))
+        req.timings = times
         state.record_timing(req.label, times, now)
         if req.on_done is not None:
             req.on_done()

@@ -19,13 +19,12 @@ from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.state import MeshState
 from monarch_kernel.controller.supervision import Supervisors
 from monarch_kernel.core.errors import ConnectionClosed
+from monarch_kernel.core.timing import RankTiming, TimingReporter
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.calls import CallTable, PendingCall, death_reply, poll_until
 from monarch_kernel.wire.lane_client import Lane, LanePool
 from monarch_kernel.wire.routing import CallRouter, Send
 from monarch_kernel.wire.transport import encode
-
-TimingReporter = Callable[[str, list[tuple[int, float | None, bool]]], None]
 
 
 class ControllerSender:
@@ -151,7 +150,7 @@ class ControllerSender:
         """Call callback(rank, why) (on a helper thread) when one of these ranks dies."""
         self._watchers.append((frozenset(ranks), callback))
 
-    def record_timing(self, label: str, title: str, times: list[tuple[int, float | None, bool]]) -> None:
+    def record_timing(self, label: str, title: str, times: list[RankTiming]) -> None:
         """Keep per-rank durations of an actor call in the mesh's history, and show them."""
         self._state.record_timing(label, times)
         if self._report_timing is not None:

@@ -26,10 +26,11 @@ from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.rank_start import quiet_future, start_failure, start_ranks
 from monarch_kernel.controller.relays import ControllerRelays
 from monarch_kernel.controller.requests import IdleOutput, RequestBook
-from monarch_kernel.controller.router import ControllerSender, TimingReporter
+from monarch_kernel.controller.router import ControllerSender
 from monarch_kernel.controller.state import HostLink, MeshSpec, MeshState, RankSnapshot, RankState
 from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.core.folders import release_folder
+from monarch_kernel.core.timing import TimingReporter
 from monarch_kernel.core.versions import __version__
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m

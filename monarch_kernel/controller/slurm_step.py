@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import enum
 import os
 import shutil
 import subprocess
@@ -36,6 +37,15 @@ def _death_signal() -> Callable[[], None] | None:
     return lambda: prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL (Slurm then ends the step)
 
 
+class StepLink(enum.StrEnum):
+    """What a step's link to the controller rides on."""
+
+    STARTING = "starting"  # not attached yet: the pipes are ours
+    STDIO = "stdio"  # srun's stdin/stdout (the connection owns the pipes)
+    DIRECT = "direct"  # the sealed TCP link to the node
+    CLOSED = "closed"
+
+
 @dataclass
 class SlurmStep:
     """A host agent running as a job step on one node, talking on the step's stdin/stdout.
@@ -57,7 +67,7 @@ class SlurmStep:
     python: str
     address: str = ""
     secret: bytes | None = None
-    channel: str = "starting"  # what the link rides on: "stdio" or "direct" once attached
+    channel: StepLink = StepLink.STARTING  # what the link rides on
 
     @classmethod
     def start(cls, job_id: str, node: str, *, python: str, setup: str | None, env: dict[str, str],
@@ -104,10 +114,10 @@ class SlurmStep:
                     self._stay_on_stdio(f"node {self.node}: the direct link to {ip}:{port} failed ({exc}); data "
                                         "moves through srun's stdio instead (about 10x slower for large tensors)")
                 else:
-                    self.channel = "direct"
+                    self.channel = StepLink.DIRECT
                     reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 22)
                     return RelayLink(reader, writer, session, DOWN, on_message, on_close)
-        self.channel = "stdio"  # the connection owns the pipes from here
+        self.channel = StepLink.STDIO  # the connection owns the pipes from here
         return await AsyncConnection.from_pipes(self.read_fd, self.write_fd, on_message, on_close)
 
     def _stay_on_stdio(self, why: str) -> None:
@@ -185,13 +195,13 @@ class SlurmStep:
         """End the step: srun passes SIGTERM on to the agent, which stops its ranks."""
         if self.process.poll() is None:
             self.process.terminate()
-        if self.channel in ("starting", "direct"):  # the pipes are ours alone (on stdio the connection owns them)
+        if self.channel in (StepLink.STARTING, StepLink.DIRECT):  # the pipes are ours alone (on stdio the connection owns them)
             for fd in (self.read_fd, self.write_fd):
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-            self.channel = "closed"
+            self.channel = StepLink.CLOSED
 
     async def explain_exit(self, timeout: float = 3.0) -> str:
         """Why the step ended, from srun's status and the log."""

@@ -26,6 +26,7 @@ from monarch_kernel.core.failures import FailureKind, RankFailure, exit_text
 from monarch_kernel.core.folders import owned_folder, private_shm_dir, sweep_stale_folders
 from monarch_kernel.core.status import RankStatus
 from monarch_kernel.core.termtext import LineLog
+from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.wire import messages as m
 
 if TYPE_CHECKING:
@@ -150,6 +151,7 @@ class Request:
     fd_shown: dict[int, int] = field(default_factory=dict)  # characters of fd output shown, by rank
     fd_dropped: dict[int, int] = field(default_factory=dict)  # and past the cap (see core/output_caps)
     held: dict[int, tuple[m.Result, float]] = field(default_factory=dict)  # results waiting for fd output
+    timings: list[RankTiming] = field(default_factory=list)  # each rank's part, once every rank answered
     _inputs: dict[int, bool] = field(default_factory=dict)  # id(InputRequest) -> claimed (True) or expired
     _completion: concurrent.futures.Future[Request] | None = None  # made when someone awaits it
     _lock: threading.Lock = field(default_factory=threading.Lock)  # guards _inputs, done and _completion
@@ -364,7 +366,7 @@ class MeshState:
             pid=state.pid, exit_code=state.exit_code, signal=state.signal, stderr_tail=tail,
         )
 
-    def record_timing(self, label: str, times: Iterable[tuple[int, float | None, bool]],
+    def record_timing(self, label: str, times: Iterable[RankTiming],
                       finished_at: float | None = None) -> None:
         """Keep per-rank durations (None: it died) of a request or call in the history (any thread)."""
         now = time.time() if finished_at is None else finished_at

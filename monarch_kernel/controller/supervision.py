@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from monarch_kernel.core.failures import FailureKind
 from monarch_kernel.core.supervision import SUPERVISE, MeshFailure, report_unhandled
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.calls import CallTable
@@ -42,7 +43,7 @@ class Supervisors:
         for owned in list(self._owned.values()):
             if rank in owned.ranks and (owned.key, rank) not in self._told and owned.owner_rank != rank:
                 self._told.add((owned.key, rank))
-                self._tell(owned, MeshFailure(owned.name, owned.class_name, rank, "died", why))
+                self._tell(owned, MeshFailure(owned.name, owned.class_name, rank, FailureKind.DIED, why))
 
     def forget(self) -> None:
         """The ranks were replaced: what they owned is gone."""
@@ -66,7 +67,7 @@ class Supervisors:
                 self._pass_on(owned, failure.passed_over(f"{owned.owner_label} (no {SUPERVISE})"))
             else:  # __supervise__ raised (or its rank died meanwhile): a new failure, caused by this one
                 self._pass_on(owned, MeshFailure(owned.owner_key.split("#")[0], owned.owner_label, owned.owner_rank,
-                                                 "exception", f"{SUPERVISE} raised {f.message}", f.traceback,
+                                                 FailureKind.EXCEPTION, f"{SUPERVISE} raised {f.message}", f.traceback,
                                                  failure))
 
         pending.on_reply = answered

@@ -12,11 +12,22 @@ notebook and keeps the kernel running (Monarch's exits the client process).
 
 from __future__ import annotations
 
+import enum
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from monarch_kernel.core.failures import FailureKind
+
 FaultHook = Callable[["MeshFailure"], None]
+
+
+class Owner(enum.StrEnum):
+    """Who hears an actor mesh's failures (see the module's note)."""
+
+    NOBODY = ""  # a handle made elsewhere, or Mesh.spawn's: failed broadcasts are printed
+    NOTEBOOK = "notebook"  # its fault hook
+    ACTOR = "actor"  # the actor that spawned it, through __supervise__
 SUPERVISE = "__supervise__"  # called (like an endpoint) on the owner of an actor mesh that failed
 
 
@@ -27,7 +38,7 @@ class MeshFailure:
     mesh_name: str  # the actor mesh's name, as given to spawn()
     actor_class: str
     rank: int | None
-    kind: str  # "died" (its process or host is gone) or "exception" (a broadcast call raised)
+    kind: FailureKind  # DIED (its process or host is gone) or EXCEPTION (a broadcast call raised)
     message: str
     traceback: str = ""
     cause: MeshFailure | None = None  # the failure a supervisor was handling when it failed in turn

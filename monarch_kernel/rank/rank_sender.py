@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from monarch_kernel.core.errors import MeshUsageError
+from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.wire.calls import PORTS, CallTable, PendingCall, poll_until
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, OwnActors
 
@@ -93,7 +94,7 @@ class RankSender:
         """Supervision is the notebook's: a rank cannot watch other ranks."""
         raise MeshUsageError("on_failure() is for the notebook that spawned the actors")
 
-    def record_timing(self, label: str, title: str, times: list[tuple[int, float | None, bool]]) -> None:
+    def record_timing(self, label: str, title: str, times: list[RankTiming]) -> None:
         """Ranks keep no timing history."""
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from monarch_kernel.core.ranksets import rank_label
+from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.views.base import TextHtmlView
 from monarch_kernel.views.meshview import MeshView
 from monarch_kernel.views.planview import PlanView
@@ -72,7 +73,7 @@ def rank_labels(meshes: list[Mesh]) -> dict[int, str]:
     return {s.rank: rank_label(s.host, s.local_rank, s.rank) for mesh in meshes for s in mesh.status()}
 
 
-def show_run_timing(title: str, times: list[tuple[int, float | None, bool]], meshes: list[Mesh]) -> None:
+def show_run_timing(title: str, times: list[RankTiming], meshes: list[Mesh]) -> None:
     """Per-rank bars of a finished run, when it is worth showing (see `timing.run_timing_view`)."""
     view = run_timing_view(title, times, lambda: rank_labels(meshes))
     if view is not None:

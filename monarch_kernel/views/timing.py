@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.views import theme
 from monarch_kernel.views.base import TextHtmlView
 
@@ -124,7 +125,7 @@ class TimingView(TextHtmlView):
         return out
 
 
-def run_timing_view(title: str, times: list[tuple[int, float | None, bool]],
+def run_timing_view(title: str, times: list[RankTiming],
                     labels: Callable[[], dict[int, str]]) -> TimingView | None:
     """The bars of a run of several ranks, or None when they are not worth showing.
 

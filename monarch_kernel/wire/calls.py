@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply, CancelCall, Failure, OwnActors
 
 CallKey = tuple[int, int]  # (caller, call_id)
@@ -324,7 +325,7 @@ class CallSender(Protocol):
     def watch_failures(self, ranks: Iterable[int], callback: Callable[[int, str], None]) -> None:
         """Call callback(rank, why) when one of these ranks dies."""
 
-    def record_timing(self, label: str, title: str, times: list[tuple[int, float | None, bool]]) -> None:
+    def record_timing(self, label: str, title: str, times: list[RankTiming]) -> None:
         """Keep (and show, where someone shows them) per-rank durations of a call."""
 
 
