@@ -113,8 +113,15 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                 arg("--strategies", default="ddp,fsdp,tp,pp"), arg("--optimizer", default="adamw"),
                 arg("--lr", type=float, default=None), arg("--trial", action="store_true"),
                 arg("--apply", action="store_true"), _MESH_NAME)),
-    Subcommand("config", "timing on|off", "per-rank timing bars after each %%mesh cell",
-               (arg("setting", choices=["timing"]), arg("value", choices=["on", "off"]))),
+    Subcommand("why", "[NAME]", "why the ranks are where they are: who waits in which collective for whom",
+               (arg("name", nargs="?"),)),
+    Subcommand("stacks", "[NAME] [--ranks SPEC] [--all-threads] [--native]",
+               "every rank's Python stack now, grouped across ranks (--native: py-spy's native stacks)", (
+                   arg("name", nargs="?"), arg("--ranks", default=None), arg("--all-threads", action="store_true"),
+                   arg("--native", action="store_true"))),
+    Subcommand("config", "timing on|off | hang SECONDS|off [--name NAME]",
+               "per-rank timing bars after each %%mesh cell; after how long a cell without progress shows why",
+               (arg("setting", choices=["timing", "hang"]), arg("value"), _MESH_NAME)),
     Subcommand("on", "[--name NAME]", "send every following cell to the mesh", (_MESH_NAME,)),
     Subcommand("off", "", "cells run locally again"),
 )

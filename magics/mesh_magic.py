@@ -231,8 +231,30 @@ class MeshMagics(Magics):
         print(f"autoreload of synced modules on the ranks: {args.setting}")
 
     def _do_config(self, args) -> None:
+        if args.setting == "hang":
+            mesh = self.registry.get(args.mesh)
+            try:
+                mesh.hang_after_s = None if args.value == "off" else float(args.value)
+            except ValueError:
+                raise UsageError(f"%mesh config hang {args.value}: give a number of seconds, or off") from None
+            print(f"a cell on {mesh.name!r} whose ranks make no progress for {args.value} s shows why"
+                  if args.value != "off" else f"cells on {mesh.name!r} no longer say why they hang")
+            return
+        if args.value not in ("on", "off"):
+            raise UsageError(f"%mesh config timing {args.value}: on or off")
         self.timing = args.value == "on"
         print(f"per-rank timing after each %%mesh cell: {args.value}")
+
+    def _do_why(self, args) -> Any:
+        return self.registry.get(args.name).why()
+
+    def _do_stacks(self, args) -> Any:
+        mesh = self.registry.get(args.name)
+        if args.ranks is not None:
+            mesh = mesh.select_ranks(_spec_ranks(args.ranks, mesh))
+        if args.native:
+            return mesh.native_stacks()
+        return mesh.stacks(all_threads=args.all_threads)
 
     def _do_sharding(self, args) -> Any:
         return visualize_sharding(self.registry.get(args.mesh), args.expr, rows=args.rows, cols=args.cols)

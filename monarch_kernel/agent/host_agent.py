@@ -35,6 +35,7 @@ from monarch_kernel.core.versions import __version__
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import relay_messages as rm
+from monarch_kernel.wire.diagnosis import InspectRanks
 from monarch_kernel.wire.relay_link import RelayLink
 from monarch_kernel.wire.routing import CallRouter, Send
 from monarch_kernel.wire.serialization import Sealed, release
@@ -70,6 +71,7 @@ class HostAgent:
         self._from_controller: dict[type, Callable[[Any], None]] = {
             m.ToRanks: self._fan_out,
             m.InterruptRanks: self._deliver,  # each rank decides what to stop (worker.py)
+            InspectRanks: self._deliver,  # each rank's reader thread answers
             m.ActorCall: lambda msg: self._call(msg, from_above=True),
             m.ActorReply: self.router.reply,
             m.CancelCall: lambda msg: self.router.cancel(msg, from_above=True),
@@ -219,7 +221,7 @@ class HostAgent:
                 del self._release_when_answered[(caller, call_id)]
                 release(entry[0])  # each rank holds its own link while it maps the arguments
 
-    def _deliver(self, msg: m.InputReply | m.InterruptRanks) -> None:
+    def _deliver(self, msg: m.InputReply | m.InterruptRanks | InspectRanks) -> None:
         """Pass a message on to the local ranks it names."""
         chunks = encode(msg)
         for rank in msg.ranks:

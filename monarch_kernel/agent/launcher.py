@@ -53,6 +53,7 @@ class RankProcess:
     responsive: bool = True
     stopping: bool = False  # the controller asked it to stop: its exit is expected
     activity: str = ""  # what its actors run, from its latest heartbeat answer
+    collective: str = ""  # the collective its main thread waits in, from the same answer
     stderr_tail: LineLog = field(default_factory=lambda: LineLog(STDERR_TAIL_LINES))
     fd_mark: FdMarkWriter | None = None  # on the notebook's machine: how much fd output was passed on
 

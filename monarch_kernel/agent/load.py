@@ -25,6 +25,7 @@ class RankLoad:
     gpu_total_bytes: int | None = None
     gpu_util_percent: float | None = None
     activity: str = ""  # the endpoint its actors run, e.g. "Trainer.step 1.5s"
+    collective: str = ""  # the collective its main thread waits in, e.g. "in all_reduce #58 (default group) for 31s"
     host_memory_bytes: int | None = None  # the host's memory in all (MemTotal), to scale rss against
 
 
@@ -36,7 +37,8 @@ class LoadSampler:
         self._nvml = _nvml()
         self._memory = _host_memory()
 
-    def sample(self, ranks: dict[int, tuple[int, int]], activity: dict[int, str] | None = None) -> list[RankLoad]:
+    def sample(self, ranks: dict[int, tuple[int, int]], activity: dict[int, str] | None = None,
+               collective: dict[int, str] | None = None) -> list[RankLoad]:
         """Loads of {rank: (pid, local_rank)}; ranks whose /proc entry vanished are skipped."""
         now = time.monotonic()
         loads = []
@@ -49,7 +51,7 @@ class LoadSampler:
             percent = 0.0 if before is None or now <= before[0] else 100.0 * (cpu_s - before[1]) / (now - before[0])
             gpu = self._gpu(local_rank)
             loads.append(RankLoad(rank, round(max(0.0, percent), 1), rss, *gpu, (activity or {}).get(rank, ""),
-                                  self._memory))
+                                  (collective or {}).get(rank, ""), self._memory))
         alive = {pid for pid, _ in ranks.values()}
         for pid in list(self._last):
             if pid not in alive:

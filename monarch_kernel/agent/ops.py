@@ -3,6 +3,11 @@ one per operation type."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -20,8 +25,26 @@ HANDLERS: dict[type, Callable[[Any], dict[str, Any]]] = {
     ops.ListFiles: lambda op: workspace.list_files(op.key),
     ops.HashFiles: lambda op: workspace.hash_files(op.key, op.paths),
     ops.WriteFiles: lambda op: workspace.write_files(op.key, op.files, op.deletes, op.touches),
+    ops.NativeStacks: lambda op: native_stacks(op.pids),
 }
 assert set(HANDLERS) == set(ops.HOST_OPERATIONS), "every host operation has a handler"
+
+
+def native_stacks(pids: tuple[int, ...], timeout: float = 20.0) -> dict[str, Any]:
+    """py-spy's dump of each process, native frames included: {"stacks": {pid: text}} or {"missing": why}."""
+    found = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if found is None:
+        return {"missing": f"py-spy is not installed on host {socket.gethostname()}: pip install py-spy "
+                           f"(into {sys.prefix}), then ask again"}
+    stacks = {}
+    for pid in pids:
+        try:
+            done = subprocess.run([found, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                                  timeout=timeout)
+            stacks[pid] = done.stdout if done.returncode == 0 else f"py-spy failed: {done.stderr.strip()}"
+        except subprocess.TimeoutExpired:
+            stacks[pid] = f"py-spy did not finish within {timeout:.0f} s"
+    return {"stacks": stacks}
 
 
 def run_host_operation(op: Any) -> dict[str, Any]:

@@ -224,9 +224,9 @@ class RankSet:
             return
         answers = data.split(b"\n")
         if len(answers) > 1:  # the latest complete answer says what the rank is doing
-            activity = answers[-2].lstrip(b".").decode("utf-8", "replace")
+            activity, _, collective = answers[-2].lstrip(b".").decode("utf-8", "replace").partition("\t")
             went_idle = bool(proc.activity) and not activity
-            proc.activity = activity
+            proc.activity, proc.collective = activity, collective
             if went_idle:
                 self.listener.on_went_idle()
         proc.last_pong = time.monotonic()
@@ -249,7 +249,8 @@ class RankSet:
     def loads(self) -> list[Any]:
         """Each rank's CPU, memory and GPU load now."""
         return self._sampler.sample({r: (p.pid, p.spec.local_rank) for r, p in self.procs.items()},
-                                    {r: p.activity for r, p in self.procs.items()})
+                                    {r: p.activity for r, p in self.procs.items()},
+                                    {r: p.collective for r, p in self.procs.items()})
 
 
 def tail_text(proc: RankProcess) -> str:

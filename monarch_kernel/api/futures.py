@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from monarch_kernel.api.hangs import HangWatch, remake_groups_after_stop
 from monarch_kernel.controller import events as ev
 from monarch_kernel.core.errors import raise_for
 from monarch_kernel.core.failures import FailureKind, RankFailure
@@ -47,6 +49,7 @@ class MeshFuture(Future[T]):
         self._background = False
         self._stopping = False
         self._marked_done: set[int] = set()  # ranks shown done (requests on lanes)
+        self._watch = HangWatch(runtime, request, runtime.inspections.hang_after_s, self._show_verdict)
 
     @property
     def label(self) -> str:
@@ -93,6 +96,7 @@ class MeshFuture(Future[T]):
                     self._mark_ranks_done()
                     self._runtime.requests.release_overdue(self._request)
                 self._sink.tick()
+                self._watch.tick()
                 continue
             if isinstance(event, ev.DoneEvent):
                 return True
@@ -127,9 +131,20 @@ class MeshFuture(Future[T]):
         self._sink.close()
         return self._make_result(self._request)
 
+    def _show_verdict(self, text: str, html: str) -> None:
+        """A hang seen while waiting: the sink's own block for it where it has one, else a notice."""
+        verdict = getattr(self._sink, "verdict", None)  # optional in OutputSink, like new_block
+        if verdict is not None:
+            verdict(text, html)
+        else:
+            self._sink.notice(min(self._request.ranks), text)
+
     def _stopped(self, why: str, error_type: type[BaseException]) -> BaseException:
         req = self._request
         self._sink.close()
+        remade = remake_groups_after_stop(self._runtime, req)
+        if remade is not None:
+            print(f"monarch_kernel: {remade}", file=sys.stderr, flush=True)
         failures = collect_failures(req, self._runtime)
         still = sorted(req.outstanding)
         for rank in still:

@@ -17,8 +17,9 @@ from typing import Any
 from monarch_kernel.actors.client import ActorMesh
 from monarch_kernel.actors.procs import HostMesh
 from monarch_kernel.actors.spawning import spawn_actor_mesh
-from monarch_kernel.api import environment, transfer, workspace
+from monarch_kernel.api import environment, hangs, workspace
 from monarch_kernel.api.futures import MeshFuture, raise_failures
+from monarch_kernel.api.mesh_files import HostFiles
 from monarch_kernel.api.mesh_start import start_runtime
 from monarch_kernel.api.sinks import OutputSink, default_sink
 from monarch_kernel.api.values import check_device, seal_named
@@ -38,7 +39,7 @@ from monarch_kernel.wire.serialization import arriving_on, release, seal, unseal
 _cell_names = CellNames()
 
 
-class Mesh:
+class Mesh(HostFiles):
     """Ranks you can run code on, push values to and pull values from."""
 
     def __init__(self, runtime: MeshRuntime, shape: Shape):
@@ -294,45 +295,30 @@ class Mesh:
         self._runtime.restart()
         workspace.reapply(self._runtime, self._ask_on)
 
-    # ------------------------------------------------------------ the user's files
-    def sync_workspace(self, path: str | None = None, *, exclude: Sequence[str] = (), auto: bool = False,
-                       chdir: bool = False, force: bool = False,
-                       max_bytes: int = workspace.DEFAULT_MAX_BYTES) -> workspace.SyncReport:
-        """Copy a folder (default: the notebook's project) to every host, and put it first on the ranks' sys.path.
+    # ------------------------------------------------------------ why a cell hangs
+    @property
+    def hang_after_s(self) -> float | None:
+        """A running cell whose ranks make no progress this long shows why (None: never); `%mesh config hang`."""
+        return self._runtime.inspections.hang_after_s
 
-        Once per host, all hosts at once, over the mesh's own connections; only files that
-        changed since the last sync travel (size, mtime, content hash); deleted files are
-        deleted; `.gitignore` rules and `exclude` patterns apply; symlinks leading outside
-        are skipped. Hosts on this machine share the folder and get no copy. `auto=True`
-        sends changes before each mesh cell; `chdir=True` makes it the ranks' working
-        folder. A folder over `max_bytes` is refused (naming its largest files) unless `force`.
-        """
-        return workspace.sync(self._runtime, self._ask_on, path, exclude=exclude, auto=auto, chdir=chdir,
-                              force=force, max_bytes=max_bytes)
+    @hang_after_s.setter
+    def hang_after_s(self, seconds: float | None) -> None:
+        if seconds is not None and (not isinstance(seconds, int | float) or seconds <= 0):
+            raise MeshUsageError(f"hang_after_s={seconds!r}: give a number of seconds > 0, or None for never")
+        self._runtime.inspections.hang_after_s = None if seconds is None else float(seconds)
 
-    def put(self, src: str, dst: str) -> transfer.TransferReport:
-        """Copy a local file or folder to path `dst` (absolute, or ~/...) on every host of this mesh or slice.
+    def why(self) -> hangs.Diagnosis:
+        """Why the ranks of this mesh (or slice) are where they are: which rank waits in which collective
+        for whom, or where each runs its own code; `str()` is the verdict, a notebook shows the stacks too."""
+        return hangs.why(self._runtime, self.ranks)
 
-        Once per host, all hosts at once, streamed in checksummed chunks with a progress
-        line; an interrupted put goes on from where it stopped the next time.
-        """
-        return transfer.put(self._runtime, src, dst, list(self.ranks))
+    def stacks(self, all_threads: bool = False) -> hangs.Diagnosis:
+        """Every rank's Python stack now, grouped across ranks (it works while a rank waits in a C call)."""
+        return hangs.why(self._runtime, self.ranks, all_threads=all_threads)
 
-    def get(self, src: str, dst_dir: str = ".") -> transfer.TransferReport:
-        """Bring path `src` (absolute, or ~/...) from the hosts of this mesh or slice into local folder `dst_dir`.
-
-        Each host's copy lands as `NAME.host-H`; a path naming `{rank}` or `{local_rank}`
-        is fetched per rank as `NAME.rank-R`. Streamed, checksummed and resumable like `put`.
-        """
-        return transfer.get(self._runtime, src, dst_dir, list(self.ranks))
-
-    def environment(self) -> environment.EnvReport:
-        """Python, torch, cloudpickle and monarch_kernel versions of each host next to the notebook's."""
-        return environment.check(self._runtime, self._ask_on)
-
-    def autoreload(self, on: bool = True) -> None:
-        """Reload changed modules of the synced folders on every rank before each cell (IPython's %autoreload 2)."""
-        workspace.set_autoreload(self._runtime, self._ask_on, on)
+    def native_stacks(self) -> hangs.NativeStackText:
+        """py-spy's dump of each rank, native frames included (for a rank stuck in a C call holding the GIL)."""
+        return hangs.native_stacks(self._runtime, self.ranks)
 
     def _ask_on(self, ranks: list[int], op: RankOperation, label: str) -> ValueMesh:
         whole = Mesh(self._runtime, Shape.grid(hosts=len(self._runtime.spec.hosts), gpus=self._runtime.spec.gpus))

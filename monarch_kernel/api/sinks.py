@@ -37,7 +37,9 @@ class OutputSink(Protocol):
         """The run is over: show everything that is left."""
 
     # Optional: `new_block()`, called before the notebook asks for input on the ranks'
-    # behalf, so that text so far stays above the question and later text goes below.
+    # behalf, so that text so far stays above the question and later text goes below;
+    # `verdict(text, html)`, why the ranks make no progress (a hang seen while waiting),
+    # updated while it lasts (without it, the verdict comes as a notice).
 
 
 class PlainSink:

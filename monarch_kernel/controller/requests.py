@@ -28,6 +28,7 @@ from monarch_kernel.core.failures import FailureKind, RankFailure
 from monarch_kernel.core.output_caps import fd_dropped_note, fit
 from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.diagnosis import CollectivesAborted
 from monarch_kernel.wire.transport import encode
 
 HELD_AT_MOST_S = 2.0  # a result waits at most this long for the fd output it says came before it
@@ -104,10 +105,19 @@ class RequestBook:
             self.output(msg)
         elif isinstance(msg, m.Display):
             self.display(msg)
+        elif isinstance(msg, CollectivesAborted):
+            self.collectives_aborted(msg)
         elif isinstance(msg, m.InputRequest):
             link = self._state.link_of(msg.rank)
             if link is not None:  # (the answer goes through the agent, to the rank's reader thread)
                 self._loop.call(self.input_request, link.send, msg)
+
+    def collectives_aborted(self, msg: CollectivesAborted) -> None:
+        """A stop ended collectives on a rank (any thread): its request notes it, for a fresh group after."""
+        with self._lock:
+            req = self._state.requests.get(msg.req_id)
+            if req is not None:
+                req.aborted[msg.rank] = msg.what
 
     def release_overdue(self, req: Request, after: float = HELD_AT_MOST_S) -> None:
         """Book results held longer than `after` for fd output that has not come (a safety net)."""

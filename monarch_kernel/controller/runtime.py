@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 from monarch_kernel.controller.heartbeat import HostHearing
 from monarch_kernel.controller.host_ops import HostOps
 from monarch_kernel.controller.hosts import HostConnection, HostSpec, open_host
+from monarch_kernel.controller.inspections import Inspections
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.rank_start import quiet_future, start_failure, start_ranks
 from monarch_kernel.controller.relays import ControllerRelays
@@ -36,6 +37,7 @@ from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import relay_messages as rm
 from monarch_kernel.wire.calls import register_sender, unregister_sender
+from monarch_kernel.wire.diagnosis import CollectivesAborted, RankInspection
 from monarch_kernel.wire.serialization import carries_shm_refs, forget_mappings
 from monarch_kernel.wire.transport import FrameError
 
@@ -62,6 +64,7 @@ class MeshRuntime:
         self._heartbeat: asyncio.Task[None] | None = None
         self.hearing = HostHearing(self.state, spec, clock, self._on_lost, _notice)  # pings, silences
         self.host_ops = HostOps()  # work for the agents themselves (workspace files)
+        self.inspections = Inspections(self.state, self.controller)  # where ranks are (hangs)
         self._lifecycle = asyncio.Lock()  # one restart or shutdown at a time (a double click, two cells)
         self._handlers: dict[type, Handler] = {
             m.Output: lambda link, msg: self.requests.output(msg),
@@ -86,6 +89,8 @@ class MeshRuntime:
             m.StoreBound: self._on_store_bound,
             m.RanksFailed: self._on_ranks_failed,
             m.HostOpDone: lambda link, msg: self.host_ops.done(link, msg),
+            RankInspection: lambda link, msg: self.inspections.answer(msg),
+            CollectivesAborted: lambda link, msg: self.requests.collectives_aborted(msg),
         }
         register_sender(spec.name, self.sender)
         MeshRuntime._open.add(self)

@@ -131,6 +131,7 @@ class RankSnapshot:
     busy_with: str | None = None  # the label of what it runs (e.g. "In[3]")
     load: Any = None  # RankLoad: CPU %, RSS, GPU memory and utilization
     exit_text: str = ""  # for dead ranks: how it ended
+    collective: str = ""  # the collective it waits in ("in all_reduce #58 (default group) for 31s"), if any
 
 
 @dataclass
@@ -152,6 +153,7 @@ class Request:
     fd_dropped: dict[int, int] = field(default_factory=dict)  # and past the cap (see core/output_caps)
     held: dict[int, tuple[m.Result, float]] = field(default_factory=dict)  # results waiting for fd output
     timings: list[RankTiming] = field(default_factory=list)  # each rank's part, once every rank answered
+    aborted: dict[int, str] = field(default_factory=dict)  # ranks where a stop ended collectives: what was done
     _inputs: dict[int, bool] = field(default_factory=dict)  # id(InputRequest) -> claimed (True) or expired
     _completion: concurrent.futures.Future[Request] | None = None  # made when someone awaits it
     _lock: threading.Lock = field(default_factory=threading.Lock)  # guards _inputs, done and _completion
@@ -384,7 +386,8 @@ class MeshState:
                 s.rank, s.host, s.local_rank, s.pid, s.state,
                 (now - s.busy_since) if s.busy_since and inflight else None,
                 s.exit_code, s.signal, busy_with, s.load if s.alive else None,
-                s.exit_text() if not s.alive and s.pid is not None else ""))
+                s.exit_text() if not s.alive and s.pid is not None else "",
+                s.load.collective if s.load is not None and s.alive and inflight else ""))
         return out
 
     def _label_of(self, inflight: list[int]) -> str | None:

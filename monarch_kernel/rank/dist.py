@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from monarch_kernel.core.addresses import is_unspecified
-from monarch_kernel.rank import user_process_groups
+from monarch_kernel.rank import collectives, user_process_groups
 from monarch_kernel.rank.after_import import when_imported
 from monarch_kernel.wire.messages import DistConfig, RankSpec
 
@@ -173,6 +173,7 @@ def init_process_group(spec: RankSpec, dist: DistConfig, where: StoreSpec) -> st
     kwargs: dict[str, Any] = {}
     if dist.backend == "nccl":
         kwargs["device_id"] = device
+    collectives.track_group_sockets()  # so that a stop can free a rank stuck in a gloo collective
     tdist.init_process_group(dist.backend, store=store, rank=spec.rank,
                              world_size=dist.world_size, timeout=timeout, **kwargs)
     # a script's own init_process_group is served by this group; after a destroy it makes a new one

@@ -33,7 +33,7 @@ def _heartbeat(sock: socket.socket, activity) -> None:
 def _tell(sock: socket.socket, activity: str) -> bool:
     """One heartbeat answer (also sent unasked when the rank stops being busy)."""
     try:
-        sock.sendall(b"." + activity.encode("utf-8", "replace")[:200] + b"\n")
+        sock.sendall(b"." + activity.encode("utf-8", "replace")[:300] + b"\n")
     except OSError:
         return False
     return True
@@ -68,9 +68,9 @@ def run_rank(conn_sock: socket.socket, hb_sock: socket.socket, config: WorkerCon
     conn = BlockingConnection(conn_sock)
     worker = Worker(conn, config)
     worker.install()
-    threading.Thread(target=_heartbeat, args=(hb_sock, worker.actors.activity), name="heartbeat",
+    threading.Thread(target=_heartbeat, args=(hb_sock, worker.activity), name="heartbeat",
                      daemon=True).start()
-    worker.actors.on_idle = lambda: None if _tell(hb_sock, worker.actors.activity()) else None
+    worker.actors.on_idle = lambda: None if _tell(hb_sock, worker.activity()) else None
     started = time.time()
     failure = None
     try:

@@ -65,8 +65,43 @@ def install(backend: str, world_size: int, rank: int, store: Any, timeout: timed
             # processes exit right after; on a mesh they live on, so every rank first meets here.
             c10d.barrier()
         destroy(group)
+        if group is None:
+            from monarch_kernel.rank.collectives import forget_group_sockets
+
+            forget_group_sockets()
 
     _replace_everywhere(destroy, destroy_process_group, "destroy_process_group")
+
+
+def remake_default_group(key: str) -> list[str]:
+    """A fresh default group (the mesh's backend, world and rank) through the mesh's store under `key`,
+    after a stop broke the old groups on every rank; returns how the groups made in cells were named
+    (they are gone). Every rank calls it with the same key."""
+    import torch.distributed as tdist
+    from torch.distributed import distributed_c10d as c10d
+
+    from monarch_kernel.rank.collectives import forget_group_sockets
+
+    if _state.get("store") is None:
+        raise RuntimeError("this mesh has no process group to make anew")
+    gone = []
+    if c10d.is_initialized():
+        default = c10d._get_default_group()
+        for pg in list(c10d._world.pg_names):
+            if pg is not default:
+                desc = str(getattr(pg, "group_desc", "") or "")
+                ranks = ",".join(str(r) for r in tdist.get_process_group_ranks(pg))
+                gone.append(f"{desc!r} (ranks {ranks})" if desc and desc != "undefined" else f"ranks {ranks}")
+        _state["original_destroy"](None)  # (not the wrapper: its barrier would wait on the broken group)
+    forget_group_sockets()
+    kwargs: dict[str, Any] = {}
+    if _state["backend"] == "nccl":
+        import torch
+
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    _state["original"](_state["backend"], store=tdist.PrefixStore(f"monarch_kernel/{key}", _state["store"]),
+                       rank=_state["rank"], world_size=_state["world_size"], timeout=_state["timeout"], **kwargs)
+    return gone
 
 
 def _difference(backend: str | None, world_size: int, rank: int) -> str | None:

@@ -25,17 +25,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from monarch_kernel.core.errors import ConnectionClosed, NoTerminalError, SerializationError
+from monarch_kernel.core.errors import ConnectionClosed, SerializationError
 from monarch_kernel.core.package import PACKAGE_DIR
 from monarch_kernel.core.shell_syntax import MESH_SHELL
+from monarch_kernel.rank import collectives
 from monarch_kernel.rank.actor_host import ActorHost
 from monarch_kernel.rank.autoreload import Reloader
 from monarch_kernel.rank.capture import DisplayCapture, RankStream
 from monarch_kernel.rank.cell import CellRunner, describe_failure
+from monarch_kernel.rank.inspect import inspect, main_thread_in_collective
 from monarch_kernel.rank.interrupts import MainThreadInterrupts
+from monarch_kernel.rank.notebook_input import NotebookInput, breakpoint_in_the_notebook
 from monarch_kernel.rank.ops import RankOps
 from monarch_kernel.rank.rankshell import RankShell
 from monarch_kernel.rank.recent import RecentKeys
+from monarch_kernel.wire.diagnosis import CollectivesAborted, InspectRanks, RankInspection
 from monarch_kernel.wire.fd_marks import FdMarkReader, fd_mark_path
 from monarch_kernel.wire.lane_server import LaneServer, accept_lane, listen_lane
 from monarch_kernel.wire.lanes import lane_path
@@ -61,7 +65,7 @@ from monarch_kernel.wire.transport import BlockingConnection
 
 READY_REQ = 0  # req_id of the rank's start-up reply
 REQUESTS = frozenset({RunCell, Pull, Push, Call, RunOp})  # what a rank runs for the notebook, by the agent or a lane
-REQUEST_REPLIES = frozenset({Output, Display, InputRequest, Result})  # what a rank sends back about a request
+REQUEST_REPLIES = frozenset({Output, Display, InputRequest, Result, CollectivesAborted})  # what a rank sends back about a request
 
 
 def _fd_mark_reader(config: WorkerConfig) -> FdMarkReader | None:
@@ -99,6 +103,7 @@ class Worker:
         self.conn = conn
         self.config = config
         self.current_req: int | None = None
+        self.current_label = ""  # what the request running now is called ("In[7]", "pull")
         self.in_user_code = False
         # requests told to stop (may come before the request: see _interrupt), and the lock that
         # makes "is it in user code?" and "was it stopped?" one question for both threads
@@ -121,9 +126,7 @@ class Worker:
         self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir, self.ops, self.interrupts)
         self.lane_listener = listen_lane(lane_path(config.shm_dir, config.rank)) if config.shm_dir else None
         self.namespace["actors"] = self.actors.instances
-        self._input_lock = threading.Lock()
-        self._input_ready = threading.Event()
-        self._input_answer: tuple[str, str | None] = ("", None)
+        self.input = NotebookInput(config.rank, self._send, lambda: self.current_req, self.flush_streams)
         self._sigint_handler = self._on_sigint  # the one installed (bound once: checked after every request)
         self.interrupts.handler = self._sigint_handler
 
@@ -147,41 +150,13 @@ class Worker:
         import builtins
 
         builtins.display = self.displays.display  # type: ignore[attr-defined]
-        builtins.input = self._input  # pdb (breakpoint()) reads its commands with input() too
+        builtins.input = self.input.input  # pdb (breakpoint()) reads its commands with input() too
         import getpass
 
-        getpass.getpass = self._getpass
-        sys.breakpointhook = _breakpoint
+        getpass.getpass = self.input.getpass
+        sys.breakpointhook = breakpoint_in_the_notebook
         self.displays.patch_ipython()
         signal.signal(signal.SIGINT, self._sigint_handler)
-
-    def _getpass(self, prompt: str = "Password: ", stream: Any = None) -> str:
-        """getpass() on a rank: a masked box in the notebook (a login token, say)."""
-        return self._input(prompt, password=True)
-
-    def _input(self, prompt: object = "", *, password: bool = False) -> str:
-        """input() on a rank: the notebook asks for the line (ranks asking alike share one box)."""
-        req = self.current_req
-        if req is None or threading.current_thread() is not threading.main_thread():
-            raise NoTerminalError(
-                "input() on a rank reaches the notebook only from a %%mesh cell's own code; pass values "
-                "in instead: %mesh push NAME, mesh.push(name=value), or an endpoint argument")
-        self.flush_streams()  # what the cell printed comes before the question
-        with self._input_lock:
-            self._input_ready.clear()
-            self._send(InputRequest(self.config.rank, req, str(prompt), password))
-            self._input_ready.wait()  # Ctrl-C (SIGINT from the agent) interrupts the wait
-            text, error = self._input_answer
-        if error is not None:
-            raise NoTerminalError(f"input() on rank {self.config.rank} got no line: {error}. Pass values in "
-                                  "instead: %mesh push NAME, or mesh.push(name=value)")
-        return text
-
-    def _on_input_reply(self, msg: InputReply) -> None:
-        if msg.req_id != self.current_req:
-            return  # for an input() that was interrupted, in a request that is over
-        self._input_answer = (msg.text, msg.error)
-        self._input_ready.set()
 
     def _interrupt(self, msg: InterruptRanks) -> None:
         """Reader thread: stop these requests, now if one runs user code on the main thread, else as
@@ -192,6 +167,24 @@ class Worker:
                 self._stopped.add(req_id)
             if self.in_user_code and (msg.running or self.current_req in msg.req_ids):
                 self.interrupts.interrupt(lambda: self.in_user_code)
+                if main_thread_in_collective() and self.current_req is not None:
+                    # the signal cannot reach into a collective's wait: end it (said first, so that the
+                    # notebook knows before the request's result, which the ending lets through)
+                    self._send(CollectivesAborted(self.current_req, self.config.rank, collectives.ending_text()))
+                    collectives.abort_collectives(_store_port())
+
+    def running_label(self) -> str:
+        """What runs on this rank now: the cell ("In[7]"), an endpoint, or "" when idle."""
+        if self.current_label:
+            return self.current_label
+        return self.actors.activity().rsplit(" ", 1)[0]
+
+    def activity(self) -> str:
+        """What the heartbeat tells the agent: the actors' activity, and the collective the main
+        thread waits in (after a tab), if any."""
+        doing = self.actors.activity()
+        waiting = collectives.brief() if self.in_user_code else ""
+        return f"{doing}\t{waiting}" if waiting else doing
 
     def _on_sigint(self, signum, frame) -> None:
         self.interrupts.seen()
@@ -236,9 +229,12 @@ class Worker:
         elif isinstance(msg, CancelCall):
             self.actors.cancel(msg)
         elif isinstance(msg, InputReply):
-            self._on_input_reply(msg)
+            self.input.reply(msg)
         elif isinstance(msg, InterruptRanks):
             self._interrupt(msg)
+        elif isinstance(msg, InspectRanks):  # answered here, whatever the main thread does
+            self._send(RankInspection(msg.inspect_id, self.config.rank,
+                                      inspect(self.config.rank, self.running_label(), msg.all_threads)))
         elif isinstance(msg, ActorCall):
             self.actors.post(msg)  # delivered by the loop, or by a wait on the main thread that serves
             loop.call_soon_threadsafe(self.actors.pump)
@@ -277,12 +273,13 @@ class Worker:
         finally:
             asyncio._set_running_loop(loop)
 
-    def _set_request(self, req_id: int | None) -> None:
+    def _set_request(self, req_id: int | None, label: str = "") -> None:
         self.current_req = self.stdout.request_id = self.stderr.request_id = req_id
+        self.current_label = label
 
     def handle(self, msg: Any) -> None:
         """Run one request and send its Result."""
-        self._set_request(msg.req_id)
+        self._set_request(msg.req_id, _label_of(msg))
         started = time.time()
         value, failure = None, None
         try:
@@ -362,22 +359,28 @@ class Worker:
             return None, Failure("SerializationError", str(exc), "")
 
 
+def _label_of(msg: Any) -> str:
+    """How a verdict names a request: the cell's name ("In[7]"), else its kind."""
+    if isinstance(msg, RunCell):
+        return msg.filename.removeprefix("<mesh ").removesuffix(">")
+    if isinstance(msg, RunOp):
+        return type(msg.op).__name__
+    return type(msg).__name__.lower()
+
+
+def _store_port() -> int | None:
+    """The rendezvous store's port (its connection is kept when collectives are ended)."""
+    try:
+        return int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        return None
+
+
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     """The traceback from the first frame that is not monarch_kernel's own (the cell's)."""
     while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
         tb = tb.tb_next
     return tb
-
-
-def _breakpoint(*args: Any, **kwargs: Any) -> Any:
-    """breakpoint() on a rank: pdb, talking to the notebook through input(), and leaving
-    SIGINT alone (pdb would take it over, and the notebook's stop button must stop)."""
-    if os.environ.get("PYTHONBREAKPOINT", "pdb.set_trace") not in ("", "pdb.set_trace"):
-        return sys.__breakpointhook__(*args, **kwargs)
-    import pdb
-
-    pdb.Pdb(nosigint=True).set_trace(sys._getframe(1))
-    return None
 
 
 def _short_repr(value: Any, limit: int = 200) -> str:

@@ -100,6 +100,7 @@ class LiveOutput:
         self._shown_version = 0
         self._last_render = 0.0
         self._interval = REFRESH_S
+        self._verdict_id: str | None = None  # the block that says why the ranks make no progress
         if announcement is not None:  # claim the spot in the cell now, while it still runs
             self._display_id = publisher.show({"text/plain": announcement})
             self._shown_version = -1
@@ -123,6 +124,14 @@ class LiveOutput:
         """A rich display made on a rank."""
         self.new_block()
         self._publisher.show(label_bundle(rank, data), metadata, live=False)
+
+    def verdict(self, text: str, html: str) -> None:
+        """Why the ranks make no progress: one block of its own, updated in place while the hang lasts."""
+        bundle = {"text/plain": text, "text/html": html}
+        if self._verdict_id is None:
+            self._verdict_id = self._publisher.show(bundle)
+        else:
+            self._publisher.update(self._verdict_id, bundle)
 
     def new_block(self) -> None:
         """Freeze the text so far; what comes next goes below whatever is shown now (a display, a prompt)."""
@@ -193,6 +202,11 @@ class TerminalOutput:
     def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:
         """A rich display made on a rank."""
         self._stream.write(f"[rank {rank}] {data.get('text/plain', '<display>')}\n")
+
+    def verdict(self, text: str, html: str) -> None:
+        """Why the ranks make no progress (printed each time it changes)."""
+        self._stream.write(text + "\n")
+        self._stream.flush()
 
     def new_block(self) -> None:
         """Print everything so far (a prompt follows)."""

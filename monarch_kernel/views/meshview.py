@@ -87,7 +87,8 @@ def _detail(s: Any) -> str:
         return str(s.exit_text)
     if s.state == RankStatus.BUSY:
         what = s.busy_with or "work"
-        return f"{what} for {s.busy_for_s:.1f} s" if s.busy_for_s is not None else what
+        busy = f"{what} for {s.busy_for_s:.1f} s" if s.busy_for_s is not None else what
+        return f"{busy}, {s.collective}" if s.collective else busy
     if s.state == RankStatus.UNRESPONSIVE:
         return "no heartbeat"
     return ""

@@ -92,10 +92,19 @@ class ApplyLayout:
     names: tuple[str, str, str]
 
 
+@dataclass(frozen=True)
+class RemakeDefaultGroup:
+    """Destroy this rank's process groups and make the default one anew through the mesh's store,
+    under `key` (the same on every rank), after a stop ended collectives in progress. Answer: how
+    the groups made in cells were named (they are gone)."""
+
+    key: str
+
+
 RankOperation = (SpawnActors | StopActors | Describe | PostMortem | UseWorkspace | SetAutoreload | Versions
-                 | ApplyLayout)
+                 | ApplyLayout | RemakeDefaultGroup)
 RANK_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors, Describe, PostMortem, UseWorkspace, SetAutoreload,
-                                     Versions, ApplyLayout)
+                                     Versions, ApplyLayout, RemakeDefaultGroup)
 ACTOR_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors)  # what a rank's system actor takes from others
 
 # ---------------------------------------------------------------- host operations (the agent's own files)
@@ -185,7 +194,14 @@ class WriteFiles:
     touches: dict[str, int] | None = None
 
 
+@dataclass(frozen=True)
+class NativeStacks:
+    """Native and Python stacks of these processes of the host, from py-spy (`%mesh stacks --native`)."""
+
+    pids: tuple[int, ...]
+
+
 HostOperation = (PutBegin | PutChunk | PutEnd | DescribePath | ReadChunk | Checksum | PrefixDigest | ListFiles
-                 | HashFiles | WriteFiles)
+                 | HashFiles | WriteFiles | NativeStacks)
 HOST_OPERATIONS: tuple[type, ...] = (PutBegin, PutChunk, PutEnd, DescribePath, ReadChunk, Checksum, PrefixDigest,
-                                     ListFiles, HashFiles, WriteFiles)
+                                     ListFiles, HashFiles, WriteFiles, NativeStacks)

@@ -1,0 +1,255 @@
+"""Why a cell hangs, in the notebook: `mesh.why()`, `mesh.stacks()`, the verdict a running cell
+shows by itself when its ranks stop making progress, and the fresh process group after a stop
+that had to end collectives in progress.
+
+The ranks answer from their reader threads (rank/inspect.py); the verdict is core/hangs.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import os
+import threading
+import time
+from typing import Any
+
+from monarch_kernel.controller.runtime import MeshRuntime
+from monarch_kernel.controller.state import Request
+from monarch_kernel.core.hangs import Frame, RankReport, Verdict, diagnose, grouped_stacks
+from monarch_kernel.core.ranksets import format_ranks
+from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.ops import NativeStacks, RemakeDefaultGroup
+
+DEFAULT_HANG_S = 30.0  # `%mesh config hang SECONDS|off`
+LOOK_EVERY_S = 5.0  # while a cell runs past its hang limit, its ranks are asked this often
+
+
+class Diagnosis:
+    """What `mesh.why()` returns: `str()` is the verdict; in a notebook it shows as HTML with the
+    grouped stacks below it."""
+
+    def __init__(self, verdict: Verdict, reports: dict[int, RankReport], *, all_threads: bool = False,
+                 title: str = ""):
+        self.verdict = verdict
+        self.reports = reports
+        self._all_threads = all_threads
+        self._title = title
+
+    @property
+    def hung(self) -> bool:
+        """Whether some rank waits in a collective that cannot finish as things stand."""
+        return self.verdict.hung
+
+    def stacks_text(self) -> str:
+        """The grouped stacks table as text."""
+        return stacks_text(self.reports, all_threads=self._all_threads)
+
+    def __str__(self) -> str:
+        return str(self.verdict)
+
+    def text(self) -> str:
+        """The verdict, then the stacks."""
+        head = f"{self._title}\n" if self._title else ""
+        return f"{head}{self.verdict}\n\n{self.stacks_text()}".rstrip()
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(self.text())
+
+    def _repr_html_(self) -> str:
+        lines = "".join(f"<div><b>{html.escape(line)}</b></div>" for line in self.verdict.lines)
+        title = f"<div>{html.escape(self._title)}</div>" if self._title else ""
+        return (f"<div class='monarch-why'>{title}{lines}"
+                f"<pre style='margin-top:0.5em'>{html.escape(self.stacks_text())}</pre></div>")
+
+
+def why(runtime: MeshRuntime, ranks: tuple[int, ...], *, all_threads: bool = False) -> Diagnosis:
+    """The verdict over `ranks` now, with their grouped stacks."""
+    reports, dead, silent = runtime.inspections.ask(ranks, all_threads=all_threads)
+    return Diagnosis(diagnose(reports, ranks, dead, silent), reports, all_threads=all_threads)
+
+
+def stacks_text(reports: dict[int, RankReport], *, all_threads: bool = False) -> str:
+    """Identical stacks once, with their ranks; the user's frames with their lines, library frames folded."""
+    blocks = []
+    for ranks, thread, frames in grouped_stacks(reports, all_threads=all_threads):
+        who = f"{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(list(ranks))}"
+        running = {reports[r].running for r in ranks} - {""}
+        what = f", running {', '.join(sorted(running))}" if running and thread == "main" else ""
+        blocks.append(f"{who} ({thread} thread{what})\n" + "\n".join("  " + line for line in _folded(frames)))
+    return "\n".join(blocks)
+
+
+def _folded(frames: tuple[Frame, ...]) -> list[str]:
+    first_user = next((i for i, f in enumerate(frames) if f.user), None)
+    if first_user is None:
+        return ["(no code of yours: the rank waits for work)"] if frames else ["(no stack)"]
+    lines: list[str] = []
+    library: list[Frame] = []
+    for frame in frames[first_user:]:
+        if frame.user:
+            if library:
+                lines.append(_library_line(library))
+                library = []
+            lines.append(frame.text())
+        else:
+            library.append(frame)
+    if library:
+        lines.append(_library_line(library))
+    return lines
+
+
+def _library_line(frames: list[Frame]) -> str:
+    innermost = frames[-1]
+    package = _package_of(innermost.filename)
+    return f"... {len(frames)} frame{'s' if len(frames) > 1 else ''} in {package} (innermost: {innermost.function})"
+
+
+def _package_of(filename: str) -> str:
+    parts = filename.replace(os.sep, "/").split("/")
+    if "site-packages" in parts:
+        return parts[parts.index("site-packages") + 1].removesuffix(".py")
+    for i, part in enumerate(parts):
+        if part.startswith("python3"):
+            return parts[i + 1].removesuffix(".py") if i + 1 < len(parts) else "python"
+    return os.path.basename(filename)
+
+
+class NativeStackText:
+    """What `mesh.native_stacks()` returns: py-spy's dump per rank (native frames included)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(self.text)
+
+
+def native_stacks(runtime: MeshRuntime, ranks: tuple[int, ...], timeout: float = 60.0) -> NativeStackText:
+    """py-spy's native stacks of `ranks`, each host's agent running it on its own ranks."""
+    states = runtime.state.ranks
+    pids = {r: pid for r in ranks if r in states and states[r].alive and (pid := states[r].pid) is not None}
+    links = [(link, tuple(pids[r] for r in link.ranks if r in pids)) for link in runtime.state.links]
+    links = [(link, mine) for link, mine in links if mine]
+
+    async def every() -> list[Any]:
+        return await asyncio.gather(*(runtime.host_ops.send(link, NativeStacks(mine)) for link, mine in links),
+                                    return_exceptions=True)
+
+    answers = runtime.controller.run(every()).result(timeout)
+    by_pid = {pid: r for r, pid in pids.items()}
+    blocks = []
+    for (link, _), answer in zip(links, answers):
+        if isinstance(answer, BaseException):
+            blocks.append(f"host {link.name}: {answer}")
+        elif "missing" in answer:
+            blocks.append(answer["missing"])
+        else:
+            blocks += [f"rank {by_pid[pid]} (pid {pid}, host {link.name})\n{text.rstrip()}"
+                       for pid, text in sorted(answer["stacks"].items())]
+    return NativeStackText("\n\n".join(blocks) or "no live rank to look at")
+
+
+# ---------------------------------------------------------------- a running cell that stops making progress
+
+
+class HangWatch:
+    """Looks at a running request's ranks once it has run `hang_s`, then every LOOK_EVERY_S, and
+    shows the verdict (through `show(text, html)`) while they make no progress; the looks run on
+    a helper thread, so the waiting thread keeps pumping output."""
+
+    def __init__(self, runtime: MeshRuntime, request: Request, hang_s: float | None, show: Any):
+        self._runtime = runtime
+        self._request = request
+        self._hang_s = hang_s
+        self._show = show
+        self._started = time.monotonic()
+        self._next_look = self._started + (hang_s or 0.0)
+        self._looking = False
+        self._last: tuple[int, tuple[str, ...]] | None = None  # (progress, stack tops) at the last look
+        self._still_since = self._started  # when the figures last changed
+        self.shown = ""  # the verdict shown, if any
+        self._pending: tuple[str, str] | None = None  # a verdict for the waiting thread to show
+
+    def tick(self) -> None:
+        """Called by the waiting thread while it waits (it shows what the helper found: sinks are one thread's)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._show(*pending)
+        if self._hang_s is None or self._looking or self._request.done or time.monotonic() < self._next_look:
+            return
+        self._looking = True
+        threading.Thread(target=self._look, name="mesh-hang-watch", daemon=True).start()
+
+    def _look(self) -> None:
+        try:
+            ranks = tuple(sorted(self._request.ranks))
+            reports, dead, silent = self._runtime.inspections.ask(ranks)
+            if self._request.done:
+                return
+            verdict = diagnose(reports, ranks, dead, silent)
+            now = time.monotonic()
+            figures = (sum(r.progress() for r in reports.values()),
+                       tuple(f.text() if (f := reports[r].user_frame()) else "" for r in sorted(reports)))
+            if figures != self._last:  # (the first look too: a cell busy in Python is not stuck yet)
+                self._still_since = now
+                self._last = figures
+            waited = max((g.for_s for r in reports.values() for g in r.groups if g.waiting), default=0.0)
+            stuck = waited >= (self._hang_s or 0) if verdict.hung else now - self._still_since >= (self._hang_s or 0)
+            if stuck or dead or silent:
+                text = str(verdict)
+                if text != self.shown:
+                    self.shown = text
+                    diagnosis = Diagnosis(verdict, reports, title=f"no progress on the ranks of {self._request.label}:")
+                    self._pending = (diagnosis.text(), diagnosis._repr_html_())
+        finally:
+            self._next_look = time.monotonic() + LOOK_EVERY_S
+            self._looking = False
+
+
+# ---------------------------------------------------------------- after a stop that ended collectives
+
+
+def remake_groups_after_stop(runtime: MeshRuntime, request: Request, timeout: float = 30.0) -> str | None:
+    """If stopping `request` ended collectives on some ranks, every rank of the mesh makes a fresh
+    default group; the one line that says so (None when nothing was ended)."""
+    aborted = dict(request.aborted)
+    if not aborted:
+        return None
+    where = format_ranks(sorted(aborted))
+    what = sorted(set(aborted.values()))[0]
+    dead = sorted(r for r, state in runtime.state.ranks.items() if not state.alive)
+    if dead:
+        return (f"the stop ended collectives in progress on ranks {where} ({what}); with rank"
+                f"{'s' if len(dead) > 1 else ''} {format_ranks(dead)} dead the process group cannot be made anew: "
+                "%mesh restart (mesh.restart()) brings the mesh back")
+    key = f"remade/{request.req_id}"
+    started = time.monotonic()
+    remake = runtime.requests.submit(tuple(sorted(runtime.ranks)), lambda rid: m.RunOp(rid, RemakeDefaultGroup(key)),
+                                     label="remake the process group")
+    try:
+        done = remake.completion().result(timeout)
+    except TimeoutError:
+        runtime.requests.stop(remake)
+        return (f"the stop ended collectives in progress on ranks {where} ({what}), and the ranks did not make the "
+                f"process group anew within {timeout:.0f} s (a rank still busy?); %mesh restart brings the mesh back")
+    failed = {r: f.message for r, f in done.failures.items()}
+    failed.update({r: res.failure.message for r, res in done.results.items() if res.failure is not None})
+    if failed:
+        return (f"the stop ended collectives in progress on ranks {where} ({what}), and making the process group "
+                f"anew failed on ranks {format_ranks(sorted(failed))}: {next(iter(failed.values()))}; "
+                "%mesh restart brings the mesh back")
+    gone: set[str] = set()
+    for result in done.results.values():
+        if result.value is not None:
+            from monarch_kernel.wire.serialization import unseal
+
+            gone.update(unseal(result.value))
+    line = (f"the stop ended collectives in progress on ranks {where} ({what}); the default process group was "
+            f"made anew on every rank in {time.monotonic() - started:.1f} s")
+    if gone:
+        line += f"; process groups made in cells are gone ({', '.join(sorted(gone))}): make them again"
+    return line

@@ -1,0 +1,68 @@
+"""What a rank says of itself when inspected (`%mesh why`, `%mesh stacks`, a hang seen live): its
+main thread's stack, its other threads' on request, and its collectives' progress. Built on the
+rank's reader thread, so it answers while the main thread waits in a C call that let the GIL go
+(a collective, a sleep); a C call holding the GIL keeps it from answering at all."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import sysconfig
+import threading
+from types import FrameType
+
+from monarch_kernel.core.hangs import CELL_PREFIX, Frame, RankReport
+from monarch_kernel.core.package import PACKAGE_DIR
+from monarch_kernel.rank import collectives
+
+_LIBRARY_DIRS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths().get("stdlib", ""),
+                                                      sysconfig.get_paths().get("purelib", ""),
+                                                      sysconfig.get_paths().get("platlib", ""),
+                                                      sys.prefix, sys.base_prefix, PACKAGE_DIR) if p})
+MAX_FRAMES = 60
+
+
+def inspect(rank: int, running: str, all_threads: bool = False) -> RankReport:
+    """This rank's report now (any thread but the main one)."""
+    frames = sys._current_frames()
+    main = threading.main_thread()
+    stack = _frames(frames.get(main.ident or 0))
+    threads: tuple[tuple[str, tuple[Frame, ...]], ...] = ()
+    if all_threads:
+        me = threading.get_ident()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        threads = tuple((names.get(ident, f"thread {ident}"), _frames(top))
+                        for ident, top in sorted(frames.items()) if ident not in (main.ident, me))
+    groups, why_not = collectives.progress()
+    return RankReport(rank, running, stack, groups, threads, why_not)
+
+
+def main_thread_in_collective() -> bool:
+    """Whether the main thread is inside a torch.distributed call now (a collective or its wait)."""
+    top = sys._current_frames().get(threading.main_thread().ident or 0)
+    chain: list[FrameType] = []
+    while top is not None and len(chain) < 8:
+        chain.append(top)
+        top = top.f_back
+    return collectives.in_collective(list(reversed(chain)))
+
+
+def _frames(top: FrameType | None) -> tuple[Frame, ...]:
+    out: list[Frame] = []
+    while top is not None and len(out) < MAX_FRAMES:
+        code = top.f_code
+        out.append(Frame(code.co_filename, top.f_lineno, code.co_name,
+                         linecache.getline(code.co_filename, top.f_lineno).rstrip("\n"),
+                         _is_user(code.co_filename)))
+        top = top.f_back
+    return tuple(reversed(out))
+
+
+def _is_user(filename: str) -> bool:
+    if filename.startswith(CELL_PREFIX):
+        return True
+    if filename.startswith("<"):  # <frozen ...>, <string>
+        return False
+    real = os.path.realpath(filename)
+    return not any(real.startswith(d + os.sep) or real == d for d in _LIBRARY_DIRS)

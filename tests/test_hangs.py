@@ -1,0 +1,127 @@
+"""When a distributed cell hangs: the verdict in the running cell, %mesh why / stacks, and a stop
+that frees every rank from inside a collective (a real kernel, a 4-rank gloo mesh)."""
+
+import re
+import time
+
+import pytest
+from conftest import wait_until
+from kernel_driver import kernel_with
+
+pytestmark = pytest.mark.slow
+
+HANG_S = 3
+STRAGGLER = ("%%mesh\nimport time, torch, torch.distributed as dist\nt = torch.ones(4)\n"
+             "if dist.get_rank() == 3:\n    time.sleep(60)\ndist.all_reduce(t)")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    yield from kernel_with("%load_ext monarch_kernel\n%mesh up local --gpus 4 --dist gloo\n"
+                           f"%mesh config hang {HANG_S}")
+
+
+def verdict_in(run):
+    return next((line for line in run.text().splitlines() if " wait in " in line or "different collectives" in line),
+                None)
+
+
+def stop_and_check_every_rank_works(kernel, run):
+    """The stop button; every rank out of the cell within 2 s, and the next cell's all_reduce works."""
+    stopped_at = time.monotonic()
+    kernel.interrupt()
+    kernel.collect(run, 30)
+    assert time.monotonic() - stopped_at < 2.0 + 1.0  # (the grace the stop gives the ranks is within it)
+    assert "default process group was made anew on every rank" in run.text(), run.text()
+    after = kernel.execute("%%mesh\nimport torch, torch.distributed as dist\nt = torch.ones(2)\n"
+                           "dist.all_reduce(t)\nprint('sum', t.tolist())", 30)
+    assert after.status == "ok" and "[0-3] sum [4.0, 4.0]" in after.text(), after.text()
+
+
+def test_a_straggler_is_named_in_the_running_cell_and_the_stop_frees_every_rank(kernel):
+    run = kernel.submit(STRAGGLER)
+    kernel.collect(run, HANG_S + 5 + 5, until=verdict_in)
+    prompt = re.search(r"In\[(\d+)\]", run.text()).group(1)
+    line = verdict_in(run)
+    assert re.fullmatch(r"ranks 0-2 wait in all_reduce #\d+ \(4 floats, default group\) for \d+ s; rank 3 has not "
+                        rf"entered #\d+: it is at In\[{prompt}\] line 4  time.sleep\(60\)", line), line  # (the cell's body)
+    assert time.monotonic() - run.started < HANG_S + 5 + 3
+    assert "ranks 0-2 (main thread" in run.text() and "rank 3 (main thread" in run.text()  # the stacks, grouped
+    stop_and_check_every_rank_works(kernel, run)
+
+
+def test_a_desync_names_the_collective_of_each_group_of_ranks(kernel):
+    run = kernel.submit("%%mesh\nimport torch, torch.distributed as dist\nt = torch.ones(4)\n"
+                        "if dist.get_rank() == 3:\n    dist.barrier()\nelse:\n    dist.all_reduce(t)")
+    kernel.collect(run, HANG_S + 10, until=verdict_in)
+    line = verdict_in(run)
+    assert line.startswith("the ranks of the default group called different collectives at #"), line
+    assert "ranks 0-2 all_reduce (In[" in line and "line 6  dist.all_reduce(t))" in line, line
+    assert "rank 3 barrier (In[" in line and "line 4  dist.barrier())" in line, line
+    stop_and_check_every_rank_works(kernel, run)
+
+
+def test_a_subgroup_hang_names_the_groups_ranks_and_name(kernel):
+    setup = kernel.execute("%%mesh\nimport torch.distributed as dist\n"
+                           "pair = dist.new_group([1, 2], group_desc='pair')", 30)
+    assert setup.status == "ok", setup.text()
+    run = kernel.submit("%%mesh\nimport time, torch, torch.distributed as dist\nt = torch.ones(8)\n"
+                        "if dist.get_rank() == 1:\n    dist.all_reduce(t, group=pair)\n"
+                        "elif dist.get_rank() == 2:\n    time.sleep(60)")
+    kernel.collect(run, HANG_S + 10, until=verdict_in)
+    line = verdict_in(run)
+    assert re.match(r"rank 1 wait in all_reduce #\d+ \(8 floats, group 'pair' of ranks 1-2\) for \d+ s; rank 2 has "
+                    r"not entered #\d+: it is at In\[\d+\] line 6  time.sleep\(60\)", line), line
+    kernel.interrupt()
+    kernel.collect(run, 30)
+    assert "process groups made in cells are gone ('pair' (ranks 1,2))" in run.text(), run.text()
+
+
+def test_a_dead_rank_that_the_others_wait_for(kernel):
+    run = kernel.submit("%%mesh\nimport os, torch, torch.distributed as dist\nt = torch.ones(4)\n"
+                        "if dist.get_rank() == 2:\n    os._exit(3)\ndist.all_reduce(t)")
+    kernel.collect(run, HANG_S + 10, until=verdict_in)
+    line = verdict_in(run)
+    assert re.fullmatch(r"ranks? [0-3,-]+ wait in all_reduce #\d+ \(4 floats, default group\) for rank 2, which died "
+                        r"\(exit code 3\)", line), line
+    kernel.interrupt()
+    kernel.collect(run, 30)
+    assert "exit code 3" in run.text()
+    why = kernel.execute("%mesh why", 30)  # on demand, after the stop
+    assert why.status == "ok" and "rank 2 died (exit code 3)" in why.text(), why.text()
+    assert kernel.execute("%mesh restart", 120).status == "ok"
+
+
+def test_stacks_of_a_background_cell_that_hangs_are_grouped(kernel):
+    run = kernel.execute("%%mesh --bg\nimport time\nx = 0\nwhile True:\n    time.sleep(0.5)", 30)
+    assert run.status == "ok"
+    stacks = kernel.execute("%mesh stacks", 30)
+    text = stacks.text()
+    assert "ranks 0-3 (main thread, running In[" in text and "line 4  time.sleep(0.5)" in text, text
+    assert "no rank is inside a collective" in text
+    status = kernel.execute("%mesh interrupt", 30)
+    assert status.status == "ok"
+    assert wait_until(lambda: "busy" not in kernel.execute("%mesh status", 30).text(), 10)
+
+
+def test_status_shows_the_collective_each_rank_waits_in(kernel):
+    """%mesh status (and the widget and sidebar, which draw the same rows) while ranks wait in a collective."""
+    from monarch_kernel import MeshInterrupted, local_mesh
+    from monarch_kernel.api.sinks import PlainSink
+    from monarch_kernel.views.meshview import mesh_snapshot
+
+    with local_mesh(gpus=4, dist="gloo", name="status-rows") as mesh:
+        mesh.hang_after_s = None
+        sink = PlainSink(__import__("io").StringIO())
+        future = mesh.run_async(STRAGGLER.removeprefix("%%mesh\n"), sink=sink, name="In[1]")
+        rows = []
+
+        def waiting_rows():
+            rows[:] = [cell.detail for cell in mesh_snapshot(mesh).cells()]
+            return sum("in all_reduce #1 (default group) for" in row for row in rows) == 3
+
+        assert wait_until(waiting_rows, 15), rows
+        assert rows[3].startswith("In[1] for") and "all_reduce" not in rows[3]
+        mesh.interrupt()
+        with pytest.raises(MeshInterrupted):
+            future.get(timeout=10)
