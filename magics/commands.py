@@ -119,6 +119,9 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "every rank's Python stack now, grouped across ranks (--native: py-spy's native stacks)", (
                    arg("name", nargs="?"), arg("--ranks", default=None), arg("--all-threads", action="store_true"),
                    arg("--native", action="store_true"))),
+    Subcommand("profile", "[NAME] [--seconds S] [--ranks SPEC]",
+               "where the time goes on a running mesh: its ranks' Python stacks sampled, as a flame table", (
+                   arg("name", nargs="?"), arg("--seconds", type=float, default=5.0), arg("--ranks", default=None))),
     Subcommand("config", "timing on|off | hang SECONDS|off [--name NAME]",
                "per-rank timing bars after each %%mesh cell; after how long a cell without progress shows why",
                (arg("setting", choices=["timing", "hang"]), arg("value"), _MESH_NAME)),
@@ -130,9 +133,10 @@ CELL_OPTIONS: tuple[Arg, ...] = (
     arg("--name", default=None), arg("--hosts", default=None), arg("--gpus", default=None),
     arg("--ranks", default=None), arg("--timeout", type=float, default=None),
     arg("--fail-fast", action="store_true"), arg("--no-dedupe", action="store_true"), arg("--bg", action="store_true"),
+    arg("--profile", nargs="?", const="mesh-profiles", default=None, metavar="DIR"),
 )
 CELL_SYNOPSIS = ("%%mesh [--name NAME] [--hosts SPEC] [--gpus SPEC] [--ranks SPEC] [--timeout S]\n"
-                 "       [--fail-fast] [--no-dedupe] [--bg]")
+                 "       [--fail-fast] [--no-dedupe] [--bg] [--profile [DIR]]")
 
 USAGE = "\n".join([*(f"%mesh {c.name} {c.synopsis}".rstrip() for c in SUBCOMMANDS), CELL_SYNOPSIS,
                    "SPEC is an int (2), a list (0,2) or a slice (0:4, ::2)."])

@@ -83,6 +83,14 @@ class MeshMagics(Magics):
         target = self._target(args)
         count = prompt_number(self.shell)
         name = f"In[{count}]" if count is not None else None
+        if args.profile is not None:
+            if args.bg:
+                raise UsageError("--profile and --bg do not go together: a profile ends with its cell")
+            return target.profiled(lambda: self._cell_magic_run(target, args, cell, name), args.profile,
+                                   name or "cell")
+        return self._cell_magic_run(target, args, cell, name)
+
+    def _cell_magic_run(self, target: Mesh, args: argparse.Namespace, cell: str, name: str | None) -> Any:
         try:
             future = target.run_async(_ipython_to_python(cell), timeout=args.timeout, fail_fast=args.fail_fast,
                                       dedupe=not args.no_dedupe, name=name, background=args.bg)
@@ -247,6 +255,12 @@ class MeshMagics(Magics):
 
     def _do_why(self, args) -> Any:
         return self.registry.get(args.name).why()
+
+    def _do_profile(self, args) -> Any:
+        mesh = self.registry.get(args.name)
+        if args.ranks is not None:
+            mesh = mesh.select_ranks(_spec_ranks(args.ranks, mesh))
+        return mesh.sample_stacks(args.seconds)
 
     def _do_stacks(self, args) -> Any:
         mesh = self.registry.get(args.name)

@@ -125,3 +125,40 @@ def test_status_shows_the_collective_each_rank_waits_in(kernel):
         mesh.interrupt()
         with pytest.raises(MeshInterrupted):
             future.get(timeout=10)
+
+
+def test_a_profiled_cell_writes_one_trace_with_a_process_per_rank(kernel, tmp_path):
+    run = kernel.execute(f"%%mesh --profile {tmp_path}\nimport torch, torch.distributed as dist\n"
+                         "x = torch.randn(64, 64)\nfor _ in range(5):\n    y = x @ x\n"
+                         "dist.all_reduce(y)\nprint('done')", 60)
+    assert run.status == "ok", run.text()
+    text = run.text()
+    assert "[0-3] done" in text and "USDT" not in text  # the profiler's own chatter stays out of the cell
+    path = re.search(r"written to (\S+\.trace\.json\.gz)", text).group(1)
+    import gzip
+    import json
+
+    trace = json.load(gzip.open(path, "rt"))
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert names == {r: f"rank {r}" for r in range(4)}
+    ops = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert "aten::mm" in ops
+    assert {e["pid"] for e in trace["traceEvents"] if e.get("name") == "aten::mm"} == {0, 1, 2, 3}
+    table = text[text.index("operation"):]
+    assert re.search(r"aten::mm\s+20\s+[\d.]+\s+[0-3]\s+[\d.]+", table), table  # 5 calls x 4 ranks, the slowest rank
+
+
+def test_sampling_a_running_mesh_shows_where_each_group_of_ranks_spends_its_time(kernel):
+    run = kernel.execute("%%mesh --bg\nimport time, torch.distributed as dist\n"
+                         "def slow():\n    time.sleep(0.3)\ndef fast():\n    time.sleep(0.1)\n"
+                         "while True:\n    slow() if dist.get_rank() < 2 else fast()", 30)
+    assert run.status == "ok"
+    table = kernel.execute("%mesh profile --seconds 2", 30).text()
+    assert re.search(r"\d+ samples of each rank over 2.0 s", table), table
+    slow = re.search(r"ranks 0-1\n +[\d.]+%  In\[\d+\] line 7  slow\(\) .*\n +[\d.]+%    In\[\d+\] line 3  "
+                     r"time.sleep\(0.3\)", table)
+    fast = re.search(r"ranks 2-3\n +[\d.]+%  In\[\d+\] line 7  slow\(\) .*\n +[\d.]+%    In\[\d+\] line 5  "
+                     r"time.sleep\(0.1\)", table)
+    assert slow and fast, table  # a block per group of ranks, each frame under its caller
+    kernel.execute("%mesh interrupt", 30)
+    assert wait_until(lambda: "busy" not in kernel.execute("%mesh status", 30).text(), 10)

@@ -12,12 +12,12 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from monarch_kernel.actors.client import ActorMesh
 from monarch_kernel.actors.procs import HostMesh
 from monarch_kernel.actors.spawning import spawn_actor_mesh
-from monarch_kernel.api import environment, hangs, workspace
+from monarch_kernel.api import environment, hangs, profiles, sampling, workspace
 from monarch_kernel.api.futures import MeshFuture, raise_failures
 from monarch_kernel.api.mesh_files import HostFiles
 from monarch_kernel.api.mesh_start import start_runtime
@@ -37,6 +37,7 @@ from monarch_kernel.wire.ops import Describe, PostMortem, RankOperation
 from monarch_kernel.wire.serialization import arriving_on, release, seal, unseal
 
 _cell_names = CellNames()
+T = TypeVar("T")
 
 
 class Mesh(HostFiles):
@@ -315,6 +316,19 @@ class Mesh(HostFiles):
     def stacks(self, all_threads: bool = False) -> hangs.Diagnosis:
         """Every rank's Python stack now, grouped across ranks (it works while a rank waits in a C call)."""
         return hangs.why(self._runtime, self.ranks, all_threads=all_threads)
+
+    def profiled(self, run: Callable[[], T], folder: str = "mesh-profiles", label: str = "cell") -> T:
+        """run() (a cell, say) with torch.profiler on every rank of this mesh; one merged Chrome/Perfetto
+        trace (a process per rank, clocks lined up) is written to `folder`, and the top operations shown."""
+        return profiles.profiled(lambda op: self._ask(op, type(op).__name__).by_rank(), run, folder, label,
+                                 lambda text: print(text, flush=True))
+
+    def sample_stacks(self, seconds: float = 5.0) -> sampling.FlameTable:
+        """Where the time goes on the ranks of this mesh: their Python stacks sampled for `seconds`,
+        as a flame table per group of ranks that spend it alike (the ranks are not stopped)."""
+        if not seconds > 0:
+            raise MeshUsageError(f"seconds={seconds!r}: sample for a positive number of seconds")
+        return sampling.sample(self._runtime, self.ranks, seconds)
 
     def native_stacks(self) -> hangs.NativeStackText:
         """py-spy's dump of each rank, native frames included (for a rank stuck in a C call holding the GIL)."""

@@ -34,7 +34,7 @@ class Inspections:
         self.hang_after_s: float | None = 30.0  # a running cell with no progress this long shows why (None: never)
 
     def ask(self, ranks: Iterable[int], *, all_threads: bool = False, timeout: float = ANSWER_WITHIN_S,
-            ) -> tuple[dict[int, RankReport], dict[int, str], tuple[int, ...]]:
+            stacks_only: bool = False) -> tuple[dict[int, RankReport], dict[int, str], tuple[int, ...]]:
         """(reports, dead ranks and how they died, silent ranks) of these ranks, now."""
         state = self._state
         wanted = sorted(set(ranks))
@@ -44,7 +44,7 @@ class Inspections:
         with self._changed:
             self._answers[inspect_id] = {}
         if alive:
-            self._loop.call(state.send_to_ranks, alive, lambda local: InspectRanks(local, inspect_id, all_threads))
+            self._loop.call(state.send_to_ranks, alive, lambda local: InspectRanks(local, inspect_id, all_threads, stacks_only))
         deadline = time.monotonic() + timeout
         with self._changed:
             while len(self._answers[inspect_id]) < len(alive) and (left := deadline - time.monotonic()) > 0:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from monarch_kernel.actors.base import endpoint
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.versions import versions
+from monarch_kernel.rank import profiling
 from monarch_kernel.rank.user_process_groups import remake_default_group
 from monarch_kernel.wire import ops
 from monarch_kernel.wire.ops import ACTOR_OPERATIONS
@@ -57,6 +58,9 @@ class RankOps:
             ops.Versions: lambda op: versions(),
             ops.ApplyLayout: self._apply_layout,
             ops.RemakeDefaultGroup: lambda op: remake_default_group(op.key),
+            ops.StartProfile: lambda op: profiling.start(),
+            ops.StopProfile: lambda op: profiling.stop(),
+            ops.ReadClock: lambda op: profiling.clock_us(),
         }
         assert set(self._table) == set(ops.RANK_OPERATIONS), "every rank operation has a handler"
 

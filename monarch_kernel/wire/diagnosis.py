@@ -17,6 +17,7 @@ class InspectRanks:
     ranks: tuple[int, ...]
     inspect_id: int
     all_threads: bool = False
+    stacks_only: bool = False  # no collective figures (a profile's samples, many a second)
 
 
 @dataclass(frozen=True)

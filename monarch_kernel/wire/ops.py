@@ -101,10 +101,25 @@ class RemakeDefaultGroup:
     key: str
 
 
+@dataclass(frozen=True)
+class StartProfile:
+    """Start torch.profiler on the rank (`%%mesh --profile`). Answer: True."""
+
+
+@dataclass(frozen=True)
+class StopProfile:
+    """Stop it. Answer: {"events": the chrome trace's events, "base_us": their time base, "ops": top operations}."""
+
+
+@dataclass(frozen=True)
+class ReadClock:
+    """The rank's wall clock in microseconds (to line the ranks' traces up)."""
+
+
 RankOperation = (SpawnActors | StopActors | Describe | PostMortem | UseWorkspace | SetAutoreload | Versions
-                 | ApplyLayout | RemakeDefaultGroup)
+                 | ApplyLayout | RemakeDefaultGroup | StartProfile | StopProfile | ReadClock)
 RANK_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors, Describe, PostMortem, UseWorkspace, SetAutoreload,
-                                     Versions, ApplyLayout, RemakeDefaultGroup)
+                                     Versions, ApplyLayout, RemakeDefaultGroup, StartProfile, StopProfile, ReadClock)
 ACTOR_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors)  # what a rank's system actor takes from others
 
 # ---------------------------------------------------------------- host operations (the agent's own files)
