@@ -7,6 +7,7 @@ Messages (JSON), frontend -> kernel:
   {"type": "refresh"}                                   -> a "meshes" message
   {"type": "action", "action": "interrupt"|"restart"|"down", "mesh": NAME}
   {"type": "action", "action": "logs", "mesh": NAME, "rank": R, "lines": N}
+  {"type": "action", "action": "why", "mesh": NAME}   (why the ranks are where they are: %mesh why)
 kernel -> frontend:
   {"type": "meshes", "version": 1, "meshes": [MESH, ...]}   on open, on refresh, and
       whenever more than ranks changed (a mesh came or went, its state or job line)
@@ -14,7 +15,8 @@ kernel -> frontend:
       changed otherwise (checked twice a second while the comm is open); changes of load
       (cpu, rss, GPU) and busy detail count every 2 s
   {"type": "result", "action": ..., "mesh": NAME, "ok": bool, "message": str,
-   "rank": R, "logs": [[stream, line], ...]}                 (rank and logs for "logs")
+   "rank": R, "logs": [[stream, line], ...],               (rank and logs for "logs")
+   "why": str}                                              (the verdict and grouped stacks, for "why")
   {"type": "loaded"}   on a comm the kernel opens itself when the extension loads, so an open
       panel that found no monarch_kernel there links up at once (it closes that comm)
 "meshes" also carries "colours": {state: CSS colour} and "glyphs": {state: symbol}, the mesh widget's.
@@ -194,6 +196,10 @@ class SidebarChannel:
             elif action == "down":
                 self.registry.remove(mesh.name).shutdown()
                 reply["message"] = f"mesh {name!r} is down"
+            elif action == "why":
+                diagnosis = mesh.why()
+                reply["why"] = diagnosis.text()
+                reply["message"] = str(diagnosis.verdict).splitlines()[0]
             elif action == "logs":
                 rank = reply["rank"] = int(data["rank"])
                 reply["logs"] = [[stream, line] for stream, line in mesh.logs(rank, int(data.get("lines", 30)))]

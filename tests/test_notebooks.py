@@ -2,6 +2,7 @@
 
 import ast
 import os
+import re
 
 import nbformat
 import pytest
@@ -95,4 +96,19 @@ def test_planning_notebook_plans_trials_applies_and_trains_like_one_process():
     assert f"layout {best} on 4 ranks" in texts(cell_with(nb, "plan.code(")) and "torchrun" in texts(cell_with(nb, "plan.code("))
     assert "module model:" in texts(cell_with(nb, "%mesh sharding model"))
     assert "H100" in texts(cell_with(nb, "world={'hosts': 4"))
+    assert "is down" in texts(nb.cells[-1])
+
+
+def test_debugging_notebook_shows_both_verdicts_and_frees_the_ranks():
+    nb = execute("08_debugging.ipynb")
+    straggler = texts(cell_with(nb, "time.sleep(60)"))
+    assert re.search(r"ranks 0-2 wait in all_reduce #\d+ \(4 floats, default group\) for \d+ s; rank 3 has not entered "
+                     r"#\d+: it is at In\[\d+\] line 4  time.sleep\(60\)", straggler), straggler
+    assert "made anew on every rank" in straggler
+    desync = texts(cell_with(nb, "dist.barrier()"))
+    assert "called different collectives at #" in desync and "rank 3 barrier" in desync, desync
+    assert "[0-3] sum [4.0, 4.0]" in texts(cell_with(nb, "print('sum'"))
+    assert "ranks 0-3 (main thread, running In[" in texts(cell_with(nb, "%mesh stacks"))
+    assert re.search(r"\d+ samples of each rank", texts(cell_with(nb, "%mesh profile --seconds")))
+    assert "trace.json.gz" in texts(cell_with(nb, "%%mesh --profile"))
     assert "is down" in texts(nb.cells[-1])

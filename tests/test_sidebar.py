@@ -109,6 +109,25 @@ def test_busy_ranks_are_pushed_and_interrupt_ends_a_background_run(kernel):
         panel.close()
 
 
+def test_why_says_where_the_ranks_of_a_running_cell_are(kernel):
+    panel = Panel(kernel)
+    try:
+        panel.wait_for(lambda d: d.get("type") == "meshes")
+        run = kernel.execute("from monarch_kernel.magics import current_mesh\n"
+                             "fut = current_mesh().run_async('import time\\ntime.sleep(60)', name='nap')", 30)
+        assert run.status == "ok", run.text()
+        panel.wait_for(meshes_with(lambda ms: all(r["state"] == "busy" for r in ms[0]["ranks"])), 5)
+        panel.request({"type": "action", "action": "why", "mesh": "side"})
+        result = panel.wait_for(lambda d: d.get("type") == "result" and d.get("action") == "why")
+        assert result["ok"], result
+        assert result["message"] == "no rank is inside a collective: ranks 0-1 at nap line 2  time.sleep(60)"
+        assert "ranks 0-1 (main thread, running nap)" in result["why"]
+        panel.request({"type": "action", "action": "interrupt", "mesh": "side"})
+        panel.wait_for(meshes_with(lambda ms: all(r["state"] == "idle" for r in ms[0]["ranks"])), 5)
+    finally:
+        panel.close()
+
+
 def test_only_the_ranks_that_changed_travel(kernel):
     panel = Panel(kernel)
     try:

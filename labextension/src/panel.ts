@@ -1,6 +1,7 @@
 /**
  * The Meshes sidebar: for the notebook in focus, every mesh its kernel holds, live, with
- * actions (interrupt, restart, down, a rank's logs, insert a `%%mesh` cell).
+ * actions (interrupt, restart, down, why the ranks are where they are, a rank's logs, insert a
+ * `%%mesh` cell).
  */
 import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
@@ -11,6 +12,7 @@ import {
   closeIcon,
   LabIcon,
   refreshIcon,
+  searchIcon,
   stopIcon
 } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
@@ -253,6 +255,8 @@ export class MeshesPanel extends Widget {
         iconButton(refreshIcon, 'restart', 'Restart', 'A fresh mesh of the same shape (namespaces are lost)', data,
                    up) +
         iconButton(closeIcon, 'down', 'Down', 'Stop every rank of this mesh', data, up) +
+        iconButton(searchIcon, 'why', 'Why?', 'Which rank waits in which collective for whom, and where each is',
+                   data, up) +
         iconButton(addIcon, 'insert', 'Cell', `Insert a %%mesh --name ${mesh.name} cell below the active one`,
                    data, up) +
         '</div>'
@@ -264,6 +268,16 @@ export class MeshesPanel extends Widget {
         tag: 'div',
         attributes: { class: 'mk-host-list' },
         parts: hosts.map(([host, ranks]) => this._hostParts(mesh, host, ranks, hosts.length, colours, glyphs))
+      });
+    }
+    const why = this._why;
+    if (why && why.mesh === mesh.name) {
+      parts.push({
+        key: 'why',
+        html:
+          '<div class="mk-logs mk-why"><div class="mk-logs-head">why ' +
+          '<button class="mk-button" data-action="close-why">Close</button></div>' +
+          `<pre>${esc(why.text)}</pre></div>`
       });
     }
     const logs = this._logs;
@@ -373,6 +387,13 @@ export class MeshesPanel extends Widget {
         this._logs = null;
         this._render();
         break;
+      case 'close-why':
+        this._why = null;
+        this._render();
+        break;
+      case 'why':
+        this._ask('why', mesh, `Asking the ranks of mesh ${mesh} where they are\u2026`);
+        break;
       case 'interrupt':
         this._interrupt(mesh);
         break;
@@ -395,7 +416,7 @@ export class MeshesPanel extends Widget {
   }
 
   /** Send an action; say so when the kernel is busy and cannot hear it before the cell ends. */
-  private _ask(action: 'interrupt' | 'restart' | 'down' | 'logs', mesh: string, pending: string,
+  private _ask(action: 'interrupt' | 'restart' | 'down' | 'logs' | 'why', mesh: string, pending: string,
                extra: Record<string, number> = {}): void {
     const link = this._link;
     if (!link || !link.act(action, mesh, extra)) {
@@ -450,6 +471,10 @@ export class MeshesPanel extends Widget {
       this._logs = { mesh: result.mesh, rank: result.rank, lines: result.logs ?? [] };
       this._render();
     }
+    if (result.action === 'why' && result.ok && result.mesh !== undefined) {
+      this._why = { mesh: result.mesh, text: result.why ?? '' };
+      this._render();
+    }
     this._setStatus(result.message, result.ok);
   }
 
@@ -458,4 +483,5 @@ export class MeshesPanel extends Widget {
   private _collapsed = new Set<string>();
   private _hostOpen = new Map<string, boolean>(); // hosts the user folded or unfolded, by mesh and name
   private _logs: IShownLogs | null = null;
+  private _why: { mesh: string; text: string } | null = null; // the last verdict asked for, shown under its mesh
 }

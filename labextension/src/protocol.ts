@@ -65,6 +65,7 @@ export interface IResultMessage {
   ok: boolean;
   message: string;
   logs?: [string, string][];
+  why?: string; // the verdict and the grouped stacks (action "why")
 }
 
 /** kernel -> panel, unasked: the extension was just loaded in this kernel. */
@@ -75,4 +76,4 @@ export interface ILoadedMessage {
 export type KernelMessage = IMeshesMessage | IRanksMessage | IResultMessage | ILoadedMessage;
 
 /** The actions the panel can ask for. */
-export type Action = 'interrupt' | 'restart' | 'down' | 'logs';
+export type Action = 'interrupt' | 'restart' | 'down' | 'logs' | 'why';

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from monarch_kernel.controller.inspections import ANSWER_WITHIN_S
 from monarch_kernel.controller.runtime import MeshRuntime
 from monarch_kernel.controller.state import Request
 from monarch_kernel.core.hangs import Frame, RankReport, Verdict, diagnose, grouped_stacks
@@ -63,9 +64,11 @@ class Diagnosis:
                 f"<pre style='margin-top:0.5em'>{html.escape(self.stacks_text())}</pre></div>")
 
 
-def why(runtime: MeshRuntime, ranks: tuple[int, ...], *, all_threads: bool = False) -> Diagnosis:
-    """The verdict over `ranks` now, with their grouped stacks."""
-    reports, dead, silent = runtime.inspections.ask(ranks, all_threads=all_threads)
+def why(runtime: MeshRuntime, ranks: tuple[int, ...], *, all_threads: bool = False,
+        timeout: float = ANSWER_WITHIN_S) -> Diagnosis:
+    """The verdict over `ranks` now, with their grouped stacks (ranks that do not answer within
+    `timeout` are named as silent)."""
+    reports, dead, silent = runtime.inspections.ask(ranks, all_threads=all_threads, timeout=timeout)
     return Diagnosis(diagnose(reports, ranks, dead, silent), reports, all_threads=all_threads)
 
 

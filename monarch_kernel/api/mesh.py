@@ -313,9 +313,10 @@ class Mesh(HostFiles):
         for whom, or where each runs its own code; `str()` is the verdict, a notebook shows the stacks too."""
         return hangs.why(self._runtime, self.ranks)
 
-    def stacks(self, all_threads: bool = False) -> hangs.Diagnosis:
-        """Every rank's Python stack now, grouped across ranks (it works while a rank waits in a C call)."""
-        return hangs.why(self._runtime, self.ranks, all_threads=all_threads)
+    def stacks(self, all_threads: bool = False, timeout: float = 1.5) -> hangs.Diagnosis:
+        """Every rank's Python stack now, grouped across ranks (it works while a rank waits in a C call;
+        ranks that do not answer within `timeout` are named)."""
+        return hangs.why(self._runtime, self.ranks, all_threads=all_threads, timeout=timeout)
 
     def profiled(self, run: Callable[[], T], folder: str = "mesh-profiles", label: str = "cell") -> T:
         """run() (a cell, say) with torch.profiler on every rank of this mesh; one merged Chrome/Perfetto

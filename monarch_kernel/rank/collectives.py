@@ -118,16 +118,47 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
+_pending_since: dict[str, tuple[int, float]] = {}  # group id -> (the collective pending, since when: monotonic)
+_described: dict[tuple[str, int], str] = {}  # (group id, sequence number) -> "all_reduce #58 (default group)"
+STATUS_AFTER_S = 1.0  # a collective pending this long shows in the rank's status
+STATUS_SWITCH = "MONARCH_KERNEL_COLLECTIVE_STATUS"  # "off": heartbeats say nothing of collectives
+
+
 def brief() -> str:
-    """One phrase for the rank's status while it waits in a collective ("" otherwise)."""
-    groups, _ = progress(with_entries=False)
-    if not any(g.waiting for g in groups):
+    """One phrase for the rank's status while it has waited in a collective for STATUS_AFTER_S or more
+    ("" otherwise). Called at every heartbeat, so it reads only the groups' counters (microseconds);
+    the flight recorder's entries (hundreds of ms with a full buffer) are read once per stuck collective."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return ""
-    groups, _ = progress()
-    for g in groups:
-        if g.waiting:
-            return f"in {g.op or 'a collective'} #{g.completed + 1} ({g.label}) for {g.for_s:.0f}s"
-    return ""
+    if os.environ.get(STATUS_SWITCH, "").lower() in ("off", "0", "false"):
+        return ""
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
+    if dump is None:
+        return ""
+    try:
+        status = json.loads(dump(includeCollectives=False)).get("pg_status", {})
+    except Exception:  # noqa: BLE001 - a status line is not worth an error
+        return ""
+    now = time.monotonic()
+    pending = {str(k): int(v.get("last_completed_collective", 0)) + 1 for k, v in status.items()
+               if int(v.get("last_enqueued_collective", 0)) > int(v.get("last_completed_collective", 0))}
+    for pg_id in list(_pending_since):
+        if pending.get(pg_id) != _pending_since[pg_id][0]:
+            del _pending_since[pg_id]
+    for pg_id, seq in pending.items():
+        _pending_since.setdefault(pg_id, (seq, now))
+    stuck = sorted((since, pg_id, seq) for pg_id, (seq, since) in _pending_since.items() if now - since >= STATUS_AFTER_S)
+    if not stuck:
+        return ""
+    since, pg_id, seq = stuck[0]
+    key = (pg_id, seq)
+    if key not in _described:
+        _described.clear()
+        groups, _ = progress()
+        found = next((g for g in groups if g.waiting and g.completed + 1 == seq), None)
+        _described[key] = f"{found.op or 'a collective'} #{seq} ({found.label})" if found else f"collective #{seq}"
+    return f"in {_described[key]} for {now - since:.0f}s"
 
 
 # ---------------------------------------------------------------- freeing a stuck main thread

@@ -52,8 +52,9 @@ def _frames(top: FrameType | None) -> tuple[Frame, ...]:
     out: list[Frame] = []
     while top is not None and len(out) < MAX_FRAMES:
         code = top.f_code
-        out.append(Frame(code.co_filename, top.f_lineno, code.co_name,
-                         linecache.getline(code.co_filename, top.f_lineno).rstrip("\n"),
+        lineno = top.f_lineno or 0  # (None while a frame is between instructions of its own)
+        out.append(Frame(code.co_filename, lineno, code.co_name,
+                         linecache.getline(code.co_filename, lineno).rstrip("\n") if lineno else "",
                          _is_user(code.co_filename)))
         top = top.f_back
     return tuple(reversed(out))
