@@ -5,10 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from monarch_kernel.actors import procs
-from monarch_kernel.api import sinks
 from monarch_kernel.api.mesh import Mesh
-from monarch_kernel.core.failures import set_traceback_rewriter
+from monarch_kernel.api.session import NotebookHooks, Session
 from monarch_kernel.views.base import TextHtmlView
 from monarch_kernel.views.display import rank_labels, show, show_mesh, show_plan, widget_for
 from monarch_kernel.views.errortext import ipython_cell_names
@@ -45,16 +43,17 @@ def load_ipython_extension(ipython) -> None:
     registry = MeshRegistry()
     magics = MeshMagics(ipython, registry)
     ipython.register_magics(magics)
-    sinks.set_default_sink_factory(_sink_factory(ipython))
     if getattr(ipython, "kernel", None) is not None:  # a mesh as a cell's value: the live view
         ipython.display_formatter.ipython_display_formatter.for_type(Mesh, _display_mesh)
     ipython.display_formatter.ipython_display_formatter.for_type(TextHtmlView, show)  # widgets, or rich
     ipython.display_formatter.ipython_display_formatter.for_type_by_name(*PLAN_TYPE, show_plan)  # (no torch until a plan)
-    sinks.set_timing_reporter(_ActorTiming(ipython, magics))
-    set_traceback_rewriter(ipython_cell_names(ipython))  # remote tracebacks name cells "Cell In[3]"
+    Session.current().install(NotebookHooks(
+        sink_factory=_sink_factory(ipython),
+        timing_reporter=_ActorTiming(ipython, magics),
+        traceback_rewriter=ipython_cell_names(ipython),  # remote tracebacks name cells "Cell In[3]"
+        adopt_mesh=registry.adopt))  # meshes a Monarch program starts show up too
     if sidebar.register(ipython, registry):  # the JupyterLab Meshes panel talks to this comm target
         sidebar.announce(ipython)  # an open panel links up now, not at its next look
-    procs.mesh_started.append(registry.adopt)  # meshes a Monarch program starts show up too
     _state.update(registry=registry, magics=magics)
 
 
@@ -104,11 +103,7 @@ def unload_ipython_extension(ipython) -> None:
     if magics is not None:
         magics._set_auto(None)
     registry.shutdown_all()
-    if registry.adopt in procs.mesh_started:
-        procs.mesh_started.remove(registry.adopt)
-    sinks.set_default_sink_factory(None)
-    sinks.set_timing_reporter(None)
-    set_traceback_rewriter(None)
+    Session.current().uninstall()
     for shown in (Mesh, TextHtmlView):
         ipython.display_formatter.ipython_display_formatter.pop(shown, None)
     ipython.display_formatter.ipython_display_formatter.pop(".".join(PLAN_TYPE), None)

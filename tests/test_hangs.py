@@ -2,6 +2,7 @@
 that frees every rank from inside a collective (a real kernel, a 4-rank gloo mesh)."""
 
 import re
+import shutil
 import time
 
 import pytest
@@ -31,11 +32,11 @@ def stop_and_check_every_rank_works(kernel, run):
     stopped_at = time.monotonic()
     kernel.interrupt()
     kernel.collect(run, 30)
-    assert time.monotonic() - stopped_at < 2.0 + 1.0  # (the grace the stop gives the ranks is within it)
     assert "default process group was made anew on every rank" in run.text(), run.text()
     after = kernel.execute("%%mesh\nimport torch, torch.distributed as dist\nt = torch.ones(2)\n"
                            "dist.all_reduce(t)\nprint('sum', t.tolist())", 30)
     assert after.status == "ok" and "[0-3] sum [4.0, 4.0]" in after.text(), after.text()
+    assert time.monotonic() - stopped_at < 2.0  # the next cell ran on every rank within 2 s of the stop
 
 
 def test_a_straggler_is_named_in_the_running_cell_and_the_stop_frees_every_rank(kernel):
@@ -99,6 +100,11 @@ def test_stacks_of_a_background_cell_that_hangs_are_grouped(kernel):
     text = stacks.text()
     assert "ranks 0-3 (main thread, running In[" in text and "line 4  time.sleep(0.5)" in text, text
     assert "no rank is inside a collective" in text
+    native = kernel.execute("%mesh stacks --native", 60).text()
+    if shutil.which("py-spy") is None:  # (as in CI): it says how to get it
+        assert "py-spy is not installed on host" in native and "pip install py-spy" in native, native
+    else:
+        assert "rank 0 (pid" in native, native
     status = kernel.execute("%mesh interrupt", 30)
     assert status.status == "ok"
     assert wait_until(lambda: "busy" not in kernel.execute("%mesh status", 30).text(), 10)

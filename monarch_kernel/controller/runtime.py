@@ -379,7 +379,7 @@ class MeshRuntime:
 @atexit.register
 def _shutdown_open_meshes() -> None:
     """The one exit hook: meshes the user never shut down (by API or magic) stop their processes and
-    remove their files, then the controller's loop ends."""
+    remove their files, then the controller's loop ends (what api/session.Session.close does too)."""
     for runtime in list(MeshRuntime._open):
         try:
             runtime.shutdown()
