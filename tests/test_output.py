@@ -152,3 +152,17 @@ def test_groups_of_128_ranks_are_named_compactly():
     lines = [" ".join(line.split()) for line in render_text(model).splitlines()]  # (tags are padded)
     assert lines == ["[all but 64] loss 0.25", "[64] loss nan", "[0-126 step 2] even", "[1-127 step 2] odd",
                      "[0-127] done"]  # never a list of 64 numbers
+
+
+def test_ranks_whose_lines_differ_around_notices_are_realigned():
+    """A notice (a rank not answering heartbeats, say) among lines that differ by rank: the final
+    regrouping compared groups it could not hash, and the cell ended in a TypeError."""
+    from monarch_kernel.views.output import OutputGroups
+
+    model = OutputGroups((0, 1), dedupe=True)
+    model.add(0, "stdout", "a\nonly rank 0\n")
+    model.notice(1, "rank 1 is not answering heartbeats")
+    model.add(1, "stdout", "a\n")
+    model.notice(0, "rank 0 is slow")
+    model.finish()
+    assert [(g.text, g.ranks) for g in model.groups if g.stream != "notice"][0] == ("a", [0, 1])

@@ -141,8 +141,11 @@ def brief() -> str:
     except Exception:  # noqa: BLE001 - a status line is not worth an error
         return ""
     now = time.monotonic()
-    pending = {str(k): int(v.get("last_completed_collective", 0)) + 1 for k, v in status.items()
-               if int(v.get("last_enqueued_collective", 0)) > int(v.get("last_completed_collective", 0))}
+    pending = {}
+    for pg_id, figures in status.items():
+        done = max(0, int(figures.get("last_completed_collective", 0)))  # (a group that finished none says -1)
+        if int(figures.get("last_enqueued_collective", 0)) > done:
+            pending[str(pg_id)] = done + 1
     for pg_id in list(_pending_since):
         if pending.get(pg_id) != _pending_since[pg_id][0]:
             del _pending_since[pg_id]

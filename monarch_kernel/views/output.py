@@ -193,8 +193,9 @@ def _align(per_rank: dict[int, list[tuple[str, str]]]) -> list[Group]:
     """Merge rank line sequences: common subsequences become shared groups."""
     merged: list[Group] = []
     for rank, seq in per_rank.items():
-        keys = [(g.stream, g.text) if g.stream != "notice" else (g, None) for g in merged]
-        mine = [(st, tx) if st != "notice" else (object(), None) for st, tx in seq]
+        # notices never match one another (each says something about its own rank): keys of their own
+        keys = [(g.stream, g.text) if g.stream != "notice" else ("notice", id(g)) for g in merged]
+        mine = [(st, tx) if st != "notice" else ("notice of", rank * 1_000_000 + j) for j, (st, tx) in enumerate(seq)]
         if mine == keys:  # the common case: this rank printed exactly what the others did
             for group in merged:
                 group.ranks.append(rank)

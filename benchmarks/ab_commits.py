@@ -1,0 +1,67 @@
+"""Same-run A/B of our rows of bench_core against an earlier commit: did a change move them?
+
+The earlier commit is checked out (a git worktree under .cache/) and each round runs
+bench_core's own measurement of monarch-kernel (`--child ours`) once with that commit's
+package first on the path and once with this checkout's, in turn, so both see the same
+machine at the same time. Prints each row's medians over the rounds and their ratio.
+
+    .venv/bin/python benchmarks/ab_commits.py 2ac1446 [--rounds 3] [--full]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def worktree(ref: str) -> str:
+    """A checkout of `ref` under .cache/ (made once)."""
+    path = os.path.join(ROOT, ".cache", f"ab-{ref}")
+    if not os.path.isdir(path):
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", path, ref], check=True,
+                       stdout=subprocess.DEVNULL)
+    return path
+
+
+def measure(package_root: str, quick: bool) -> dict[str, list[float]]:
+    """bench_core's raw figures of our system, with the package from `package_root`."""
+    env = dict(os.environ, PYTHONPATH=package_root)
+    args = [sys.executable, os.path.join(HERE, "bench_core.py"), "--child", "ours"] + (["--quick"] if quick else [])
+    done = subprocess.run(args, env=env, cwd=package_root, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench_core failed with {package_root}:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("ref", help="the earlier commit")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--full", action="store_true", help="bench_core's full repetitions (default: --quick)")
+    args = parser.parse_args()
+    trees = {args.ref: worktree(args.ref), "this checkout": ROOT}
+    rows: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
+    for round_ in range(args.rounds):
+        for name, tree in trees.items():
+            print(f"round {round_ + 1}: {name} ...", file=sys.stderr, flush=True)
+            for row, values in measure(tree, not args.full).items():
+                values = values if isinstance(values, list) else [values]
+                rows[name].setdefault(row, []).append(statistics.median(values))
+    old, new = rows[args.ref], rows["this checkout"]
+    print(f"| bench_core row (median over {args.rounds} rounds, taken in turn) | {args.ref} | this checkout | ratio |")
+    print("|---|---|---|---|")
+    for row in old:
+        if row in new:
+            a, b = statistics.median(old[row]), statistics.median(new[row])
+            print(f"| {row} | {a:.6g} | {b:.6g} | {b / a:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
