@@ -27,6 +27,9 @@ def worktree(ref: str) -> str:
     if not os.path.isdir(path):
         subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", path, ref], check=True,
                        stdout=subprocess.DEVNULL)
+    magics = os.path.join(path, "monarch_kernel", "magics")
+    if not os.path.lexists(magics):  # the package maps the top-level magics/ into itself (pyproject.toml)
+        os.symlink(os.path.join("..", "magics"), magics)
     return path
 
 

@@ -49,7 +49,7 @@ class MeshFuture(Future[T]):
         self._background = False
         self._stopping = False
         self._marked_done: set[int] = set()  # ranks shown done (requests on lanes)
-        self._watch = HangWatch(runtime, request, runtime.inspections.hang_after_s, self._show_verdict)
+        self._watch = HangWatch(runtime, request, runtime.inspections.hang_after_s)
 
     @property
     def label(self) -> str:
@@ -96,7 +96,7 @@ class MeshFuture(Future[T]):
                     self._mark_ranks_done()
                     self._runtime.requests.release_overdue(self._request)
                 self._sink.tick()
-                self._watch.tick()
+                self._watch.tick(self._show_verdict)
                 continue
             if isinstance(event, ev.DoneEvent):
                 return True

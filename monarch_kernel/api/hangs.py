@@ -12,6 +12,7 @@ import html
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.controller.inspections import ANSWER_WITHIN_S
@@ -160,15 +161,15 @@ def native_stacks(runtime: MeshRuntime, ranks: tuple[int, ...], timeout: float =
 
 
 class HangWatch:
-    """Looks at a running request's ranks once it has run `hang_s`, then every LOOK_EVERY_S, and
-    shows the verdict (through `show(text, html)`) while they make no progress; the looks run on
-    a helper thread, so the waiting thread keeps pumping output."""
+    """Looks at a running request's ranks once it has run `hang_s`, then every LOOK_EVERY_S, and has
+    the waiting thread show the verdict (`tick(show)`: show(text, html)) while they make no progress;
+    the looks run on a helper thread, so the waiting thread keeps pumping output. (It holds nothing
+    of the future that waits: a cycle would keep a pulled value's shared memory from being reused.)"""
 
-    def __init__(self, runtime: MeshRuntime, request: Request, hang_s: float | None, show: Any):
+    def __init__(self, runtime: MeshRuntime, request: Request, hang_s: float | None):
         self._runtime = runtime
         self._request = request
         self._hang_s = hang_s
-        self._show = show
         self._started = time.monotonic()
         self._next_look = self._started + (hang_s or 0.0)
         self._looking = False
@@ -177,11 +178,11 @@ class HangWatch:
         self.shown = ""  # the verdict shown, if any
         self._pending: tuple[str, str] | None = None  # a verdict for the waiting thread to show
 
-    def tick(self) -> None:
+    def tick(self, show: Callable[[str, str], None]) -> None:
         """Called by the waiting thread while it waits (it shows what the helper found: sinks are one thread's)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            self._show(*pending)
+            show(*pending)
         if self._hang_s is None or self._looking or self._request.done or time.monotonic() < self._next_look:
             return
         self._looking = True
