@@ -5,6 +5,9 @@
 /** The comm target the kernel extension registers. */
 export const TARGET = 'monarch_kernel.meshes';
 
+/** A rank's state (monarch_kernel.core.status.RankStatus). */
+export type RankState = 'starting' | 'idle' | 'busy' | 'unresponsive' | 'dead';
+
 /** One rank of a mesh, as the kernel describes it. */
 export interface IRank {
   rank: number;
@@ -13,7 +16,7 @@ export interface IRank {
   /** Its index on its host (its GPU). */
   local_rank: number;
   pid: number | null;
-  state: string;
+  state: RankState;
   detail: string;
   cpu: number | null;
   rss: number | null;
