@@ -189,20 +189,28 @@ class HangWatch:
         threading.Thread(target=self._look, name="mesh-hang-watch", daemon=True).start()
 
     def _look(self) -> None:
+        """A cheap look (the groups' counters and the stacks); a full one (the flight recorder's
+        entries: their collective, tensors and how long) only when the ranks may be stuck."""
         try:
             ranks = tuple(sorted(self._request.ranks))
-            reports, dead, silent = self._runtime.inspections.ask(ranks)
+            light, dead, silent = self._runtime.inspections.ask(ranks, counters_only=True)
             if self._request.done:
                 return
-            verdict = diagnose(reports, ranks, dead, silent)
             now = time.monotonic()
-            figures = (sum(r.progress() for r in reports.values()),
-                       tuple(f.text() if (f := reports[r].user_frame()) else "" for r in sorted(reports)))
-            if figures != self._last:  # (the first look too: a cell busy in Python is not stuck yet)
+            figures = (sum(r.progress() + sum(g.entered for g in r.groups) for r in light.values()),
+                       tuple(f.text() if (f := light[r].user_frame()) else "" for r in sorted(light)))
+            moved = self._last is not None and figures != self._last
+            if self._last is None or moved:  # (the first look too: a cell busy in Python is not stuck yet)
                 self._still_since = now
                 self._last = figures
+            waiting = any(g.waiting for r in light.values() for g in r.groups)
+            quiet = now - self._still_since >= (self._hang_s or 0)
+            if moved or not (waiting or quiet or dead or silent):
+                return
+            reports, dead, silent = self._runtime.inspections.ask(ranks)
+            verdict = diagnose(reports, ranks, dead, silent)
             waited = max((g.for_s for r in reports.values() for g in r.groups if g.waiting), default=0.0)
-            stuck = waited >= (self._hang_s or 0) if verdict.hung else now - self._still_since >= (self._hang_s or 0)
+            stuck = waited >= (self._hang_s or 0) if verdict.hung else quiet
             if stuck or dead or silent:
                 text = str(verdict)
                 if text != self.shown:

@@ -34,7 +34,8 @@ class Inspections:
         self.hang_after_s: float | None = 30.0  # a running cell with no progress this long shows why (None: never)
 
     def ask(self, ranks: Iterable[int], *, all_threads: bool = False, timeout: float = ANSWER_WITHIN_S,
-            stacks_only: bool = False) -> tuple[dict[int, RankReport], dict[int, str], tuple[int, ...]]:
+            stacks_only: bool = False, counters_only: bool = False,
+            ) -> tuple[dict[int, RankReport], dict[int, str], tuple[int, ...]]:
         """(reports, dead ranks and how they died, silent ranks) of these ranks, now."""
         state = self._state
         wanted = sorted(set(ranks))
@@ -44,7 +45,8 @@ class Inspections:
         with self._changed:
             self._answers[inspect_id] = {}
         if alive:
-            self._loop.call(state.send_to_ranks, alive, lambda local: InspectRanks(local, inspect_id, all_threads, stacks_only))
+            self._loop.call(state.send_to_ranks, alive,
+                            lambda local: InspectRanks(local, inspect_id, all_threads, stacks_only, counters_only))
         deadline = time.monotonic() + timeout
         with self._changed:
             while len(self._answers[inspect_id]) < len(alive) and (left := deadline - time.monotonic()) > 0:

@@ -23,8 +23,10 @@ _LIBRARY_DIRS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths().get("
 MAX_FRAMES = 60
 
 
-def inspect(rank: int, running: str, all_threads: bool = False, stacks_only: bool = False) -> RankReport:
-    """This rank's report now (any thread but the main one); `stacks_only`: without collectives."""
+def inspect(rank: int, running: str, all_threads: bool = False, stacks_only: bool = False,
+            counters_only: bool = False) -> RankReport:
+    """This rank's report now (any thread but the main one); `stacks_only`: without collectives;
+    `counters_only`: the groups' counters alone (cheap: no entries of the flight recorder)."""
     frames = sys._current_frames()
     main = threading.main_thread()
     stack = _frames(frames.get(main.ident or 0))
@@ -34,7 +36,7 @@ def inspect(rank: int, running: str, all_threads: bool = False, stacks_only: boo
         names = {t.ident: t.name for t in threading.enumerate()}
         threads = tuple((names.get(ident, f"thread {ident}"), _frames(top))
                         for ident, top in sorted(frames.items()) if ident not in (main.ident, me))
-    groups, why_not = ((), "not asked") if stacks_only else collectives.progress()
+    groups, why_not = ((), "not asked") if stacks_only else collectives.progress(with_entries=not counters_only)
     return RankReport(rank, running, stack, groups, threads, why_not)
 
 

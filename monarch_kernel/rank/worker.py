@@ -235,7 +235,7 @@ class Worker:
         elif isinstance(msg, InspectRanks):  # answered here, whatever the main thread does
             self._send(RankInspection(msg.inspect_id, self.config.rank,
                                       inspect(self.config.rank, self.running_label(), msg.all_threads,
-                                              msg.stacks_only)))
+                                              msg.stacks_only, msg.counters_only)))
         elif isinstance(msg, ActorCall):
             self.actors.post(msg)  # delivered by the loop, or by a wait on the main thread that serves
             loop.call_soon_threadsafe(self.actors.pump)

@@ -18,6 +18,7 @@ class InspectRanks:
     inspect_id: int
     all_threads: bool = False
     stacks_only: bool = False  # no collective figures (a profile's samples, many a second)
+    counters_only: bool = False  # the groups' counters, not the recorder's entries (a running cell's regular look)
 
 
 @dataclass(frozen=True)
