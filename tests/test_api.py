@@ -53,6 +53,8 @@ def test_the_session_installs_and_closes_once_whatever_calls_it_twice():
     session.uninstall()
     assert not session.installed and adopted.append not in procs.mesh_started
     mesh = local_mesh(gpus=1, dist="none", name="session-close")
+    kept = session.of_mesh(mesh._runtime, list, list)  # a mesh's notebook-side state lives in the session
+    assert session.of_mesh(mesh._runtime, list, list) is kept
     loop = ControllerLoop.get()
     session.close()
     session.close()

@@ -21,6 +21,7 @@ from monarch_kernel.api import environment, hangs, profiles, sampling, workspace
 from monarch_kernel.api.futures import MeshFuture, raise_failures
 from monarch_kernel.api.mesh_files import HostFiles
 from monarch_kernel.api.mesh_start import start_runtime
+from monarch_kernel.api.session import Session
 from monarch_kernel.api.sinks import OutputSink, default_sink
 from monarch_kernel.api.values import check_device, seal_named
 from monarch_kernel.controller.hosts import HostKind, HostSpec
@@ -29,14 +30,13 @@ from monarch_kernel.controller.state import RankSnapshot, Request
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import Selector, Shape
-from monarch_kernel.core.source import CellNames, check_syntax
+from monarch_kernel.core.source import check_syntax
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.messages import HealthTimings
 from monarch_kernel.wire.ops import Describe, PostMortem, RankOperation
 from monarch_kernel.wire.serialization import arriving_on, release, seal, unseal
 
-_cell_names = CellNames()
 T = TypeVar("T")
 
 
@@ -142,7 +142,7 @@ class Mesh(HostFiles):
         With background=True, live output is delivered from a helper thread (to the
         cell that started the run) even if nobody calls get().
         """
-        filename = f"<mesh {name or _cell_names.name_of(code)}>"
+        filename = f"<mesh {name or Session.current().cell_names.name_of(code)}>"
         check_syntax(code, filename)
         if workspace.workspaces_of(self._runtime).auto:  # edits made since the last cell go first
             workspace.sync_changed(self._runtime)

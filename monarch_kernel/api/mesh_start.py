@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 from collections.abc import Sequence
 
+from monarch_kernel.api.session import Session
 from monarch_kernel.api.sinks import IdleOutput, report_timing
 from monarch_kernel.controller.hosts import HostSpec
 from monarch_kernel.controller.runtime import MeshRuntime
@@ -16,7 +16,6 @@ from monarch_kernel.core.addresses import is_unspecified
 from monarch_kernel.core.errors import MeshInterrupted, MeshStartError, MeshUsageError
 from monarch_kernel.wire.messages import HealthTimings
 
-mesh_numbers = itertools.count(0)
 BACKENDS = ("gloo", "nccl", "none")
 MESH_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -33,7 +32,7 @@ def start_runtime(hosts: list[HostSpec], gpus: int, dist: str, name: str | None,
         raise MeshUsageError(f"gpus={gpus!r}: give a positive number of ranks per host, e.g. gpus=4")
     if dist not in BACKENDS:
         raise MeshUsageError(f"dist={dist!r}: expected one of {', '.join(BACKENDS)}")
-    name = name or f"mesh{next(mesh_numbers)}"
+    name = name or f"mesh{next(Session.current().mesh_numbers)}"
     bad_keys = [k for k in (env or {}) if not _ENV_KEY.fullmatch(k)]
     if bad_keys:
         raise MeshUsageError(f"env keys {bad_keys!r} are not variable names (letters, digits and '_', "

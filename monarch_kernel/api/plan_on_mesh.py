@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Any
 
+from monarch_kernel.api.session import Session
 from monarch_kernel.core.errors import MeshUsageError, MonarchWarning
 from monarch_kernel.planner.hardware import Figures, size_text
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.wire.ops import ApplyLayout
 from monarch_kernel.wire.serialization import seal
 
-_FIGURES: weakref.WeakKeyDictionary[Any, Figures] = weakref.WeakKeyDictionary()  # per mesh runtime
-
 
 def mesh_figures(mesh: Any) -> Figures:
     """The slowest rank's throughput, the smallest memory, and the links, measured once per mesh."""
     from monarch_kernel.planner.measure import rank_figures
 
-    found = _FIGURES.get(mesh._runtime)
+    found = Session.current().of_mesh(mesh._runtime, _MeasuredFigures, _MeasuredFigures).figures
     if found is None:
         values = list(mesh.call(rank_figures, timeout=300).values())
         found = Figures(memory=int(min(v["memory"] for v in values)), flops=min(v["flops_fp32"] for v in values),
@@ -29,8 +27,14 @@ def mesh_figures(mesh: Any) -> Figures:
                         op_overhead=max(v["op_overhead"] for v in values),
                         dtensor_overhead=max(v["dtensor_overhead"] for v in values),
                         links=_slowest_links([v["links"] for v in values]))
-        _FIGURES[mesh._runtime] = found
+        Session.current().of_mesh(mesh._runtime, _MeasuredFigures, _MeasuredFigures).figures = found
     return dataclasses.replace(found)
+
+
+class _MeasuredFigures:
+    """A mesh's figures, measured once (kept by the notebook's session)."""
+
+    figures: Figures | None = None
 
 
 def _slowest_links(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, dict[str, list[float]]]:

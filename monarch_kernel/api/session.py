@@ -1,27 +1,34 @@
 """The notebook's session: what the kernel process sets up for its meshes, owned in one place.
 
-The layers below keep small holders that any process may read: the default output sink, the
-reporter of actor calls' timings, the rewriter of remote tracebacks (core/failures), who adopts
-the meshes a Monarch program starts (actors/procs), the meshes still open and the controller's
-loop (controller/). In the notebook only the `Session` writes them: `install` when the
-extension loads, `uninstall` when it unloads, and `close` when the kernel exits (the one
-`atexit` of controller/runtime.py calls the same steps). Each step may run twice: the second
-time does nothing.
+It holds the notebook's own state: the names it gives unnamed cells and meshes, `this_proc()`'s
+process, and each mesh's synced folders and measured figures (`of_mesh`). The layers below keep
+small holders that any process may read: the default output sink, the reporter of actor calls'
+timings, the rewriter of remote tracebacks (core/failures), who adopts the meshes a Monarch
+program starts (actors/procs), the meshes still open and the controller's loop (controller/),
+the call senders and ports (wire/calls, which ranks use too). In the notebook only the
+`Session` writes the hooks: `install` when the extension loads, `uninstall` when it unloads,
+and `close` when the kernel exits (the one `atexit` of controller/runtime.py calls the same
+steps). Each step may run twice: the second time does nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from monarch_kernel.actors import procs
 from monarch_kernel.api import sinks
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.runtime import MeshRuntime
 from monarch_kernel.core.failures import set_traceback_rewriter
+from monarch_kernel.core.source import CellNames
 from monarch_kernel.core.timing import TimingReporter
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,11 @@ class Session:
 
     def __init__(self) -> None:
         self.hooks: NotebookHooks | None = None
+        self.cell_names = CellNames()  # `cell N` for code run without a name (the same N for the same code)
+        self.mesh_numbers = itertools.count(0)  # `meshN` for meshes started without a name
+        self.this_proc: Any = None  # (ProcMesh, Mesh) of this_proc(), started on first use
+        self.this_proc_lock = threading.Lock()
+        self._per_mesh: dict[type, weakref.WeakKeyDictionary[MeshRuntime, Any]] = {}
 
     @classmethod
     def current(cls) -> Session:
@@ -76,6 +88,15 @@ class Session:
         set_traceback_rewriter(None)
         if hooks.adopt_mesh in procs.mesh_started:
             procs.mesh_started.remove(hooks.adopt_mesh)
+
+    def of_mesh(self, runtime: MeshRuntime, kind: type[T], make: Callable[[], T]) -> T:
+        """This session's state of kind `kind` for a mesh (its synced folders, its measured figures...):
+        made by make() on first use, gone with the mesh."""
+        table = self._per_mesh.setdefault(kind, weakref.WeakKeyDictionary())
+        found = table.get(runtime)
+        if found is None:
+            found = table[runtime] = make()
+        return found
 
     def open_meshes(self) -> list[MeshRuntime]:
         """The meshes of this process not shut down yet (by API, magic or spawn_procs)."""

@@ -6,7 +6,8 @@ import sys
 from collections.abc import Sequence
 
 from monarch_kernel.api.mesh import Mesh
-from monarch_kernel.api.mesh_start import MESH_NAME, mesh_numbers, start_runtime
+from monarch_kernel.api.mesh_start import MESH_NAME, start_runtime
+from monarch_kernel.api.session import Session
 from monarch_kernel.controller import slurm
 from monarch_kernel.controller.state import RELAY_BRANCHING
 from monarch_kernel.core.errors import MeshInterrupted, MeshUsageError
@@ -35,7 +36,7 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
     `preload` and `relay_branching`: as for `local_mesh` and `ssh_mesh`.
     """
     reuse_name = name
-    name = name or f"mesh{next(mesh_numbers)}"
+    name = name or f"mesh{next(Session.current().mesh_numbers)}"
     if not MESH_NAME.fullmatch(name):
         raise MeshUsageError(f"mesh name {name!r}: use 1 to 64 letters, digits, '_', '-' or '.'")
     if not isinstance(nodes, int) or nodes < 1:

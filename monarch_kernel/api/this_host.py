@@ -8,11 +8,11 @@ actors spawned on it never block the notebook's kernel.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from monarch_kernel.actors.procs import HostMesh, ProcMesh, mesh_started
 from monarch_kernel.api.mesh import Mesh
+from monarch_kernel.api.session import Session
 from monarch_kernel.api.starting import local_mesh
 from monarch_kernel.controller.hostspec import HostSpec
 from monarch_kernel.core.errors import MeshUsageError
@@ -20,8 +20,6 @@ from monarch_kernel.core.shape import Shape
 
 THIS_PROC = "this_proc"  # the name of the mesh this_proc() starts
 
-_this_proc: list[tuple[ProcMesh, Mesh]] = []
-_lock = threading.Lock()
 
 
 def _start_local(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, options: dict[str, Any]) -> Mesh:
@@ -39,12 +37,13 @@ def this_host() -> HostMesh:
 
 def this_proc() -> ProcMesh:
     """One process on this machine for actors (a one-rank local mesh), started on first use."""
-    with _lock:
-        if _this_proc and not _this_proc[0][1].closed:
-            return _this_proc[0][0]
+    session = Session.current()
+    with session.this_proc_lock:
+        if session.this_proc is not None and not session.this_proc[1].closed:
+            return session.this_proc[0]
         mesh = local_mesh(1, name=THIS_PROC, dist="none")
         for started in mesh_started:
             started(mesh)
         procs = ProcMesh(mesh.name, Shape((), mesh.ranks), stop=mesh.shutdown)
-        _this_proc[:] = [(procs, mesh)]
+        session.this_proc = (procs, mesh)
         return procs

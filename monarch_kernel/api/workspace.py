@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from monarch_kernel.api.progress import progress_line, show_stdout, size_text, wait_showing
+from monarch_kernel.api.session import Session
 from monarch_kernel.controller.host_ops import HostOpFailed, Progress
 from monarch_kernel.controller.hostspec import HostKind
 from monarch_kernel.controller.runtime import MeshRuntime
@@ -115,15 +115,9 @@ class MeshWorkspaces:
         return [f for f in self.folders.values() if f.auto]
 
 
-_BY_RUNTIME: weakref.WeakKeyDictionary[MeshRuntime, MeshWorkspaces] = weakref.WeakKeyDictionary()
-
-
 def workspaces_of(runtime: MeshRuntime) -> MeshWorkspaces:
-    """The synced folders of a mesh."""
-    found = _BY_RUNTIME.get(runtime)
-    if found is None:
-        found = _BY_RUNTIME[runtime] = MeshWorkspaces()
-    return found
+    """The synced folders of a mesh (kept by the notebook's session)."""
+    return Session.current().of_mesh(runtime, MeshWorkspaces, MeshWorkspaces)
 
 
 def project_folder(start: str | None = None) -> str:
