@@ -116,7 +116,7 @@ def test_status_shows_the_collective_each_rank_waits_in(kernel):
     from monarch_kernel.api.sinks import PlainSink
     from monarch_kernel.views.meshview import mesh_snapshot
 
-    with local_mesh(gpus=4, dist="gloo", name="status-rows") as mesh:
+    with local_mesh(gpus=4, dist="gloo", name="status-rows", env={"MONARCH_KERNEL_COLLECTIVE_STATUS": "on"}) as mesh:
         mesh.hang_after_s = None
         sink = PlainSink(__import__("io").StringIO())
         future = mesh.run_async(STRAGGLER.removeprefix("%%mesh\n"), sink=sink, name="In[1]")

@@ -128,7 +128,7 @@ def _numel(shape: list[int]) -> int:
 _pending_since: dict[str, tuple[int, float]] = {}  # group id -> (the collective pending, since when: monotonic)
 _described: dict[tuple[str, int], str] = {}  # (group id, sequence number) -> "all_reduce #58 (default group)"
 STATUS_AFTER_S = 1.0  # a collective pending this long shows in the rank's status
-STATUS_SWITCH = "MONARCH_KERNEL_COLLECTIVE_STATUS"  # "off": heartbeats say nothing of collectives
+STATUS_SWITCH = "MONARCH_KERNEL_COLLECTIVE_STATUS"  # "on": heartbeats say which collective a rank waits in
 
 
 def brief() -> str:
@@ -138,8 +138,8 @@ def brief() -> str:
     torch = sys.modules.get("torch")
     if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return ""
-    if os.environ.get(STATUS_SWITCH, "").lower() in ("off", "0", "false"):
-        return ""
+    if os.environ.get(STATUS_SWITCH, "").lower() not in ("on", "1", "true"):
+        return ""  # off by default: reading the recorder from this thread may deadlock with the main one
     dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
     if dump is None:
         return ""
