@@ -9,7 +9,9 @@ Rows: a call_one round trip (one small argument, one small reply), a call to all
 1,000 calls in flight to one actor (reported as calls per second), a call to one
 actor with a 64 MiB float32 tensor argument (reported as GB/s), and a plain (sync)
 endpoint that calls another actor and waits, per call: one on its own rank (ours: served
-by the rank while the endpoint waits) and one on another rank (Ray: another actor process).
+by the rank while the endpoint waits) and one on another rank (Ray: another actor process);
+and, with Monarch's API on both, an async endpoint of an actor on one proc mesh awaiting calls to
+an actor on another proc mesh of the same host (Monarch's ping-pong), per call.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from common import benchmark_main, figure, timed  # noqa: E402
 WORKERS = 4
 PIPELINED = 1000
 MIB64 = 64 << 20
+CROSS = "actor -> actor of another proc mesh"
 ROWS = ["call_one round trip", "call to all 4", "pipelined calls/s (1,000 in flight)",
-        "64 MiB tensor argument", "sync actor -> actor, same rank", "sync actor -> actor, other rank"]
+        "64 MiB tensor argument", "sync actor -> actor, same rank", "sync actor -> actor, other rank", CROSS]
 RELAYED = 200  # calls a relaying endpoint makes per measurement
 
 
@@ -43,6 +46,32 @@ def _measure(call_one, call_all, pipelined, tensor_call, quick: bool) -> dict:
         "pipelined calls/s (1,000 in flight)": timed(pipelined, batches, 2),
         "64 MiB tensor argument": timed(tensor_call, tensors, 2),
     }
+
+
+def _cross_mesh(actor_module, quick: bool) -> list[float]:
+    """Per-call times of an actor on one proc mesh calling an actor on another (Monarch's API)."""
+    Actor, endpoint, this_host = actor_module.Actor, actor_module.endpoint, actor_module.this_host
+
+    class Pong(Actor):
+        @endpoint
+        async def ping(self, x: int) -> int:
+            return x
+
+    class Ping(Actor):
+        def __init__(self, pong):
+            self.pong = pong.slice(gpus=0)
+
+        @endpoint
+        async def relay(self, count: int) -> None:
+            for i in range(count):
+                await self.pong.ping.call_one(i)
+
+    procs_a = this_host().spawn_procs(per_host={"gpus": 1})
+    procs_b = this_host().spawn_procs(per_host={"gpus": 1})
+    pong = procs_b.spawn("pong", Pong)
+    ping = procs_a.spawn("ping", Ping, pong).slice(gpus=0)
+    ping.relay.call_one(10).get()
+    return [t / RELAYED for t in timed(lambda: ping.relay.call_one(RELAYED).get(), 5 if quick else 15, 1)]
 
 
 def _measure_actor_mesh(actors, quick: bool) -> dict:
@@ -92,6 +121,9 @@ def bench_ours(quick: bool) -> dict:
         n = 5 if quick else 15
         for row, rank in (("sync actor -> actor, same rank", 0), ("sync actor -> actor, other rank", 1)):
             res[row] = [t / RELAYED for t in timed(lambda r=rank: relay.relay.call_one(r, RELAYED).get(), n, 1)]
+        from monarch_kernel.monarch import actor as our_monarch_api
+
+        res[CROSS] = _cross_mesh(our_monarch_api, quick)
         return res
     finally:
         mesh.shutdown()
@@ -151,10 +183,14 @@ def bench_monarch(quick: bool) -> dict:
         def nbytes(self, t) -> int:
             return t.numel()
 
+    import monarch.actor
+
     procs = this_host().spawn_procs(per_host={"gpus": WORKERS})
     actors = procs.spawn("echo", Echo)
     actors.ping.call(0).get()
-    return _measure_actor_mesh(actors, quick)
+    res = _measure_actor_mesh(actors, quick)
+    res[CROSS] = _cross_mesh(monarch.actor, quick)
+    return res
 
 
 _LEN = struct.Struct("!Q")

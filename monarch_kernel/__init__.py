@@ -28,6 +28,7 @@ _EXPORTS = {
     "ActorDeadlockError": "monarch_kernel.core.errors",
     "ActorError": "monarch_kernel.core.errors",
     "CellSyntaxError": "monarch_kernel.core.errors",
+    "SupervisionError": "monarch_kernel.core.errors",
     "MeshError": "monarch_kernel.core.errors",
     "MeshInterrupted": "monarch_kernel.core.errors",
     "MeshNotRunningError": "monarch_kernel.core.errors",
@@ -84,6 +85,7 @@ __all__ = [
     "RankFailure",
     "RemoteError",
     "SerializationError",
+    "SupervisionError",
     "Shape",
     "ValueMesh",
     "current_rank",
@@ -119,6 +121,7 @@ if TYPE_CHECKING:
         RankDiedError,
         RemoteError,
         SerializationError,
+        SupervisionError,
     )
     from monarch_kernel.core.failures import RankFailure
     from monarch_kernel.core.shape import Point, Shape

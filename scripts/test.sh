@@ -28,6 +28,14 @@ if [ ! -d .cache/old-cloudpickle/cloudpickle ]; then
   .venv/bin/pip install -q --disable-pip-version-check --no-deps --target .cache/old-cloudpickle "cloudpickle==3.0.0"
 fi
 # Lint (with import order) and types before the tests: both must pass.
+# the real PyTorch Monarch, in an environment of its own, for the conformance suite (tests/test_conformance.py
+# says why it skips when this fails)
+if ! .cache/monarch-venv/bin/python -c "import monarch.actor" >/dev/null 2>&1; then
+  rm -rf .cache/monarch-venv
+  { .venv/bin/python -m venv .cache/monarch-venv \
+    && .cache/monarch-venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 torchmonarch==0.7.0; } \
+    || echo "torchmonarch 0.7.0 could not be installed: the conformance tests will skip" >&2
+fi
 .venv/bin/ruff check .
 .venv/bin/mypy
 # The documentation site, warnings (a broken internal link among them) as errors.

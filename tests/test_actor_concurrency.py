@@ -39,6 +39,7 @@ class Caller(Actor):
 
     def __init__(self, counters):
         self.counters = counters
+        self.me = current_rank()["gpus"]  # (where it was spawned: calls through a slice count from 0)
 
     @endpoint
     def relay(self):  # a plain (sync) endpoint, as a new user writes it
@@ -46,12 +47,12 @@ class Caller(Actor):
 
     @endpoint
     def relay_slow(self, seconds):
-        mine = self.counters.slice(gpus=current_rank()["gpus"])
+        mine = self.counters.slice(gpus=self.me)
         return mine.sleep.call_one(seconds).get()
 
     @endpoint
     def wait_on_async(self):
-        return self.counters.slice(gpus=current_rank()["gpus"]).later.call_one().get(timeout=10)
+        return self.counters.slice(gpus=self.me).later.call_one().get(timeout=10)
 
 
 class Ping(Actor):
@@ -62,15 +63,15 @@ class Ping(Actor):
 
     @endpoint
     def meet(self, other):
-        self.other = other
+        self.other = other.slice(**current_rank())  # (called on the whole mesh: this rank's partner, as Monarch's)
 
     @endpoint
     def ask(self):
-        return self.other.slice(gpus=current_rank()["gpus"]).answer_back.call_one().get(timeout=10)
+        return self.other.answer_back.call_one().get(timeout=10)
 
     @endpoint
     def answer_back(self):
-        return self.other.slice(gpus=current_rank()["gpus"]).noop.call_one().get(timeout=10)
+        return self.other.noop.call_one().get(timeout=10)
 
     @endpoint
     def noop(self):
@@ -108,10 +109,11 @@ class MixedSender(Actor):
 
     def __init__(self, recorders):
         self.recorders = recorders
+        self.me = current_rank()["gpus"]  # (where it was spawned: calls through a slice count from 0)
 
     @endpoint
     def send_mixed(self, count):
-        mine = self.recorders.slice(gpus=current_rank()["gpus"])
+        mine = self.recorders.slice(gpus=self.me)
         futures = [(self.recorders if i % 2 else mine).record.call(99, i) for i in range(count)]
         for future in futures:
             future.get(timeout=60)

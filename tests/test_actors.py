@@ -91,6 +91,7 @@ class Relay(Actor):
 
     def __init__(self, counters):
         self.counters = counters
+        self.me = current_rank()["gpus"]  # (where it was spawned: calls through a slice count from 0)
 
     @endpoint
     def fan(self, by):
@@ -104,12 +105,12 @@ class Relay(Actor):
 
     @endpoint
     async def ask_own_rank(self):
-        mine = self.counters.slice(gpus=current_rank()["gpus"])
+        mine = self.counters.slice(gpus=self.me)
         return await mine.add.call_one(0)
 
     @endpoint
     def ask_own_rank_blocking(self):
-        mine = self.counters.slice(gpus=current_rank()["gpus"])
+        mine = self.counters.slice(gpus=self.me)
         return mine.add.call_one(0).get()
 
 

@@ -11,7 +11,7 @@ PUBLIC = {
     "Candidate", "CellSyntaxError", "HealthTimings", "Mesh", "MeshError", "MeshFuture", "MeshInterrupted", "MeshNotRunningError",
     "MeshBusyError", "MeshStartError", "MeshTimeoutError", "MeshUsageError", "MonarchWarning", "Plan", "Point",
     "RankDiedError", "RankFailure",
-    "RemoteError", "SerializationError", "Shape", "ValueMesh", "load_ipython_extension", "local_mesh",
+    "RemoteError", "SerializationError", "Shape", "SupervisionError", "ValueMesh", "load_ipython_extension", "local_mesh",
     "plan", "slurm_mesh", "ssh_mesh", "unload_ipython_extension"}
 
 

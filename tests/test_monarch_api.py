@@ -258,5 +258,59 @@ def test_a_host_mesh_sent_elsewhere_carries_only_host_names_and_cannot_start_pro
     copy = pickle.loads(pickle.dumps(this_host()))
     assert "controller" not in pickle.dumps(this_host()).decode("latin-1")  # no notebook-side class inside
     assert copy.extent == {} and "localhost" in repr(copy)
-    with pytest.raises(MeshUsageError, match="from the notebook"):
+    with pytest.raises(MeshUsageError, match="only names its hosts"):
         copy.spawn_procs(per_host={"gpus": 1})
+
+
+class Sleepy(Actor):
+    def __init__(self):
+        self.stopped = 0
+
+    @endpoint
+    async def nap(self, seconds: float) -> str:
+        import asyncio
+
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            self.stopped += 1
+            raise
+        return "rested"
+
+    @endpoint
+    async def times_stopped(self) -> int:
+        return self.stopped
+
+
+class Asker(Actor):
+    def __init__(self, other):
+        self.other = other.slice(gpus=0)
+
+    @endpoint
+    async def ask(self, seconds: float) -> str:
+        return await self.other.nap.call_one(seconds)
+
+
+def test_calls_between_proc_meshes_are_stopped_with_their_caller_and_fail_once_the_other_is_gone():
+    """A call from an actor of one proc mesh to another's goes through the notebook's controller; stopping
+    the caller's wait stops the endpoint on the other mesh, and a call to a stopped proc mesh is a
+    SupervisionError (as in Monarch), not a hang."""
+    from monarch_kernel import MeshTimeoutError, SupervisionError
+
+    procs_a = this_host().spawn_procs(per_host={"gpus": 1})
+    procs_b = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        sleepy = procs_b.spawn("sleepy", Sleepy)
+        asker = procs_a.spawn("asker", Asker, sleepy)
+        assert asker.ask.call_one(0.01).get(timeout=30) == "rested"
+        with pytest.raises(MeshTimeoutError):
+            asker.ask.call_one(60).get(timeout=1)  # the wait ends: the asker is cancelled, and so its call
+        assert wait_until(lambda: sleepy.times_stopped.call_one().get(timeout=10) == 1, 10)
+        procs_b.stop()
+        with pytest.raises(Exception) as info:
+            asker.ask.call_one(0.01).get(timeout=30)
+        assert "SupervisionError" in str(info.value) or isinstance(info.value, SupervisionError), info.value
+        assert "not running" in str(info.value)
+    finally:
+        procs_a.stop()
+        procs_b.stop()

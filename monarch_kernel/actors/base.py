@@ -7,6 +7,7 @@ defines actor classes, and ranks build and serve their instances.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import linecache
 import os
 from collections.abc import Callable
@@ -68,6 +69,11 @@ class Actor:
         cls._endpoints = frozenset(names)
 
 
+def owner_label(key: str, rank: int) -> str:
+    """How a report names the actor (by its spawn key) that owns an actor mesh or sent a call."""
+    return f"actor mesh {key.split('#')[0]!r} on rank {rank}"
+
+
 def current_rank() -> Point:
     """Inside an endpoint: this actor's coordinates in its actor mesh (with .rank).
 
@@ -87,6 +93,42 @@ def current_rank() -> Point:
 def current_size() -> dict[str, int]:
     """Inside an endpoint: the size of each dim of this actor's mesh, e.g. {'gpus': 4}."""
     return dict(current_rank().extent)
+
+
+# An endpoint's parameters after self (and after the port of one that answers through a port), each as
+# (name, inspect kind, has a default): small and picklable, so handles check calls wherever they travel.
+Parameters = tuple[tuple[str, int, bool], ...]
+
+
+def endpoint_parameters(cls: type) -> dict[str, Parameters]:
+    """The parameters that callers pass to each endpoint of an actor class."""
+    found: dict[str, Parameters] = {}
+    for name in getattr(cls, "_endpoints", ()):
+        method = getattr(cls, name)
+        try:
+            params = list(inspect.signature(method).parameters.values())[1:]  # (self)
+        except (TypeError, ValueError):
+            continue  # a callable whose signature Python cannot tell: not checked
+        if takes_port(method):
+            params = params[1:]
+        found[name] = tuple((p.name, int(p.kind), p.default is not inspect.Parameter.empty) for p in params)
+    return found
+
+
+_KINDS = {int(k): k for k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                               inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.KEYWORD_ONLY,
+                               inspect.Parameter.VAR_KEYWORD)}
+
+
+def check_arguments(endpoint_name: str, params: Parameters, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise TypeError, as calling the method would, if it cannot take these arguments (before any is sent)."""
+    signature = inspect.Signature([inspect.Parameter(name, _KINDS[kind],
+                                                     default=None if has_default else inspect.Parameter.empty)
+                                   for name, kind, has_default in params])
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"endpoint {endpoint_name}() cannot take these arguments: {exc}") from None
 
 
 def class_sources(cls: type) -> dict[str, list[str]]:

@@ -4,10 +4,8 @@
 >>> trainers.step.call(batch).get()      # ValueMesh of every rank's reply
 >>> trainers.slice(gpus=0).step.call_one(batch).get()
 
-Handles work wherever they are used: in the notebook, and on ranks (an actor mesh passed
-to other actors). Each sends through the `CallSender` of the process it lives in. Calls
-travel as one message per host; each actor serves its messages one at a time in each
-sender's order.
+Handles work wherever they are used (the notebook; ranks, of this mesh or another), sending through the
+`CallSender` of their process: one message per host, served in each sender's order.
 """
 
 from __future__ import annotations
@@ -19,13 +17,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from monarch_kernel.actors.base import SYSTEM_ACTOR
+from monarch_kernel.actors.base import SYSTEM_ACTOR, Parameters, check_arguments, current_actor, owner_label
 from monarch_kernel.actors.ports import Port
 from monarch_kernel.core.errors import (
-    ActorDiedError,
     ActorError,
     MeshNotRunningError,
     MeshUsageError,
+    SupervisionError,
     raise_for,
 )
 from monarch_kernel.core.failures import FailureKind, RankFailure
@@ -36,7 +34,7 @@ from monarch_kernel.core.supervision import MeshFailure, Owner, report_unhandled
 from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire.calls import CallSender, PendingCall, find_sender
-from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall
+from monarch_kernel.wire.messages import ActorCall, ActorReply, BroadcastFailed, CancelCall
 from monarch_kernel.wire.ops import StopActors
 from monarch_kernel.wire.serialization import release, seal, unseal
 
@@ -44,6 +42,7 @@ T = TypeVar("T")
 
 # error types that replies carry for failures the router made (not the endpoint)
 _KIND_OF_ERROR = {"RankDied": FailureKind.DIED, "MeshRestarted": FailureKind.LOST}
+_GONE = frozenset({"ActorStopped", "MeshNotRunning"})  # error types of calls to actors that no longer are
 
 
 class ActorFuture(Future[T]):
@@ -112,7 +111,7 @@ class ActorMesh(MeshShaped):
     _choices = itertools.count()
 
     def __init__(self, mesh_name: str, actor: str, class_name: str, endpoints: frozenset[str], shape: Shape,
-                 key: str | None = None):
+                 key: str | None = None, parameters: dict[str, Parameters] | None = None):
         clash = endpoints & _handle_names()
         if clash:
             raise MeshUsageError(f"{class_name} has endpoints named {sorted(clash)}, which actor mesh handles use "
@@ -123,6 +122,7 @@ class ActorMesh(MeshShaped):
         self.class_name = class_name
         self.endpoints = endpoints
         self.shape = shape
+        self._parameters = parameters or {}  # what each endpoint takes: calls are checked before they are sent
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -137,7 +137,8 @@ class ActorMesh(MeshShaped):
         return EndpointHandle(self, name)
 
     def _with(self, shape: Shape) -> ActorMesh:
-        sliced = ActorMesh(self.mesh_name, self.name, self.class_name, self.endpoints, shape, self.key)
+        sliced = ActorMesh(self.mesh_name, self.name, self.class_name, self.endpoints, shape, self.key,
+                           self._parameters)
         sliced._supervised = self.__dict__.get("_supervised", Owner.NOBODY)
         return sliced
 
@@ -170,7 +171,8 @@ class ActorMesh(MeshShaped):
         self._sender().watch_failures(self.ranks, lambda rank, why: callback(ActorFailureEvent(self.name, rank, why)))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ActorMesh, (self.mesh_name, self.name, self.class_name, self.endpoints, self.shape, self.key))
+        return (ActorMesh, (self.mesh_name, self.name, self.class_name, self.endpoints, self.shape, self.key,
+                            self._parameters))
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self.name!r} of {self.class_name} on {self.shape} (ranks {format_ranks(self.ranks)})>"
@@ -185,8 +187,13 @@ class ActorMesh(MeshShaped):
 
     def _send(self, endpoint_name: str, ranks: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any],
               want_value: bool = True, on_reply: Callable[[ActorReply], None] | None = None) -> PendingCall:
-        sender = self._sender()
-        sealed = seal((args, kwargs), shm_dir=sender.shm_dir_for(ranks), shared=True)
+        self._check(endpoint_name, args, kwargs)
+        try:
+            sender = self._sender()
+        except MeshNotRunningError as exc:  # its processes are gone: Monarch's word for it
+            raise SupervisionError(str(exc), []) from None
+        away = self._away(sender)
+        sealed = seal((args, kwargs), shm_dir=None if away else sender.shm_dir_for(ranks), shared=True)
         label = f"{self.class_name}.{endpoint_name}"
 
         pending = sender.calls.new(ranks, label, on_reply)
@@ -202,17 +209,29 @@ class ActorMesh(MeshShaped):
             pending.on_reply = replied
         try:
             sender.send_call(ActorCall(sender.caller_id, pending.call_id, self.key, endpoint_name, sealed,
-                                       ranks, want_value))
-        except BaseException:  # stopped mid-send: the ranks that already have the call must drop it
-            sender.send_cancel(CancelCall(sender.caller_id, pending.call_id, ranks))
+                                       ranks, want_value, mesh=away, through=self.shape))
+        except BaseException as exc:  # stopped mid-send: the ranks that already have the call must drop it
+            sender.send_cancel(CancelCall(sender.caller_id, pending.call_id, ranks, away))
+            if isinstance(exc, MeshNotRunningError):
+                raise SupervisionError(str(exc), []) from None
             raise
         return pending
+
+    def _check(self, endpoint_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        params = self._parameters.get(endpoint_name)
+        if params is not None:
+            check_arguments(f"{self.class_name}.{endpoint_name}", params, args, kwargs)
+
+    def _away(self, sender: CallSender) -> str:
+        """This mesh's name when the sender belongs to another mesh (a rank calling the actors of
+        another mesh of the notebook), else ""."""
+        return self.mesh_name if sender.other_mesh(self.mesh_name) else ""
 
     def _cancel(self, pending: PendingCall) -> None:
         outstanding = pending.outstanding
         if outstanding:
             sender = self._sender()
-            sender.send_cancel(CancelCall(sender.caller_id, pending.call_id, outstanding))
+            sender.send_cancel(CancelCall(sender.caller_id, pending.call_id, outstanding, self._away(sender)))
 
 
 def system_actors(mesh_name: str, shape: Shape) -> ActorMesh:
@@ -265,6 +284,7 @@ class EndpointHandle:
         mesh = self._mesh
         label = f"{mesh.class_name}.{self._name}"
         supervised: Owner = mesh.__dict__.get("_supervised", Owner.NOBODY)  # who owns these actors
+        sender, sending_actor = mesh._sender(), current_actor.get()  # (an actor's broadcast: it is told of failures)
 
         def report(reply: ActorReply) -> None:
             f = reply.failure
@@ -272,9 +292,13 @@ class EndpointHandle:
                 return
             if supervised and f.error_type in _KIND_OF_ERROR:
                 return  # a death reaches the owner as such; a mesh shut down is nobody's failure
-            if supervised is Owner.NOTEBOOK:
-                report_unhandled(MeshFailure(mesh.name, mesh.class_name, reply.rank, FailureKind.EXCEPTION,
-                                             f"broadcast {label} raised {f.message}", f.traceback))
+            failure = MeshFailure(mesh.name, mesh.class_name, reply.rank, FailureKind.EXCEPTION,
+                                  f"broadcast {label} raised {f.message}", f.traceback)
+            if sending_actor is not None and sender.own_rank is not None:  # Monarch: the sender's __supervise__
+                sender.send_up(BroadcastFailed(sender.own_rank, sending_actor,
+                                               owner_label(sending_actor, sender.own_rank), failure))
+            elif supervised is Owner.NOTEBOOK:
+                report_unhandled(failure)
             else:
                 print(f"monarch_kernel: broadcast {label} failed on rank {reply.rank}: "
                       f"{f.message}\n{f.traceback}", file=sys.stderr, flush=True)
@@ -292,10 +316,12 @@ class EndpointHandle:
             sender = mesh._sender()
             live = [r for r in ranks if sender.is_alive(r)] or list(ranks)
             ranks = (live[next(ActorMesh._choices) % len(live)],)
+        mesh._check(self._name, args, kwargs)
         sender = mesh._sender()
-        sealed = seal((args, kwargs), shm_dir=sender.shm_dir_for(ranks), shared=True)
+        away = mesh._away(sender)
+        sealed = seal((args, kwargs), shm_dir=None if away else sender.shm_dir_for(ranks), shared=True)
         sender.send_call(ActorCall(port._owner, port._port_id, mesh.key, self._name, sealed, ranks, True,
-                                   to_port=True))
+                                   to_port=True, mesh=away, through=mesh.shape))
 
     def stream(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Iterator[ReplyFuture]:
         """Call every actor; yield each reply (a done future with .rank) as it arrives."""
@@ -349,7 +375,9 @@ def raise_failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...]
     kinds = sorted({f.error_type for f in failures})
     summary = (f"{pending.label} (actor mesh {mesh.name!r}) failed on rank"
                f"{'s' if len(failures) > 1 else ''} {format_ranks([f.rank for f in failures])}: {', '.join(kinds)}")
-    raise_for(failures, summary, partial, ActorError, ActorDiedError)
+    if any(f.error_type in _GONE for f in failures):  # its actors are gone, rather than it failed
+        raise SupervisionError(summary, failures, partial)
+    raise_for(failures, summary, partial, ActorError, SupervisionError)
 
 
 def reply_value(reply: ActorReply) -> Any:

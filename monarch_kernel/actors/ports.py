@@ -33,7 +33,7 @@ R = TypeVar("R")
 def _here() -> CallSender | None:
     """The sender of this process when it is a rank (None in the notebook)."""
     sender = find_sender("")
-    return sender if sender is not None and hasattr(sender, "own_rank") else None
+    return sender if sender is not None and sender.own_rank is not None else None
 
 
 class Port(Generic[R]):
@@ -69,8 +69,9 @@ class Port(Generic[R]):
         sender = _here() or find_sender(self._mesh)
         me = sender.caller_id if sender is not None else CONTROLLER
         value = None if failure is not None else seal(obj)
-        msg = ActorReply(self._owner, self._port_id, me, value, failure, to_port=True)
-        if me == self._owner or sender is None:
+        away = self._mesh if sender is not None and sender.other_mesh(self._mesh) else ""
+        msg = ActorReply(self._owner, self._port_id, me, value, failure, to_port=True, mesh=away)
+        if (me == self._owner and not away) or sender is None:
             if me != self._owner:
                 raise MeshNotRunningError("this port belongs to a rank of a mesh that is not reachable from here")
             PORTS.deliver(msg)  # this process opened it
@@ -122,8 +123,9 @@ class Channel(Generic[R]):
         """A new port owned by this process, and its receiver (`once`: it takes one message)."""
         opened = PORTS.open(once)
         here = _here()
-        owner = here.caller_id if here is not None else CONTROLLER
-        return Port(owner, opened.port_id), PortReceiver(opened)
+        if here is None:
+            return Port(CONTROLLER, opened.port_id), PortReceiver(opened)
+        return Port(here.caller_id, opened.port_id, here.mesh_name), PortReceiver(opened)  # (any mesh's actors may send)
 
     @staticmethod
     def open_ranked(once: bool = False) -> tuple[Port[R], PortReceiver[tuple[int, R]]]:

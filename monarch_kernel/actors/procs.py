@@ -20,11 +20,18 @@ from typing import Any, TypeVar
 
 from monarch_kernel.actors.base import Actor
 from monarch_kernel.actors.client import ActorMesh, system_actors
+from monarch_kernel.actors.ports import Channel, Port, PortReceiver
 from monarch_kernel.actors.spawning import spawn_actor_mesh
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.future import DoneFuture, Future
 from monarch_kernel.core.shape import MeshShaped, Shape
 from monarch_kernel.wire.calls import find_sender
+from monarch_kernel.wire.messages import ProcsRequest, StartProcs, StopProcs
+from monarch_kernel.wire.serialization import seal
+
+START_TIMEOUT_S = 600.0  # how long an actor waits for the notebook to start processes for it
+_NO_BOOTSTRAP = ("spawn_procs(bootstrap=...) runs in the notebook; in an actor, do the set-up in the constructor of "
+                 "the actors you spawn on the new processes")
 
 A = TypeVar("A", bound=Actor)
 # starts a mesh of `count` ranks per host on these hosts (notebook only): (hosts, count, name, options)
@@ -42,6 +49,11 @@ class ProcMesh(MeshShaped):
         self.shape = shape  # dims over the mesh's global ranks
         self._stop = stop  # the notebook's way to end these processes (not carried to ranks)
         self._host_mesh = host_mesh
+
+    @property
+    def mesh_name(self) -> str:
+        """The name of the mesh these processes are (or are part of)."""
+        return self._mesh
 
     # ------------------------------------------------------------ shape
     def _with(self, shape: Shape) -> ProcMesh:
@@ -89,10 +101,11 @@ class ProcMesh(MeshShaped):
 class HostMesh(MeshShaped):
     """Hosts, shaped by named dims (`hosts`, or none for one host): `spawn_procs` starts processes."""
 
-    def __init__(self, hosts: Sequence[Any], shape: Shape, start: StartMesh | None = None):
+    def __init__(self, hosts: Sequence[Any], shape: Shape, start: StartMesh | None = None, *, for_actor: bool = False):
         self._hosts = tuple(hosts)
         self.shape = shape  # dims over host indices
         self._start = start  # starts a mesh on some of these hosts
+        self._for_actor = for_actor  # a rank's own host: the notebook starts processes for its actor
         self._spawned: list[Any] = []  # the meshes spawn_procs started
 
     def _with(self, shape: Shape) -> HostMesh:
@@ -108,9 +121,9 @@ class HostMesh(MeshShaped):
         is started as `%mesh up local` starts one, and processes on another mesh's hosts
         copy that mesh's settings.
         """
-        if self._start is None:
-            raise MeshUsageError("spawn_procs() starts processes from the notebook; on a rank, spawn actors on a "
-                                 "ProcMesh the notebook passed in")
+        if self._start is None and not self._for_actor:
+            raise MeshUsageError("spawn_procs() starts processes on the hosts of a HostMesh made in the notebook or "
+                                 "by this_host(); a HostMesh passed to an actor only names its hosts")
         per_host = dict(per_host or {})
         for size in per_host.values():
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
@@ -118,7 +131,13 @@ class HostMesh(MeshShaped):
         if set(per_host) & set(self.shape.names):
             raise MeshUsageError(f"per_host dims {sorted(per_host)} repeat the host mesh's {self.shape.names}")
         count = math.prod(per_host.values()) if per_host else 1
-        mesh = self._start(self._hosts, count, name, mesh_options)
+        if self._for_actor:
+            if bootstrap is not None:
+                raise MeshUsageError(_NO_BOOTSTRAP)
+            mesh: Any = _start_from_rank(self._hosts, count, name, mesh_options, per_host)
+        else:
+            assert self._start is not None
+            mesh = self._start(self._hosts, count, name, mesh_options)
         try:
             if bootstrap is not None:
                 mesh.call(lambda: bootstrap())
@@ -149,6 +168,45 @@ class HostMesh(MeshShaped):
     def __repr__(self) -> str:
         names = ", ".join(getattr(h, "name", str(h)) for h in self._hosts)
         return f"<HostMesh {self.shape} of {names}>"
+
+
+class _StartedForActor:
+    """A mesh the notebook started for an actor (what HostMesh.spawn_procs needs of it, on a rank)."""
+
+    def __init__(self, name: str, shape: Shape):
+        self.name = name
+        self.ranks = shape.ranks
+
+    def call(self, fn: Callable[[], None]) -> None:
+        raise MeshUsageError(_NO_BOOTSTRAP)
+
+    def shutdown(self) -> None:
+        _ask_notebook(StopProcs(self.name), "stopping processes")
+
+
+def _ask_notebook(op: StartProcs | StopProcs, what: str) -> Any:
+    """Have the notebook start or stop processes for this rank's actor; waits for its answer (serving)."""
+
+    sender = find_sender("")
+    if sender is None or sender.own_rank is None:
+        raise MeshUsageError(f"{what} for an actor happens on a rank")
+    port: Port[Any]
+    receiver: PortReceiver[Any]
+    port, receiver = Channel.open(once=True)
+    sender.send_up(ProcsRequest(sender.own_rank, (port._owner, port._port_id), op))
+    return receiver.recv().get(timeout=START_TIMEOUT_S)
+
+
+def _start_from_rank(hosts: tuple[Any, ...], count: int, name: str | None, options: dict[str, Any],
+                     per_host: dict[str, int]) -> _StartedForActor:
+    mesh_name, shape = _ask_notebook(StartProcs(tuple(per_host.items()), name or "", seal(options)),
+                                     "starting processes")
+    return _StartedForActor(mesh_name, shape)
+
+
+def this_host_of_rank() -> HostMesh:
+    """On a rank: its own host, where an actor may start processes (the notebook starts them for it)."""
+    return HostMesh(["this host"], Shape((), (0,)), for_actor=True)
 
 
 def this_proc_of_rank() -> ProcMesh:

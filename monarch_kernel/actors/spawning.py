@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from monarch_kernel.actors.base import Actor, class_sources, current_actor
+from monarch_kernel.actors.base import Actor, class_sources, current_actor, endpoint_parameters, owner_label
 from monarch_kernel.actors.client import ActorMesh
 from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
 from monarch_kernel.core.shape import Shape
@@ -49,7 +49,8 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
             f"spawn({name!r}, {actor_class.__name__})")
     finally:
         release(sealed)
-    actors = ActorMesh(mesh_name, name, actor_class.__name__, actor_class._endpoints, shape, key)
+    actors = ActorMesh(mesh_name, name, actor_class.__name__, actor_class._endpoints, shape, key,
+                       endpoint_parameters(actor_class))
     owner = current_actor.get()
     if owner is not None and sender.own_rank is not None:  # an actor spawned it: the controller routes its failures
         actors._supervised = Owner.ACTOR
@@ -58,8 +59,3 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
     elif sender.own_rank is None and notebook_hook:  # the notebook owns it
         actors.supervise_from_notebook()
     return actors
-
-
-def owner_label(key: str, rank: int) -> str:
-    """How a report names the actor that owns an actor mesh."""
-    return f"actor mesh {key.split('#')[0]!r} on rank {rank}"

@@ -90,10 +90,12 @@ class HostAgent:
         self.relays = AgentRelays(self._send_controller, self._fan_out)  # its place in a relay tree, if any
         self._from_rank: dict[type, Callable[[int, Any], None]] = {
             m.Result: self._result,
-            m.ActorReply: self._reply_from_rank,
-            m.ActorCall: lambda rank, msg: self._call(msg),
-            m.CancelCall: lambda rank, msg: self.router.cancel(msg),
+            m.ActorReply: self._reply_from_rank,  # (msg.mesh: a Port of another mesh's rank)
+            m.ActorCall: lambda rank, msg: self.to_controller(msg) if msg.mesh else self._call(msg),
+            m.CancelCall: lambda rank, msg: self.to_controller(msg) if msg.mesh else self.router.cancel(msg),
             m.OwnActors: lambda rank, msg: self.to_controller(msg),
+            m.BroadcastFailed: lambda rank, msg: self.to_controller(msg),
+            m.ProcsRequest: lambda rank, msg: self.to_controller(msg),
         }
 
     # ------------------------------------------------------------ the controller
@@ -210,6 +212,9 @@ class HostAgent:
         self.router.call(msg, from_above=from_above)
 
     def _reply_from_rank(self, rank: int, msg: m.ActorReply) -> None:
+        if msg.mesh:  # to a Port that a rank of another mesh opened: its controller side takes it
+            self.to_controller(msg)
+            return
         self._answered_shared(msg.caller, msg.call_id, rank)
         self.router.reply(msg, owed=True)
 

@@ -136,7 +136,7 @@ def _become_rank(spec: m.RankSpec, start: m.StartRanks, conn: socket.socket, hb:
     def setup() -> str:
         return init_process_group(spec, start.dist, store)
 
-    run_rank(conn, hb, WorkerConfig(spec.rank, host, start.shm_dir), setup)
+    run_rank(conn, hb, WorkerConfig(spec.rank, host, start.shm_dir, start.mesh), setup)
     os._exit(0)
 
 

@@ -26,7 +26,7 @@ from monarch_kernel.api.sinks import OutputSink, default_sink
 from monarch_kernel.api.values import check_device, seal_named
 from monarch_kernel.controller.hosts import HostKind, HostSpec
 from monarch_kernel.controller.runtime import MeshRuntime
-from monarch_kernel.controller.state import RankSnapshot, Request
+from monarch_kernel.controller.state import MeshSpec, RankSnapshot, Request
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import Selector, Shape
@@ -265,7 +265,7 @@ class Mesh(HostFiles):
         """This mesh's hosts as a Monarch-style HostMesh (dim `hosts`): `spawn_procs` starts new
         processes there with this mesh's settings (backend, environment, Slurm job)."""
         hosts = self._runtime.spec.hosts
-        return HostMesh(hosts, Shape.grid(hosts=len(hosts)), functools.partial(_start_like, self))
+        return HostMesh(hosts, Shape.grid(hosts=len(hosts)), functools.partial(start_like, self._runtime.spec))
 
     def describe(self, expr: str) -> ValueMesh[Any]:
         """What `expr` is on each rank (tensor, DTensor or module), as metadata: shapes, placements, bytes.
@@ -365,10 +365,9 @@ class Mesh(HostFiles):
         return f"<Mesh {self.name!r} {self._shape} dist={self.backend}: {text}>"
 
 
-def _start_like(like: Mesh, hosts: tuple[HostSpec, ...], gpus: int, name: str | None,
-                options: dict[str, Any]) -> Mesh:
-    """A new mesh on some of `like`'s hosts, with its settings unless `options` say otherwise."""
-    spec = like._runtime.spec
+def start_like(spec: MeshSpec, hosts: tuple[HostSpec, ...], gpus: int, name: str | None,
+               options: dict[str, Any]) -> Mesh:
+    """A new mesh on some of the hosts of the mesh `spec`, with its settings unless `options` say otherwise."""
     allocation = spec.allocation
     if allocation is not None and dataclasses.is_dataclass(allocation) and hasattr(allocation, "owned"):
         allocation = dataclasses.replace(allocation, owned=False)  # its own mesh ends the job

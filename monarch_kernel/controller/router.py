@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
+from monarch_kernel.controller.bridge import BRIDGE
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.state import MeshState
 from monarch_kernel.controller.supervision import Supervisors
@@ -44,6 +45,16 @@ class ControllerSender:
         self._watchers: list[tuple[frozenset[int], Callable[[int, str], None]]] = []
         self.supervisors = Supervisors(self.calls, self.send_call, state.is_alive)  # actor meshes actors own
         self.on_request_message: Callable[[Any], None] | None = None  # set by the RequestBook
+        BRIDGE.join(self)  # (calls from other meshes' actors)
+
+    @property
+    def mesh_name(self) -> str:
+        """The mesh's name."""
+        return self._state.name
+
+    def other_mesh(self, mesh_name: str) -> bool:
+        """The notebook has one sender per mesh: none of them is another mesh's."""
+        return False
 
     def _hop(self, rank: int) -> Send | None:
         link = self._state.link_of(rank)
@@ -122,7 +133,7 @@ class ControllerSender:
         self._state.require_open()
         self._loop.call(self.router.reply, msg)
 
-    def send_up(self, msg: m.OwnActors) -> None:
+    def send_up(self, msg: m.ForSupervisors) -> None:
         """Actors live on ranks: the notebook never owns an actor mesh through one of its actors."""
         raise RuntimeError("send_up is for ranks: the notebook has no actors")
 
@@ -157,6 +168,27 @@ class ControllerSender:
             self._report_timing(title, times)
 
     # ------------------------------------------------------------ on the loop thread
+    def call_from_agents(self, msg: m.ActorCall) -> None:
+        """A rank's call, to this mesh's actors or (`msg.mesh`) another mesh's."""
+        if msg.mesh:
+            BRIDGE.call(self, msg)
+        else:
+            self.router.call(msg)
+
+    def cancel_from_agents(self, msg: m.CancelCall) -> None:
+        """A rank stops a call it made."""
+        if msg.mesh:
+            BRIDGE.cancel(self, msg)
+        else:
+            self.router.cancel(msg)
+
+    def reply_from_agents(self, msg: m.ActorReply) -> None:
+        """A rank's answer, or a message through a Port (of another mesh's rank: `msg.mesh`)."""
+        if msg.mesh:
+            BRIDGE.port_message(msg)
+        else:
+            self.router.reply(msg, owed=True)
+
     def rank_died(self, rank: int, why: str) -> None:
         """Fail every call owed by a dead rank, and tell whoever watches it."""
         self.calls.fail_rank(rank, why)  # calls sent over its direct lane
@@ -174,3 +206,4 @@ class ControllerSender:
                 self.calls.deliver(death_reply(m.CONTROLLER, call.call_id, rank, why, "MeshRestarted"))
         self.router.forget()
         self.supervisors.forget()
+        BRIDGE.leave(self, closed=self._state.closed)

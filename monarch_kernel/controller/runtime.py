@@ -1,8 +1,7 @@
 """MeshRuntime: the life of one mesh on the controller's loop: start, watch, restart, shut down.
 
-It connects to each host's agent, starts the ranks, pings the agents, and dispatches
-what they send (by message type) to the request book, the call router or itself. The
-notebook's thread calls the public methods; they hand the work to the loop thread.
+It connects to each host's agent, starts the ranks, pings the agents, and dispatches what they send
+(by type) to the request book, the call router or itself; the notebook's thread hands it work.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, ClassVar
 
+from monarch_kernel.controller import proc_requests
 from monarch_kernel.controller.heartbeat import HostHearing
 from monarch_kernel.controller.host_ops import HostOps
 from monarch_kernel.controller.hosts import HostConnection, HostSpec, open_host
@@ -73,10 +73,12 @@ class MeshRuntime:
             m.InputRequest: lambda link, msg: self.requests.input_request(link.send, msg),
             m.RankExited: self._on_rank_exited,
             m.RankHealth: lambda link, msg: self.requests.health(msg),
-            m.ActorReply: lambda link, msg: self.sender.router.reply(msg, owed=True),
-            m.ActorCall: lambda link, msg: self.sender.router.call(msg),
-            m.CancelCall: lambda link, msg: self.sender.router.cancel(msg),
+            m.ActorReply: lambda link, msg: self.sender.reply_from_agents(msg),
+            m.ActorCall: lambda link, msg: self.sender.call_from_agents(msg),
+            m.CancelCall: lambda link, msg: self.sender.cancel_from_agents(msg),
             m.OwnActors: lambda link, msg: self.sender.supervisors.own(msg),
+            m.BroadcastFailed: lambda link, msg: self.sender.supervisors.broadcast_failed(msg),
+            m.ProcsRequest: lambda link, msg: proc_requests.handle(self.spec, link.index, self.sender.router, msg),
             rm.RelayUp: self._on_relayed,
             rm.RelayListening: self.relays.listening,
             rm.RelayJoined: self.relays.joined,
@@ -346,8 +348,8 @@ class MeshRuntime:
         self._cut_off(host, f"the relay link to host {link.name} broke: {why}", include=True)
 
     def _cut_off(self, host: int, why: str, include: bool = False) -> None:
-        """Declare lost the hosts below `host` in the relay tree (and `host` itself with include):
-        their ranks fail now, their agents are told to stop; the rest of the mesh goes on."""
+        """Declare lost the hosts below `host` in the relay tree (and `host` with include): their ranks
+        fail now, their agents are told to stop."""
         cut = [self.state.links[i] for i in ([host] if include else []) + self.relays.cut_off(host)]
         cut = [link for link in cut if link.is_open]
         if not cut:
@@ -362,8 +364,7 @@ class MeshRuntime:
             self._host_lost(link, RuntimeError(f"cut off from the controller: {why}"))
 
     def _on_relayed(self, link: HostLink, msg: rm.RelayUp) -> None:
-        """Output and results of hosts below `link`'s, combined on the way up (already checked, as any
-        message of a remote host, for shared-memory file names)."""
+        """Output and results of hosts below `link`'s, combined on the way up (checked for shm names as any)."""
         for inner in msg.msgs:
             handler = self._handlers.get(type(inner))
             if isinstance(inner, RELAYED_UP) and handler is not None:
@@ -378,8 +379,7 @@ class MeshRuntime:
 
 @atexit.register
 def _shutdown_open_meshes() -> None:
-    """The one exit hook: meshes the user never shut down (by API or magic) stop their processes and
-    remove their files, then the controller's loop ends (what api/session.Session.close does too)."""
+    """The one exit hook: meshes never shut down stop and leave no files, then the loop ends (as Session.close)."""
     for runtime in list(MeshRuntime._open):
         try:
             runtime.shutdown()

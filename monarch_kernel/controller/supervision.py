@@ -2,9 +2,10 @@
 
 An actor that spawns an actor mesh owns it (its rank says so with `OwnActors`). When a
 rank of an owned mesh dies, the controller calls the owner's `__supervise__(failure)`
-like an endpoint. A true answer ends it; a false one, a missing `__supervise__`, or an
-exception in it passes the failure to the owner's own owner, up to the notebook's
-`unhandled_fault_hook`. (Meshes the notebook owns are watched in the notebook itself.)
+like an endpoint; so too the sender's, when a broadcast that an actor sent fails. A true
+answer ends it; a false one, a missing `__supervise__`, or an exception in it passes the
+failure to the owner's own owner, up to the notebook's `unhandled_fault_hook`. (Meshes the
+notebook owns are watched in the notebook itself.)
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class Supervisors:
             if rank in owned.ranks and (owned.key, rank) not in self._told and owned.owner_rank != rank:
                 self._told.add((owned.key, rank))
                 self._tell(owned, MeshFailure(owned.name, owned.class_name, rank, FailureKind.DIED, why))
+
+    def broadcast_failed(self, msg: m.BroadcastFailed) -> None:
+        """A broadcast sent by an actor failed: ask the sender, as an owner is asked (and up from there)."""
+        sender = m.OwnActors(msg.sender_rank, msg.sender_key, msg.sender_label, "", "", "", ())
+        self._tell(sender, msg.failure)
 
     def forget(self) -> None:
         """The ranks were replaced: what they owned is gone."""

@@ -29,7 +29,7 @@ class MeshBusyError(MeshUsageError):
     """A rank has more sent to it, unread, than a lane holds (it is busy in a long cell): nothing was sent."""
 
 
-class MeshNotRunningError(MeshError):
+class MeshNotRunningError(MeshError, RuntimeError):
     """The mesh was shut down or never came up; start one with `%mesh up` or local_mesh()."""
 
 
@@ -123,8 +123,12 @@ class ActorError(RemoteError):
     """An endpoint raised on some ranks; names the actor, endpoint and ranks."""
 
 
-class ActorDiedError(ActorError, RankDiedError):
-    """A rank holding the actor died before it answered."""
+class SupervisionError(RemoteError, RuntimeError):
+    """An actor call that its actors could not answer: their process died or was lost, or the actor
+    mesh was stopped. As in Monarch it is no ActorError, which is an endpoint's own exception."""
+
+
+ActorDiedError = SupervisionError  # (its name before 0.13: a dead rank is one case of it)
 
 
 def raise_for(failures: list[RankFailure], summary: str, partial: object,

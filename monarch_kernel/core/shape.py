@@ -91,6 +91,15 @@ class Shape:
         for idx, coords in enumerate(itertools.product(*ranges)):
             yield Point(tuple(zip(self.names, coords)), self.ranks[idx], self.dims)
 
+    def numbered_point(self, rank: int) -> Point | None:
+        """Where a global rank is in this shape, numbered within it (its `.rank` is its row-major index here,
+        as Monarch's current_rank() counts in a slice); None if the rank is not in this shape."""
+        if rank not in self.ranks:
+            return None
+        index = self.ranks.index(rank)
+        point = next(itertools.islice(self.points(), index, None))
+        return Point(point.coords, index, self.dims)
+
     def index_of(self, **coords: int) -> int:
         """Row-major position of the point with these coordinates (all dims required)."""
         missing = [n for n in self.names if n not in coords]

@@ -28,8 +28,8 @@ from monarch_kernel.actors.base import Actor, current_rank, current_size, endpoi
 from monarch_kernel.actors.client import ActorMesh
 from monarch_kernel.actors.helpers import Accumulator, send
 from monarch_kernel.actors.ports import Channel, Port, PortReceiver
-from monarch_kernel.actors.procs import HostMesh, ProcMesh, this_proc_of_rank
-from monarch_kernel.core.errors import ActorError, MeshUsageError
+from monarch_kernel.actors.procs import HostMesh, ProcMesh, this_host_of_rank, this_proc_of_rank
+from monarch_kernel.core.errors import ActorError
 from monarch_kernel.core.future import Future
 from monarch_kernel.core.shape import Point
 from monarch_kernel.core.supervision import MeshFailure, default_fault_hook, read_fault_hook_from
@@ -71,10 +71,10 @@ def _on_rank() -> bool:
 
 
 def this_host() -> HostMesh:
-    """The notebook's machine as a HostMesh: `this_host().spawn_procs(per_host={"gpus": 4})`."""
-    if _on_rank():
-        raise MeshUsageError("this_host() starts processes from the notebook; in an actor, spawn on a ProcMesh "
-                             "passed in, or on this_proc()")
+    """The notebook's machine as a HostMesh: `this_host().spawn_procs(per_host={"gpus": 4})`; in an actor,
+    the actor's own host (the notebook starts the processes, with the actor's mesh's settings)."""
+    if _on_rank():  # an actor's own host: the notebook starts what it spawns there
+        return this_host_of_rank()
     from monarch_kernel.api import this_host as notebook  # noqa: PLC0415 - notebook side only
 
     return notebook.this_host()

@@ -1,16 +1,13 @@
 """The actors living on one rank: their instances, mailboxes and the calls they serve.
 
-Every actor has a mailbox served one message at a time, in arrival order (which is
-each sender's order: every route between two processes is one FIFO stream). Sync
-endpoints run inline on the rank's main thread, so an interrupt reaches them as
-KeyboardInterrupt; async endpoints run as tasks on the rank's event loop, so an actor
-awaiting another call does not hold up the other actors of the rank.
-
-Each actor is its own unit: while a sync endpoint (or a `%%mesh` cell) waits on actor
-calls, the main thread serves the other actors' mailboxes from inside that wait, so a
-sync endpoint may block on another actor of its own rank (as in Ray or Monarch). What
-cannot finish is reported instead of hanging (`rank/deadlocks.py`). The rank's own
-`CallSender` is `rank/rank_sender.py`.
+Every actor has a mailbox served one message at a time, in arrival order (each sender's
+order: every route between two processes is one FIFO stream). Sync endpoints run inline on
+the main thread, so an interrupt reaches them as KeyboardInterrupt; async endpoints run as
+tasks on the rank's event loop, so an actor awaiting another call holds up no other actor.
+While a sync endpoint (or a `%%mesh` cell) waits on actor calls, the main thread serves the
+other actors' mailboxes from inside that wait, so it may block on another actor of its own
+rank (as in Ray or Monarch); what cannot finish is reported (`rank/deadlocks.py`).
+The rank's own `CallSender` is `rank/rank_sender.py`.
 """
 
 from __future__ import annotations
@@ -69,12 +66,12 @@ class ActorHost:
     """Instances and mailboxes of the actors on one rank."""
 
     def __init__(self, rank: int, send: Callable[[Any], None], run_user: Callable[..., Any],
-                 shm_dir: str | None, ops: RankOps, interrupts: MainThreadInterrupts):
+                 shm_dir: str | None, ops: RankOps, interrupts: MainThreadInterrupts, mesh: str = ""):
         self.rank = rank
         self.instances: dict[str, Any] = {}  # what `actors[...]` shows in %%mesh cells
         self._mailboxes: dict[str, _Mailbox] = {}  # by spawn key ("name#N")
         self._keys: dict[str, str] = {}  # actor mesh name -> key of its current spawn
-        self._retired: dict[str, str] = {}  # keys of replaced spawns -> their name
+        self._retired: dict[str, tuple[str, bool]] = {}  # keys of ended spawns -> (their name, replaced?)
         self._send = send
         self._run_user = run_user  # runs a function with interrupts enabled
         self._interrupts = interrupts
@@ -92,25 +89,22 @@ class ActorHost:
         self._wake = threading.Condition()  # a call or a reply arrived (for the main thread's waits)
         self._serving: list[tuple[_Mailbox, str]] = []  # (actor, endpoint label) of the sync calls running, outermost first
         self._answering: dict[CallKey, ActorCall] = {}  # calls whose endpoint took a Port and has not answered
-        self.sender = RankSender(rank, send, shm_dir, self.wait_serving, self.notify, self.answer_through_port)
+        self.sender = RankSender(rank, send, shm_dir, self.wait_serving, self.notify, self.answer_through_port, mesh)
         self.sender._post_local = self.post_local
         set_default_sender(self.sender)
         ops.serve_actors(self)
         self._mailboxes[SYSTEM_ACTOR] = _Mailbox(SYSTEM_ACTOR, SYSTEM_ACTOR, SystemActor(ops), Shape((), (rank,)),
-                                          Point((), rank))
+                                          Point((), 0))
 
-    # ------------------------------------------------------------ spawning
     def spawn(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
               sources: dict[str, list[str]]) -> str:
-        """Create this rank's instance of actor mesh `name` (runs in user-code context).
+        """Create this rank's instance of actor mesh `name` (in user-code context); `key` names this spawn.
 
-        `key` identifies this spawn in calls. An earlier actor mesh of the same name on
-        this rank is replaced, as re-running a notebook cell expects: its queued calls
-        fail, and calls through its old handle say that it was spawned again.
-        """
+        An earlier actor mesh of that name here is replaced, as re-running a notebook cell expects: its
+        queued calls fail, and calls through its old handle say that it was spawned again."""
         for filename, lines in sources.items():
             linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
-        point = next(p for p in shape.points() if p.rank == self.rank)
+        point = shape.numbered_point(self.rank) or Point((), 0)
         token, owner = current_point.set(point), current_actor.set(key)
         try:
             instance = cls(*args, **kwargs)
@@ -133,12 +127,11 @@ class ActorHost:
 
     def stop(self, name: str, *, replaced: bool = False) -> None:
         """Forget actor mesh `name` on this rank (its queued calls fail)."""
-        key = self._keys.pop(name, None)
+        key, _ = self._keys.pop(name, None), self.instances.pop(name, None)
         box = self._mailboxes.pop(key, None) if key is not None else None
-        self.instances.pop(name, None)
         if key is None or box is None:
             return
-        self._retired[key] = name
+        self._retired[key] = (name, replaced)
         while len(self._retired) > MAX_REMEMBERED:
             del self._retired[next(iter(self._retired))]
         why = ("ActorReplaced", f"actor mesh {name!r} was spawned again") if replaced else \
@@ -248,8 +241,10 @@ class ActorHost:
             self._drain(box)
 
     def _not_found(self, key: str) -> Failure:
-        name = self._retired.get(key)
-        if name is not None:
+        name, replaced = self._retired.get(key, ("", False))
+        if name and not replaced:
+            return Failure("ActorStopped", f"actor mesh {name!r} was stopped on rank {self.rank}", "")
+        if name:
             return Failure("ActorReplaced", f"actor mesh {name!r} was spawned again on rank {self.rank}; this "
                            "handle still points at the old actors: use the one the new spawn() returned", "")
         known = ", ".join(sorted(self._keys)) or "none"
@@ -289,7 +284,7 @@ class ActorHost:
                 assert self.loop is not None, "async endpoints need the rank's event loop"
                 box.busy = True
                 task = self.loop.create_task(self._serve_async(box, msg, method, label, args, kwargs),
-                                             context=_context_at(box.point, box.key))
+                                             context=_context_at(_point_of(box, msg), box.key))
                 with self._lock:
                     self._tasks[key] = task
             else:
@@ -312,7 +307,7 @@ class ActorHost:
         if cancelled:
             self._reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "", interrupted=True))
             return
-        token, owner = current_point.set(box.point), current_actor.set(box.key)
+        token, owner = current_point.set(_point_of(box, msg)), current_actor.set(box.key)
         self._serving.append((box, label))
         started = time.perf_counter()
         self._doing[key] = (label, time.monotonic())
@@ -382,13 +377,20 @@ class ActorHost:
         sealed = None
         if failure is None and msg.want_value and value is not None:
             try:
-                sealed = seal(value, shm_dir=self._shm_dir)
+                sealed = seal(value, shm_dir=None if msg.from_mesh else self._shm_dir)  # (not another mesh's files)
             except SerializationError as exc:
                 failure = Failure("SerializationError", f"the reply of {msg.endpoint} could not be sent: {exc}", "")
         try:
             send(ActorReply(msg.caller, msg.call_id, self.rank, sealed, failure, seconds, to_port=msg.to_port))
         except ConnectionClosed:
             pass  # the caller went away
+
+
+def _point_of(box: _Mailbox, msg: ActorCall) -> Point:
+    """current_rank() in an endpoint: the actor's point in the (sliced) mesh the call was sent through."""
+    through = msg.through
+    found = None if through is None or through == box.shape else through.numbered_point(box.shape.ranks[box.point.rank])
+    return box.point if found is None else found
 
 
 def _context_at(point: Point, key: str) -> contextvars.Context:

@@ -11,7 +11,7 @@ from typing import Any
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.wire.calls import PORTS, CallTable, PendingCall, poll_until
-from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, OwnActors
+from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, ForSupervisors
 
 
 class RankSender:
@@ -19,9 +19,11 @@ class RankSender:
 
     def __init__(self, rank: int, send: Callable[[Any], None], shm_dir: str | None,
                  wait_serving: Callable[[Callable[[], bool], float | None, PendingCall | None], bool],
-                 notify: Callable[[], None], answer: Callable[[int, int, Any, Failure | None], bool]):
+                 notify: Callable[[], None], answer: Callable[[int, int, Any, Failure | None], bool],
+                 mesh_name: str = ""):
         self.caller_id = rank
         self.own_rank = rank
+        self.mesh_name = mesh_name
         self.calls = CallTable()
         self._send = send
         self._shm_dir = shm_dir
@@ -33,7 +35,7 @@ class RankSender:
     def send_call(self, msg: ActorCall) -> None:
         """Hand a call to the host agent, which routes it; this rank's own part goes straight to its
         actors (every call of this sender to them takes that one way, so their order holds)."""
-        if self.own_rank not in msg.ranks or self._post_local is None:
+        if msg.mesh or self.own_rank not in msg.ranks or self._post_local is None:  # (msg.mesh: another mesh's)
             self._send(msg)
             return
         others = tuple(r for r in msg.ranks if r != self.own_rank)
@@ -45,8 +47,13 @@ class RankSender:
         """Ask the ranks of a call to stop it."""
         self._send(msg)
 
-    def send_up(self, msg: OwnActors) -> None:
-        """Tell the controller that an actor of this rank owns an actor mesh (it routes the failures)."""
+    def other_mesh(self, mesh_name: str) -> bool:
+        """Whether `mesh_name` is another mesh than this rank's ("" is its own)."""
+        return bool(mesh_name) and mesh_name != self.mesh_name
+
+    def send_up(self, msg: ForSupervisors) -> None:
+        """Tell the controller that an actor of this rank owns an actor mesh, that a broadcast it sent
+        failed (it routes failures to __supervise__), or that it starts or stops processes."""
         self._send(msg)
 
     def shm_dir_for(self, ranks: tuple[int, ...]) -> str | None:
@@ -72,7 +79,7 @@ class RankSender:
 
     def send_port(self, msg: ActorReply) -> None:
         """A message through another process's Port: to this rank's own port, or via the agent."""
-        if msg.caller == self.own_rank:
+        if msg.caller == self.own_rank and not msg.mesh:
             PORTS.deliver(msg)
             self._notify()
         else:

@@ -83,6 +83,7 @@ class WorkerConfig:
     rank: int
     host: str
     shm_dir: str | None
+    mesh: str = ""  # the mesh's name
 
 
 class UnpicklableValue:
@@ -123,7 +124,8 @@ class Worker:
         self.reloader = Reloader(config.rank)  # modules of synced workspaces (`Mesh.autoreload`)
         self.ops = RankOps(config.rank, self.namespace, self.runner, self.reloader)  # internal operations
         self.interrupts = MainThreadInterrupts()  # SIGINT for the main thread that is not lost
-        self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir, self.ops, self.interrupts)
+        self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir, self.ops, self.interrupts,
+                                config.mesh)
         self.lane_listener = listen_lane(lane_path(config.shm_dir, config.rank)) if config.shm_dir else None
         self.namespace["actors"] = self.actors.instances
         self.input = NotebookInput(config.rank, self._send, lambda: self.current_req, self.flush_streams)

@@ -17,7 +17,14 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from monarch_kernel.core.timing import RankTiming
-from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply, CancelCall, Failure, OwnActors
+from monarch_kernel.wire.messages import (
+    CONTROLLER,
+    ActorCall,
+    ActorReply,
+    CancelCall,
+    Failure,
+    ForSupervisors,
+)
 
 CallKey = tuple[int, int]  # (caller, call_id)
 
@@ -246,6 +253,18 @@ class OpenPort:
         await wait_registered(self._cond, self.ready, self._waiters)
 
 
+class _ForwardingPort(OpenPort):
+    """A port whose messages go on elsewhere (the controller's, for a call from another mesh)."""
+
+    def __init__(self, port_id: int, forward: Callable[[ActorReply], None]):
+        super().__init__(port_id, once=False)
+        self._forward = forward
+
+    def add(self, msg: ActorReply) -> None:
+        """Pass the message on."""
+        self._forward(msg)
+
+
 class PortTable:
     """The ports open in this process, by id (one table per process: every mesh's replies reach it)."""
 
@@ -258,6 +277,13 @@ class PortTable:
         """A new port; its id goes into the Port handle that others send through."""
         with self._lock:
             port = OpenPort(next(self._ids), once)
+            self._ports[port.port_id] = port
+        return port
+
+    def open_forwarding(self, forward: Callable[[ActorReply], None]) -> OpenPort:
+        """A port that hands each message to `forward` (on the thread that delivers it) instead of keeping it."""
+        with self._lock:
+            port = _ForwardingPort(next(self._ids), forward)
             self._ports[port.port_id] = port
         return port
 
@@ -289,8 +315,16 @@ class CallSender(Protocol):
     def own_rank(self) -> int | None:
         """The rank this process is (None: the notebook)."""
 
-    def send_up(self, msg: OwnActors) -> None:
-        """Tell the controller that an actor here owns an actor mesh (ranks only)."""
+    @property
+    def mesh_name(self) -> str:
+        """The mesh this sender sends to (a rank's own mesh)."""
+
+    def other_mesh(self, mesh_name: str) -> bool:
+        """Whether calls to actors of `mesh_name` leave this sender's mesh (a rank's call to another
+        mesh of the notebook: it goes through the controller)."""
+
+    def send_up(self, msg: ForSupervisors) -> None:
+        """Tell the controller what this rank's actors need of it: supervision, processes (ranks only)."""
 
     def answer(self, caller: int, call_id: int, value: Any, failure: Failure | None) -> bool:
         """Answer a call to this process whose endpoint took a Port (False: no such call waits here)."""

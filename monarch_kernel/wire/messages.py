@@ -10,6 +10,39 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monarch_kernel.wire import ops
+from monarch_kernel.wire.actor_messages import (  # re-exported: `m.ActorCall`, `m.Failure` and the rest
+    CONTROLLER as CONTROLLER,
+)
+from monarch_kernel.wire.actor_messages import (
+    ActorCall as ActorCall,
+)
+from monarch_kernel.wire.actor_messages import (
+    ActorReply as ActorReply,
+)
+from monarch_kernel.wire.actor_messages import (
+    BroadcastFailed as BroadcastFailed,
+)
+from monarch_kernel.wire.actor_messages import (
+    CancelCall as CancelCall,
+)
+from monarch_kernel.wire.actor_messages import (
+    Failure as Failure,
+)
+from monarch_kernel.wire.actor_messages import (
+    ForSupervisors as ForSupervisors,
+)
+from monarch_kernel.wire.actor_messages import (
+    OwnActors as OwnActors,
+)
+from monarch_kernel.wire.actor_messages import (
+    ProcsRequest as ProcsRequest,
+)
+from monarch_kernel.wire.actor_messages import (
+    StartProcs as StartProcs,
+)
+from monarch_kernel.wire.actor_messages import (
+    StopProcs as StopProcs,
+)
 from monarch_kernel.wire.message_pickling import fast_pickling
 from monarch_kernel.wire.ops import HostOperation, RankOperation
 from monarch_kernel.wire.serialization import Sealed
@@ -59,16 +92,6 @@ class RunOp:
 
 
 # ---------------------------------------------------------------- rank -> controller
-
-
-@dataclass(frozen=True)
-class Failure:
-    """An exception raised on a rank, already formatted there."""
-
-    error_type: str
-    message: str
-    traceback: str
-    interrupted: bool = False
 
 
 @dataclass(frozen=True)
@@ -182,6 +205,7 @@ class StartRanks:
     node_rank: int = 0
     master_port: int = 0
     health: HealthTimings = HealthTimings()
+    mesh: str = ""  # the mesh's name (calls naming another mesh go through the controller)
 
 
 @dataclass(frozen=True)
@@ -334,64 +358,6 @@ class HostOpDone:
     op_id: int
     result: Any
     error: str = ""
-
-
-# ---------------------------------------------------------------- actor calls (any -> any)
-
-CONTROLLER = -1  # the caller id of calls made from the notebook (ranks use their rank)
-
-
-@dataclass(frozen=True)
-class ActorCall:
-    """Call `endpoint` of actor mesh `actor` on `ranks`; each rank answers with ActorReply.
-
-    Routed by agents and the controller without unpickling `args` (a Sealed
-    (args, kwargs) pair). `caller` and `call_id` together name the call.
-    """
-
-    caller: int
-    call_id: int
-    actor: str
-    endpoint: str
-    args: Sealed
-    ranks: tuple[int, ...]
-    want_value: bool = True
-    to_port: bool = False  # (caller, call_id) name a Port: the replies go there, and no router waits on them
-
-
-@dataclass(frozen=True)
-class ActorReply:
-    """One rank's answer to an ActorCall: a Sealed value or a Failure."""
-
-    caller: int
-    call_id: int
-    rank: int
-    value: Sealed | None
-    failure: Failure | None
-    seconds: float | None = None  # how long the endpoint ran (None: it never ran)
-    to_port: bool = False  # a message sent through a Port (call_id is the port's id): no router owes it
-
-
-@dataclass(frozen=True)
-class CancelCall:
-    """Stop a call on these ranks: interrupt it if running, drop it if still queued."""
-
-    caller: int
-    call_id: int
-    ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class OwnActors:
-    """A rank's actor spawned an actor mesh: it supervises it (rank -> agent -> controller)."""
-
-    owner_rank: int
-    owner_key: str  # the owning actor's spawn key
-    owner_label: str  # e.g. "Manager (actor mesh 'manager') on rank 0", for reports
-    key: str  # the spawn key of the owned actor mesh
-    name: str
-    class_name: str
-    ranks: tuple[int, ...]
 
 
 fast_pickling(vars().values(), __name__)

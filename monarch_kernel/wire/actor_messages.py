@@ -1,0 +1,126 @@
+"""The messages of actor calls, between any two processes (notebook, agents, ranks), and what a rank's
+actors ask of the controller (supervision, processes of their own). `wire/messages.py` re-exports them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from monarch_kernel.core.shape import Shape
+from monarch_kernel.core.supervision import MeshFailure
+from monarch_kernel.wire.message_pickling import fast_pickling
+from monarch_kernel.wire.serialization import Sealed
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An exception raised on a rank, already formatted there."""
+
+    error_type: str
+    message: str
+    traceback: str
+    interrupted: bool = False
+
+
+CONTROLLER = -1  # the caller id of calls made from the notebook (ranks use their rank)
+
+
+@dataclass(frozen=True)
+class ActorCall:
+    """Call `endpoint` of actor mesh `actor` on `ranks`; each rank answers with ActorReply.
+
+    Routed by agents and the controller without unpickling `args` (a Sealed
+    (args, kwargs) pair). `caller` and `call_id` together name the call.
+    """
+
+    caller: int
+    call_id: int
+    actor: str
+    endpoint: str
+    args: Sealed
+    ranks: tuple[int, ...]
+    want_value: bool = True
+    to_port: bool = False  # (caller, call_id) name a Port: the replies go there, and no router waits on them
+    mesh: str = ""  # the mesh of `ranks` ("": the sender's own); another mesh's calls go through the controller
+    through: Shape | None = None  # the (sliced) mesh the call was sent through: its points are current_rank()
+    from_mesh: str = ""  # set by the controller on a call from another mesh (its replies carry no shm files)
+
+
+@dataclass(frozen=True)
+class ActorReply:
+    """One rank's answer to an ActorCall: a Sealed value or a Failure."""
+
+    caller: int
+    call_id: int
+    rank: int
+    value: Sealed | None
+    failure: Failure | None
+    seconds: float | None = None  # how long the endpoint ran (None: it never ran)
+    to_port: bool = False  # a message sent through a Port (call_id is the port's id): no router owes it
+    mesh: str = ""  # a Port's message: the mesh of the port's owner ("": the sender's own)
+
+
+@dataclass(frozen=True)
+class CancelCall:
+    """Stop a call on these ranks: interrupt it if running, drop it if still queued."""
+
+    caller: int
+    call_id: int
+    ranks: tuple[int, ...]
+    mesh: str = ""  # the mesh of `ranks`, as in ActorCall
+
+
+@dataclass(frozen=True)
+class OwnActors:
+    """A rank's actor spawned an actor mesh: it supervises it (rank -> agent -> controller)."""
+
+    owner_rank: int
+    owner_key: str  # the owning actor's spawn key
+    owner_label: str  # e.g. "Manager (actor mesh 'manager') on rank 0", for reports
+    key: str  # the spawn key of the owned actor mesh
+    name: str
+    class_name: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BroadcastFailed:
+    """A broadcast that an actor sent failed on a rank: the sender's `__supervise__` hears of it, as in
+    Monarch (rank -> agent -> controller, which asks the sender as it asks owners)."""
+
+    sender_rank: int
+    sender_key: str  # the sending actor's spawn key
+    sender_label: str
+    failure: MeshFailure
+
+
+@dataclass(frozen=True)
+class StartProcs:
+    """Start `per_host` processes on the asking rank's host (with its mesh's settings unless `options` differ)."""
+
+    per_host: tuple[tuple[str, int], ...]
+    name: str  # "" for a generated one
+    options: Sealed  # a dict: dist, env, preload, timeout, ...
+
+
+@dataclass(frozen=True)
+class StopProcs:
+    """Stop processes that an actor started (a mesh named `mesh`)."""
+
+    mesh: str
+
+
+@dataclass(frozen=True)
+class ProcsRequest:
+    """An actor starts or stops processes of its own, as Monarch allows (`this_host().spawn_procs(...)` in an
+    endpoint): rank -> agent -> controller, which does it as the notebook does and answers through the
+    rank's port `reply_to` (owner, id) with the new mesh's (name, shape), or None after a stop."""
+
+    rank: int
+    reply_to: tuple[int, int]
+    op: StartProcs | StopProcs
+
+
+ForSupervisors = OwnActors | BroadcastFailed | ProcsRequest  # what a rank sends its controller about its actors
+
+
+fast_pickling(vars().values(), __name__)
