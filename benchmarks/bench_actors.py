@@ -22,7 +22,7 @@ import struct
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import benchmark_main, figure, timed  # noqa: E402
+from common import benchmark_main, cross_mesh_times, figure, timed  # noqa: E402
 
 WORKERS = 4
 PIPELINED = 1000
@@ -49,29 +49,10 @@ def _measure(call_one, call_all, pipelined, tensor_call, quick: bool) -> dict:
 
 
 def _cross_mesh(actor_module, quick: bool) -> list[float]:
-    """Per-call times of an actor on one proc mesh calling an actor on another (Monarch's API)."""
-    Actor, endpoint, this_host = actor_module.Actor, actor_module.endpoint, actor_module.this_host
-
-    class Pong(Actor):
-        @endpoint
-        async def ping(self, x: int) -> int:
-            return x
-
-    class Ping(Actor):
-        def __init__(self, pong):
-            self.pong = pong.slice(gpus=0)
-
-        @endpoint
-        async def relay(self, count: int) -> None:
-            for i in range(count):
-                await self.pong.ping.call_one(i)
-
-    procs_a = this_host().spawn_procs(per_host={"gpus": 1})
-    procs_b = this_host().spawn_procs(per_host={"gpus": 1})
-    pong = procs_b.spawn("pong", Pong)
-    ping = procs_a.spawn("ping", Ping, pong).slice(gpus=0)
-    ping.relay.call_one(10).get()
-    return [t / RELAYED for t in timed(lambda: ping.relay.call_one(RELAYED).get(), 5 if quick else 15, 1)]
+    """Per-call times of an actor on one proc mesh calling an actor on another of this host."""
+    procs_a = actor_module.this_host().spawn_procs(per_host={"gpus": 1})
+    procs_b = actor_module.this_host().spawn_procs(per_host={"gpus": 1})
+    return cross_mesh_times(actor_module, procs_a, procs_b, RELAYED, 5 if quick else 15)
 
 
 def _measure_actor_mesh(actors, quick: bool) -> dict:

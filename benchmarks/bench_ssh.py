@@ -1,8 +1,8 @@
 """SSH benchmark: a 2-host x 2-rank mesh on network-namespace test hosts (needs root).
 
-Compares, in one run: startup, no-op broadcast round trip and 64 MiB push/pull of the SSH
-mesh, next to a local 4-rank mesh, with plain OpenSSH transfers of the same bytes
-(`ssh host cat > /dev/null`, `ssh host head -c`) as the floor.
+Compares, in one run: startup, no-op broadcast round trip, 64 MiB push/pull and a call between the
+actors of two proc meshes (one on each host) of the SSH mesh, next to a local 4-rank mesh, with plain
+OpenSSH transfers of the same bytes (`ssh host cat > /dev/null`, `ssh host head -c`) as the floor.
 
     sudo .venv/bin/python benchmarks/bench_ssh.py [--quick]
 """
@@ -19,9 +19,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
-from common import NullSink, format_seconds, report, timed  # noqa: E402
+from common import NullSink, cross_mesh_times, format_seconds, report, timed  # noqa: E402
 
 MIB64 = 64 << 20
+CROSS = "actor -> actor of another proc mesh (per call)"
 
 
 def measure_mesh(make, quick: bool) -> dict:
@@ -38,9 +39,25 @@ def measure_mesh(make, quick: bool) -> dict:
         res["pull 64 MiB"] = timed(lambda: one.pull("t"), 3 if quick else 8, 1)
         x = torch.randn(MIB64 // 4)
         res["push 64 MiB to all"] = timed(lambda: mesh.push(t=x), 3 if quick else 8, 1)
+        res[CROSS] = _cross_mesh(mesh, quick)
     finally:
         mesh.shutdown()
     return res
+
+
+def _cross_mesh(mesh, quick: bool) -> list[float]:
+    """An actor of a proc mesh on the first host calling an actor of one on the last host (Monarch's API)."""
+    from monarch_kernel.monarch import actor as api
+
+    host_mesh = mesh.host_mesh()
+    last = host_mesh.extent["hosts"] - 1
+    procs_a = host_mesh.slice(hosts=0).spawn_procs(per_host={"gpus": 1}, dist="none")
+    procs_b = host_mesh.slice(hosts=last).spawn_procs(per_host={"gpus": 1}, dist="none")
+    try:
+        return cross_mesh_times(api, procs_a, procs_b, 200, 3 if quick else 8)
+    finally:
+        procs_a.stop()
+        procs_b.stop()
 
 
 def measure_floor(hosts, quick: bool) -> dict:
@@ -83,9 +100,11 @@ def main() -> None:
     finally:
         hosts.stop()
     ours = {"ssh 2x2": results.pop("ssh 2x2")}  # the first column is the one compared
-    print(report({**ours, **results}, ["startup", "no-op broadcast", "pull 64 MiB", "push 64 MiB to all"],
+    print(report({**ours, **results}, ["startup", "no-op broadcast", "pull 64 MiB", "push 64 MiB to all", CROSS],
                  "benchmark", _fmt))
-    print("\n(push to all: the time until every rank of the mesh has the tensor; the floor sends it once)")
+    print("\n(push to all: the time until every rank of the mesh has the tensor; the floor sends it once. "
+          "Proc meshes: on the first and the last host of the mesh, Monarch's ping-pong; its same-host "
+          "figure next to PyTorch Monarch's is in bench_actors.py)")
 
 
 def _fmt(seconds: float, row: str) -> str:

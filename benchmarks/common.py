@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def timed(fn, n: int, warmup: int = 1) -> list[float]:
@@ -148,3 +149,29 @@ def benchmark_main(script: str, systems: dict[str, Callable[[bool], dict]], rows
         results[name] = run_system(script, name, args.quick)
     print(report(results, rows, title, fmt))
     print("\n" + footnote)
+
+
+def cross_mesh_times(api: Any, procs_a: Any, procs_b: Any, calls: int, repeats: int) -> list[float]:
+    """Per-call times of an async endpoint of an actor on `procs_a` awaiting `calls` calls to an actor on
+    `procs_b` (Monarch's ping-pong between proc meshes, each with a dim `gpus`), with Monarch's API module
+    `api` (ours or theirs)."""
+
+    class Pong(api.Actor):
+        @api.endpoint
+        async def ping(self, x: int) -> int:
+            return x
+
+    class Ping(api.Actor):
+        def __init__(self, pong: Any):
+            self.pong = pong.slice(gpus=0)
+
+        @api.endpoint
+        async def relay(self, count: int) -> None:
+            for i in range(count):
+                await self.pong.ping.call_one(i)
+
+    pong = procs_b.spawn("pong", Pong)
+    ping = procs_a.spawn("ping", Ping, pong)
+    one = ping.slice(gpus=0)
+    one.relay.call_one(10).get()
+    return [t / calls for t in timed(lambda: one.relay.call_one(calls).get(), repeats, 1)]

@@ -121,6 +121,52 @@ def test_monarch_host_mesh_of_an_ssh_mesh_spawns_procs_on_its_hosts(mesh, hosts)
     assert wait_until(back_to(hosts, baseline), 20)  # its processes are gone from both hosts
 
 
+def test_actors_of_proc_meshes_on_two_hosts_call_each_other_and_start_processes_there(mesh, hosts):
+    """Monarch's ping-pong with each proc mesh on its own SSH host: the calls go through the notebook's
+    controller; an actor there starts processes of its own, which the notebook starts on that host."""
+    from monarch_kernel.monarch.actor import Actor, current_rank, endpoint, this_host
+
+    class Pong(Actor):
+        @endpoint
+        async def hit(self, n: int) -> tuple:
+            return n + 1, os.getpid()
+
+    class Ping(Actor):
+        def __init__(self, pong):
+            self.pong = pong.slice(gpus=0)
+
+        @endpoint
+        async def rally(self, count: int) -> list:
+            return [await self.pong.hit.call_one(i) for i in range(count)]
+
+        @endpoint
+        def helpers(self) -> tuple:
+            extra = this_host().spawn_procs(per_host={"gpus": 1})
+            try:
+                return extra.spawn("helper", Pong).hit.call_one(41).get(timeout=60), dict(current_rank())
+            finally:
+                extra.stop()
+
+    host_mesh = mesh.host_mesh()
+    baseline = processes(hosts)
+    procs_0 = host_mesh.slice(hosts=0).spawn_procs(per_host={"gpus": 1}, name="ssh-ping", dist="none")
+    procs_1 = host_mesh.slice(hosts=1).spawn_procs(per_host={"gpus": 1}, name="ssh-pong", dist="none")
+    try:
+        pong = procs_1.spawn("pong", Pong)
+        ping = procs_0.spawn("ping", Ping, pong)
+        rally = ping.slice(gpus=0).rally.call_one(5).get(timeout=60)
+        assert [n for n, _ in rally] == [1, 2, 3, 4, 5]
+        pong_pids = {pid for _, pid in rally}
+        assert pong_pids <= processes(hosts)["host-1"] - baseline["host-1"]  # pong runs on host-1
+        (answer, pid), where = ping.slice(gpus=0).helpers.call_one().get(timeout=120)
+        assert answer == 42 and where == {}
+        assert pid not in pong_pids
+    finally:
+        procs_0.stop()
+        procs_1.stop()
+    assert wait_until(back_to(hosts, baseline), 20)
+
+
 def test_input_on_remote_ranks_is_answered_from_the_notebook(mesh, sink, monkeypatch):
     asked = []
     monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "typed")
