@@ -116,7 +116,7 @@ def test_status_shows_the_collective_each_rank_waits_in(kernel):
     from monarch_kernel.api.sinks import PlainSink
     from monarch_kernel.views.meshview import mesh_snapshot
 
-    with local_mesh(gpus=4, dist="gloo", name="status-rows", env={"MONARCH_KERNEL_COLLECTIVE_STATUS": "on"}) as mesh:
+    with local_mesh(gpus=4, dist="gloo", name="status-rows") as mesh:
         mesh.hang_after_s = None
         sink = PlainSink(__import__("io").StringIO())
         future = mesh.run_async(STRAGGLER.removeprefix("%%mesh\n"), sink=sink, name="In[1]")
@@ -186,3 +186,81 @@ def test_a_long_cell_that_keeps_making_progress_shows_no_verdict():
         mesh.run("import time, torch, torch.distributed as dist\nt = torch.ones(4)\n"
                  "for _ in range(500):\n    dist.all_reduce(t)\n    time.sleep(0.015)", sink=PlainSink(out))
         assert "no progress" not in out.getvalue() and " wait in " not in out.getvalue(), out.getvalue()
+
+
+def test_stopping_an_actor_call_stuck_in_a_collective_frees_every_rank_and_the_group_works_again(capfd):
+    """Ranks 0-2 of an actor call wait in all_reduce for rank 3, which sleeps: the call's timeout stops it
+    on every rank (the collective ended where a signal cannot reach), the default group is made anew, and
+    the next call's all_reduce works on every rank."""
+    from monarch_kernel import MeshTimeoutError, local_mesh
+
+    source = (
+        "import time, torch, torch.distributed as dist\n"
+        "from monarch_kernel import Actor, current_rank, endpoint\n"
+        "class Reducer(Actor):\n"
+        "    @endpoint\n"
+        "    def reduce(self, skip):\n"
+        "        if current_rank().rank == skip:\n"
+        "            time.sleep(60)\n"
+        "        t = torch.ones(1)\n"
+        "        dist.all_reduce(t)\n"
+        "        return t.item()\n")
+    scope: dict = {}
+    exec(compile(source, "<reducer>", "exec"), scope)  # a class of no importable module: it travels by value
+    with local_mesh(gpus=4, dist="gloo", name="stuck-actor") as mesh:
+        reducers = mesh.spawn("reducers", scope["Reducer"])
+        assert list(reducers.reduce.call(-1).get(timeout=30).values()) == [4.0] * 4
+        with pytest.raises(MeshTimeoutError):
+            reducers.reduce.call(3).get(timeout=2)
+        stopped = time.monotonic()
+        assert list(reducers.reduce.call(-1).get(timeout=30).values()) == [4.0] * 4
+        assert time.monotonic() - stopped < 5
+        err = capfd.readouterr().err
+        assert "ended collectives in progress on ranks 0-2" in err and "made anew on every rank" in err, err
+
+
+def test_an_actor_call_that_hangs_shows_the_straggler_verdict_while_it_waits(capfd, tmp_path):
+    """An actor call past the mesh's hang limit is looked at while the notebook waits on it: ranks 0-2 wait
+    in all_reduce for rank 3, which sleeps in the endpoint; the verdict names both, with the endpoint's
+    line, and the call then ends normally when rank 3 comes."""
+    import importlib.util
+    import sys
+
+    import cloudpickle
+
+    path = tmp_path / "late_actor.py"  # the user's own file (ranks on this machine read its lines)
+    path.write_text(
+        "import time, torch, torch.distributed as dist\n"
+        "from monarch_kernel import Actor, current_rank, endpoint\n"
+        "class Late(Actor):\n"
+        "    @endpoint\n"
+        "    def reduce(self, late, seconds):\n"
+        "        if current_rank().rank == late:\n"
+        "            time.sleep(seconds)\n"
+        "        t = torch.ones(4)\n"
+        "        dist.all_reduce(t)\n"
+        "        return t[0].item()\n")
+    spec = importlib.util.spec_from_file_location("late_actor", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["late_actor"] = module
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)  # (ranks cannot import it: it travels by value)
+    try:
+        _late_actor_verdict(module, capfd)
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+        del sys.modules["late_actor"]
+
+
+def _late_actor_verdict(module, capfd) -> None:
+    from monarch_kernel import local_mesh
+
+    with local_mesh(gpus=4, dist="gloo", name="late-actor") as mesh:
+        mesh.hang_after_s = 1
+        late = mesh.spawn("late", module.Late)
+        assert list(late.reduce.call(3, 8).get(timeout=60).values()) == [4.0] * 4
+        out = capfd.readouterr()
+        text = out.out + out.err
+        assert "no progress on the ranks of the call Late.reduce" in text, text
+        assert re.search(r"ranks 0-2 wait in all_reduce #\d+ \(4 floats, default group\)", text), text
+        assert re.search(r"rank 3 has not entered #\d+: it is at .*late_actor\.py:7 in reduce +time\.sleep\(seconds\)", text), text

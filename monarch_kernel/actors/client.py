@@ -46,11 +46,8 @@ _GONE = frozenset({"ActorStopped", "MeshNotRunning"})  # error types of calls to
 
 
 class ActorFuture(Future[T]):
-    """The reply (or replies) of an actor call: `.get(timeout)` or `await` it.
-
-    A timeout or Ctrl-C also tells the endpoint to stop (KeyboardInterrupt in a sync
-    endpoint, cancellation of an async one), so the actor is free for the next call.
-    """
+    """The reply (or replies) of an actor call: `.get(timeout)` or `await` it. A timeout or Ctrl-C also
+    stops the endpoint (KeyboardInterrupt in a sync one, even in a collective; an async one is cancelled)."""
 
     def __init__(self, mesh: ActorMesh, pending: PendingCall, finish: Callable[[PendingCall], T],
                  count: int | None = None):
@@ -87,6 +84,10 @@ class ActorFuture(Future[T]):
         return self._make_result(self._pending)
 
     def _stopped(self, why: str, error_type: type[BaseException]) -> BaseException:
+        aborted = {rank: reply.aborted for rank, reply in self._pending.replies.items() if reply.aborted}
+        regrouped = self._mesh._sender().regroup(aborted) if aborted else None  # (endpoints were in collectives)
+        if regrouped:
+            print(f"monarch_kernel: {regrouped}", file=sys.stderr, flush=True)
         failures = _failures(self._pending, self._mesh)
         return error_type(f"{self._pending.label} {why} on ranks {format_ranks(self._pending.ranks)}; "
                           "the endpoint was told to stop", failures)
@@ -223,8 +224,7 @@ class ActorMesh(MeshShaped):
             check_arguments(f"{self.class_name}.{endpoint_name}", params, args, kwargs)
 
     def _away(self, sender: CallSender) -> str:
-        """This mesh's name when the sender belongs to another mesh (a rank calling the actors of
-        another mesh of the notebook), else ""."""
+        """This mesh's name when the sender is another mesh's (a rank calling another mesh's actors), else ""."""
         return self.mesh_name if sender.other_mesh(self.mesh_name) else ""
 
     def _cancel(self, pending: PendingCall) -> None:

@@ -49,7 +49,8 @@ class MeshFuture(Future[T]):
         self._background = False
         self._stopping = False
         self._marked_done: set[int] = set()  # ranks shown done (requests on lanes)
-        self._watch = HangWatch(runtime, request, runtime.inspections.hang_after_s)
+        self._watch = HangWatch(runtime, tuple(request.ranks), lambda: request.done, request.label,
+                                runtime.inspections.hang_after_s)
 
     @property
     def label(self) -> str:

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import html
+import itertools
 import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from monarch_kernel.api.sinks import OutputSink, default_sink
 from monarch_kernel.controller.inspections import ANSWER_WITHIN_S
 from monarch_kernel.controller.runtime import MeshRuntime
 from monarch_kernel.controller.state import Request
 from monarch_kernel.core.hangs import Frame, RankReport, Verdict, diagnose, grouped_stacks
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.wire import messages as m
+from monarch_kernel.wire.calls import PendingCall
 from monarch_kernel.wire.ops import NativeStacks, RemakeDefaultGroup
 
 DEFAULT_HANG_S = 30.0  # `%mesh config hang SECONDS|off`
@@ -161,14 +164,18 @@ def native_stacks(runtime: MeshRuntime, ranks: tuple[int, ...], timeout: float =
 
 
 class HangWatch:
-    """Looks at a running request's ranks once it has run `hang_s`, then every LOOK_EVERY_S, and has
-    the waiting thread show the verdict (`tick(show)`: show(text, html)) while they make no progress;
-    the looks run on a helper thread, so the waiting thread keeps pumping output. (It holds nothing
-    of the future that waits: a cycle would keep a pulled value's shared memory from being reused.)"""
+    """Looks at the ranks of a running cell or actor call once it has run `hang_s`, then every
+    LOOK_EVERY_S, and has the waiting thread show the verdict (`tick(show)`: show(text, html)) while
+    they make no progress; the looks run on a helper thread, so the waiting thread keeps pumping output.
+    (It holds nothing of the future that waits: a cycle would keep a pulled value's shared memory from
+    being reused.)"""
 
-    def __init__(self, runtime: MeshRuntime, request: Request, hang_s: float | None):
+    def __init__(self, runtime: MeshRuntime, ranks: tuple[int, ...], done: Callable[[], bool], label: str,
+                 hang_s: float | None):
         self._runtime = runtime
-        self._request = request
+        self._ranks = tuple(sorted(ranks))
+        self._done = done
+        self._label = label
         self._hang_s = hang_s
         self._started = time.monotonic()
         self._next_look = self._started + (hang_s or 0.0)
@@ -183,7 +190,7 @@ class HangWatch:
         pending, self._pending = self._pending, None
         if pending is not None:
             show(*pending)
-        if self._hang_s is None or self._looking or self._request.done or time.monotonic() < self._next_look:
+        if self._hang_s is None or self._looking or self._done() or time.monotonic() < self._next_look:
             return
         self._looking = True
         threading.Thread(target=self._look, name="mesh-hang-watch", daemon=True).start()
@@ -192,9 +199,9 @@ class HangWatch:
         """A cheap look (the groups' counters and the stacks); a full one (the flight recorder's
         entries: their collective, tensors and how long) only when the ranks may be stuck."""
         try:
-            ranks = tuple(sorted(self._request.ranks))
+            ranks = self._ranks
             light, dead, silent = self._runtime.inspections.ask(ranks, counters_only=True)
-            if self._request.done:
+            if self._done():
                 return
             now = time.monotonic()
             figures = (sum(r.progress() + sum(g.entered for g in r.groups) for r in light.values()),
@@ -215,11 +222,46 @@ class HangWatch:
                 text = str(verdict)
                 if text != self.shown:
                     self.shown = text
-                    diagnosis = Diagnosis(verdict, reports, title=f"no progress on the ranks of {self._request.label}:")
+                    diagnosis = Diagnosis(verdict, reports, title=f"no progress on the ranks of {self._label}:")
                     self._pending = (diagnosis.text(), diagnosis._repr_html_())
         finally:
             self._next_look = time.monotonic() + LOOK_EVERY_S
             self._looking = False
+
+
+class CallWatch:
+    """The same watch over an actor call the notebook waits on (see ControllerSender.wait_for_replies):
+    its verdict goes to a sink of its own, made when there is one to show."""
+
+    def __init__(self, runtime: MeshRuntime, pending: PendingCall):
+        self._ranks = tuple(sorted(pending.ranks))
+        self._label = pending.label
+        self._watch = HangWatch(runtime, self._ranks, pending.done, f"the call {pending.label}",
+                                runtime.inspections.hang_after_s)
+        self._sink: OutputSink | None = None
+
+    def tick(self) -> None:
+        """Called by the waiting thread between its waits."""
+        self._watch.tick(self._show)
+
+    def _show(self, text: str, html: str) -> None:
+        if self._sink is None:
+            self._sink = default_sink(ranks=self._ranks, label=self._label)
+        verdict = getattr(self._sink, "verdict", None)  # optional in OutputSink, like new_block
+        if verdict is not None:
+            verdict(text, html)
+        else:
+            self._sink.notice(self._ranks[0], text)
+
+    def close(self) -> None:
+        """The wait ended."""
+        if self._sink is not None:
+            self._sink.close()
+
+
+def watch_call(runtime: MeshRuntime, pending: PendingCall) -> CallWatch | None:
+    """A watch for an actor call the notebook waits on (None when the mesh's hang limit is off)."""
+    return None if runtime.inspections.hang_after_s is None else CallWatch(runtime, pending)
 
 
 # ---------------------------------------------------------------- after a stop that ended collectives
@@ -228,7 +270,21 @@ class HangWatch:
 def remake_groups_after_stop(runtime: MeshRuntime, request: Request, timeout: float = 30.0) -> str | None:
     """If stopping `request` ended collectives on some ranks, every rank of the mesh makes a fresh
     default group; the one line that says so (None when nothing was ended)."""
-    aborted = dict(request.aborted)
+    return remake_default_groups(runtime, dict(request.aborted), f"remade/{request.req_id}", timeout)
+
+
+_regroups = itertools.count(1)
+
+
+def regroup_after_stopped_calls(runtime: MeshRuntime, aborted: dict[int, str]) -> str | None:
+    """The same after a stopped actor call whose endpoints were in collectives (`aborted`: rank -> how)."""
+    return remake_default_groups(runtime, aborted, f"remade/call-{next(_regroups)}")
+
+
+def remake_default_groups(runtime: MeshRuntime, aborted: dict[int, str], key: str,
+                          timeout: float = 30.0) -> str | None:
+    """Every rank of the mesh makes a fresh default group through the mesh's store (under `key`), after a
+    stop ended collectives on the ranks of `aborted`; the one line that says so (None if none was)."""
     if not aborted:
         return None
     where = format_ranks(sorted(aborted))
@@ -238,7 +294,6 @@ def remake_groups_after_stop(runtime: MeshRuntime, request: Request, timeout: fl
         return (f"the stop ended collectives in progress on ranks {where} ({what}); with rank"
                 f"{'s' if len(dead) > 1 else ''} {format_ranks(dead)} dead the process group cannot be made anew: "
                 "%mesh restart (mesh.restart()) brings the mesh back")
-    key = f"remade/{request.req_id}"
     started = time.monotonic()
     remake = runtime.requests.submit(tuple(sorted(runtime.ranks)), lambda rid: m.RunOp(rid, RemakeDefaultGroup(key)),
                                      label="remake the process group")

@@ -46,6 +46,8 @@ class Mesh(HostFiles):
     def __init__(self, runtime: MeshRuntime, shape: Shape):
         self._runtime = runtime
         self._shape = shape
+        runtime.sender.regrouper = functools.partial(hangs.regroup_after_stopped_calls, runtime)
+        runtime.sender.call_watcher = functools.partial(hangs.watch_call, runtime)
 
     # ------------------------------------------------------------ description
     @property

@@ -11,9 +11,10 @@ still owed by it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from monarch_kernel.controller.bridge import BRIDGE
 from monarch_kernel.controller.loop import ControllerLoop
@@ -26,6 +27,18 @@ from monarch_kernel.wire.calls import CallTable, PendingCall, death_reply, poll_
 from monarch_kernel.wire.lane_client import Lane, LanePool
 from monarch_kernel.wire.routing import CallRouter, Send
 from monarch_kernel.wire.transport import encode
+
+WATCH_STEP_S = 0.5  # how often a wait on an actor call lets its hang watch look
+
+
+class CallWatcher(Protocol):
+    """Looks at an actor call's ranks while the notebook waits on it (api/hangs.CallWatch)."""
+
+    def tick(self) -> None:
+        """Between waits: look (now and then), show a verdict."""
+
+    def close(self) -> None:
+        """The wait ended."""
 
 
 class ControllerSender:
@@ -45,6 +58,8 @@ class ControllerSender:
         self._watchers: list[tuple[frozenset[int], Callable[[int, str], None]]] = []
         self.supervisors = Supervisors(self.calls, self.send_call, state.is_alive)  # actor meshes actors own
         self.on_request_message: Callable[[Any], None] | None = None  # set by the RequestBook
+        self.regrouper: Callable[[dict[int, str]], str | None] | None = None  # set by the notebook's Mesh
+        self.call_watcher: Callable[[PendingCall], CallWatcher | None] | None = None  # (likewise: hangs)
         BRIDGE.join(self)  # (calls from other meshes' actors)
 
     @property
@@ -113,15 +128,37 @@ class ControllerSender:
         elif self.on_request_message is not None:
             self.on_request_message(msg)  # a request's output or result (RequestBook)
 
+    def regroup(self, aborted: dict[int, str]) -> str | None:
+        """Every rank makes a fresh default group, after a stopped call ended collectives (see CallSender)."""
+        return None if self.regrouper is None else self.regrouper(aborted)
+
     def flush_calls(self) -> None:
         """Write calls queued on direct lanes now (a caller is about to wait)."""
         self.lanes.flush()
 
     def wait_for_replies(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
-        """Block until `count` replies are in; local replies are read on this thread."""
+        """Block until `count` replies are in; local replies are read on this thread. A call that runs
+        past the mesh's hang limit is looked at between waits (the verdict shows while it hangs)."""
         self.lanes.flush()
-        done = self.lanes.wait(pending.outstanding, lambda: len(pending.replies) >= count, timeout)
-        return pending.wait(count, timeout) if done is None else done
+        watch: CallWatcher | None = None  # (made once the first step passed: most calls end well before)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                step = WATCH_STEP_S if self.call_watcher is not None else timeout
+                if deadline is not None:
+                    step = min(step if step is not None else deadline, max(0.0, deadline - time.monotonic()))
+                done = self.lanes.wait(pending.outstanding, lambda: len(pending.replies) >= count, step)
+                if (pending.wait(count, step) if done is None else done):
+                    return True
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                if watch is None and self.call_watcher is not None:
+                    watch = self.call_watcher(pending)
+                if watch is not None:
+                    watch.tick()
+        finally:
+            if watch is not None:
+                watch.close()
 
     def send_cancel(self, msg: m.CancelCall) -> None:
         """Ask the ranks of a call to stop it."""

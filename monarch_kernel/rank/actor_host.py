@@ -29,7 +29,7 @@ from monarch_kernel.core.errors import ConnectionClosed, SerializationError
 from monarch_kernel.core.shape import Point, Shape
 from monarch_kernel.core.supervision import SUPERVISE
 from monarch_kernel.rank.cell import describe_failure
-from monarch_kernel.rank.deadlocks import raise_deadlock
+from monarch_kernel.rank.deadlocks import not_here, raise_deadlock
 from monarch_kernel.rank.interrupts import MainThreadInterrupts
 from monarch_kernel.rank.ops import RankOps, SystemActor
 from monarch_kernel.rank.rank_sender import RankSender
@@ -83,6 +83,8 @@ class ActorHost:
         self._doing: dict[CallKey, tuple[str, float]] = {}  # endpoints running: label, start time
         self.reported = ""  # the activity last told to the agent
         self.on_idle: Callable[[], None] | None = None  # tells the agent, when set
+        self.free_collectives: Callable[[], str] | None = None  # ends a collective the main thread waits in: how
+        self._aborted: dict[CallKey, str] = {}  # stopped calls whose collectives were ended, and how
         self._reply_via: dict[CallKey, Callable[[Any], None]] = {}  # loop thread only
         self.loop: asyncio.AbstractEventLoop | None = None
         self._inbox: deque[tuple[ActorCall, Any]] = deque()  # (call, reply route) in arrival order, for main
@@ -147,6 +149,9 @@ class ActorHost:
             self._cancelled.add(key)  # (the oldest, of calls long ended, are forgotten)
             if key in self._running_sync:  # (if others run nested above it, they are stopped with it)
                 self._interrupts.interrupt(lambda: key in self._running_sync)
+                ended = self.free_collectives() if self.free_collectives is not None else ""
+                if ended:  # (a signal cannot reach into a collective's wait: it was ended; its reply says so)
+                    self._aborted[key] = ended
             task = self._tasks.get(key)
         if task is not None and self.loop is not None:
             self.loop.call_soon_threadsafe(task.cancel)
@@ -234,22 +239,11 @@ class ActorHost:
             self._reply_via[(msg.caller, msg.call_id)] = reply_via
         box = self._mailboxes.get(msg.actor)
         if box is None:
-            self._reply(msg, None, self._not_found(msg.actor))
+            self._reply(msg, None, not_here(self.rank, msg.actor, self._retired.get(msg.actor), self._keys))
             return
         box.queue.append(msg)
         if not box.busy:
             self._drain(box)
-
-    def _not_found(self, key: str) -> Failure:
-        name, replaced = self._retired.get(key, ("", False))
-        if name and not replaced:
-            return Failure("ActorStopped", f"actor mesh {name!r} was stopped on rank {self.rank}", "")
-        if name:
-            return Failure("ActorReplaced", f"actor mesh {name!r} was spawned again on rank {self.rank}; this "
-                           "handle still points at the old actors: use the one the new spawn() returned", "")
-        known = ", ".join(sorted(self._keys)) or "none"
-        return Failure("ActorNotFound", f"no actor mesh {key.split('#')[0]!r} on rank {self.rank} (actor meshes "
-                       f"here: {known}); it was never spawned here, or the mesh restarted", "")
 
     def _drain(self, box: _Mailbox) -> None:
         while box.queue and not box.busy:
@@ -381,7 +375,8 @@ class ActorHost:
             except SerializationError as exc:
                 failure = Failure("SerializationError", f"the reply of {msg.endpoint} could not be sent: {exc}", "")
         try:
-            send(ActorReply(msg.caller, msg.call_id, self.rank, sealed, failure, seconds, to_port=msg.to_port))
+            send(ActorReply(msg.caller, msg.call_id, self.rank, sealed, failure, seconds, to_port=msg.to_port,
+                            aborted=self._aborted.pop(key, "")))
         except ConnectionClosed:
             pass  # the caller went away
 

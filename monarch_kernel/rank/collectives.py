@@ -22,6 +22,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 from monarch_kernel.core.hangs import GroupProgress
@@ -128,7 +130,7 @@ def _numel(shape: list[int]) -> int:
 _pending_since: dict[str, tuple[int, float]] = {}  # group id -> (the collective pending, since when: monotonic)
 _described: dict[tuple[str, int], str] = {}  # (group id, sequence number) -> "all_reduce #58 (default group)"
 STATUS_AFTER_S = 1.0  # a collective pending this long shows in the rank's status
-STATUS_SWITCH = "MONARCH_KERNEL_COLLECTIVE_STATUS"  # "on": heartbeats say which collective a rank waits in
+STATUS_SWITCH = "MONARCH_KERNEL_COLLECTIVE_STATUS"  # "off": heartbeats do not say which collective a rank waits in
 
 
 def brief() -> str:
@@ -138,8 +140,8 @@ def brief() -> str:
     torch = sys.modules.get("torch")
     if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return ""
-    if os.environ.get(STATUS_SWITCH, "").lower() not in ("on", "1", "true"):
-        return ""  # off by default: reading the recorder from this thread may deadlock with the main one
+    if os.environ.get(STATUS_SWITCH, "").lower() in ("off", "0", "false"):
+        return ""
     dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
     if dump is None:
         return ""
@@ -191,6 +193,32 @@ def track_group_sockets() -> None:
 
     helper.__monarch_kernel__ = True  # type: ignore[attr-defined]
     torch_c10d._new_process_group_helper = helper
+
+
+def free_main_thread(tell: Callable[[str], None] | None = None) -> str:
+    """End the collective the main thread waits in, if it does (a stop's signal cannot reach into its
+    wait): how it was ended, told first to `tell`; "" when it waits in none (any thread)."""
+    if not main_thread_in_collective():
+        return ""
+    text = ending_text()
+    if tell is not None:
+        tell(text)
+    try:
+        store_port: int | None = int(os.environ["MASTER_PORT"])  # the rendezvous store's link is kept
+    except (KeyError, ValueError):
+        store_port = None
+    abort_collectives(store_port)
+    return text
+
+
+def main_thread_in_collective() -> bool:
+    """Whether the main thread is inside a torch.distributed call now (a collective or its wait)."""
+    top = sys._current_frames().get(threading.main_thread().ident or 0)
+    chain: list[FrameType] = []
+    while top is not None and len(chain) < 8:
+        chain.append(top)
+        top = top.f_back
+    return in_collective(list(reversed(chain)))
 
 
 def in_collective(frames: list[Any]) -> bool:

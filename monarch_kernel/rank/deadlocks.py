@@ -1,4 +1,5 @@
-"""Waits on actor calls that could never end, named instead of hanging (`ActorDeadlockError`).
+"""Actor calls a rank cannot serve, named instead of hanging: waits that could never end
+(`ActorDeadlockError`), and calls to an actor that is not there (stopped, replaced, never spawned).
 
 A rank's main thread serves its actors' mailboxes from inside a sync endpoint's (or a cell's)
 wait. What it cannot serve from there: the actor that is waiting (an actor waiting on
@@ -11,6 +12,21 @@ from __future__ import annotations
 from typing import Any
 
 from monarch_kernel.core.errors import ActorDeadlockError
+from monarch_kernel.wire.messages import Failure
+
+
+def not_here(rank: int, key: str, retired: tuple[str, bool] | None, keys: dict[str, str]) -> Failure:
+    """What a call to actor mesh spawn `key` is told on `rank` where it is not: `retired` is (its name,
+    whether it was replaced) for one that ended here, `keys` the actor meshes here by name."""
+    name, replaced = retired or ("", False)
+    if name and not replaced:
+        return Failure("ActorStopped", f"actor mesh {name!r} was stopped on rank {rank}", "")
+    if name:
+        return Failure("ActorReplaced", f"actor mesh {name!r} was spawned again on rank {rank}; this handle "
+                       "still points at the old actors: use the one the new spawn() returned", "")
+    known = ", ".join(sorted(keys)) or "none"
+    return Failure("ActorNotFound", f"no actor mesh {key.split('#')[0]!r} on rank {rank} (actor meshes here: "
+                   f"{known}); it was never spawned here, or the mesh restarted", "")
 
 
 def raise_deadlock(rank: int, waited_label: str, serving: list[tuple[Any, str]], box: Any) -> None:

@@ -40,16 +40,6 @@ def inspect(rank: int, running: str, all_threads: bool = False, stacks_only: boo
     return RankReport(rank, running, stack, groups, threads, why_not)
 
 
-def main_thread_in_collective() -> bool:
-    """Whether the main thread is inside a torch.distributed call now (a collective or its wait)."""
-    top = sys._current_frames().get(threading.main_thread().ident or 0)
-    chain: list[FrameType] = []
-    while top is not None and len(chain) < 8:
-        chain.append(top)
-        top = top.f_back
-    return collectives.in_collective(list(reversed(chain)))
-
-
 def _frames(top: FrameType | None) -> tuple[Frame, ...]:
     out: list[Frame] = []
     while top is not None and len(out) < MAX_FRAMES:

@@ -60,6 +60,11 @@ class RankSender:
         """Large arguments go through shared memory when the mesh is on one machine."""
         return self._shm_dir
 
+    def regroup(self, aborted: dict[int, str]) -> str | None:
+        """A rank cannot have the others make a group anew: say what to do."""
+        return (f"stopping the call ended collectives on ranks {sorted(aborted)}; the process group is broken "
+                "there until the notebook makes it anew: stop the cell or call that waits, or %mesh restart")
+
     def flush_calls(self) -> None:
         """Calls go out as they are made (no queue to flush)."""
 

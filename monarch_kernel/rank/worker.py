@@ -1,20 +1,17 @@
 """The rank runtime: one process per rank, serving requests from its host agent.
 
-A reader thread takes every message off the agent's connection: replies to this rank's
-own actor calls, cancellations and the notebook's answers to input() (and so to pdb) are
-handled right there, and so are stops (turned into SIGINT for the main thread when it runs
-what they stop). Everything else is handed to the main thread's event loop. The main thread
-runs cells and sync endpoints one at a time (so a stop interrupts user code as
-KeyboardInterrupt, as in a local kernel) and async endpoints as tasks. A daemon thread
-answers heartbeats, so a frozen process is noticed. Never imports IPython, rich or
-ipywidgets: ranks start light.
+A reader thread takes every message off the agent's connection: replies to this rank's own actor
+calls, cancellations, input() answers and stops (SIGINT for the main thread, and the end of a
+collective it waits in) are handled right there; the rest goes to the main thread's event loop,
+which runs cells and sync endpoints one at a time (a stop raises KeyboardInterrupt, as in a local
+kernel) and async endpoints as tasks. A daemon thread answers heartbeats. Never imports IPython,
+rich or ipywidgets: ranks start light.
 """
 
 from __future__ import annotations
 
 import _signal
 import asyncio
-import os
 import signal
 import sys
 import threading
@@ -33,7 +30,7 @@ from monarch_kernel.rank.actor_host import ActorHost
 from monarch_kernel.rank.autoreload import Reloader
 from monarch_kernel.rank.capture import DisplayCapture, RankStream
 from monarch_kernel.rank.cell import CellRunner, describe_failure
-from monarch_kernel.rank.inspect import inspect, main_thread_in_collective
+from monarch_kernel.rank.inspect import inspect
 from monarch_kernel.rank.interrupts import MainThreadInterrupts
 from monarch_kernel.rank.notebook_input import NotebookInput, breakpoint_in_the_notebook
 from monarch_kernel.rank.ops import RankOps
@@ -126,6 +123,7 @@ class Worker:
         self.interrupts = MainThreadInterrupts()  # SIGINT for the main thread that is not lost
         self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir, self.ops, self.interrupts,
                                 config.mesh)
+        self.actors.free_collectives = collectives.free_main_thread
         self.lane_listener = listen_lane(lane_path(config.shm_dir, config.rank)) if config.shm_dir else None
         self.namespace["actors"] = self.actors.instances
         self.input = NotebookInput(config.rank, self._send, lambda: self.current_req, self.flush_streams)
@@ -169,11 +167,9 @@ class Worker:
                 self._stopped.add(req_id)
             if self.in_user_code and (msg.running or self.current_req in msg.req_ids):
                 self.interrupts.interrupt(lambda: self.in_user_code)
-                if main_thread_in_collective() and self.current_req is not None:
-                    # the signal cannot reach into a collective's wait: end it (said first, so that the
-                    # notebook knows before the request's result, which the ending lets through)
-                    self._send(CollectivesAborted(self.current_req, self.config.rank, collectives.ending_text()))
-                    collectives.abort_collectives(_store_port())
+                if self.current_req is not None:  # (said before the request's result, which the ending lets through)
+                    collectives.free_main_thread(lambda text: self._send(
+                        CollectivesAborted(self.current_req or 0, self.config.rank, text)))
 
     def running_label(self) -> str:
         """What runs on this rank now: the cell ("In[7]"), an endpoint, or "" when idle."""
@@ -369,14 +365,6 @@ def _label_of(msg: Any) -> str:
     if isinstance(msg, RunOp):
         return type(msg.op).__name__
     return type(msg).__name__.lower()
-
-
-def _store_port() -> int | None:
-    """The rendezvous store's port (its connection is kept when collectives are ended)."""
-    try:
-        return int(os.environ["MASTER_PORT"])
-    except (KeyError, ValueError):
-        return None
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:

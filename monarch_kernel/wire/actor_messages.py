@@ -57,6 +57,7 @@ class ActorReply:
     seconds: float | None = None  # how long the endpoint ran (None: it never ran)
     to_port: bool = False  # a message sent through a Port (call_id is the port's id): no router owes it
     mesh: str = ""  # a Port's message: the mesh of the port's owner ("": the sender's own)
+    aborted: str = ""  # a stopped endpoint was in a collective, ended thus ("its gloo ... closed"): regroup
 
 
 @dataclass(frozen=True)

@@ -344,6 +344,10 @@ class CallSender(Protocol):
     def shm_dir_for(self, ranks: tuple[int, ...]) -> str | None:
         """A shared-memory folder for large arguments to these ranks, if they are on this machine."""
 
+    def regroup(self, aborted: dict[int, str]) -> str | None:
+        """A stopped call's endpoints were in collectives, ended on the ranks of `aborted` (rank -> how): have
+        every rank make a fresh default group; the line that says what was done (None: nothing)."""
+
     def flush_calls(self) -> None:
         """Write queued calls now (a caller is about to wait)."""
 
