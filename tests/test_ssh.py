@@ -83,12 +83,12 @@ def test_actors_across_hosts(mesh):
 
     counters = mesh.spawn("ssh-counters", Counter)
     assert sorted(counters.add.call(1).get().values()) == [(r, 1) for r in range(4)]
-    assert counters.slice(hosts=1, gpus=1).add.call_one(1).get() == (3, 2)
+    assert counters.slice(hosts=1, gpus=1).add.call_one(1).get() == (0, 2)  # (rank 0 of the slice, as Monarch)
     with pytest.raises(ActorError, match="KeyError") as info:
         counters.slice(hosts=1).fail.call().get()
     assert info.value.ranks == [2, 3] and 'raise KeyError("missing on purpose")' in str(info.value)
     relay = mesh.slice(hosts=0, gpus=0).spawn("ssh-relay", Relay, counters)
-    assert relay.ask.call_one().get() == ([(2, 11), (3, 12)], (1, 101))
+    assert relay.ask.call_one().get() == ([(0, 11), (1, 12)], (0, 101))
 
 
 def test_monarch_host_mesh_of_an_ssh_mesh_spawns_procs_on_its_hosts(mesh, hosts):

@@ -75,7 +75,8 @@ def owner_label(key: str, rank: int) -> str:
 
 
 def current_rank() -> Point:
-    """Inside an endpoint: this actor's coordinates in its actor mesh (with .rank).
+    """Inside an endpoint: this actor's coordinates (with .rank) in the actor mesh or slice the call was
+    sent through, numbered from 0 there, as in Monarch (in a constructor: in the mesh spawned on).
 
     In a `%%mesh` cell: this rank's coordinates in the whole mesh.
     """
