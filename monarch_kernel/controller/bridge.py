@@ -10,6 +10,7 @@ messages of a Port go to the mesh of its owner. Both meshes run on the controlle
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
@@ -101,7 +102,12 @@ class MeshBridge:
         """Sends a reply of the other mesh down to the caller, as the reply to its own call."""
 
         def back(reply: ActorReply) -> None:
-            ControllerLoop.get().call(source.router.reply, replace(reply, caller=caller, call_id=call_id))
+            loop = ControllerLoop.get()
+            answer = replace(reply, caller=caller, call_id=call_id)
+            if threading.current_thread() is loop.thread:  # (a reply routed here: no extra turn of the loop)
+                source.router.reply(answer)
+            else:
+                loop.call(source.router.reply, answer)
 
         return back
 
