@@ -7,6 +7,7 @@ defines actor classes, and ranks build and serve their instances.
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import linecache
 import os
@@ -121,13 +122,25 @@ _KINDS = {int(k): k for k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Paramet
                                inspect.Parameter.VAR_KEYWORD)}
 
 
+@functools.lru_cache(maxsize=1024)
+def _plain_arity(params: Parameters) -> int:
+    """How many arguments an endpoint takes when all are plain positional ones without defaults (else -1)."""
+    plain = all(kind == inspect.Parameter.POSITIONAL_OR_KEYWORD and not has_default for _, kind, has_default in params)
+    return len(params) if plain else -1
+
+
+@functools.lru_cache(maxsize=1024)
+def _signature(params: Parameters) -> inspect.Signature:
+    return inspect.Signature([inspect.Parameter(name, _KINDS[kind], default=None if has_default else inspect.Parameter.empty)
+                              for name, kind, has_default in params])
+
+
 def check_arguments(endpoint_name: str, params: Parameters, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise TypeError, as calling the method would, if it cannot take these arguments (before any is sent)."""
-    signature = inspect.Signature([inspect.Parameter(name, _KINDS[kind],
-                                                     default=None if has_default else inspect.Parameter.empty)
-                                   for name, kind, has_default in params])
+    if not kwargs and len(args) == _plain_arity(params):
+        return  # (the common case, a few positional arguments: no Signature to bind)
     try:
-        signature.bind(*args, **kwargs)
+        _signature(params).bind(*args, **kwargs)
     except TypeError as exc:
         raise TypeError(f"endpoint {endpoint_name}() cannot take these arguments: {exc}") from None
 

@@ -34,14 +34,13 @@ from monarch_kernel.core.supervision import MeshFailure, Owner, report_unhandled
 from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire.calls import CallSender, PendingCall, find_sender
-from monarch_kernel.wire.messages import ActorCall, ActorReply, BroadcastFailed, CancelCall
+from monarch_kernel.wire.messages import ActorCall, ActorReply, BroadcastFailed, CancelCall, Through
 from monarch_kernel.wire.ops import StopActors
 from monarch_kernel.wire.serialization import release, seal, unseal
 
 T = TypeVar("T")
 
-# error types that replies carry for failures the router made (not the endpoint)
-_KIND_OF_ERROR = {"RankDied": FailureKind.DIED, "MeshRestarted": FailureKind.LOST}
+_KIND_OF_ERROR = {"RankDied": FailureKind.DIED, "MeshRestarted": FailureKind.LOST}  # failures a router made
 _GONE = frozenset({"ActorStopped", "MeshNotRunning"})  # error types of calls to actors that no longer are
 
 
@@ -124,6 +123,7 @@ class ActorMesh(MeshShaped):
         self.endpoints = endpoints
         self.shape = shape
         self._parameters = parameters or {}  # what each endpoint takes: calls are checked before they are sent
+        self._through: Through | None = None  # a slice's (dims, ranks), which its calls carry (see _with)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -140,6 +140,7 @@ class ActorMesh(MeshShaped):
     def _with(self, shape: Shape) -> ActorMesh:
         sliced = ActorMesh(self.mesh_name, self.name, self.class_name, self.endpoints, shape, self.key,
                            self._parameters)
+        sliced._through = (shape.dims, shape.ranks)  # current_rank() counts in the slice, as in Monarch
         sliced._supervised = self.__dict__.get("_supervised", Owner.NOBODY)
         return sliced
 
@@ -173,7 +174,7 @@ class ActorMesh(MeshShaped):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ActorMesh, (self.mesh_name, self.name, self.class_name, self.endpoints, self.shape, self.key,
-                            self._parameters))
+                            self._parameters), {"_through": self._through})
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self.name!r} of {self.class_name} on {self.shape} (ranks {format_ranks(self.ranks)})>"
@@ -210,7 +211,7 @@ class ActorMesh(MeshShaped):
             pending.on_reply = replied
         try:
             sender.send_call(ActorCall(sender.caller_id, pending.call_id, self.key, endpoint_name, sealed,
-                                       ranks, want_value, mesh=away, through=self.shape))
+                                       ranks, want_value, mesh=away, through=self._through))
         except BaseException as exc:  # stopped mid-send: the ranks that already have the call must drop it
             sender.send_cancel(CancelCall(sender.caller_id, pending.call_id, ranks, away))
             if isinstance(exc, MeshNotRunningError):
@@ -219,8 +220,7 @@ class ActorMesh(MeshShaped):
         return pending
 
     def _check(self, endpoint_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        params = self._parameters.get(endpoint_name)
-        if params is not None:
+        if (params := self._parameters.get(endpoint_name)) is not None:
             check_arguments(f"{self.class_name}.{endpoint_name}", params, args, kwargs)
 
     def _away(self, sender: CallSender) -> str:
@@ -321,7 +321,7 @@ class EndpointHandle:
         away = mesh._away(sender)
         sealed = seal((args, kwargs), shm_dir=None if away else sender.shm_dir_for(ranks), shared=True)
         sender.send_call(ActorCall(port._owner, port._port_id, mesh.key, self._name, sealed, ranks, True,
-                                   to_port=True, mesh=away, through=mesh.shape))
+                                   to_port=True, mesh=away, through=mesh._through))
 
     def stream(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Iterator[ReplyFuture]:
         """Call every actor; yield each reply (a done future with .rank) as it arrives."""

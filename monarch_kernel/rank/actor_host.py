@@ -384,7 +384,7 @@ class ActorHost:
 def _point_of(box: _Mailbox, msg: ActorCall) -> Point:
     """current_rank() in an endpoint: the actor's point in the (sliced) mesh the call was sent through."""
     through = msg.through
-    found = None if through is None or through == box.shape else through.numbered_point(box.shape.ranks[box.point.rank])
+    found = None if through is None else Shape(*through).numbered_point(box.shape.ranks[box.point.rank])
     return box.point if found is None else found
 
 

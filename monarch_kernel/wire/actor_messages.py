@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from monarch_kernel.core.shape import Shape
 from monarch_kernel.core.supervision import MeshFailure
 from monarch_kernel.wire.message_pickling import fast_pickling
 from monarch_kernel.wire.serialization import Sealed
@@ -21,6 +20,8 @@ class Failure:
     interrupted: bool = False
 
 
+# A slice as (dims, global ranks): its points are the endpoint's current_rank() (plain tuples: calls travel flat)
+Through = tuple[tuple[tuple[str, int], ...], tuple[int, ...]]
 CONTROLLER = -1  # the caller id of calls made from the notebook (ranks use their rank)
 
 
@@ -41,7 +42,7 @@ class ActorCall:
     want_value: bool = True
     to_port: bool = False  # (caller, call_id) name a Port: the replies go there, and no router waits on them
     mesh: str = ""  # the mesh of `ranks` ("": the sender's own); another mesh's calls go through the controller
-    through: Shape | None = None  # the (sliced) mesh the call was sent through: its points are current_rank()
+    through: Through | None = None  # the slice the call was sent through (None: the mesh spawned on)
     from_mesh: str = ""  # set by the controller on a call from another mesh (its replies carry no shm files)
 
 

@@ -43,6 +43,9 @@ from monarch_kernel.wire.actor_messages import (
 from monarch_kernel.wire.actor_messages import (
     StopProcs as StopProcs,
 )
+from monarch_kernel.wire.actor_messages import (
+    Through as Through,
+)
 from monarch_kernel.wire.message_pickling import fast_pickling
 from monarch_kernel.wire.ops import HostOperation, RankOperation
 from monarch_kernel.wire.serialization import Sealed
