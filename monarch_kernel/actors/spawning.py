@@ -55,7 +55,8 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
     if owner is not None and sender.own_rank is not None:  # an actor spawned it: the controller routes its failures
         actors._supervised = Owner.ACTOR
         sender.send_up(OwnActors(sender.caller_id, owner, owner_label(owner, sender.caller_id), key, name,
-                                 actor_class.__name__, shape.ranks))
+                                 actor_class.__name__, shape.ranks,
+                                 mesh_name if sender.other_mesh(mesh_name) else ""))
     elif sender.own_rank is None and notebook_hook:  # the notebook owns it
         actors.supervise_from_notebook()
     return actors

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from monarch_kernel.controller.loop import ControllerLoop
+from monarch_kernel.controller.supervision import Supervisors
 from monarch_kernel.wire.calls import PORTS, CallTable, death_reply
 from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply, CancelCall
 from monarch_kernel.wire.routing import CallRouter
@@ -26,6 +27,7 @@ class MeshSide(Protocol):
 
     calls: CallTable
     router: CallRouter
+    supervisors: Supervisors
 
     @property
     def mesh_name(self) -> str:
@@ -54,6 +56,12 @@ class MeshBridge:
         for origin, (target, _) in list(self._calls.items()):
             if target is side or origin[0] == side.mesh_name:
                 del self._calls[origin]
+
+    def rank_died(self, side: MeshSide, rank: int, why: str) -> None:
+        """A rank of `side` died: owners of its actors in the other meshes hear of it (loop thread)."""
+        for other in list(self._meshes.values()):
+            if other is not side:
+                other.supervisors.rank_died(rank, why, mesh=side.mesh_name)
 
     def call(self, source: MeshSide, msg: ActorCall) -> None:
         """A rank of `source` calls actors of mesh `msg.mesh`."""

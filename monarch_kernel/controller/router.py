@@ -231,6 +231,7 @@ class ControllerSender:
         self.calls.fail_rank(rank, why)  # calls sent over its direct lane
         self.router.rank_died(rank, why)
         self.supervisors.rank_died(rank, why)
+        BRIDGE.rank_died(self, rank, why)
         for ranks, callback in self._watchers:
             if rank in ranks:
                 threading.Thread(target=callback, args=(rank, why), name="mesh-supervision", daemon=True).start()

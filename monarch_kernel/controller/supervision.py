@@ -35,14 +35,18 @@ class Supervisors:
         """An actor owns actor mesh `msg.key` now (a spawn of the same name by the same owner replaces
         the earlier one, as the spawn itself does on the ranks)."""
         for key, owned in list(self._owned.items()):
-            if owned.owner_key == msg.owner_key and owned.name == msg.name and set(owned.ranks) & set(msg.ranks):
+            if (owned.owner_key == msg.owner_key and owned.name == msg.name and owned.mesh == msg.mesh
+                    and set(owned.ranks) & set(msg.ranks)):
                 del self._owned[key]
         self._owned[msg.key] = msg
 
-    def rank_died(self, rank: int, why: str) -> None:
-        """Tell the owner of every owned mesh with an actor on `rank` (once per mesh and rank)."""
+    def rank_died(self, rank: int, why: str, mesh: str = "") -> None:
+        """Tell the owner of every owned mesh with an actor on `rank` (once per mesh and rank); `mesh`: a rank
+        of another mesh of the notebook died (actors here may own actors there)."""
         for owned in list(self._owned.values()):
-            if rank in owned.ranks and (owned.key, rank) not in self._told and owned.owner_rank != rank:
+            if owned.mesh != mesh or (not mesh and owned.owner_rank == rank):
+                continue
+            if rank in owned.ranks and (owned.key, rank) not in self._told:
                 self._told.add((owned.key, rank))
                 self._tell(owned, MeshFailure(owned.name, owned.class_name, rank, FailureKind.DIED, why))
 

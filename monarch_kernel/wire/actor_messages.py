@@ -82,6 +82,7 @@ class OwnActors:
     name: str
     class_name: str
     ranks: tuple[int, ...]
+    mesh: str = ""  # the owned actors' mesh when it is another than the owner's
 
 
 @dataclass(frozen=True)
