@@ -1,4 +1,4 @@
-"""GPU smoke check (needs one NVIDIA GPU; runs in well under two minutes).
+"""GPU smoke check (needs one NVIDIA GPU, two for the NCCL hang check; runs in well under two minutes).
 
 A local mesh with one rank and NCCL: the rank sees cuda:0, an all_reduce of a CUDA
 tensor works, a CUDA tensor pushed lands on the rank's GPU and pulled lands in the
@@ -64,7 +64,37 @@ def main() -> None:
             cell = snap.cells()[0]
             check("mesh view shows GPU memory and utilization", snap.has_gpu and bool(cell.gpu_total_bytes),
                   snapshot_text(snap).splitlines()[-1])
+    _nccl_hang(torch.cuda.device_count())
     print("gpu smoke: all checks passed")
+
+
+HANG = ("import time, torch, torch.distributed as dist\nt = torch.ones(4, device='cuda')\n"
+        "if dist.get_rank() == 1:\n    time.sleep(60)\ndist.all_reduce(t)\ntorch.cuda.synchronize()")
+
+
+def _nccl_hang(gpus: int) -> None:
+    """Hang diagnosis on NCCL (issue 29): rank 1 sleeps while rank 0 waits in all_reduce; the verdict
+    names both, and a stop frees both ranks with a fresh group. NCCL puts one rank on each GPU: 2 needed."""
+    if gpus < 2:
+        print("SKIP  NCCL hang verdict and stop: needs 2 GPUs (NCCL takes one per rank)", flush=True)
+        return
+    with monarch_kernel.local_mesh(gpus=2, dist="nccl", name="gpu-hang") as mesh:
+        running = mesh.run_async(HANG)
+        deadline, verdict = time.monotonic() + 30, ""
+        while time.monotonic() < deadline and "wait in all_reduce" not in verdict:
+            time.sleep(1)
+            verdict = str(mesh.why())
+        check("NCCL straggler verdict", "rank 0 wait in all_reduce" in verdict and "rank 1 has not entered" in verdict,
+              verdict.splitlines()[0] if verdict else "")
+        stopped = time.perf_counter()
+        try:
+            running.get(timeout=1)  # the wait times out: the cell is stopped on both ranks, as the stop button does
+        except monarch_kernel.MeshTimeoutError as exc:
+            print(f"      the stopped cell: {str(exc).splitlines()[0]}", flush=True)
+        after = mesh.run("import torch, torch.distributed as dist\nt = torch.ones(4, device='cuda')\n"
+                         "dist.all_reduce(t)\nt.sum().item()", timeout=60)
+        check("after a stop, the next NCCL all_reduce works on both ranks", list(after.values()) == [8.0, 8.0],
+              f"{time.perf_counter() - stopped:.1f} s after the stop")
 
 
 def _pull_speed(mesh) -> None:
