@@ -197,8 +197,10 @@ def track_group_sockets() -> None:
 
 def free_main_thread(tell: Callable[[str], None] | None = None) -> str:
     """End the collective the main thread waits in, if it does (a stop's signal cannot reach into its
-    wait): how it was ended, told first to `tell`; "" when it waits in none (any thread)."""
-    if not main_thread_in_collective():
+    wait): how it was ended, told first to `tell`; "" when it waits in none (any thread). NCCL returns
+    from a collective at once and waits later (a synchronize, the tensor's next use), so an NCCL group
+    with a collective entered and not completed counts too."""
+    if not (main_thread_in_collective() or _nccl_work_pending()):
         return ""
     text = ending_text()
     if tell is not None:
@@ -209,6 +211,14 @@ def free_main_thread(tell: Callable[[str], None] | None = None) -> str:
         store_port = None
     abort_collectives(store_port)
     return text
+
+
+def _nccl_work_pending() -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.distributed.is_initialized() or torch.distributed.get_backend() != "nccl":
+        return False
+    groups, _ = progress(with_entries=False)
+    return any(group.waiting for group in groups)
 
 
 def main_thread_in_collective() -> bool:
