@@ -38,6 +38,7 @@ _MESH_NAME = arg("--name", dest="mesh", default=None)
 
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("up", "local [--gpus N] [--name NAME] [--dist gloo|nccl|none] [--env K=V ...] [--preload M,M]\n"
+               "             [--persist DURATION]\n"
                "%mesh up ssh HOST [HOST ...] --gpus N [--dist ...] [--python P] [--setup CMD] [--master-addr A]\n"
                "             [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]\n"
                "%mesh up slurm --nodes N --gpus G [--partition P] [--time T] [--account A] [--qos Q]\n"
@@ -54,6 +55,9 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                        help="modules each host imports once before forking ranks (default: torch, "
                             "unless --dist none; '' for none)"),
                    arg("--timeout", type=float, default=None),
+                   arg("--persist", default=None, metavar="DURATION",
+                       help="local: the mesh outlives the kernel this long without one (8h, 30m, 90s); "
+                            "%%mesh attach NAME takes it back"),
                    arg("--python", default="python3"),
                    arg("--setup", default=None),
                    arg("--master-addr", default=None),
@@ -69,6 +73,10 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                    arg("--wait-timeout", type=float, default=None),
                    arg("--no-direct", action="store_true",
                        help="Slurm: keep all traffic on srun's stdio (no direct TCP link to the nodes)"))),
+    Subcommand("attach", "[NAME] [--take]",
+               "take back a persistent mesh (ranks, variables, actors) after a kernel restart; no NAME: list them",
+               (arg("name", nargs="?"), arg("--take", action="store_true",
+                                            help="even if another live kernel holds it (that kernel loses it)"))),
     Subcommand("status", "[NAME]", "each rank's host, pid, state and load", (arg("name", nargs="?"),)),
     Subcommand("use", "NAME", "make NAME the default mesh", (arg("name"),)),
     Subcommand("down", "[NAME]", "stop a mesh: every rank and agent ends", (arg("name", nargs="?"),)),

@@ -21,6 +21,7 @@ from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.views.display import show_mesh, show_run_timing
 from monarch_kernel.views.shardview import visualize_sharding
 
+from . import persist_commands
 from .commands import HELP, USAGE, cell_parser, line_parser
 from .registry import MeshRegistry
 
@@ -146,7 +147,9 @@ class MeshMagics(Magics):
             if args.hosts:
                 raise UsageError(f"%mesh up local takes no hosts (got {' '.join(args.hosts)}); did you mean ssh?")
             mesh = local_mesh(args.gpus, dist=args.dist or "gloo", name=name, env=env, timeout=args.timeout or 120.0,
-                              preload=args.preload)
+                              preload=args.preload, persist=args.persist)
+        elif args.persist is not None:
+            raise UsageError(f"--persist works for local meshes in this version; {args.kind} meshes end with the kernel")
         elif args.kind == "slurm":
             if args.hosts:
                 raise UsageError(f"%mesh up slurm takes no hosts (got {' '.join(args.hosts)}): Slurm chooses "
@@ -169,6 +172,8 @@ class MeshMagics(Magics):
                             preload=args.preload)
         self.registry.add(mesh)
         self._show_status(mesh)
+
+    _do_attach = persist_commands.do_attach
 
     def _fresh_name(self) -> str:
         i = 0

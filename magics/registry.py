@@ -74,11 +74,11 @@ class MeshRegistry:
         return self._current
 
     def shutdown_all(self) -> None:
-        """Shut down every mesh (kernel exit, extension unload)."""
+        """Shut down every mesh (kernel exit, extension unload); persistent ones wait for the next kernel."""
         for name in list(self._meshes):
             mesh = self._meshes.pop(name)
             try:
-                mesh.shutdown()
+                mesh.leave()
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
         self._current = None

@@ -49,6 +49,9 @@ _EXPORTS = {
     "local_mesh": "monarch_kernel.api.starting",
     "ssh_mesh": "monarch_kernel.api.starting",
     "slurm_mesh": "monarch_kernel.api.slurm",
+    "attach": "monarch_kernel.api.persistent",
+    "persistent_meshes": "monarch_kernel.api.persistent",
+    "stop_persistent": "monarch_kernel.api.persistent",
     "plan": "monarch_kernel.api.planning",
     "Plan": "monarch_kernel.api.planning",
     "Candidate": "monarch_kernel.api.planning",
@@ -88,13 +91,16 @@ __all__ = [
     "SupervisionError",
     "Shape",
     "ValueMesh",
+    "attach",
     "current_rank",
     "endpoint",
     "load_ipython_extension",
     "local_mesh",
+    "persistent_meshes",
     "plan",
     "slurm_mesh",
     "ssh_mesh",
+    "stop_persistent",
     "unload_ipython_extension",
     "visualize_sharding",
 ]
@@ -104,6 +110,7 @@ if TYPE_CHECKING:
     from monarch_kernel.actors.client import ActorFailureEvent, ActorFuture, ActorMesh
     from monarch_kernel.api.futures import MeshFuture
     from monarch_kernel.api.mesh import Mesh
+    from monarch_kernel.api.persistent import attach, persistent_meshes, stop_persistent
     from monarch_kernel.api.planning import Candidate, Plan, plan
     from monarch_kernel.api.starting import local_mesh, ssh_mesh
     from monarch_kernel.core.errors import (

@@ -7,14 +7,17 @@ pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
 
 
 class FakeMesh:
-    """Only what the registry touches: a name and shutdown()."""
+    """Only what the registry touches: a name, shutdown() and leave() (what the kernel's end does)."""
 
     def __init__(self, name):
         self.name = name
-        self.down = False
+        self.down = self.left = False
 
     def shutdown(self):
         self.down = True
+
+    def leave(self):
+        self.left = True
 
 
 def test_newest_is_default_and_use_switches():
@@ -32,4 +35,4 @@ def test_newest_is_default_and_use_switches():
     reg.remove("a")
     assert reg.current == "b"
     reg.shutdown_all()
-    assert b.down and reg.names() == []
+    assert b.left and not b.down and reg.names() == []  # (a persistent mesh waits for the next kernel)

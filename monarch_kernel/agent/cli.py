@@ -93,7 +93,7 @@ def _watch_step_input(agent: HostAgent, read_fd: int) -> None:
 
 async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None,
                  direct: tuple[socket.socket, bytes] | None) -> None:
-    agent = HostAgent(args.host)
+    agent = HostAgent(args.host, tuple(args.mesh_folder) if args.persist else ())
     loop = asyncio.get_running_loop()
     if direct is not None and stdio is not None:
         sock, session = direct
@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cleanup", default=None, help="a folder to remove when the agent exits")
     parser.add_argument("--mesh-folder", action="append", default=[], metavar="PATH",
                         help="a folder of the kernel's mesh: removed as the agent exits if the kernel is gone")
+    parser.add_argument("--persist", action="store_true",
+                        help="the mesh may outlive its kernel: do not die with the process that started us")
     parser.add_argument("--env-stdin", action="store_true", help="read the environment from stdin first (JSON line)")
     parser.add_argument("--direct", default=None, metavar="ADDRESS",
                         help="with --stdio: offer an authenticated TCP link on ADDRESS (the secret follows on stdin)")
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts come as messages, not signals
     from monarch_kernel.rank.entry import die_with_parent
 
-    die_with_parent(signal.SIGTERM)  # the kernel is gone: stop every rank's process group, then exit
+    if not args.persist:  # (a persistent mesh hears of its kernel's end on the link, and waits for the next)
+        die_with_parent(signal.SIGTERM)  # the kernel is gone: stop every rank's process group, then exit
     become_subreaper()  # what the ranks start stays below us, however it detaches (agent/descendants.py)
     if args.cleanup:  # whoever ships the next copy removes this one if we die without cleaning up
         owned_folder(args.cleanup, remove_on_failure=False)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import dataclasses
+import os
 import sys
 import time
 import traceback
@@ -26,7 +26,8 @@ from monarch_kernel.agent.descendants import kill_descendants
 from monarch_kernel.agent.fd_output import FdOutput
 from monarch_kernel.agent.host_shm import HostShm
 from monarch_kernel.agent.launcher import RankProcess
-from monarch_kernel.agent.ops import run_host_operation
+from monarch_kernel.agent.ops import HostOperations
+from monarch_kernel.agent.persistence import Persistence
 from monarch_kernel.agent.preload import Preloader
 from monarch_kernel.agent.rank_set import RankSet, tail_text
 from monarch_kernel.agent.relays import UP_TYPES, AgentRelays
@@ -34,6 +35,7 @@ from monarch_kernel.core.failures import exit_text
 from monarch_kernel.core.versions import __version__
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
+from monarch_kernel.wire import persist_messages as pm
 from monarch_kernel.wire import relay_messages as rm
 from monarch_kernel.wire.diagnosis import InspectRanks
 from monarch_kernel.wire.relay_link import RelayLink
@@ -47,8 +49,10 @@ IN_ORDER = (m.ToRanks, m.ActorCall, m.InterruptRanks, m.InputReply, m.CancelCall
 class HostAgent:
     """Routes between one controller connection and this host's ranks."""
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, mesh_folders: tuple[str, ...] = ()):
         self.host = host
+        self.mesh_folders = mesh_folders  # the kernel's folders of the mesh (a persistent mesh keeps them)
+        self.persistence: Persistence | None = None  # the mesh outlives its kernel (`Persist`)
         self.preloader = Preloader()
         self.ranks = RankSet(host, self, self.preloader)
         self.pending: dict[int, tuple[set[int], list[m.Result]]] = {}  # req_id -> (waiting ranks, results)
@@ -59,7 +63,7 @@ class HostAgent:
         self.last_load = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._fd_output = FdOutput()
-        self._files: concurrent.futures.ThreadPoolExecutor | None = None  # host operations, in order
+        self._host_ops = HostOperations()  # workspace files and the like: in order, off the loop
         self._copying = False  # a push is being copied: work for the ranks waits in _backlog
         self._backlog: collections.deque[tuple[Callable[[Any], None], Any]] = collections.deque()
         self.shm = HostShm()  # values for several ranks, written once to shared memory
@@ -81,7 +85,8 @@ class HostAgent:
             m.BindStore: lambda msg: self._bind_store(msg.addr),
             m.StartRanks: lambda msg: self._spawn(self._start(msg)),
             m.Shutdown: lambda msg: self._spawn(self.shutdown("the controller asked", asked=True)),
-            m.HostOp: lambda msg: self._spawn(self._host_op(msg)),
+            pm.Persist: lambda msg: self._spawn(self._persist(msg)),
+            m.HostOp: lambda msg: self._spawn(self._host_ops.run(msg, self.to_controller)),
             rm.RelayServe: lambda msg: self._spawn(self.relays.serve(msg)),
             rm.RelayJoin: lambda msg: self._spawn(self.relays.join(msg)),
             rm.RelayDown: lambda msg: self.relays.down(msg),
@@ -127,8 +132,23 @@ class HostAgent:
                 self._fail_request(msg, exc)
 
     def on_controller_closed(self, exc: Exception | None) -> None:
-        """The controller is gone (kernel died, SSH dropped): take every rank down."""
-        self._spawn(self.shutdown(f"the controller connection closed ({exc})"))
+        """The controller is gone: take every rank down (a persistent mesh waits for the next kernel)."""
+        if self.persistence is None:
+            self._spawn(self.shutdown(f"the controller connection closed ({exc})"))
+        elif self.controller is not None and self.controller.closed and not self.done.done():
+            self.controller = None
+            self.persistence.detach(f"the controller connection closed ({exc})")
+
+    async def _persist(self, msg: pm.Persist) -> None:
+        self.persistence = await Persistence(self, self.ranks, msg, self.mesh_folders).listen()
+        self.to_controller(pm.PersistReady(os.getpid()))
+
+    def take_over(self, notice: pm.TakenOver) -> None:
+        """Another kernel takes the mesh: the one holding it hears so, and its link goes."""
+        old, self.controller = self.controller, None
+        if old is not None:
+            old.send(notice)
+            asyncio.get_running_loop().call_later(0.1, old.close)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run a coroutine on the agent's loop (kept referenced until it ends)."""
@@ -144,7 +164,9 @@ class HostAgent:
             self._send_controller(msg)
 
     def _send_controller(self, msg: Any) -> None:
-        if self.controller is None:
+        if self.controller is None and self.persistence is not None:
+            self.persistence.hold(msg)  # no kernel holds the mesh now: the next one gets it
+        elif self.controller is None:
             self._outbox.append(msg)  # the connection is still being set up
         elif not self.controller.closed:
             self.controller.send(msg)
@@ -346,17 +368,6 @@ class HostAgent:
             return
         self.to_controller(m.StoreBound(port))
 
-    async def _host_op(self, msg: m.HostOp) -> None:
-        """Workspace files and the like: one at a time, in order, off the loop."""
-        if self._files is None:
-            self._files = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-op")
-        try:
-            result = await asyncio.get_running_loop().run_in_executor(self._files, run_host_operation, msg.op)
-        except Exception as exc:  # noqa: BLE001 - the controller gets the reason
-            self.to_controller(m.HostOpDone(msg.op_id, None, f"{type(exc).__name__}: {exc}"))
-        else:
-            self.to_controller(m.HostOpDone(msg.op_id, result))
-
     async def shutdown(self, why: str, *, asked: bool = False) -> None:
         """Stop all ranks and end the agent (asked: by the controller, so the exits are expected)."""
         if self.done.done():
@@ -373,6 +384,8 @@ class HostAgent:
             kill_descendants(keep=self.ranks.pids())  # helpers that left their rank's group
             self.ranks.close()
             self.shm.close()
+            if self.persistence is not None:
+                self.persistence.close()
             if self.controller is not None:
                 self.controller.close()
             if not self.done.done():

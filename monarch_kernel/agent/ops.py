@@ -3,6 +3,8 @@ one per operation type."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import shutil
 import socket
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.agent import files, workspace
+from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import ops
 
 HANDLERS: dict[type, Callable[[Any], dict[str, Any]]] = {
@@ -53,3 +56,21 @@ def run_host_operation(op: Any) -> dict[str, Any]:
     if handler is None:
         raise TypeError(f"this agent has no operation {type(op).__name__} (another monarch_kernel version?)")
     return handler(op)
+
+
+class HostOperations:
+    """Host operations run one at a time, in order, off the agent's loop."""
+
+    def __init__(self) -> None:
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def run(self, msg: m.HostOp, answer: Callable[[m.HostOpDone], None]) -> None:
+        """Carry out `msg.op`; its result (or why it failed) goes to `answer`."""
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-op")
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._thread, run_host_operation, msg.op)
+        except Exception as exc:  # noqa: BLE001 - the controller gets the reason
+            answer(m.HostOpDone(msg.op_id, None, f"{type(exc).__name__}: {exc}"))
+        else:
+            answer(m.HostOpDone(msg.op_id, result))

@@ -224,9 +224,15 @@ class RankSet:
             return
         answers = data.split(b"\n")
         if len(answers) > 1:  # the latest complete answer says what the rank is doing
-            activity, _, collective = answers[-2].lstrip(b".").decode("utf-8", "replace").partition("\t")
+            activity, _, rest = answers[-2].lstrip(b".").decode("utf-8", "replace").partition("\t")
+            collective, _, request = rest.partition("\t")
             went_idle = bool(proc.activity) and not activity
             proc.activity, proc.collective = activity, collective
+            req_id, _, label = request.partition(":")
+            if req_id.isdigit():
+                proc.requests[int(req_id)] = label  # (what a persistent mesh's held output is named by)
+                if len(proc.requests) > 64:
+                    del proc.requests[next(iter(proc.requests))]
             if went_idle:
                 self.listener.on_went_idle()
         proc.last_pong = time.monotonic()

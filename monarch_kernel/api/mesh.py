@@ -19,6 +19,7 @@ from monarch_kernel.actors.procs import HostMesh
 from monarch_kernel.actors.spawning import spawn_actor_mesh
 from monarch_kernel.api import environment, hangs, profiles, sampling, workspace
 from monarch_kernel.api.futures import MeshFuture, raise_failures
+from monarch_kernel.api.kept_state import KeptState
 from monarch_kernel.api.mesh_files import HostFiles
 from monarch_kernel.api.mesh_start import start_runtime
 from monarch_kernel.api.session import Session
@@ -40,7 +41,7 @@ from monarch_kernel.wire.serialization import arriving_on, release, seal, unseal
 T = TypeVar("T")
 
 
-class Mesh(HostFiles):
+class Mesh(HostFiles, KeptState):
     """Ranks you can run code on, push values to and pull values from."""
 
     def __init__(self, runtime: MeshRuntime, shape: Shape):
@@ -350,8 +351,12 @@ class Mesh(HostFiles):
         return mesh
 
     def shutdown(self) -> None:
-        """Stop the whole mesh: every rank and agent process ends."""
+        """Stop the whole mesh: every rank and agent process ends (a persistent one too, and its record)."""
         self._runtime.shutdown()
+
+    def leave(self) -> None:
+        """Let go of the mesh as the kernel's end does: shut down, or left for the next kernel if persistent."""
+        self._runtime.leave()
 
     def __enter__(self) -> Mesh:
         return self

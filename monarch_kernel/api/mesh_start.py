@@ -9,12 +9,15 @@ from collections.abc import Sequence
 
 from monarch_kernel.api.session import Session
 from monarch_kernel.api.sinks import IdleOutput, report_timing
-from monarch_kernel.controller.hosts import HostSpec
+from monarch_kernel.controller.hosts import HostKind, HostSpec
+from monarch_kernel.controller.persistence import PersistentRuntime, ask_now
 from monarch_kernel.controller.runtime import MeshRuntime
 from monarch_kernel.controller.state import RELAY_BRANCHING, Allocation, MeshSpec
 from monarch_kernel.core.addresses import is_unspecified
 from monarch_kernel.core.errors import MeshInterrupted, MeshStartError, MeshUsageError
+from monarch_kernel.core.mesh_records import RecordError, parse_duration, read_record, remove_record
 from monarch_kernel.wire.messages import HealthTimings
+from monarch_kernel.wire.persist_messages import MeshQuery
 
 BACKENDS = ("gloo", "nccl", "none")
 MESH_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
@@ -25,7 +28,7 @@ _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 def start_runtime(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, env: dict[str, str] | None,
                 timeout: float, master_addr: str | None, health: HealthTimings | None, *,
                 allocation: Allocation | None = None, preload: Sequence[str] | None = None,
-                relay_branching: int = RELAY_BRANCHING) -> MeshRuntime:
+                relay_branching: int = RELAY_BRANCHING, persist: str | float | None = None) -> MeshRuntime:
     """Check a mesh's settings and start its runtime (agents and ranks); raises MeshUsageError or
     MeshStartError saying what to change. `Mesh.started` wraps it for the user."""
     if not isinstance(gpus, int) or gpus < 1:
@@ -45,9 +48,12 @@ def start_runtime(hosts: list[HostSpec], gpus: int, dist: str, name: str | None,
                              "other hosts reach the first one (never 0.0.0.0 or an empty one)")
     if not isinstance(relay_branching, int) or relay_branching < 1:
         raise MeshUsageError(f"relay_branching={relay_branching!r}: give the number of hosts a relay sends to (>= 1)")
+    persist_s = check_persist(persist, name, hosts) if persist is not None else None
     spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings(),
-                    preload=preload_list(preload, dist), allocation=allocation, relay_branching=relay_branching)
-    runtime = MeshRuntime(spec, idle_output=IdleOutput().write, report_timing=report_timing)
+                    preload=preload_list(preload, dist), allocation=allocation, relay_branching=relay_branching,
+                    persist_s=persist_s)
+    kind = MeshRuntime if persist_s is None else PersistentRuntime
+    runtime = kind(spec, idle_output=IdleOutput().write, report_timing=report_timing)
     try:
         runtime.start()
     except BaseException as exc:
@@ -59,6 +65,26 @@ def start_runtime(hosts: list[HostSpec], gpus: int, dist: str, name: str | None,
                                   []) from None
         raise MeshStartError(f"mesh {name!r} failed to start: {exc}") from exc
     return runtime
+
+
+def check_persist(persist: str | float, name: str, hosts: list[HostSpec]) -> float:
+    """The seconds a new mesh persists; raises MeshUsageError saying what to change."""
+    try:
+        seconds = parse_duration(persist)
+    except ValueError as exc:
+        raise MeshUsageError(str(exc)) from None
+    if any(h.kind != HostKind.LOCAL for h in hosts):
+        raise MeshUsageError("persist works for local meshes in this version; SSH and Slurm meshes still end "
+                             "with their kernel")
+    try:
+        record = read_record(name)
+    except RecordError:
+        return seconds  # none by that name (an unreadable one is replaced when the new one is written)
+    if ask_now(record, MeshQuery()) is not None:
+        raise MeshUsageError(f"a persistent mesh named {name!r} is running: attach it with %mesh attach {name} "
+                             f"(monarch_kernel.attach({name!r})), or pick another name")
+    remove_record(name, record.agent_pid)  # its agent is gone: the record is stale
+    return seconds
 
 
 def preload_list(preload: Sequence[str] | None, dist: str) -> tuple[str, ...]:

@@ -107,7 +107,7 @@ class Session:
         self.uninstall()
         for runtime in self.open_meshes():
             try:
-                runtime.shutdown()
+                runtime.leave()
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
         ControllerLoop.stop()

@@ -50,14 +50,47 @@ class AgentHandle(Protocol):
         """End the session or step."""
 
 
+class Connection(Protocol):
+    """A framed link to one host agent: a socketpair or pipe (`wire/transport.AsyncConnection`), an
+    SSH channel (`controller/ssh_channel.ChannelConnection`) or a sealed TCP link (`wire/relay_link.RelayLink`)."""
+
+    bytes_sent: int  # what send() has queued in all
+
+    @property
+    def last_received(self) -> float:
+        """When bytes last arrived (time.monotonic()), complete frame or not."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether the link is closed."""
+
+    def backlog(self) -> int:
+        """Bytes queued for the agent that it has not taken yet."""
+
+    def send(self, msg: Any) -> None:
+        """Queue one message (never blocks)."""
+
+    def send_chunks(self, chunks: list) -> None:
+        """Queue an already encoded frame."""
+
+    def close(self) -> None:
+        """Close the link (the agent sees its end)."""
+
+
 @dataclass
 class HostConnection:
     """A started agent: how to talk to it and how to end it."""
 
     sock: socket.socket | None  # local agents: our end of the socketpair
     address: str  # the address the controller reached the host at
-    process: subprocess.Popen | None = None  # local agents
+    process: subprocess.Popen | None = None  # local agents we started
     remote: AgentHandle | None = None  # remote ones: SSH or a Slurm job step
+    local_pid: int | None = None  # a local agent's pid (one another kernel started, too, once attached)
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the agent runs on this machine (its ranks have direct lanes and shared memory)."""
+        return self.local_pid is not None
 
     async def connect(self, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]) -> Any:
         """A framed connection to the agent (socketpair, or the SSH channel)."""
@@ -70,7 +103,7 @@ class HostConnection:
     @property
     def pid(self) -> int | None:
         """The local agent's pid (None for a remote agent)."""
-        return self.process.pid if self.process is not None else None
+        return self.local_pid
 
     async def explain_exit(self, log_path: str) -> str:
         """Why the agent is gone (for start-up failures)."""
@@ -86,9 +119,9 @@ class HostConnection:
 
     def kill_local(self, rank_pids: list[int]) -> None:
         """A local agent that stopped answering (SIGSTOP, wedged): SIGKILL it and its ranks' process groups."""
-        if self.process is None:
+        if self.local_pid is None:
             return
-        for pid in [self.process.pid, *rank_pids]:
+        for pid in [self.local_pid, *rank_pids]:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -115,13 +148,14 @@ class HostConnection:
             self.remote.close()
 
 
-def spawn_local_agent(host: str, log_path: str, python: str | None = None,
-                      mesh_folders: tuple[str, ...] = ()) -> tuple[subprocess.Popen, socket.socket]:
+def spawn_local_agent(host: str, log_path: str, python: str | None = None, mesh_folders: tuple[str, ...] = (),
+                      persist: bool = False) -> tuple[subprocess.Popen, socket.socket]:
     """Start a host agent on this machine, connected by a private socketpair.
 
     The agent gets its own session, so the kernel's SIGINT does not reach it; it dies
     with the thread that started it (PR_SET_PDEATHSIG) or when the socket closes. If the
-    kernel is gone by then (killed), the agent removes `mesh_folders` as it exits.
+    kernel is gone by then (killed), the agent removes `mesh_folders` as it exits. With `persist`
+    it does not die with the kernel: a persistent mesh's agent waits for the next one.
     """
     ours, theirs = socket.socketpair()
     env = dict(os.environ)
@@ -130,7 +164,7 @@ def spawn_local_agent(host: str, log_path: str, python: str | None = None,
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [python or sys.executable, "-m", "monarch_kernel.agent", "--fd", str(theirs.fileno()), "--host", host,
-             *(arg for folder in mesh_folders for arg in ("--mesh-folder", folder))],
+             *(arg for folder in mesh_folders for arg in ("--mesh-folder", folder)), *(["--persist"] if persist else [])],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             start_new_session=True, env=env, close_fds=True,
         )
@@ -139,15 +173,15 @@ def spawn_local_agent(host: str, log_path: str, python: str | None = None,
 
 
 async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str],
-                    mesh_folders: tuple[str, ...] = ()) -> HostConnection:
+                    mesh_folders: tuple[str, ...] = (), persist: bool = False) -> HostConnection:
     """Start the agent of one host; raises MeshStartError with a per-host reason.
 
     mesh_folders: the kernel's folders for the mesh, which a local agent removes if it
-    outlives the kernel.
+    outlives the kernel. persist: the mesh may outlive the kernel (local hosts only, for now).
     """
     if spec.kind == HostKind.LOCAL:
-        proc, sock = spawn_local_agent(spec.name, log_path, python=None, mesh_folders=mesh_folders)
-        return HostConnection(sock, "127.0.0.1", process=proc)
+        proc, sock = spawn_local_agent(spec.name, log_path, python=None, mesh_folders=mesh_folders, persist=persist)
+        return HostConnection(sock, "127.0.0.1", process=proc, local_pid=proc.pid)
     if spec.kind == HostKind.SLURM:
         from monarch_kernel.controller.slurm_step import SlurmStep
 

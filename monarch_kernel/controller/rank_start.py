@@ -53,7 +53,7 @@ async def start_ranks(state: MeshState, spec: MeshSpec, relays: ControllerRelays
     for link, host in zip(links, hosts):
         specs = tuple(m.RankSpec(r, i, spec.gpus) for i, r in enumerate(link.ranks))
         link.send(m.StartRanks(ranks=specs, dist=dist, env=dict(spec.env),
-                               shm_dir=state.shm_dir if host.process else None,
+                               shm_dir=state.shm_dir if host.is_local else None,
                                node_rank=link.index, master_port=port, health=spec.health, mesh=state.name))
     try:
         infos = await asyncio.wait_for(asyncio.gather(*started), spec.start_timeout_s)

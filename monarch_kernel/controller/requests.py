@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -25,6 +24,7 @@ from monarch_kernel.controller.router import ControllerSender
 from monarch_kernel.controller.state import MeshState, RankState, Request
 from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.core.failures import FailureKind, RankFailure
+from monarch_kernel.core.ids import fresh_ids
 from monarch_kernel.core.output_caps import fd_dropped_note, fit
 from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.wire import messages as m
@@ -39,7 +39,7 @@ IdleOutput = Callable[[int, str, str], None]  # (rank, stream, text) printed out
 class RequestBook:
     """The requests of one mesh, from submission to completion."""
 
-    _req_ids = itertools.count(1)
+    _req_ids = fresh_ids()
 
     def __init__(self, state: MeshState, loop: ControllerLoop, sender: ControllerSender, idle_output: IdleOutput):
         self._state = state

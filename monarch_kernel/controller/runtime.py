@@ -1,8 +1,6 @@
-"""MeshRuntime: the life of one mesh on the controller's loop: start, watch, restart, shut down.
-
-It connects to each host's agent, starts the ranks, pings the agents, and dispatches what they send
-(by type) to the request book, the call router or itself; the notebook's thread hands it work.
-"""
+"""MeshRuntime: the life of one mesh on the controller's loop: start, watch, restart, shut down. It
+connects to each host's agent, starts the ranks, pings the agents, and dispatches what they send (by
+type) to the request book, the call router or itself; the notebook's thread hands it work."""
 
 from __future__ import annotations
 
@@ -52,12 +50,12 @@ class MeshRuntime:
 
     def __init__(self, spec: MeshSpec, *, idle_output: IdleOutput | None = None,
                  report_timing: TimingReporter | None = None, opener: HostOpener = open_host,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, folders: tuple[str, str] | None = None):
         self.spec = spec
         self._open_host = opener  # how a host's agent is started (tests give an in-memory one)
         self._clock = clock  # what "now" is when judging a host's silence
         self.controller = ControllerLoop.get()
-        self.state = MeshState(spec.name)
+        self.state = MeshState(spec.name, folders)  # (folders: those of a mesh that outlived its kernel)
         self.sender = ControllerSender(self.state, self.controller, report_timing)  # actor calls
         self.requests = RequestBook(self.state, self.controller, self.sender, idle_output or (lambda *_: None))
         self.relays = ControllerRelays(spec.relay_branching, _notice)  # fan-out through agents, past branching hosts
@@ -87,8 +85,8 @@ class MeshRuntime:
             m.Pong: lambda link, msg: None,  # any message counts as a sign of life
             m.AgentProblem: lambda link, msg: print(f"monarch_kernel: host {link.name}: {msg.text}",
                                                     file=sys.stderr, flush=True),
-            m.RanksStarted: self._on_started,
-            m.StoreBound: self._on_store_bound,
+            m.RanksStarted: lambda link, msg: settle(link.started, msg.ranks),
+            m.StoreBound: lambda link, msg: settle(link.store_port, msg.port),
             m.RanksFailed: self._on_ranks_failed,
             m.HostOpDone: lambda link, msg: self.host_ops.done(link, msg),
             RankInspection: lambda link, msg: self.inspections.answer(msg),
@@ -105,7 +103,7 @@ class MeshRuntime:
 
     @property
     def closed(self) -> bool:
-        """Whether the mesh was shut down."""
+        """Whether the mesh was shut down (or left for the next kernel, or taken over by another)."""
         return self.state.closed
 
     @property
@@ -162,7 +160,8 @@ class MeshRuntime:
     async def _connect(self, link: HostLink, spec: HostSpec) -> None:
         link.greeted = quiet_future(asyncio.get_running_loop())
         host = link.host = await self._open_host(spec, log_path=link.log_path, env=self.spec.env,
-                                                 mesh_folders=(self.state.run_dir, self.state.shm_dir))
+                                                 mesh_folders=(self.state.run_dir, self.state.shm_dir),
+                                                 persist=self.spec.persist_s is not None)
         link.last_pong = self._clock()
         link.conn = await host.connect(partial(self._on_message, link), partial(self._on_lost, link))
 
@@ -173,9 +172,8 @@ class MeshRuntime:
         try:
             restarting.result(timeout or self.spec.start_timeout_s + 10)
         except BaseException:
-            # Ctrl-C or a timeout: a renewal still waiting for the scheduler is given up (its job
-            # cancelled, nothing left queued); ranks already starting finish starting, so that the
-            # mesh is whole again (a restart cut off half-way would leave it half started)
+            # Ctrl-C or a timeout: a renewal still waiting for the scheduler is given up (its job cancelled); ranks
+            # already starting finish starting, so that the mesh is whole again (not half started)
             if self.spec.allocation is not None:
                 self.spec.allocation.abandon()
             raise
@@ -203,6 +201,10 @@ class MeshRuntime:
             rank_state.inflight.clear()
             rank_state.fd_seen = 0  # the fresh ranks' fd output is counted from 0 (wire/fd_marks.py)
         await start_ranks(self.state, self.spec, self.relays)
+
+    def leave(self) -> None:
+        """What the kernel's end does to the mesh: shut it down (a persistent mesh waits for the next kernel)."""
+        self.shutdown()
 
     def shutdown(self) -> None:
         """Stop every rank and agent and remove temporary files (idempotent)."""
@@ -275,14 +277,6 @@ class MeshRuntime:
             rank_state = self.state.ranks.get(load.rank)
             if rank_state is not None:
                 rank_state.load = load
-
-    def _on_started(self, link: HostLink, msg: m.RanksStarted) -> None:
-        if link.started is not None and not link.started.done():
-            link.started.set_result(msg.ranks)
-
-    def _on_store_bound(self, link: HostLink, msg: m.StoreBound) -> None:
-        if link.store_port is not None and not link.store_port.done():
-            link.store_port.set_result(msg.port)
 
     def _on_ranks_failed(self, link: HostLink, msg: m.RanksFailed) -> None:
         if link.started is not None and not link.started.done():
@@ -382,10 +376,16 @@ def _shutdown_open_meshes() -> None:
     """The one exit hook: meshes never shut down stop and leave no files, then the loop ends (as Session.close)."""
     for runtime in list(MeshRuntime._open):
         try:
-            runtime.shutdown()
+            runtime.leave()
         except Exception:  # noqa: BLE001 - best effort while the interpreter exits
             pass
     ControllerLoop.stop()
+
+
+def settle(future: asyncio.Future[Any] | None, value: Any) -> None:
+    """Resolve a future someone may be waiting on (nothing if there is none, or it is done)."""
+    if future is not None and not future.done():
+        future.set_result(value)
 
 
 RELAYED_UP = (m.Output, m.Display, m.Gathered)  # what may come up a relay tree (see agent/relays.py)

@@ -30,7 +30,7 @@ from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.wire import messages as m
 
 if TYPE_CHECKING:
-    from monarch_kernel.controller.hosts import HostConnection
+    from monarch_kernel.controller.hosts import Connection, HostConnection
 
 RANK_LOG_LINES = 500
 RELAY_BRANCHING = 16  # the default: hosts the controller (and each relay) sends a broadcast to itself
@@ -69,6 +69,7 @@ class MeshSpec:
     start_timeout_s: float = 120.0
     health: m.HealthTimings = m.HealthTimings()
     preload: tuple[str, ...] = ("torch",)  # imported by each agent before it forks ranks
+    persist_s: float | None = None  # it outlives its kernel this long without one (None: it dies with it)
     relay_branching: int = RELAY_BRANCHING  # past this many hosts, agents relay the controller's broadcasts
     allocation: Allocation | None = field(default=None, compare=False)  # a scheduler's job the mesh runs in
 
@@ -205,33 +206,6 @@ class TimingRecord(NamedTuple):
     finished_at: float
 
 
-class Connection(Protocol):
-    """A framed link to one host agent: a socketpair or pipe (`wire/transport.AsyncConnection`), an
-    SSH channel (`controller/ssh_channel.ChannelConnection`) or a sealed TCP link (`wire/relay_link.RelayLink`)."""
-
-    bytes_sent: int  # what send() has queued in all
-
-    @property
-    def last_received(self) -> float:
-        """When bytes last arrived (time.monotonic()), complete frame or not."""
-
-    @property
-    def closed(self) -> bool:
-        """Whether the link is closed."""
-
-    def backlog(self) -> int:
-        """Bytes queued for the agent that it has not taken yet."""
-
-    def send(self, msg: Any) -> None:
-        """Queue one message (never blocks)."""
-
-    def send_chunks(self, chunks: list) -> None:
-        """Queue an already encoded frame."""
-
-    def close(self) -> None:
-        """Close the link (the agent sees its end)."""
-
-
 @dataclass
 class HostLink:
     """The controller's end of one host agent."""
@@ -276,16 +250,21 @@ class HostLink:
 class MeshState:
     """The ranks, host links, requests and timing history of one mesh."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, folders: tuple[str, str] | None = None) -> None:
+        """folders: (run_dir, shm_dir) of a mesh that outlived its kernel (else new ones are made)."""
         self.name = name
         self.links: list[HostLink] = []
         self.ranks: dict[int, RankState] = {}
         self.requests: dict[int, Request] = {}
         self.history: deque[TimingRecord] = deque(maxlen=HISTORY_RECORDS)
         self.closed = False
+        self.closed_why = ""  # why it is closed, when not by %mesh down (taken over, left for the next kernel)
         sweep_stale_folders()
-        self.run_dir = owned_folder(tempfile.mkdtemp(prefix=f"monarch-{name}-"))
-        self.shm_dir = owned_folder(private_shm_dir(name))
+        if folders is not None:
+            self.run_dir, self.shm_dir = folders
+        else:
+            self.run_dir = owned_folder(tempfile.mkdtemp(prefix=f"monarch-{name}-"))
+            self.shm_dir = owned_folder(private_shm_dir(name))
         self._local_ranks: tuple[list[HostLink], frozenset[int]] = ([], frozenset())
         # sends work down the relay tree while there is one (controller/relays.py): (links, by_link, body)
         self.relay_route: Callable[[list[HostLink], Iterable[tuple[HostLink, tuple[int, ...]]], Any], None] | None = None
@@ -333,7 +312,7 @@ class MeshState:
         """The shared-memory folder, if every one of these ranks runs on this machine (any thread)."""
         links, local = self._local_ranks
         if links is not self.links or len(local) == 0:  # hosts were (re)connected
-            local = frozenset(r for link in self.links if link.host is not None and link.host.process is not None
+            local = frozenset(r for link in self.links if link.host is not None and link.host.is_local
                               for r in link.ranks)
             self._local_ranks = (self.links, local)
         return self.shm_dir if local.issuperset(ranks) else None
@@ -353,8 +332,8 @@ class MeshState:
     def require_open(self) -> None:
         """Raise MeshNotRunningError if the mesh was shut down."""
         if self.closed:
-            raise MeshNotRunningError(
-                f"mesh {self.name!r} is shut down; start a new one with %mesh up or local_mesh()")
+            raise MeshNotRunningError(self.closed_why or
+                                      f"mesh {self.name!r} is shut down; start a new one with %mesh up or local_mesh()")
 
     def death_failure(self, state: RankState, how: str) -> RankFailure:
         """The failure of work on a dead rank: pid, exit code or signal, stderr tail, what to do."""

@@ -4,8 +4,10 @@ live process, and swept once their owner is gone (a killed process cleans up not
 Kernels keep a mesh's sockets and shared-memory buffers in such folders; host agents keep the
 buffers of a push they hand to several ranks of their host.
 
-Liveness is a lock, not a pid: the owner holds an `flock` on the folder's `.owner` file for its
-whole life (the kernel frees it when the process ends, however it ends). A pid would mean nothing
+Liveness is a lock, not a pid: the owner holds a shared `flock` on the folder's `.owner` file for
+its whole life (the kernel frees it when the process ends, however it ends), and a sweep, which
+takes it exclusively, cannot while anyone holds it. Another process may hold the folder too
+(`share_folder`: the agent of a mesh that outlives its kernel). A pid would mean nothing
 to a process in another PID namespace that shares /dev/shm (containers run with `--ipc=host`),
 which would take a live mesh's folders for stale ones.
 """
@@ -16,6 +18,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+import time
 
 OWNER_FILE = ".owner"  # locked by the owner for its life; holds its pid, for people reading it
 _held: dict[str, int] = {}  # folder -> the descriptor whose lock says "its owner is alive"
@@ -31,7 +34,7 @@ def owned_folder(path: str, *, remove_on_failure: bool = True) -> str:
     try:
         fd, temp = tempfile.mkstemp(prefix=".owner-", dir=path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             os.write(fd, str(os.getpid()).encode())
             os.rename(temp, os.path.join(path, OWNER_FILE))
         except BaseException:
@@ -43,6 +46,38 @@ def owned_folder(path: str, *, remove_on_failure: bool = True) -> str:
         raise
     _held[path] = fd
     return path
+
+
+def share_folder(path: str, timeout: float = 2.0) -> None:
+    """Hold another process's marked folder alive too, for as long as this process lives (or until
+    `release_folder`): raises OSError if it is not a folder of ours that still has an owner."""
+    fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            raise PermissionError(f"{path} is not a folder of ours")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # a sweep looks at it this instant
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+    except BaseException:
+        os.close(fd)
+        raise
+    old = _held.pop(path, None)
+    if old is not None:
+        os.close(old)
+    _held[path] = fd
+
+
+def forget_folder(path: str) -> None:
+    """Let go of our hold on a folder without removing it (another process holds it too)."""
+    fd = _held.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def release_folder(path: str) -> None:

@@ -1,13 +1,12 @@
 """The actors living on one rank: their instances, mailboxes and the calls they serve.
 
-Every actor has a mailbox served one message at a time, in arrival order (each sender's
-order: every route between two processes is one FIFO stream). Sync endpoints run inline on
-the main thread, so an interrupt reaches them as KeyboardInterrupt; async endpoints run as
-tasks on the rank's event loop, so an actor awaiting another call holds up no other actor.
-While a sync endpoint (or a `%%mesh` cell) waits on actor calls, the main thread serves the
-other actors' mailboxes from inside that wait, so it may block on another actor of its own
-rank (as in Ray or Monarch); what cannot finish is reported (`rank/deadlocks.py`).
-The rank's own `CallSender` is `rank/rank_sender.py`.
+Every actor has a mailbox served one message at a time, in arrival order (each sender's order: every
+route between two processes is one FIFO stream). Sync endpoints run inline on the main thread, so an
+interrupt reaches them as KeyboardInterrupt; async endpoints run as tasks on the rank's event loop, so
+an actor awaiting another call holds up no other actor. While a sync endpoint (or a `%%mesh` cell)
+waits on actor calls, the main thread serves the other actors' mailboxes from inside that wait, so it
+may block on another actor of its own rank (as in Ray or Monarch); what cannot finish is reported
+(`rank/deadlocks.py`). The rank's own `CallSender` is `rank/rank_sender.py`.
 """
 
 from __future__ import annotations
@@ -118,6 +117,10 @@ class ActorHost:
         self._keys[name] = key
         self._mailboxes[key] = _Mailbox(name, key, instance, shape, point)
         return f"{cls.__name__} on rank {self.rank}"
+
+    def meshes(self) -> list[tuple[str, str, Any, Shape]]:
+        """The actor meshes here: (name, spawn key, this rank's instance, shape)."""
+        return [(box.name, box.key, box.instance, box.shape) for box in map(self._mailboxes.get, self._keys.values()) if box]
 
     def stop_key(self, key: str) -> bool:
         """Stop the actors of one spawn (by key) on this rank; False if it is not (or no longer) here."""

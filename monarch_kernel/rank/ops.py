@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from monarch_kernel.actors.base import endpoint
+from monarch_kernel.actors.base import endpoint, endpoint_parameters
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.versions import versions
 from monarch_kernel.rank import profiling
@@ -38,6 +38,9 @@ class Actors(Protocol):
     def stop_key(self, key: str) -> bool:
         """Stop this rank's actor of a spawn; whether it was there."""
 
+    def meshes(self) -> list[tuple[str, str, Any, Shape]]:
+        """The actor meshes here: (name, spawn key, this rank's instance, shape)."""
+
 
 class RankOps:
     """The table of this rank's operation handlers (keyed by the operation's type)."""
@@ -61,6 +64,7 @@ class RankOps:
             ops.StartProfile: lambda op: profiling.start(),
             ops.StopProfile: lambda op: profiling.stop(),
             ops.ReadClock: lambda op: profiling.clock_us(),
+            ops.ListActorMeshes: lambda op: self._actor_meshes(),
         }
         assert set(self._table) == set(ops.RANK_OPERATIONS), "every rank operation has a handler"
 
@@ -85,6 +89,10 @@ class RankOps:
     def _spawn(self, op: ops.SpawnActors) -> str:
         cls, args, kwargs = unseal(op.actor)
         return self.actors.spawn(op.name, op.key, cls, args, kwargs, op.shape, op.sources)
+
+    def _actor_meshes(self) -> dict[str, tuple[str, str, frozenset[str], dict[str, Any], Shape]]:
+        return {name: (key, type(instance).__name__, type(instance)._endpoints, endpoint_parameters(type(instance)), shape)
+                for name, key, instance, shape in self.actors.meshes()}
 
     def _describe(self, op: ops.Describe) -> Any:
         from monarch_kernel.rank.tensorinfo import describe

@@ -178,11 +178,12 @@ class Worker:
         return self.actors.activity().rsplit(" ", 1)[0]
 
     def activity(self) -> str:
-        """What the heartbeat tells the agent: the actors' activity, and the collective the main
-        thread waits in (after a tab), if any."""
+        """What the heartbeat tells the agent: the actors' activity, the collective the main thread
+        waits in, and the request it runs as "REQ_ID:LABEL" (tab-separated; trailing empty ones left out)."""
         doing = self.actors.activity()
         waiting = collectives.brief() if self.in_user_code else ""
-        return f"{doing}\t{waiting}" if waiting else doing
+        request = f"{self.current_req}:{self.current_label}" if self.current_req is not None else ""
+        return "\t".join((doing, waiting, request)).rstrip("\t")
 
     def _on_sigint(self, signum, frame) -> None:
         self.interrupts.seen()

@@ -9,13 +9,13 @@ filled in by replies from any thread and waited on by threads or asyncio tasks.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from monarch_kernel.core.ids import fresh_ids
 from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.wire.messages import (
     CONTROLLER,
@@ -170,7 +170,7 @@ class CallTable:
     """The calls this process has in flight, by id."""
 
     def __init__(self) -> None:
-        self._ids = itertools.count(1)
+        self._ids = fresh_ids()
         self._calls: dict[int, PendingCall] = {}
         self._lock = threading.Lock()
 
@@ -269,7 +269,7 @@ class PortTable:
     """The ports open in this process, by id (one table per process: every mesh's replies reach it)."""
 
     def __init__(self) -> None:
-        self._ids = itertools.count(1)
+        self._ids = fresh_ids()
         self._ports: dict[int, OpenPort] = {}
         self._lock = threading.Lock()
 

@@ -1,4 +1,4 @@
-"""Mutual proof of a shared secret on a fresh TCP connection (the direct link to a Slurm node's agent).
+"""Mutual proof of a shared secret on a fresh connection (the direct link to a Slurm node's agent, a persistent mesh's socket).
 
 Both ends hold a secret that travelled on an already authenticated channel (the job
 step's stdin). Neither end sends it: each proves knowledge with an HMAC over both
@@ -19,6 +19,7 @@ NCCL traffic).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import os
@@ -77,4 +78,38 @@ def check_controller(sock: socket.socket, secret: bytes, timeout: float = 5.0) -
         raise AuthenticationFailed("the connecting peer did not prove the secret")
     sock.sendall(_mac(secret, b"agent", nonce_c, nonce_a))
     sock.settimeout(None)
+    return _mac(secret, b"session", nonce_a, nonce_c)
+
+
+async def _read_exact(reader: asyncio.StreamReader, n: int, timeout: float) -> bytes:
+    try:
+        return await asyncio.wait_for(reader.readexactly(n), timeout)
+    except (asyncio.IncompleteReadError, TimeoutError, OSError) as exc:
+        raise AuthenticationFailed(f"the handshake did not complete ({type(exc).__name__})") from None
+
+
+async def prove_controller_async(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
+                                 timeout: float = 5.0) -> bytes:
+    """`prove_controller` on asyncio streams (a persistent mesh's Unix socket)."""
+    nonce_a = await _read_exact(reader, _NONCE, timeout)
+    nonce_c = os.urandom(_NONCE)
+    writer.write(nonce_c + _mac(secret, b"controller", nonce_a, nonce_c))
+    await writer.drain()
+    if not hmac.compare_digest(await _read_exact(reader, _MAC, timeout), _mac(secret, b"agent", nonce_c, nonce_a)):
+        raise AuthenticationFailed("the agent's proof of the secret is wrong")
+    return _mac(secret, b"session", nonce_a, nonce_c)
+
+
+async def check_controller_async(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
+                                 timeout: float = 5.0) -> bytes:
+    """`check_controller` on asyncio streams."""
+    nonce_a = os.urandom(_NONCE)
+    writer.write(nonce_a)
+    await writer.drain()
+    answer = await _read_exact(reader, _NONCE + _MAC, timeout)
+    nonce_c, proof = answer[:_NONCE], answer[_NONCE:]
+    if not hmac.compare_digest(proof, _mac(secret, b"controller", nonce_a, nonce_c)):
+        raise AuthenticationFailed("the connecting peer did not prove the secret")
+    writer.write(_mac(secret, b"agent", nonce_c, nonce_a))
+    await writer.drain()
     return _mac(secret, b"session", nonce_a, nonce_c)

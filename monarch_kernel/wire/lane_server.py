@@ -85,6 +85,8 @@ class LaneServer:
             if self._in_batch and threading.get_ident() == self._loop_thread:
                 return
         self._flush()
+        if self.closed:  # the notebook went away as we wrote: the caller sends it the other way (the agent)
+            raise ConnectionClosed("the lane closed")
         if threading.get_ident() != self._loop_thread:
             self._wait_for_the_reader()
 

@@ -26,10 +26,15 @@ def lane_path(private_dir: str, rank: int) -> str:
     return os.path.join(private_dir, f"rank-{rank}.sock")
 
 
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket, as the kernel saw it connect."""
+    pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return int(pid), int(uid)
+
+
 def peer_is_us(sock: socket.socket) -> bool:
     """Whether the process at the other end of a Unix socket runs as our own user."""
-    _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-    return bool(uid == os.getuid())
+    return peer_credentials(sock)[1] == os.getuid()
 
 
 def read_available(sock: socket.socket, reader: FrameProtocol, lost: Callable[[Exception | None], None],

@@ -116,10 +116,17 @@ class ReadClock:
     """The rank's wall clock in microseconds (to line the ranks' traces up)."""
 
 
+@dataclass(frozen=True)
+class ListActorMeshes:
+    """The actor meshes on the rank (for a kernel that attached to a mesh it did not start).
+    Answer: name -> (spawn key, class name, endpoints, their parameters, shape)."""
+
+
 RankOperation = (SpawnActors | StopActors | Describe | PostMortem | UseWorkspace | SetAutoreload | Versions
-                 | ApplyLayout | RemakeDefaultGroup | StartProfile | StopProfile | ReadClock)
+                 | ApplyLayout | RemakeDefaultGroup | StartProfile | StopProfile | ReadClock | ListActorMeshes)
 RANK_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors, Describe, PostMortem, UseWorkspace, SetAutoreload,
-                                     Versions, ApplyLayout, RemakeDefaultGroup, StartProfile, StopProfile, ReadClock)
+                                     Versions, ApplyLayout, RemakeDefaultGroup, StartProfile, StopProfile, ReadClock,
+                                     ListActorMeshes)
 ACTOR_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors)  # what a rank's system actor takes from others
 
 # ---------------------------------------------------------------- host operations (the agent's own files)

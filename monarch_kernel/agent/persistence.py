@@ -1,0 +1,268 @@
+"""A persistent mesh's agent: it outlives its kernel, keeps what the ranks say meanwhile, and lets
+the next kernel attach.
+
+Once told `Persist`, the agent listens on a Unix socket in the mesh's 0700 folder. A peer must run
+as our own user (SO_PEERCRED) and prove the mesh's secret (`wire/direct_auth`), after which every
+frame is sealed under the session key (`wire/relay_link`). Its one request says what it wants:
+attach (refused while another live kernel holds the mesh, unless it takes it over), a query for
+listings, or a stop. While no kernel holds the mesh, what the ranks send for one (output, results,
+deaths) is kept, the output bounded per rank, and handed to the next kernel; after `seconds`
+without a kernel the mesh stops itself and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from typing import Any, Protocol
+
+from monarch_kernel.agent.launcher import RankProcess
+from monarch_kernel.agent.rank_set import RankSet
+from monarch_kernel.core.folders import release_folder, share_folder
+from monarch_kernel.core.versions import __version__
+from monarch_kernel.wire import handshake
+from monarch_kernel.wire import messages as m
+from monarch_kernel.wire import persist_messages as pm
+from monarch_kernel.wire.direct_auth import AuthenticationFailed, check_controller_async
+from monarch_kernel.wire.lanes import peer_credentials, peer_is_us
+from monarch_kernel.wire.relay_link import UP, RelayLink
+from monarch_kernel.wire.transport import FrameError
+
+HELD_LINES_PER_RANK = 10_000  # output lines kept per rank while no kernel is attached
+HELD_MESSAGES = 2_000  # results and deaths kept (oldest dropped past it)
+KEPT = (m.Output, m.Gathered, m.RankExited, m.AgentProblem)  # what is worth handing to the next kernel
+REQUEST_TIMEOUT_S = 5.0  # an authenticated peer says what it wants within this
+
+
+class PersistentHost(Protocol):
+    """What the agent offers its persistence (`host_agent.HostAgent`)."""
+
+    def connected(self, conn: Any) -> None:
+        """A new controller link: say hello, then the rest."""
+
+    async def shutdown(self, why: str, *, asked: bool = False) -> None:
+        """Stop every rank and end the agent."""
+
+    def on_controller_message(self, msg: Any) -> None:
+        """One message from the kernel holding the mesh."""
+
+    def on_controller_closed(self, exc: Exception | None) -> None:
+        """The link to the kernel holding the mesh ended."""
+
+    def take_over(self, notice: pm.TakenOver) -> None:
+        """Tell the kernel holding the mesh that another takes it, and drop its link."""
+
+
+class Persistence:
+    """The agent's part of a persistent mesh (made when `Persist` arrives)."""
+
+    def __init__(self, host: PersistentHost, ranks: RankSet, msg: pm.Persist, folders: tuple[str, ...]):
+        self.host = host
+        self.ranks = ranks
+        self.seconds = msg.seconds
+        self.socket_path = msg.socket
+        self.record = msg.record
+        self._secret = msg.secret
+        self.holder: pm.Holder | None = msg.holder
+        self.detached_since: float | None = None
+        self.folders = folders
+        self._held: collections.deque[Any] = collections.deque(maxlen=HELD_MESSAGES)
+        self._lines: dict[int, collections.deque[Any]] = {}  # rank -> held Output, line-bounded
+        self._line_counts: dict[int, int] = {}
+        self._labels: dict[int, str] = {}
+        self.dropped_lines = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._expiry: asyncio.Task[None] | None = None
+
+    async def listen(self) -> Persistence:
+        """Listen for the next kernels (owner-only socket in the mesh's private folder); hold its folders."""
+        for folder in self.folders:  # a sweep by another kernel must not take them once ours is gone
+            share_folder(folder)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.socket_path)
+        os.chmod(self.socket_path, 0o600)
+        self._server = await asyncio.start_unix_server(self._accept, sock=listener, limit=1 << 22)
+        return self
+
+    # ------------------------------------------------------------ without a kernel
+    def detach(self, why: str) -> None:
+        """The kernel holding the mesh went away: keep the ranks, start the clock."""
+        self.holder = None
+        self.detached_since = time.monotonic()
+        _log(f"no kernel holds the mesh now ({why}); it stops itself after {self.seconds:.0f} s without one")
+        if self._expiry is None or self._expiry.done():
+            self._expiry = asyncio.get_running_loop().create_task(self._expire())
+
+    async def _expire(self) -> None:
+        while self.detached_since is not None:
+            left = self.detached_since + self.seconds - time.monotonic()
+            if left <= 0:
+                await self.host.shutdown(f"no kernel attached for {self.seconds:.0f} s", asked=True)
+                return
+            await asyncio.sleep(min(left, 1.0))
+
+    def hold(self, msg: Any) -> None:
+        """Keep what the ranks sent for a kernel while none is attached (bounded)."""
+        if not isinstance(msg, KEPT):
+            return
+        if isinstance(msg, m.Output):
+            self._hold_output(msg)
+            return
+        if isinstance(msg, m.Gathered):
+            for result in msg.results:
+                self._name(result.rank, result.req_id)
+        self._held.append(msg)
+
+    def _hold_output(self, msg: m.Output) -> None:
+        if msg.req_id is not None:
+            self._name(msg.rank, msg.req_id)
+        lines = self._lines.setdefault(msg.rank, collections.deque())
+        lines.append(msg)
+        count = self._line_counts[msg.rank] = self._line_counts.get(msg.rank, 0) + msg.text.count("\n") + 1
+        while count > HELD_LINES_PER_RANK and len(lines) > 1:
+            dropped = lines.popleft()
+            count -= dropped.text.count("\n") + 1
+            self.dropped_lines += dropped.text.count("\n") + 1
+        self._line_counts[msg.rank] = count
+        self._held.append(msg)
+
+    def _name(self, rank: int, req_id: int) -> None:
+        if req_id not in self._labels:
+            proc = self.ranks.procs.get(rank)
+            label = proc.requests.get(req_id, "") if proc is not None else ""
+            if label:
+                self._labels[req_id] = label
+
+    def _take_held(self) -> tuple[Any, ...]:
+        kept_outputs = {id(msg) for lines in self._lines.values() for msg in lines}
+        held = tuple(msg for msg in self._held if not isinstance(msg, m.Output) or id(msg) in kept_outputs)
+        self._held.clear()
+        self._lines.clear()
+        self._line_counts.clear()
+        return held
+
+    # ------------------------------------------------------------ kernels that come
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        try:
+            if sock is None or not peer_is_us(sock):  # (the folder is private too)
+                raise AuthenticationFailed("the peer runs as another user")
+            session = await check_controller_async(reader, writer, self._secret)
+        except (AuthenticationFailed, OSError) as exc:
+            _log(f"refused a connection on {self.socket_path}: {exc}")
+            writer.close()
+            return
+        first: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        then: list[Any] = []  # once attached: where the kernel's messages and the link's end go
+
+        def on_message(msg: Any) -> None:
+            if then:
+                then[0](msg)
+            elif not first.done():
+                first.set_result(msg)
+
+        def on_close(exc: Exception | None) -> None:
+            if then:
+                then[1](exc)
+            elif not first.done():
+                first.set_exception(exc or ConnectionError("closed"))
+
+        link = RelayLink(reader, writer, session, UP, on_message, on_close)
+        try:
+            request = await asyncio.wait_for(first, REQUEST_TIMEOUT_S)
+        except (TimeoutError, ConnectionError, FrameError) as exc:
+            _log(f"an authenticated peer said nothing usable ({type(exc).__name__}); closed")
+            link.close()
+            return
+        await self._serve(link, request, peer_credentials(sock)[0], then)
+
+    async def _serve(self, link: RelayLink, request: Any, pid: int, then: list[Any]) -> None:
+        if isinstance(request, pm.MeshQuery):
+            link.send(self.info())
+        elif isinstance(request, pm.StopMesh):
+            link.send(pm.MeshInfo(None, 0.0, None, ()))
+            await self.host.shutdown(f"stopped by pid {pid} (meshes stop)", asked=True)
+        elif isinstance(request, pm.AttachRequest):
+            if self._attach(link, request, pid):
+                then.extend((self.host.on_controller_message, self.host.on_controller_closed))
+            return
+        await asyncio.sleep(0.05)  # (let the answer leave before the link closes)
+        link.close()
+
+    def _attach(self, link: RelayLink, request: pm.AttachRequest, pid: int) -> bool:
+        holder = pm.Holder(pid, request.holder.notebook, time.time())
+        if self.holder is not None and not request.take:
+            link.send(handshake.hello(__version__))
+            link.send(pm.AttachRefused(self.holder))
+            asyncio.get_running_loop().call_later(0.05, link.close)
+            return False
+        if self.holder is not None:  # taken over: the old kernel hears it, its link goes
+            self.host.take_over(pm.TakenOver(holder))
+        detached_for = time.monotonic() - self.detached_since if self.detached_since is not None else 0.0
+        self.detached_since = None
+        self.holder = holder
+        self.host.connected(link)  # (its hello first; nothing can come between it and what follows)
+        link.send(pm.Attached(self.rank_states(), detached_for, self._take_held(), dict(self._labels),
+                              self.dropped_lines))
+        self._labels.clear()
+        self.dropped_lines = 0
+        _log(f"attached by pid {pid}" + (" (taken over)" if request.take else ""))
+        return True
+
+    def rank_states(self) -> tuple[pm.DetachedRank, ...]:
+        """Each rank of this host as the agent knows it."""
+        procs = self.ranks.procs
+        return tuple(pm.DetachedRank(r, procs[r].pid, True, procs[r].activity, _fd_total(procs[r])) if r in procs
+                     else pm.DetachedRank(r, 0, False, "", 0) for r in sorted(self.ranks.local_ranks))
+
+    def info(self) -> pm.MeshInfo:
+        """How the mesh is now (for listings)."""
+        if self.detached_since is None:
+            return pm.MeshInfo(self.holder, 0.0, None, self.rank_states())
+        idle = time.monotonic() - self.detached_since
+        return pm.MeshInfo(None, idle, max(0.0, self.seconds - idle), self.rank_states())
+
+    # ------------------------------------------------------------ the end
+    def close(self) -> None:
+        """The mesh ends: no more kernels; its record, socket and folders go."""
+        self.detached_since = None
+        if self._server is not None:
+            self._server.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.socket_path)
+        remove_record_file(self.record)
+        for folder in self.folders:
+            release_folder(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_record_file(path: str) -> None:
+    """Remove the mesh's state file, if it still names this agent (a newer mesh of that name may have
+    replaced it); never through a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            mine = json.loads(f.read(1 << 20)).get("agent_pid") == os.getpid()
+        if mine:
+            os.unlink(path)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _fd_total(proc: RankProcess) -> int:
+    return proc.fd_mark.count if proc.fd_mark is not None else 0
+
+
+def _log(text: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        print(f"monarch_kernel agent: {text}", file=sys.stderr, flush=True)
+

@@ -1,0 +1,184 @@
+"""Meshes that outlive the kernel (`--persist`): real kernels are SIGKILLed, restarted and replaced, and
+the ranks, their variables, actors, process groups and a background cell's output come back on attach."""
+
+import glob
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+from conftest import pids_alive, wait_until
+from kernel_driver import KernelDriver
+
+pytestmark = pytest.mark.slow
+
+MESH_PIDS = ("from monarch_kernel.magics import current_registry\n"
+             "_m = current_registry().get({name!r})\n"
+             "print('PIDS', json.dumps([s.pid for s in _m.status()] + [l.host.pid for l in _m._runtime.links]))")
+
+
+@pytest.fixture
+def state_home(tmp_path, monkeypatch):
+    """A private XDG_STATE_HOME for the records; every mesh left in it is stopped at the end, however the test ended."""
+    home = tmp_path / "state"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_STATE_HOME", str(home))
+    yield str(home)
+    for record in glob.glob(str(home / "monarch_kernel" / "meshes" / "*.json")):
+        name = os.path.basename(record)[:-5]
+        cli(str(home), "stop", name)
+        try:
+            with open(record) as f:
+                pid = json.load(f)["agent_pid"]
+            os.killpg(pid, signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass
+
+
+def cli(home, *args):
+    """`python -m monarch_kernel meshes ...` from a terminal."""
+    env = dict(os.environ, XDG_STATE_HOME=home)
+    return subprocess.run([sys.executable, "-m", "monarch_kernel", "meshes", *args], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def kernel(home):
+    return KernelDriver(extra_env={"XDG_STATE_HOME": home})
+
+
+def pids_of(k, name):
+    run = k.execute("import json\n" + MESH_PIDS.format(name=name), 30)
+    return json.loads(next(line for line in run.text().splitlines() if line.startswith("PIDS"))[5:])
+
+
+def mesh_folders(name):
+    return glob.glob(f"/tmp/monarch-{name}-*") + glob.glob(f"/dev/shm/monarch-{name}-*")
+
+
+def test_a_persistent_mesh_outlives_a_killed_kernel_and_is_attached_refused_taken_over_and_stopped(state_home, tmp_path):
+    marker = tmp_path / "finished"
+    first = kernel(state_home)
+    try:
+        up = first.execute("%load_ext monarch_kernel\n%mesh up local --gpus 2 --name keep --persist 5m", 120)
+        assert up.status == "ok", up.text()
+        made = first.execute(
+            "from monarch_kernel import Actor, endpoint\n"
+            "from monarch_kernel.magics import current_registry\n"
+            "class Counter(Actor):\n    def __init__(self):\n        self.n = 0\n"
+            "    @endpoint\n    def bump(self):\n        self.n += 1\n        return self.n\n"
+            "mesh = current_registry().get('keep')\n"
+            "mesh.run('import torch, torch.distributed as dist\\nw = 10 + dist.get_rank()')\n"
+            "print('bumped', list(mesh.spawn('counter', Counter).bump.call().get().values()))", 60)
+        assert "bumped [1, 1]" in made.text(), made.text()
+        pids = pids_of(first, "keep")
+        background = first.submit(
+            "%%mesh --bg\nimport time\nfor i in range(4):\n    print(f'tick {i}', flush=True)\n    time.sleep(0.4)\n"
+            f"open({str(marker)!r} + str(dist.get_rank()), 'w').close()\n'finished'")
+        first.collect(background, 30, until=lambda run: "tick 0" in run.text())
+        first.kill()
+        # the ranks run the cell to its end with no kernel, and stay
+        assert wait_until(lambda: all(os.path.exists(f"{marker}{r}") for r in range(2)), 30)
+        assert pids_alive(pids) == pids
+    finally:
+        first.shutdown()
+
+    second = kernel(state_home)
+    try:
+        attached = second.execute("%load_ext monarch_kernel\n%mesh attach keep", 60)
+        text = attached.text()
+        assert attached.status == "ok", text
+        assert "attached to mesh 'keep'" in text and "tick 3" in text and "'finished'" in text, text
+        assert pids_of(second, "keep") == pids  # the same processes
+        kept = second.execute("%%mesh\nprint('w is', w)", 30).text()
+        assert "w is 10" in kept and "w is 11" in kept, kept
+        actor = second.execute("print('bumped', list(current_registry().get('keep').actor_mesh('counter').bump.call().get()"
+                               ".values()))", 30).text()
+        assert "bumped [2, 2]" in actor, actor  # the actor kept its state
+        reduced = second.execute("%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", 30).text()
+        assert "sum 2.0" in reduced, reduced  # the process group made before the kill
+        logs = second.execute("%mesh logs --rank 1", 30).text()
+        assert "tick 3" in logs, logs
+
+        third = kernel(state_home)
+        try:
+            refused = third.execute("import monarch_kernel as mk\nmk.attach('keep')", 30)
+            assert refused.status == "error"
+            assert f"held by another kernel (pid {second.pid}" in refused.text(), refused.text()
+            listed = cli(state_home)
+            assert f"held by pid {second.pid}" in listed.stdout, listed.stdout
+            taken = third.execute("m = mk.attach('keep', take=True)\nprint(sorted(m.run('w').values()))", 30)
+            assert "[10, 11]" in taken.text(), taken.text()
+            lost = second.execute("%%mesh\nprint(w)", 30)
+            assert lost.status == "error" and f"taken over by pid {third.pid}" in lost.text(), lost.text()
+            third.km.shutdown_kernel(now=False)  # a kernel that ends well leaves the mesh too
+        finally:
+            third.shutdown()
+    finally:
+        second.shutdown()
+
+    assert pids_alive(pids) == pids
+    listed = cli(state_home)
+    assert "keep: local {hosts: 1, gpus: 2}" in listed.stdout and "no kernel for" in listed.stdout, listed.stdout
+    stopped = cli(state_home, "stop", "keep")
+    assert "stopped" in stopped.stdout, (stopped.stdout, stopped.stderr)
+    assert wait_until(lambda: not pids_alive(pids) and not mesh_folders("keep"), 15), (pids_alive(pids), mesh_folders("keep"))
+    assert "no persistent meshes" in cli(state_home).stdout
+
+
+def test_a_persistent_mesh_without_a_kernel_for_its_duration_leaves_nothing(state_home):
+    k = kernel(state_home)
+    try:
+        k.execute("%load_ext monarch_kernel\n%mesh up local --gpus 1 --dist none --name brief --persist 3s", 60)
+        pids = pids_of(k, "brief")
+        record = os.path.join(state_home, "monarch_kernel", "meshes", "brief.json")
+        assert stat.S_IMODE(os.stat(record).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(record)).st_mode) == 0o700
+        k.kill()
+        assert pids_alive(pids) == pids  # still there right after the kernel
+    finally:
+        k.shutdown()
+    assert wait_until(lambda: not pids_alive(pids), 30), pids_alive(pids)
+    assert not os.path.exists(record) and not mesh_folders("brief")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="another uid is needed: run as root")
+def test_another_user_cannot_attach_or_make_the_agent_run_anything(state_home, tmp_path):
+    from monarch_kernel import local_mesh
+    from monarch_kernel.core.mesh_records import read_record
+
+    mesh = local_mesh(1, dist="none", name="mine", persist="60s")
+    try:
+        record = read_record("mine")
+        # even with the secret handed over and the folder opened up, the agent checks who connects
+        os.chmod(record.run_dir, 0o755)
+        os.chmod(record.socket, 0o666)
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child reports through the pipe
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            outcome = "connected"
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(10)
+                sock.connect(record.socket)
+                outcome = "closed" if sock.recv(64) == b"" else "offered a handshake"
+            except OSError as exc:
+                outcome = f"refused: {exc}"
+            os.write(write, outcome.encode())
+            os._exit(0)
+        os.close(write)
+        os.waitpid(child, 0)
+        with os.fdopen(read) as f:
+            outcome = f.read()
+        assert outcome == "closed", outcome
+        assert "refused a connection" in mesh.agent_log(0), mesh.agent_log(0)
+        assert list(mesh.run("1").values()) == [1]  # and the mesh is fine
+    finally:
+        mesh.shutdown()
+    assert wait_until(lambda: not mesh_folders("mine"), 10)
