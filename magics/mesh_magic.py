@@ -148,9 +148,9 @@ class MeshMagics(Magics):
                 raise UsageError(f"%mesh up local takes no hosts (got {' '.join(args.hosts)}); did you mean ssh?")
             mesh = local_mesh(args.gpus, dist=args.dist or "gloo", name=name, env=env, timeout=args.timeout or 120.0,
                               preload=args.preload, persist=args.persist)
-        elif args.persist is not None:
-            raise UsageError(f"--persist works for local meshes in this version; {args.kind} meshes end with the kernel")
         elif args.kind == "slurm":
+            if args.persist is not None:
+                raise UsageError("--persist works for local and SSH meshes in this version; Slurm meshes end with the kernel")
             if args.hosts:
                 raise UsageError(f"%mesh up slurm takes no hosts (got {' '.join(args.hosts)}): Slurm chooses "
                                  "the nodes; use --nodes N (or --job ID for an allocation you have)")
@@ -169,7 +169,7 @@ class MeshMagics(Magics):
             mesh = ssh_mesh(args.hosts, args.gpus, dist=args.dist or "nccl", python=args.python, setup=args.setup,
                             env=env, name=name, connect_timeout=args.connect_timeout,
                             master_addr=args.master_addr, ship_package=args.ship, timeout=args.timeout or 180.0,
-                            preload=args.preload)
+                            preload=args.preload, persist=args.persist)
         self.registry.add(mesh)
         self._show_status(mesh)
 

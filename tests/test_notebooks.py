@@ -7,6 +7,7 @@ import re
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from nbclient.util import run_sync
 
 pytestmark = pytest.mark.slow
 
@@ -112,3 +113,25 @@ def test_debugging_notebook_shows_both_verdicts_and_frees_the_ranks():
     assert re.search(r"\d+ samples of each rank", texts(cell_with(nb, "%mesh profile --seconds")))
     assert "trace.json.gz" in texts(cell_with(nb, "%%mesh --profile"))
     assert "is down" in texts(nb.cells[-1])
+
+
+def test_keep_the_model_notebook_survives_a_real_kernel_restart(tmp_path, monkeypatch):
+    """Run up to the restart note, restart the kernel for real, then run the rest: the model comes back."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    path = os.path.join(HERE, "notebooks", "10_keep_the_model.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": os.path.dirname(path)}})
+    with client.setup_kernel():
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type == "markdown" and "Now restart the kernel" in cell.source:
+                run_sync(client.km.restart_kernel)(now=False)  # (nbclient's managers are async)
+                run_sync(client.kc.wait_for_ready)(timeout=60)
+            elif cell.cell_type == "code":
+                client.execute_cell(cell, index)
+    attached = texts(cell_with(nb, "%mesh attach kept"))
+    assert "attached to mesh 'kept'" in attached and re.search(r"\[0-1\] step \d+ loss", attached), attached
+    assert "still runs on ranks 0-1" in attached or "ranks 0-1: 10" in attached, attached
+    listing = next(c for c in nb.cells if c.cell_type == "code" and c.source.endswith("%mesh attach"))
+    assert "kept: local {hosts: 1, gpus: 2}" in texts(listing), texts(listing)
+    assert "[0-1] steps done: 10" in texts(cell_with(nb, "steps done")), texts(cell_with(nb, "steps done"))
+    assert "2.0" in texts(cell_with(nb, "dist.all_reduce(t)"))

@@ -182,3 +182,78 @@ def test_another_user_cannot_attach_or_make_the_agent_run_anything(state_home, t
     finally:
         mesh.shutdown()
     assert wait_until(lambda: not mesh_folders("mine"), 10)
+
+
+def test_stale_forged_and_unsafe_records_are_refused_with_what_to_do(state_home):
+    import dataclasses
+
+    from monarch_kernel import MeshUsageError, attach, local_mesh
+    from monarch_kernel.core.mesh_records import read_record, record_path, write_record
+
+    def copy(record, name, secret=None, **agent):  # the record of "real" under another name, changed
+        agents = [dict(record.agents[0], **agent)]
+        return dataclasses.replace(record, name=name, secret=secret or record.secret, agents=agents,
+                                   agent_pid=agents[0]["pid"], socket=agents[0]["socket"])
+
+    mesh = local_mesh(1, dist="none", name="real", persist="60s")
+    try:
+        real = read_record("real")
+        write_record(copy(real, "forged", secret="00" * 32))
+        with pytest.raises(MeshUsageError, match="did not accept this record's secret.*stale or forged"):
+            attach("forged")
+        write_record(copy(real, "elsewhere", pid=os.getpid()))
+        with pytest.raises(MeshUsageError, match=f"served by pid {real.agent_pid}.*stale or forged"):
+            attach("elsewhere")
+        write_record(copy(real, "gone", socket=real.socket + ".old"))
+        with pytest.raises(MeshUsageError, match="is not running.*meshes stop gone"):
+            attach("gone")
+        os.chmod(record_path("gone"), 0o644)
+        with pytest.raises(MeshUsageError, match="not a private file of yours"):
+            attach("gone")
+        with pytest.raises(MeshUsageError, match="no persistent mesh named 'nothing'"):
+            attach("nothing")
+        assert list(mesh.run("1").values()) == [1]  # none of it disturbed the real one
+    finally:
+        mesh.shutdown()
+    assert not os.path.exists(record_path("real"))
+
+
+STARTER = """
+import json, sys
+import monarch_kernel as mk
+mesh = mk.local_mesh(2, dist="none", name="busy", persist="60s")
+mesh.run_async("import os, time\\nprint('before', flush=True)\\n"
+               f"while not os.path.exists({sys.argv[1]!r}):\\n    time.sleep(0.02)\\n"
+               "print('after', flush=True)\\n__import__('os').getpid()", name="waiter", background=True)
+print("PIDS", json.dumps([s.pid for s in mesh.status()]), file=sys.stderr, flush=True)
+import time
+time.sleep(600)
+"""
+
+
+def test_a_cell_still_running_at_attach_is_followed_to_its_end_by_the_new_kernel(state_home, tmp_path, capsys):
+    from monarch_kernel import attach
+
+    go = str(tmp_path / "go")
+    first = subprocess.Popen([sys.executable, "-c", STARTER, go], stderr=subprocess.PIPE, text=True)
+    mesh = None
+    try:
+        line = ""
+        while not line.startswith("PIDS"):  # (the run's own lines come first)
+            line = first.stderr.readline()
+            assert line, "the first kernel ended early"
+        pids = json.loads(line[5:])
+        first.kill()
+        first.wait(10)
+        mesh = attach("busy")
+        [waiter] = mesh.detached_results
+        assert waiter.label == "waiter" and waiter.running == (0, 1), waiter
+        open(go, "w").close()
+        assert sorted(waiter.future.get(timeout=30).values()) == sorted(pids)  # each rank's value, in this kernel
+        assert list(mesh.run("1").values()) == [1, 1]  # and the ranks serve the new kernel after it
+    finally:
+        if first.poll() is None:
+            first.kill()
+        if mesh is not None:
+            mesh.shutdown()
+    assert "after" in capsys.readouterr().out

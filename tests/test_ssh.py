@@ -1,5 +1,6 @@
 """Multi-host meshes over real SSH: network namespaces, each with its own OpenSSH sshd."""
 
+import json
 import os
 import re
 import signal
@@ -768,3 +769,69 @@ def _plan_and_train_over_two_hosts(mesh, pm, rank_figures, TrainingSpec, referen
     expected = reference_losses(TrainingSpec(pm.build, pm.lm_loss, "adamw", None, 0), [pm.batch()] * 3)
     for got in losses.values():
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, expected)), (got, expected)
+
+
+FIRST_KERNEL = """
+import json, sys
+import monarch_kernel as mk
+mesh = mk.ssh_mesh(["host-0", "host-1"], gpus=1, dist="gloo", python=sys.executable,
+                   connect_options=json.loads(sys.argv[1]), name="sshkeep", persist="5m")
+mesh.run("import torch, torch.distributed as dist\\nw = 100 + dist.get_rank()")
+mesh.run_async("import time\\nfor i in range(3):\\n    print(f'step {i}', flush=True)\\n    time.sleep(0.3)\\n"
+               f"open({sys.argv[2]!r} + str(dist.get_rank()), 'w').close()\\n'trained'", name="fit", background=True)
+print("PIDS", json.dumps([s.pid for s in mesh.status()]), flush=True)
+import time
+time.sleep(600)
+"""
+
+
+def _agents_running(name):
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "monarch_kernel.agent" in cmd and f"--host {name}" in cmd and "--persist" in cmd:
+            found.append(int(pid))
+    return found
+
+
+def test_a_persistent_ssh_mesh_outlives_its_kernel_and_a_new_one_attaches_over_ssh(hosts, tmp_path, monkeypatch):
+    """The agents stay on the hosts when the kernel that started them is SIGKILLed; a new kernel reaches them over
+    new SSH connections (a forwarded Unix socket: no port opened), with the ranks' state and process group."""
+    from monarch_kernel import attach, persistent_meshes
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    marker = str(tmp_path / "trained")
+    first = subprocess.Popen([sys.executable, "-c", FIRST_KERNEL, json.dumps(hosts.connect_options()), marker],
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    mesh = None
+    try:
+        line = first.stdout.readline()
+        assert line.startswith("PIDS"), line
+        pids = json.loads(line[5:])
+        first.kill()
+        first.wait(10)
+        assert wait_until(lambda: all(os.path.exists(f"{marker}{r}") for r in range(2)), 30)
+        assert [m.name for m in persistent_meshes() if m.running] == ["sshkeep"]
+        mesh = attach("sshkeep")
+        assert [s.pid for s in mesh.status()] == pids
+        assert sorted(mesh.pull("w").values()) == [100, 101]
+        [fit] = mesh.detached_results
+        assert fit.label == "fit" and fit.values == {0: "trained", 1: "trained"}, fit
+        assert "step 2" in fit.output[1]
+        reduced = mesh.run("t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\nt.item()")
+        assert list(reduced.values()) == [3.0, 3.0]  # across the two hosts, in the group made before the kill
+    finally:
+        if mesh is not None:
+            mesh.shutdown()
+        if first.poll() is None:
+            first.kill()
+        for pid in _agents_running("host-0") + _agents_running("host-1"):
+            os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not _agents_running("host-0") and not _agents_running("host-1"), 15)
+    assert not persistent_meshes()

@@ -111,7 +111,8 @@ async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None,
         sock = socket.socket(fileno=args.fd)
         agent.connected(await AsyncConnection.from_socket(
             sock, agent.on_controller_message, agent.on_controller_closed))
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # (a persistent mesh's agent outlives the SSH session that started it: a hang-up is not the end)
+    for sig in (signal.SIGTERM,) if args.persist else (signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, partial(_on_signal, agent, sig))
     # helpers the ranks started in sessions of their own are re-parented to us when their rank
     # dies (we are their subreaper): reap them as they end (the ranks' own exits come by pidfd)

@@ -141,7 +141,7 @@ class HostAgent:
 
     async def _persist(self, msg: pm.Persist) -> None:
         self.persistence = await Persistence(self, self.ranks, msg, self.mesh_folders).listen()
-        self.to_controller(pm.PersistReady(os.getpid()))
+        self.to_controller(pm.PersistReady(os.getpid(), self.persistence.socket_path))
 
     def take_over(self, notice: pm.TakenOver) -> None:
         """Another kernel takes the mesh: the one holding it hears so, and its link goes."""

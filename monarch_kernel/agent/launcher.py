@@ -55,6 +55,7 @@ class RankProcess:
     activity: str = ""  # what its actors run, from its latest heartbeat answer
     collective: str = ""  # the collective its main thread waits in, from the same answer
     requests: dict[int, str] = field(default_factory=dict)  # req_id -> label of the requests seen running
+    running: int | None = None  # the request it runs now (its latest heartbeat answer), if any
     stderr_tail: LineLog = field(default_factory=lambda: LineLog(STDERR_TAIL_LINES))
     fd_mark: FdMarkWriter | None = None  # on the notebook's machine: how much fd output was passed on
 

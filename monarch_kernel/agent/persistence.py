@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
 import os
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from typing import Any, Protocol
 
@@ -43,6 +45,8 @@ REQUEST_TIMEOUT_S = 5.0  # an authenticated peer says what it wants within this
 
 class PersistentHost(Protocol):
     """What the agent offers its persistence (`host_agent.HostAgent`)."""
+
+    last_heard: float  # when the controller last said something
 
     def connected(self, conn: Any) -> None:
         """A new controller link: say hello, then the rest."""
@@ -73,8 +77,9 @@ class Persistence:
         self.holder: pm.Holder | None = msg.holder
         self.detached_since: float | None = None
         self.folders = folders
-        self._held: collections.deque[Any] = collections.deque(maxlen=HELD_MESSAGES)
-        self._lines: dict[int, collections.deque[Any]] = {}  # rank -> held Output, line-bounded
+        self._seq = itertools.count()  # (the order everything held was sent in)
+        self._held: collections.deque[tuple[int, Any]] = collections.deque(maxlen=HELD_MESSAGES)  # results, deaths
+        self._lines: dict[int, collections.deque[tuple[int, Any]]] = {}  # rank -> its output, line-bounded
         self._line_counts: dict[int, int] = {}
         self._labels: dict[int, str] = {}
         self.dropped_lines = 0
@@ -85,6 +90,9 @@ class Persistence:
         """Listen for the next kernels (owner-only socket in the mesh's private folder); hold its folders."""
         for folder in self.folders:  # a sweep by another kernel must not take them once ours is gone
             share_folder(folder)
+        if not self.socket_path:  # an SSH host: a private folder of its own, reported back
+            own = tempfile.mkdtemp(prefix="monarch-persist-")
+            self.socket_path, self.folders = os.path.join(own, "agent.sock"), (*self.folders, own)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -120,20 +128,19 @@ class Persistence:
         if isinstance(msg, m.Gathered):
             for result in msg.results:
                 self._name(result.rank, result.req_id)
-        self._held.append(msg)
+        self._held.append((next(self._seq), msg))
 
     def _hold_output(self, msg: m.Output) -> None:
         if msg.req_id is not None:
             self._name(msg.rank, msg.req_id)
         lines = self._lines.setdefault(msg.rank, collections.deque())
-        lines.append(msg)
+        lines.append((next(self._seq), msg))
         count = self._line_counts[msg.rank] = self._line_counts.get(msg.rank, 0) + msg.text.count("\n") + 1
         while count > HELD_LINES_PER_RANK and len(lines) > 1:
-            dropped = lines.popleft()
+            _, dropped = lines.popleft()
             count -= dropped.text.count("\n") + 1
             self.dropped_lines += dropped.text.count("\n") + 1
         self._line_counts[msg.rank] = count
-        self._held.append(msg)
 
     def _name(self, rank: int, req_id: int) -> None:
         if req_id not in self._labels:
@@ -143,8 +150,8 @@ class Persistence:
                 self._labels[req_id] = label
 
     def _take_held(self) -> tuple[Any, ...]:
-        kept_outputs = {id(msg) for lines in self._lines.values() for msg in lines}
-        held = tuple(msg for msg in self._held if not isinstance(msg, m.Output) or id(msg) in kept_outputs)
+        held = tuple(msg for _, msg in sorted([*self._held, *(e for lines in self._lines.values() for e in lines)],
+                                              key=lambda entry: entry[0]))
         self._held.clear()
         self._lines.clear()
         self._line_counts.clear()
@@ -192,6 +199,7 @@ class Persistence:
             link.send(pm.MeshInfo(None, 0.0, None, ()))
             await self.host.shutdown(f"stopped by pid {pid} (meshes stop)", asked=True)
         elif isinstance(request, pm.AttachRequest):
+            await self._fresh_heartbeats()  # (which requests still run: the next kernel follows them)
             if self._attach(link, request, pid):
                 then.extend((self.host.on_controller_message, self.host.on_controller_closed))
             return
@@ -210,6 +218,10 @@ class Persistence:
         detached_for = time.monotonic() - self.detached_since if self.detached_since is not None else 0.0
         self.detached_since = None
         self.holder = holder
+        for rank, proc in self.ranks.procs.items():  # (what those still running are called)
+            if proc.running is not None:
+                self._name(rank, proc.running)
+        self.host.last_heard = time.monotonic()  # (the silence watch counts from the attach)
         self.host.connected(link)  # (its hello first; nothing can come between it and what follows)
         link.send(pm.Attached(self.rank_states(), detached_for, self._take_held(), dict(self._labels),
                               self.dropped_lines))
@@ -221,8 +233,15 @@ class Persistence:
     def rank_states(self) -> tuple[pm.DetachedRank, ...]:
         """Each rank of this host as the agent knows it."""
         procs = self.ranks.procs
-        return tuple(pm.DetachedRank(r, procs[r].pid, True, procs[r].activity, _fd_total(procs[r])) if r in procs
-                     else pm.DetachedRank(r, 0, False, "", 0) for r in sorted(self.ranks.local_ranks))
+        return tuple(pm.DetachedRank(r, procs[r].pid, True, procs[r].activity, _fd_total(procs[r]), procs[r].running)
+                     if r in procs else pm.DetachedRank(r, 0, False, "", 0) for r in sorted(self.ranks.local_ranks))
+
+    async def _fresh_heartbeats(self, timeout: float = 1.0) -> None:
+        """Ask every rank what it runs now (their heartbeat threads answer even while a cell runs)."""
+        asked = time.monotonic()
+        self.ranks.ping(asked)
+        while time.monotonic() - asked < timeout and any(p.last_pong < asked for p in self.ranks.procs.values()):
+            await asyncio.sleep(0.01)
 
     def info(self) -> pm.MeshInfo:
         """How the mesh is now (for listings)."""

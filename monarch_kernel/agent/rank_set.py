@@ -229,6 +229,7 @@ class RankSet:
             went_idle = bool(proc.activity) and not activity
             proc.activity, proc.collective = activity, collective
             req_id, _, label = request.partition(":")
+            proc.running = int(req_id) if req_id.isdigit() else None
             if req_id.isdigit():
                 proc.requests[int(req_id)] = label  # (what a persistent mesh's held output is named by)
                 if len(proc.requests) > 64:

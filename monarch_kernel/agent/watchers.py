@@ -32,7 +32,8 @@ async def send_heartbeats(agent: HostAgent) -> None:
 
 
 async def watch_controller(agent: HostAgent) -> None:
-    """If the controller falls silent for controller_silence_s, stop every rank (SSH agents only).
+    """If the controller falls silent for controller_silence_s, stop every rank (SSH agents only; a
+    persistent mesh lets that controller go and waits for the next).
 
     A busy kernel is silent too (a C call holding the GIL stops its pings), so the limit
     is long; a local agent needs no watchdog: it dies with the kernel (PDEATHSIG) and
@@ -41,6 +42,13 @@ async def watch_controller(agent: HostAgent) -> None:
     while True:
         await asyncio.sleep(agent.ranks.health.heartbeat_interval_s)
         silent = time.monotonic() - agent.last_heard
-        if silent > agent.ranks.health.controller_silence_s:
+        if agent.persistence is not None and agent.controller is None:
+            continue  # no kernel holds the mesh: nobody to hear from
+        if silent > agent.ranks.health.controller_silence_s and agent.persistence is not None:
+            link, agent.controller = agent.controller, None  # the mesh waits for the next kernel
+            agent.persistence.detach(f"no message from the controller for {silent:.1f} s")
+            if link is not None:
+                link.close()
+        elif silent > agent.ranks.health.controller_silence_s:
             await agent.shutdown(f"no message from the controller for {silent:.1f} s")
             return

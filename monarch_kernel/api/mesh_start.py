@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Sequence
 
 from monarch_kernel.api.session import Session
 from monarch_kernel.api.sinks import IdleOutput, report_timing
+from monarch_kernel.controller.agent_reach import ask_now
 from monarch_kernel.controller.hosts import HostKind, HostSpec
-from monarch_kernel.controller.persistence import PersistentRuntime, ask_now
+from monarch_kernel.controller.persistence import PersistentRuntime
 from monarch_kernel.controller.runtime import MeshRuntime
 from monarch_kernel.controller.state import RELAY_BRANCHING, Allocation, MeshSpec
 from monarch_kernel.core.addresses import is_unspecified
@@ -73,9 +75,14 @@ def check_persist(persist: str | float, name: str, hosts: list[HostSpec]) -> flo
         seconds = parse_duration(persist)
     except ValueError as exc:
         raise MeshUsageError(str(exc)) from None
-    if any(h.kind != HostKind.LOCAL for h in hosts):
-        raise MeshUsageError("persist works for local meshes in this version; SSH and Slurm meshes still end "
-                             "with their kernel")
+    if any(h.kind == HostKind.SLURM for h in hosts):
+        raise MeshUsageError("persist works for local and SSH meshes in this version; a Slurm mesh still ends "
+                             "with its kernel (its agents are steps of the kernel's srun)")
+    try:
+        json.dumps([h.options for h in hosts])
+    except (TypeError, ValueError):
+        raise MeshUsageError("persist keeps the SSH connect options in the mesh's record for the next kernel: give "
+                             "them as paths, names and numbers (not objects)") from None
     try:
         record = read_record(name)
     except RecordError:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from monarch_kernel.api.futures import MeshFuture
 from monarch_kernel.api.mesh import Mesh
 from monarch_kernel.api.sinks import IdleOutput, default_sink, report_timing
-from monarch_kernel.controller.persistence import MeshAttachError, PersistentRuntime, ask_now
+from monarch_kernel.controller.agent_reach import MeshAttachError, ask_now
+from monarch_kernel.controller.persistence import PersistentRuntime
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.mesh_records import (
     MeshRecord,
@@ -107,6 +109,11 @@ def show_detached(mesh: Mesh, record: MeshRecord) -> None:
     alive = [s for s in mesh.status() if s.pid is not None and s.state != "dead"]
     print(f"attached to mesh {mesh.name!r} {mesh.shape}: {len(alive)} of {len(mesh.ranks)} ranks running "
           f"(pids {', '.join(str(s.pid) for s in alive)}); no kernel held it for {format_duration(runtime.detached_for)}")
+    for run in runtime.detached_runs:  # those still running: followed to their end, here, as a --bg cell is
+        if run.request is not None and run.req_id not in runtime.detached_futures:
+            part = mesh.select_ranks(sorted(run.request.ranks))
+            runtime.detached_futures[run.req_id] = MeshFuture(
+                runtime, run.request, default_sink(ranks=part.ranks, label=run.label, background=True), part._values)
     for result in mesh.detached_results:
         sink = default_sink(ranks=result.ranks, dedupe=True, label=f"{result.label} (while no kernel was attached)")
         for rank, text in result.output.items():
@@ -116,6 +123,11 @@ def show_detached(mesh: Mesh, record: MeshRecord) -> None:
         for rank in result.ranks:
             sink.rank_done(rank)
         sink.close()
+        if result.future is not None and result.running:
+            print(f"{result.label} still runs on ranks {format_ranks(result.running)}: what it prints comes here; "
+                  f"its values: mesh.detached_results[...].future.get()")
+            result.future.pump_in_background()
+            continue
         values = _grouped({rank: repr(value) for rank, value in result.values.items()})
         print(f"{result.label} ran to its end while no kernel was attached: "
               + ("; ".join(f"ranks {ranks}: {text}" for text, ranks in values) or "no values")

@@ -37,7 +37,7 @@ def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "
              connect_options: dict[str, Any] | None = None, connect_timeout: float = 30.0,
              master_addr: str | None = None, ship_package: bool = False, timeout: float = 180.0,
              health: HealthTimings | None = None, preload: Sequence[str] | None = None,
-             relay_branching: int = RELAY_BRANCHING) -> Mesh:
+             relay_branching: int = RELAY_BRANCHING, persist: str | float | None = None) -> Mesh:
     """Start `gpus` ranks on each SSH host, shape {hosts: len(hosts), gpus: N}.
 
     Hosts are `host`, `user@host` or `user@host:port`, resolved through ~/.ssh/config;
@@ -47,7 +47,8 @@ def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "
     `setup` is a shell snippet run first (e.g. "source ~/env.sh"); `master_addr` is
     host 0's address as the other hosts reach it (default: the one we connected to).
     `preload`: as for `local_mesh`. Past `relay_branching` hosts, the controller sends broadcasts
-    to that many hosts and their agents relay them to the others (authenticated links).
+    to that many hosts and their agents relay them to the others (authenticated links). `persist`: as
+    for `local_mesh`; the agents stay on the hosts and a later kernel reaches them over new SSH connections.
     """
     if not hosts:
         raise MeshUsageError("ssh_mesh() needs at least one host, e.g. ssh_mesh(['gpu-a'], gpus=8)")
@@ -55,4 +56,4 @@ def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "
                       connect_timeout_s=connect_timeout, ship_package=ship_package)
              for h in hosts]
     return Mesh.started(start_runtime(specs, gpus, dist, name, env, timeout, master_addr, health, preload=preload,
-                                      relay_branching=relay_branching))
+                                      relay_branching=relay_branching, persist=persist))

@@ -177,7 +177,7 @@ async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str],
     """Start the agent of one host; raises MeshStartError with a per-host reason.
 
     mesh_folders: the kernel's folders for the mesh, which a local agent removes if it
-    outlives the kernel. persist: the mesh may outlive the kernel (local hosts only, for now).
+    outlives the kernel. persist: the mesh may outlive the kernel (local and SSH hosts).
     """
     if spec.kind == HostKind.LOCAL:
         proc, sock = spawn_local_agent(spec.name, log_path, python=None, mesh_folders=mesh_folders, persist=persist)
@@ -194,5 +194,5 @@ async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str],
     remote = await ssh.start_agent(
         ssh.SSHTarget.parse(spec.target or spec.name), name=spec.name, python=spec.python,
         setup=spec.setup, env=env, options=spec.options, timeout=spec.connect_timeout_s,
-        stderr_path=log_path, ship_package=spec.ship_package)
+        stderr_path=log_path, ship_package=spec.ship_package, persist=persist)
     return HostConnection(None, remote.peer_address, remote=remote)

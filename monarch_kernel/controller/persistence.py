@@ -10,7 +10,6 @@ the ranks' state and what they said meanwhile (`Attached`). Only local meshes pe
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import threading
 import time
@@ -18,28 +17,29 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from monarch_kernel.controller.hosts import HostConnection, HostSpec
-from monarch_kernel.controller.loop import ControllerLoop
+from monarch_kernel.controller.agent_reach import (
+    ATTACH_TIMEOUT_S,
+    MeshAttachError,
+    agents_of,
+    reach_agent,
+    spec_fields,
+    spec_of,
+)
+from monarch_kernel.controller.hosts import HostConnection, HostKind
 from monarch_kernel.controller.rank_start import quiet_future
 from monarch_kernel.controller.runtime import MeshRuntime, settle
 from monarch_kernel.controller.state import HostLink, MeshSpec, RankState
 from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.core.folders import forget_folder
-from monarch_kernel.core.mesh_records import MeshRecord, RecordError, format_duration, record_path, write_record
+from monarch_kernel.core.mesh_records import MeshRecord, record_path, remove_record, write_record
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import persist_messages as pm
 from monarch_kernel.wire.calls import unregister_sender
-from monarch_kernel.wire.direct_auth import AuthenticationFailed, new_secret, prove_controller_async
-from monarch_kernel.wire.lanes import peer_credentials
+from monarch_kernel.wire.direct_auth import new_secret
 from monarch_kernel.wire.relay_link import DOWN, RelayLink
 from monarch_kernel.wire.serialization import unseal
 
-ATTACH_TIMEOUT_S = 10.0
 SOCKET_NAME = "agent.sock"
-
-
-class MeshAttachError(RuntimeError):
-    """A persistent mesh cannot be attached (held by another kernel, gone, or not proved)."""
 
 
 @dataclass
@@ -50,18 +50,23 @@ class DetachedRun:
     label: str
     output: dict[int, list[tuple[str, str]]] = field(default_factory=dict)  # rank -> (stream, text)
     results: dict[int, m.Result] = field(default_factory=dict)
+    running: set[int] = field(default_factory=set)  # ranks that still ran it when this kernel attached
+    request: Any = None  # then: the controller's Request that follows it to its end
 
 
 @dataclass(frozen=True)
 class DetachedResult:
-    """A request that ran to its end while no kernel held the mesh: its label ("In[4]"), each rank's
-    output (text), value and error (formatted)."""
+    """A request an earlier kernel sent, as this kernel found it: its label ("In[4]"), each rank's output
+    (text), value and error (formatted) from while no kernel held the mesh. If it still ran on some ranks
+    (`running`), `future` follows it to its end (a MeshFuture: `.get()` gives every rank's value)."""
 
     label: str
     ranks: tuple[int, ...]
     output: dict[int, str]
     values: dict[int, Any]
     errors: dict[int, str]
+    running: tuple[int, ...] = ()
+    future: Any = None
 
     def __repr__(self) -> str:
         return (f"<DetachedResult {self.label}: ranks {list(self.ranks)}, values {self.values}"
@@ -73,20 +78,24 @@ def this_holder() -> pm.Holder:
     return pm.Holder(os.getpid(), os.environ.get("JPY_SESSION_NAME", ""), time.time())
 
 
+_NO_RUN = DetachedRun(-1, "")
+
+
 class PersistentRuntime(MeshRuntime):
     """A mesh that outlives its kernel for `spec.persist_s` seconds without one."""
 
     def __init__(self, spec: MeshSpec, **options: Any):
         super().__init__(spec, **options)
-        self._ready: asyncio.Future[Any] | None = None
-        self._attached: asyncio.Future[Any] | None = None
+        self._ready: dict[int, asyncio.Future[Any]] = {}  # by host: its agent listens (PersistReady)
+        self._attached: dict[int, asyncio.Future[Any]] = {}  # by host: Attached or AttachRefused
         self.detached_runs: list[DetachedRun] = []  # what the ranks did while no kernel held the mesh
         self.detached_for = 0.0
+        self.detached_futures: dict[int, Any] = {}  # req_id -> the notebook's future on a request still running
         self.record: MeshRecord | None = None
         self._handlers.update({
-            pm.PersistReady: lambda link, msg: settle(self._ready, msg),
-            pm.Attached: lambda link, msg: settle(self._attached, msg),
-            pm.AttachRefused: lambda link, msg: settle(self._attached, msg),
+            pm.PersistReady: lambda link, msg: settle(self._ready.get(link.index), msg),
+            pm.Attached: self._on_attached,
+            pm.AttachRefused: lambda link, msg: settle(self._attached.get(link.index), msg),
             pm.TakenOver: lambda link, msg: self._taken_over(msg.holder),
         })
 
@@ -97,19 +106,27 @@ class PersistentRuntime(MeshRuntime):
         self.record = self.controller.run(self._persist()).result(ATTACH_TIMEOUT_S + 5)
 
     async def _persist(self) -> MeshRecord:
-        link = self.state.links[0]
         secret = new_secret()
-        path = os.path.join(self.state.run_dir, SOCKET_NAME)
-        self._ready = asyncio.get_running_loop().create_future()
-        link.send(pm.Persist(self.spec.persist_s or 0.0, path, secret, record_path(self.name), this_holder()))
+        loop = asyncio.get_running_loop()
+        record_file = record_path(self.name)
+        for link in self.state.links:
+            local = link.host is not None and link.host.is_local
+            self._ready[link.index] = loop.create_future()
+            link.send(pm.Persist(self.spec.persist_s or 0.0, os.path.join(self.state.run_dir, SOCKET_NAME) if local else "",
+                                 secret, record_file if local else "", this_holder()))
         try:
-            ready = await asyncio.wait_for(self._ready, ATTACH_TIMEOUT_S)
+            ready = await asyncio.wait_for(asyncio.gather(*self._ready.values()), ATTACH_TIMEOUT_S)
         except TimeoutError:
-            raise MeshStartError(f"mesh {self.name!r}: its agent did not say it would outlive the kernel; "
-                                 f"see {link.log_path}") from None
-        record = MeshRecord(self.name, "local", [h.name for h in self.spec.hosts], self.spec.gpus, self.spec.backend,
-                            self.spec.persist_s or 0.0, time.time(), ready.pid, path, secret.hex(),
-                            self.state.run_dir, self.state.shm_dir, spec_fields(self.spec))
+            raise MeshStartError(f"mesh {self.name!r}: its agents did not say they would outlive the kernel; "
+                                 f"see the agent logs in {self.state.run_dir}") from None
+        agents = [{"host": spec.name, "kind": str(spec.kind), "socket": answer.socket, "pid": answer.pid}
+                  | ({"target": spec.target or spec.name, "options": spec.options,
+                      "connect_timeout_s": spec.connect_timeout_s} if spec.kind == HostKind.SSH else {})
+                  for spec, answer in zip(self.spec.hosts, ready)]
+        kind = HostKind.SSH if any(spec.kind == HostKind.SSH for spec in self.spec.hosts) else HostKind.LOCAL
+        record = MeshRecord(self.name, str(kind), [h.name for h in self.spec.hosts], self.spec.gpus, self.spec.backend,
+                            self.spec.persist_s or 0.0, time.time(), ready[0].pid, ready[0].socket, secret.hex(),
+                            self.state.run_dir, self.state.shm_dir, spec_fields(self.spec), agents=agents)
         write_record(record)
         return record
 
@@ -122,11 +139,19 @@ class PersistentRuntime(MeshRuntime):
             errors = {rank: r.failure.traceback or f"{r.failure.error_type}: {r.failure.message}"
                       for rank, r in sorted(run.results.items()) if r.failure is not None}
             output = {rank: "".join(text for _, text in parts) for rank, parts in sorted(run.output.items())}
-            found.append(DetachedResult(run.label, tuple(sorted(set(run.results) | set(run.output))), output,
-                                        values, errors))
+            ranks = tuple(sorted(set(run.results) | set(run.output) | run.running))
+            found.append(DetachedResult(run.label, ranks, output, values, errors, tuple(sorted(run.running)),
+                                        self.detached_futures.get(run.req_id)))
         return found
 
     # ------------------------------------------------------------ leaving, taken over
+    def shutdown(self) -> None:
+        """Stop the mesh for good: every rank and agent ends, and its record goes."""
+        was_open = not self.state.closed
+        super().shutdown()
+        if was_open and self.record is not None:
+            remove_record(self.name, self.record.agent_pid)
+
     def leave(self) -> None:
         """The kernel ends: the mesh stays for the next one (its ranks, their state, its folders)."""
         self._let_go(f"mesh {self.name!r} was left running for the next kernel: attach it with "
@@ -152,15 +177,18 @@ class PersistentRuntime(MeshRuntime):
             self._heartbeat.cancel()
         for link in self.state.links:
             link.close()  # (no Shutdown: the agent keeps the ranks)
+            if link.host is not None and link.host.remote is not None:
+                link.host.remote.close()  # the SSH connection (its agent's stdin ends: it waits for the next kernel)
 
     # ------------------------------------------------------------ a later kernel
     @classmethod
     def attach(cls, record: MeshRecord, take: bool, **options: Any) -> PersistentRuntime:
         """Attach to the mesh of `record` (raises MeshAttachError saying why not)."""
-        runtime = cls(spec_of(record), folders=(record.run_dir, record.shm_dir), **options)
+        local = record.kind == HostKind.LOCAL  # (its folders are still there; an SSH mesh's were the old kernel's)
+        runtime = cls(spec_of(record), folders=(record.run_dir, record.shm_dir) if local else None, **options)
         runtime.record = record
         try:
-            runtime.controller.run(runtime._attach(record, take)).result(ATTACH_TIMEOUT_S + 5)
+            runtime.controller.run(runtime._attach(record, take)).result(ATTACH_TIMEOUT_S * 2 + 5)
         except BaseException:
             runtime._let_go(f"mesh {record.name!r} is not attached")
             raise
@@ -168,25 +196,43 @@ class PersistentRuntime(MeshRuntime):
 
     async def _attach(self, record: MeshRecord, take: bool) -> None:
         loop = asyncio.get_running_loop()
-        host = self.spec.hosts[0].name
-        ranks = list(range(record.gpus))
-        link = HostLink(0, host, ranks, log_path=os.path.join(record.run_dir, "agent-0.log"),
-                        greeted=quiet_future(loop), host=HostConnection(None, "127.0.0.1", local_pid=record.agent_pid))
-        self.state.links = [link]
-        self.state.ranks = {rank: RankState(rank, host, rank) for rank in ranks}
-        reader, writer, session = await open_agent(record)
-        self._attached = loop.create_future()
-        link.conn = RelayLink(reader, writer, session, DOWN, partial(self._on_message, link), partial(self._on_lost, link))
-        link.send(pm.AttachRequest(this_holder(), take))
-        answer = await asyncio.wait_for(self._attached, ATTACH_TIMEOUT_S)
-        if isinstance(answer, pm.AttachRefused):
-            held = answer.holder
+        gpus = record.gpus
+        for index, spec in enumerate(self.spec.hosts):
+            ranks = list(range(index * gpus, (index + 1) * gpus))
+            self.state.links.append(HostLink(index, spec.name, ranks, greeted=quiet_future(loop),
+                                             log_path=os.path.join(self.state.run_dir, f"agent-{index}.log")))
+            for local, rank in enumerate(ranks):
+                self.state.ranks[rank] = RankState(rank, spec.name, local)
+        answers = await asyncio.gather(*(self._attach_host(record, link, take) for link in self.state.links),
+                                       return_exceptions=True)
+        problem = next((a for a in answers if isinstance(a, BaseException)), None)
+        if problem is not None:
+            raise problem
+        refused = next((a for a in answers if isinstance(a, pm.AttachRefused)), None)
+        if refused is not None:
+            held = refused.holder
             where = f", notebook {held.notebook}" if held.notebook else ""
             raise MeshAttachError(f"mesh {record.name!r} is held by another kernel (pid {held.pid}{where}, since "
                                   f"{time.strftime('%H:%M:%S', time.localtime(held.since))}); attach with --take "
                                   f"(take=True) to move it here")
-        self._took(answer)
         self._heartbeat = loop.create_task(self.hearing.ping_hosts())
+
+    async def _attach_host(self, record: MeshRecord, link: HostLink, take: bool) -> Any:
+        reached = await reach_agent(record, link.index, self.state.run_dir)
+        agent = agents_of(record)[link.index]
+        address = reached.forwarded.peer_address if reached.forwarded is not None else "127.0.0.1"
+        link.host = HostConnection(None, address, remote=reached.forwarded,
+                                   local_pid=None if reached.forwarded is not None else agent["pid"])
+        self._attached[link.index] = asyncio.get_running_loop().create_future()
+        link.conn = RelayLink(reached.reader, reached.writer, reached.session, DOWN, partial(self._on_message, link),
+                              partial(self._on_lost, link))
+        link.send(pm.AttachRequest(this_holder(), take))
+        return await asyncio.wait_for(self._attached[link.index], ATTACH_TIMEOUT_S)
+
+    def _on_attached(self, link: HostLink, attached: pm.Attached) -> None:
+        """As it arrives (before any later message of that host): the ranks, and what they did meanwhile."""
+        self._took(attached)
+        settle(self._attached.get(link.index), attached)
 
     def _took(self, attached: pm.Attached) -> None:
         for info in attached.ranks:
@@ -195,11 +241,22 @@ class PersistentRuntime(MeshRuntime):
             if info.alive:
                 state.started(info.pid)
             else:
-                state.pid, state.alive = info.pid or None, False
-        self.detached_for = attached.detached_for
-        runs: dict[int, DetachedRun] = {}
+                state.pid, state.alive = info.pid, False  # (its pid, if a held RankExited says it: _keep)
+        self.detached_for = max(self.detached_for, attached.detached_for)
+        runs = {run.req_id: run for run in self.detached_runs}  # (one request's ranks may be on several hosts)
         for msg in attached.held:
             self._keep(msg, runs, attached.labels)
+        running: dict[int, set[int]] = {}
+        for info in attached.ranks:
+            if info.alive and info.running is not None and info.rank not in runs.get(info.running, _NO_RUN).results:
+                running.setdefault(info.running, set()).add(info.rank)
+                if info.running not in runs:
+                    runs[info.running] = DetachedRun(info.running, attached.labels.get(info.running)
+                                                     or f"request {info.running}")
+        for req_id, run in runs.items():  # still running: this kernel follows it to its end
+            if req_id in running or run.request is not None:
+                run.running |= running.get(req_id, set())
+                run.request = self.requests.adopt(req_id, run.label, running.get(req_id, ()), run.results)
         self.detached_runs = list(runs.values())
 
     def _keep(self, msg: Any, runs: dict[int, DetachedRun], labels: dict[int, str]) -> None:
@@ -215,82 +272,4 @@ class PersistentRuntime(MeshRuntime):
                 run_of(result.req_id).results[result.rank] = result
         elif isinstance(msg, m.RankExited):
             state = self.state.ranks[msg.rank]
-            state.exit_code, state.signal = msg.exit_code, msg.signal
-
-
-class MeshGone(MeshAttachError):
-    """The recorded agent does not answer: the mesh ended (or was killed) and left its record."""
-
-
-async def open_agent(record: MeshRecord) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
-    """Reach a persistent mesh's agent: its socket, served by the recorded pid as our own user, and the
-    mutual proof of the secret; (reader, writer, session key). Raises MeshAttachError saying why not."""
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(record.socket, limit=1 << 22),
-                                                ATTACH_TIMEOUT_S)
-    except (OSError, TimeoutError) as exc:
-        raise MeshGone(f"mesh {record.name!r} is not running: its agent (pid {record.agent_pid}) does not answer "
-                       f"at {record.socket} ({type(exc).__name__}); `python -m monarch_kernel meshes stop "
-                       f"{record.name}` removes its record") from None
-    pid, uid = peer_credentials(writer.get_extra_info("socket"))
-    if uid != os.getuid() or pid != record.agent_pid:
-        writer.close()
-        raise MeshAttachError(f"the socket of mesh {record.name!r} is served by pid {pid} (uid {uid}), not by its "
-                              f"agent (pid {record.agent_pid}): refusing a stale or forged record")
-    try:
-        session = await prove_controller_async(reader, writer, bytes.fromhex(record.secret))
-    except (AuthenticationFailed, ValueError) as exc:
-        writer.close()
-        raise MeshAttachError(f"mesh {record.name!r}: its agent did not accept this record's secret ({exc}): "
-                              "the record is stale or forged") from None
-    return reader, writer, session
-
-
-async def ask_agent(record: MeshRecord, request: pm.MeshQuery | pm.StopMesh,
-                    timeout: float = ATTACH_TIMEOUT_S) -> pm.MeshInfo:
-    """One question to a persistent mesh's agent (how is it; stop); its answer."""
-    reader, writer, session = await open_agent(record)
-    answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-    def closed(exc: Exception | None) -> None:
-        if not answer.done():
-            answer.set_exception(MeshGone(f"mesh {record.name!r}: its agent closed the link ({exc})"))
-
-    link = RelayLink(reader, writer, session, DOWN, lambda msg: settle(answer, msg), closed)
-    link.send(request)
-    try:
-        return await asyncio.wait_for(answer, timeout)
-    finally:
-        link.close()
-
-
-def ask_now(record: MeshRecord, request: pm.MeshQuery | pm.StopMesh) -> pm.MeshInfo | None:
-    """`ask_agent` from any thread but the controller's: the answer, or None if the agent is gone (raises
-    MeshAttachError for a record the agent refuses)."""
-    try:
-        return ControllerLoop.get().run(ask_agent(record, request)).result(ATTACH_TIMEOUT_S + 2)
-    except MeshGone:
-        return None
-
-
-def spec_fields(spec: MeshSpec) -> dict[str, Any]:
-    """What a record keeps of a mesh's settings, beyond its shape."""
-    return {"env": spec.env, "preload": list(spec.preload), "health": dataclasses.asdict(spec.health),
-            "start_timeout_s": spec.start_timeout_s}
-
-
-def spec_of(record: MeshRecord) -> MeshSpec:
-    """The MeshSpec of a recorded mesh."""
-    try:
-        saved = record.spec
-        return MeshSpec(record.name, tuple(HostSpec(h) for h in record.hosts), record.gpus, record.dist,
-                        dict(saved.get("env", {})), None, float(saved.get("start_timeout_s", 120.0)),
-                        m.HealthTimings(**saved.get("health", {})), preload=(), persist_s=record.persist_s)
-    except (TypeError, ValueError) as exc:
-        raise RecordError(f"the record of mesh {record.name!r} has settings this version cannot read ({exc})") from None
-
-
-def describe_age(record: MeshRecord) -> str:
-    """How long ago the mesh started."""
-    return format_duration(time.time() - record.created)
-
+            state.pid, state.exit_code, state.signal = msg.pid, msg.exit_code, msg.signal

@@ -75,6 +75,22 @@ class RequestBook:
             self._maybe_complete(req)
         return req
 
+    def adopt(self, req_id: int, label: str, running: Iterable[int], results: dict[int, m.Result]) -> Request:
+        """Follow a request an earlier kernel sent (a persistent mesh just attached): it still runs on `running`,
+        and ended with `results` elsewhere. Its output and results from now on come to it, through the agents
+        (its lanes went with that kernel). Called again for another host's ranks of it, it grows."""
+        with self._lock:
+            req = self._state.requests.get(req_id)
+            if req is None:
+                req = Request(req_id, frozenset(), label, False)
+            fresh = Request(req_id, frozenset(running), label, False)
+            req.ranks = req.ranks | fresh.ranks | frozenset(results)
+            req.results.update(results)
+            self._book(fresh)  # (the running ranks' inflight lists)
+            self._state.requests[req_id] = req
+            self._maybe_complete(req)
+        return req
+
     def send_input(self, ranks: Iterable[int], req_id: int, text: str, error: str | None = None) -> None:
         """Answer the input() of these ranks in a request (error: why there is no answer)."""
         self._loop.call(self._state.send_to_ranks, frozenset(ranks),

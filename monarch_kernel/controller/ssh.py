@@ -124,6 +124,61 @@ class RemoteAgent:
         return f"the agent on host {self.target} exited (status {status})" + (f":\n{tail}" if tail else "")
 
 
+@dataclass
+class ForwardedAgent:
+    """The agent of a persistent mesh on an SSH host, reached by a new kernel: a new SSH connection that
+    forwards a private local socket to the agent's Unix socket there (no TCP port is opened)."""
+
+    target: SSHTarget
+    connection: Any  # asyncssh.SSHClientConnection
+    listener: Any  # its local path forwarding
+    local_path: str
+    peer_address: str
+    scheduled = False
+
+    def job_ended(self) -> str:
+        """No job: SSH hosts run no scheduler."""
+        return ""
+
+    def lost_reason(self) -> str:
+        """No scheduler to ask."""
+        return ""
+
+    def attach(self, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]) -> Any:
+        """Not used: the attach makes its own sealed link on `local_path`."""
+        raise RuntimeError("a forwarded agent's link is made by the attach")
+
+    async def explain_exit(self) -> str:
+        """Why it is gone: as far as we can tell from here."""
+        return f"the link to the agent on {self.target} through SSH ended"
+
+    async def wait_closed(self) -> None:
+        """Until the SSH connection is closed."""
+        await self.connection.wait_closed()
+
+    async def remove_shipped(self) -> None:
+        """Nothing: the agent removes its own copy of the package when it ends."""
+
+    def close(self) -> None:
+        """Close the forwarding and the SSH connection (the agent goes on)."""
+        self.listener.close()
+        self.connection.close()
+
+
+async def forward_agent_socket(target: SSHTarget, *, options: dict[str, Any] | None, timeout: float,
+                               remote_path: str, local_path: str) -> ForwardedAgent:
+    """Connect to a host (host key checked as always) and forward `local_path` here (in a private folder)
+    to the persistent agent's socket `remote_path` there."""
+    conn = await connect(target, options=options, timeout=timeout)
+    try:
+        listener = await conn.forward_local_path(local_path, remote_path)
+        peer = conn.get_extra_info("peername")
+        return ForwardedAgent(target, conn, listener, local_path, str(peer[0]) if peer else target.host)
+    except BaseException:
+        conn.close()
+        raise
+
+
 def _advice(target: SSHTarget, exc: BaseException) -> str:
     import asyncssh
 
@@ -206,7 +261,7 @@ def _config_sets_ciphers(config: Any) -> bool:
 
 
 def agent_command(*, python: str, name: str, setup: str | None, env: dict[str, str],
-                  pythonpath: str | None = None, direct_address: str | None = None) -> str:
+                  pythonpath: str | None = None, direct_address: str | None = None, persist: bool = False) -> str:
     """The remote shell command that starts an agent speaking on its stdin/stdout.
 
     The environment's values never appear in it (other users of the host see command
@@ -214,7 +269,7 @@ def agent_command(*, python: str, name: str, setup: str | None, env: dict[str, s
     `direct_address` it then reads a secret line and offers a direct link (`agent.direct_link`).
     """
     assigns = []
-    extra = " --env-stdin" if env else ""
+    extra = (" --env-stdin" if env else "") + (" --persist" if persist else "")
     if direct_address:
         extra += f" --direct {shlex.quote(direct_address)}"
     if pythonpath:
@@ -237,12 +292,12 @@ def env_line(env: dict[str, str]) -> bytes:
 
 async def start_agent(target: SSHTarget, *, name: str, python: str, setup: str | None,
                       env: dict[str, str], options: dict[str, Any] | None, timeout: float,
-                      stderr_path: str, ship_package: bool = False) -> RemoteAgent:
+                      stderr_path: str, ship_package: bool = False, persist: bool = False) -> RemoteAgent:
     """Connect to a host and start its agent; returns the bridged local socket."""
     conn = await connect(target, options=options, timeout=timeout)
     try:
         pythonpath = await _ship_package(conn) if ship_package else None
-        command = agent_command(python=python, name=name, setup=setup, env=env, pythonpath=pythonpath)
+        command = agent_command(python=python, name=name, setup=setup, env=env, pythonpath=pythonpath, persist=persist)
         channel, session = await conn.create_session(lambda: agent_session(stderr_path), command,
                                                      encoding=None, request_pty=False)
         if env:

@@ -32,7 +32,7 @@ class MeshRecord:
     """What a kernel needs to attach to a persistent mesh (and `meshes` to list it)."""
 
     name: str
-    kind: str  # "local"
+    kind: str  # "local" or "ssh"
     hosts: list[str]
     gpus: int  # ranks per host
     dist: str
@@ -44,6 +44,7 @@ class MeshRecord:
     run_dir: str  # the mesh's private folders (logs, sockets; shared memory)
     shm_dir: str
     spec: dict[str, Any] = field(default_factory=dict)  # env, preload, health and start timeout, as started
+    agents: list[dict[str, Any]] = field(default_factory=list)  # each host's: kind, socket, pid (target, options: SSH)
     version: int = RECORD_VERSION
 
     @property

@@ -25,8 +25,9 @@ class Holder:
 
 @dataclass(frozen=True)
 class Persist:
-    """Kernel -> agent: outlive this kernel for `seconds` without one; listen at `socket` for the next,
-    which must prove `secret`. `record`: the path of the mesh's state file (removed when the mesh ends)."""
+    """Kernel -> agent: outlive this kernel for `seconds` without one; listen at `socket` for the next
+    ("": in a private folder of the agent's own, on an SSH host), which must prove `secret`. `record`: the
+    path of the mesh's state file on this machine ("" on another), removed when the mesh ends."""
 
     seconds: float
     socket: str
@@ -37,9 +38,10 @@ class Persist:
 
 @dataclass(frozen=True)
 class PersistReady:
-    """Agent -> kernel: it listens; the mesh now outlives the kernel."""
+    """Agent -> kernel: it listens at `socket`; the mesh now outlives the kernel."""
 
     pid: int
+    socket: str
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class DetachedRank:
     alive: bool
     activity: str  # what its actors run now ("Trainer.step 1.5s"), "" when idle
     fd_total: int  # bytes of its fd output passed on so far (wire/fd_marks.py)
+    running: int | None = None  # the request it runs now (sent by an earlier kernel), if any
 
 
 @dataclass(frozen=True)

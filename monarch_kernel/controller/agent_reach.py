@@ -1,0 +1,170 @@
+"""Reaching the agents of a persistent mesh from a kernel that did not start it (or from a terminal).
+
+A local agent listens on a Unix socket in the mesh's 0700 folder; we check that the socket is served by
+the recorded agent pid, as our own user. An SSH host's agent listens on a Unix socket in a 0700 folder
+of its own there; a new SSH connection (host key checked as always) forwards a private local socket to
+it, and no TCP port is opened anywhere. Either way both ends then prove the mesh's secret without
+sending it (`wire/direct_auth`), and every frame is sealed under the session key (`wire/relay_link`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from monarch_kernel.controller.hostspec import HostKind, HostSpec
+from monarch_kernel.controller.loop import ControllerLoop
+from monarch_kernel.controller.runtime import settle
+from monarch_kernel.controller.state import MeshSpec
+from monarch_kernel.core.errors import MeshStartError
+from monarch_kernel.core.mesh_records import MeshRecord, RecordError
+from monarch_kernel.wire import messages as m
+from monarch_kernel.wire import persist_messages as pm
+from monarch_kernel.wire.direct_auth import AuthenticationFailed, prove_controller_async
+from monarch_kernel.wire.lanes import peer_credentials
+from monarch_kernel.wire.relay_link import DOWN, RelayLink
+
+ATTACH_TIMEOUT_S = 10.0
+
+
+class MeshAttachError(RuntimeError):
+    """A persistent mesh cannot be attached (held by another kernel, gone, or not proved)."""
+
+
+class MeshGone(MeshAttachError):
+    """The recorded agent does not answer: the mesh ended (or was killed) and left its record."""
+
+
+@dataclass
+class ReachedAgent:
+    """An authenticated stream to one agent, and the SSH forwarding it goes through (None: local)."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    session: bytes
+    forwarded: Any = None  # ssh.ForwardedAgent
+
+    def close(self) -> None:
+        """Close the stream and the forwarding."""
+        self.writer.close()
+        if self.forwarded is not None:
+            self.forwarded.close()
+
+
+def agents_of(record: MeshRecord) -> list[dict[str, Any]]:
+    """Each host's agent as the record has it: host, kind, socket, pid (and target, options over SSH)."""
+    return record.agents or [{"host": record.hosts[0], "kind": "local", "socket": record.socket,
+                              "pid": record.agent_pid}]
+
+
+async def reach_agent(record: MeshRecord, index: int, local_dir: str) -> ReachedAgent:
+    """Reach host `index`'s agent and prove the secret (raises MeshGone, or MeshAttachError saying why not).
+    `local_dir`: a private folder for the local end of an SSH forwarding."""
+    agent = agents_of(record)[index]
+    forwarded = None
+    where = f"its agent on {agent['host']}" + (f" (pid {agent['pid']})" if agent.get("pid") else "")
+    gone = (f"mesh {record.name!r} is not running: {where} does not answer at {agent['socket']}; "
+            f"`python -m monarch_kernel meshes stop {record.name}` removes its record")
+    if agent["kind"] == HostKind.SSH:
+        from monarch_kernel.controller import ssh
+
+        path, expected_pid = os.path.join(local_dir, f"agent-{index}.sock"), os.getpid()  # (our own forwarding)
+        try:
+            forwarded = await ssh.forward_agent_socket(
+                ssh.SSHTarget.parse(agent["target"]), options=agent.get("options") or {},
+                timeout=float(agent.get("connect_timeout_s", 30.0)), remote_path=agent["socket"], local_path=path)
+        except MeshStartError as exc:
+            raise MeshGone(f"mesh {record.name!r}: cannot reach {agent['host']}: {exc}") from None
+    else:
+        path, expected_pid = agent["socket"], agent["pid"]
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path, limit=1 << 22), ATTACH_TIMEOUT_S)
+    except (OSError, TimeoutError):
+        if forwarded is not None:
+            forwarded.close()
+        raise MeshGone(gone) from None
+    reached = ReachedAgent(reader, writer, b"", forwarded)
+    pid, uid = peer_credentials(writer.get_extra_info("socket"))
+    if uid != os.getuid() or pid != expected_pid:
+        reached.close()
+        raise MeshAttachError(f"the socket of mesh {record.name!r} is served by pid {pid} (uid {uid}), not by {where}: "
+                              "refusing a stale or forged record")
+    try:
+        reached.session = await prove_controller_async(reader, writer, bytes.fromhex(record.secret))
+    except (AuthenticationFailed, ValueError) as exc:
+        reached.close()
+        if forwarded is not None and "did not complete" in str(exc):  # the forwarding found no socket there
+            raise MeshGone(gone) from None
+        raise MeshAttachError(f"mesh {record.name!r}: {where} did not accept this record's secret ({exc}): "
+                              "the record is stale or forged") from None
+    return reached
+
+
+async def ask_agents(record: MeshRecord, request: pm.MeshQuery | pm.StopMesh,
+                     timeout: float = ATTACH_TIMEOUT_S) -> list[pm.MeshInfo]:
+    """One question to a persistent mesh's agents (how is it: host 0's; stop: every host's); the answers."""
+    local_dir = tempfile.mkdtemp(prefix="monarch-reach-")
+    try:
+        hosts = range(len(agents_of(record))) if isinstance(request, pm.StopMesh) else range(1)
+        found = await asyncio.gather(*(_ask_one(record, i, request, local_dir, timeout) for i in hosts),
+                                     return_exceptions=True)
+    finally:
+        shutil.rmtree(local_dir, ignore_errors=True)
+    answers = [a for a in found if isinstance(a, pm.MeshInfo)]
+    problems = [a for a in found if isinstance(a, BaseException)]
+    refused = [p for p in problems if isinstance(p, MeshAttachError) and not isinstance(p, MeshGone)]
+    if refused or not answers:
+        raise (refused or problems)[0]
+    return answers
+
+
+async def _ask_one(record: MeshRecord, index: int, request: Any, local_dir: str, timeout: float) -> pm.MeshInfo:
+    reached = await reach_agent(record, index, local_dir)
+    answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def closed(exc: Exception | None) -> None:
+        if not answer.done():
+            answer.set_exception(MeshGone(f"mesh {record.name!r}: its agent closed the link ({exc})"))
+
+    link = RelayLink(reached.reader, reached.writer, reached.session, DOWN, lambda msg: settle(answer, msg), closed)
+    link.send(request)
+    try:
+        return await asyncio.wait_for(answer, timeout)
+    finally:
+        link.close()
+        with contextlib.suppress(Exception):
+            reached.close()
+
+
+def ask_now(record: MeshRecord, request: pm.MeshQuery | pm.StopMesh) -> pm.MeshInfo | None:
+    """`ask_agents` from any thread but the controller's: host 0's answer, or None if the mesh is gone (raises
+    MeshAttachError for a record an agent refuses)."""
+    try:
+        return ControllerLoop.get().run(ask_agents(record, request)).result(ATTACH_TIMEOUT_S * 2 + 5)[0]
+    except MeshGone:
+        return None
+
+
+def spec_fields(spec: MeshSpec) -> dict[str, Any]:
+    """What a record keeps of a mesh's settings, beyond its shape and agents."""
+    return {"env": spec.env, "preload": list(spec.preload), "health": dataclasses.asdict(spec.health),
+            "start_timeout_s": spec.start_timeout_s, "master_addr": spec.master_addr}
+
+
+def spec_of(record: MeshRecord) -> MeshSpec:
+    """The MeshSpec of a recorded mesh (its hosts as they were reached)."""
+    try:
+        saved = record.spec
+        hosts = tuple(HostSpec(a["host"], HostKind(a["kind"]), target=a.get("target"), options=dict(a.get("options") or {}),
+                               connect_timeout_s=float(a.get("connect_timeout_s", 30.0))) for a in agents_of(record))
+        return MeshSpec(record.name, hosts, record.gpus, record.dist, dict(saved.get("env", {})), saved.get("master_addr"),
+                        float(saved.get("start_timeout_s", 120.0)), m.HealthTimings(**saved.get("health", {})),
+                        preload=(), persist_s=record.persist_s)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise RecordError(f"the record of mesh {record.name!r} has settings this version cannot read ({exc})") from None
