@@ -23,6 +23,25 @@ from common import NullSink, cross_mesh_times, format_seconds, report, timed  # 
 
 MIB64 = 64 << 20
 CROSS = "actor -> actor of another proc mesh (per call)"
+ATTACH = "attach after a kernel restart"
+FIRST_KERNEL = """
+import json, sys
+import monarch_kernel as mk
+hosts, options = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+if hosts:
+    mk.ssh_mesh(hosts, 2, dist="gloo", python=sys.executable, connect_options=options, name="bench-attach", persist="10m")
+else:
+    mk.local_mesh(4, dist="gloo", name="bench-attach", persist="10m")
+"""
+NEXT_KERNEL = """
+import time
+import monarch_kernel
+import monarch_kernel.api.persistent
+t = time.perf_counter()
+mesh = monarch_kernel.attach("bench-attach")
+mesh.run("1")
+print("TOOK", time.perf_counter() - t, flush=True)
+"""
 
 
 def measure_mesh(make, quick: bool) -> dict:
@@ -58,6 +77,25 @@ def _cross_mesh(mesh, quick: bool) -> list[float]:
     finally:
         procs_a.stop()
         procs_b.stop()
+
+
+def measure_attach(hosts: list[str], options: dict, quick: bool) -> list[float]:
+    """A persistent mesh left by a kernel, attached (and a first cell run) by fresh interpreters, each timed."""
+    import json
+
+    env = dict(os.environ, XDG_STATE_HOME=tempfile.mkdtemp())
+    subprocess.run([sys.executable, "-c", FIRST_KERNEL, json.dumps(hosts), json.dumps(options)], env=env, check=True,
+                   capture_output=True, timeout=300)
+    times = []
+    try:
+        for _ in range(3 if quick else 8):
+            done = subprocess.run([sys.executable, "-c", NEXT_KERNEL], env=env, capture_output=True, text=True,
+                                  timeout=120)
+            times += [float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("TOOK")]
+    finally:
+        subprocess.run([sys.executable, "-m", "monarch_kernel", "meshes", "stop", "bench-attach"], env=env,
+                       capture_output=True, timeout=120)
+    return times
 
 
 def measure_floor(hosts, quick: bool) -> dict:
@@ -97,14 +135,18 @@ def main() -> None:
                 connect_options=hosts.connect_options()), args.quick),
             "ssh cat (floor)": measure_floor(hosts, args.quick),
         }
+        results["local 1x4"][ATTACH] = measure_attach([], {}, args.quick)
+        results["ssh 2x2"][ATTACH] = measure_attach([h.alias for h in hosts.hosts], hosts.connect_options(), args.quick)
     finally:
         hosts.stop()
     ours = {"ssh 2x2": results.pop("ssh 2x2")}  # the first column is the one compared
-    print(report({**ours, **results}, ["startup", "no-op broadcast", "pull 64 MiB", "push 64 MiB to all", CROSS],
+    print(report({**ours, **results}, ["startup", "no-op broadcast", "pull 64 MiB", "push 64 MiB to all", CROSS, ATTACH],
                  "benchmark", _fmt))
     print("\n(push to all: the time until every rank of the mesh has the tensor; the floor sends it once. "
           "Proc meshes: on the first and the last host of the mesh, Monarch's ping-pong; its same-host "
-          "figure next to PyTorch Monarch's is in bench_actors.py)")
+          "figure next to PyTorch Monarch's is in bench_actors.py. Attach: a persistent mesh left by a kernel that "
+          "ended, taken back by a fresh interpreter with a first cell (one new SSH connection per host); "
+          "bench_persist.py compares it with IPython Parallel)")
 
 
 def _fmt(seconds: float, row: str) -> str:
