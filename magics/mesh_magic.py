@@ -149,8 +149,6 @@ class MeshMagics(Magics):
             mesh = local_mesh(args.gpus, dist=args.dist or "gloo", name=name, env=env, timeout=args.timeout or 120.0,
                               preload=args.preload, persist=args.persist)
         elif args.kind == "slurm":
-            if args.persist is not None:
-                raise UsageError("--persist works for local and SSH meshes in this version; Slurm meshes end with the kernel")
             if args.hosts:
                 raise UsageError(f"%mesh up slurm takes no hosts (got {' '.join(args.hosts)}): Slurm chooses "
                                  "the nodes; use --nodes N (or --job ID for an allocation you have)")
@@ -162,7 +160,8 @@ class MeshMagics(Magics):
                               dist=args.dist or "nccl", env=env, name=args.name if args.reuse else name,
                               keep=args.keep,
                               wait_timeout=args.wait_timeout, timeout=args.timeout or 180.0,
-                              master_addr=args.master_addr, direct=not args.no_direct, preload=args.preload)
+                              master_addr=args.master_addr, direct=not args.no_direct, preload=args.preload,
+                              persist=args.persist)
         else:
             if not args.hosts or args.gpus is None:
                 raise UsageError("%mesh up ssh HOST [HOST ...] --gpus N: give the hosts and ranks per host")

@@ -413,3 +413,42 @@ def test_a_workspace_synced_to_slurm_nodes_that_share_a_disk_is_written_once(clu
         assert [h.shared_with for h in report.hosts] == ["", "node0"] and not report.errors
         found = mesh.run("import slurm_ws_pkg\nslurm_ws_pkg.where()", sink=RecordingSink())
         assert sorted(found.values()) == ["node0", "node1"]
+
+
+def test_a_persistent_slurm_mesh_outlives_a_killed_kernel_and_ends_with_its_job(cluster, tmp_path, monkeypatch):
+    """The agent steps stay (srun does not die with the kernel); a new kernel joins them on the nodes (TCP, the
+    secret proved), with the ranks' state and process group; down ends the steps, and the job with them."""
+    import json
+
+    from monarch_kernel import attach, persistent_meshes
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    script = tmp_path / "kernel.py"
+    script.write_text("import json, sys, time\nimport monarch_kernel\n"
+                      "m = monarch_kernel.slurm_mesh(nodes=2, gpus=1, dist='gloo', request_gpus=False, name='kept', "
+                      "persist='5m')\n"
+                      "m.run('import torch, torch.distributed as dist\\nw = 7 + dist.get_rank()')\n"
+                      "print('PIDS', json.dumps([s.pid for s in m.status()]), flush=True)\ntime.sleep(300)\n")
+    kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, **cluster.env})
+    mesh = None
+    try:
+        line = next(line for line in iter(kernel.stdout.readline, "") if line.startswith("PIDS"))
+        pids = json.loads(line[5:])
+        kernel.kill()
+        kernel.wait(10)
+        assert pids_alive(pids) == pids and len(ours_in_queue(cluster)) == 1
+        assert [m.kind for m in persistent_meshes() if m.running] == ["slurm"]
+        mesh = attach("kept")
+        assert [s.pid for s in mesh.status()] == pids
+        assert mesh.allocation is not None and "RUNNING" in mesh.allocation, mesh.allocation
+        assert sorted(mesh.pull("w").values()) == [7, 8]
+        reduced = mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+        assert list(reduced.values()) == [2.0, 2.0]
+    finally:
+        kernel.kill()
+        if mesh is not None:
+            mesh.shutdown()
+    assert wait_until(lambda: ours_in_queue(cluster) == [], 30), cluster.squeue()  # (down ends the job the mesh made)
+    assert wait_until(lambda: all(not p for p in node_processes(cluster).values()), 15), node_processes(cluster)
+    assert not persistent_meshes()

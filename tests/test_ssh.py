@@ -779,8 +779,10 @@ mesh = mk.ssh_mesh(["host-0", "host-1"], gpus=1, dist="gloo", python=sys.executa
 mesh.run("import torch, torch.distributed as dist\\nw = 100 + dist.get_rank()")
 mesh.run_async("import time\\nfor i in range(3):\\n    print(f'step {i}', flush=True)\\n    time.sleep(0.3)\\n"
                f"open({sys.argv[2]!r} + str(dist.get_rank()), 'w').close()\\n'trained'", name="fit", background=True)
-print("PIDS", json.dumps([s.pid for s in mesh.status()]), flush=True)
 import time
+while not all(s.state == "busy" for s in mesh.status()):  # (sent: the request left this process)
+    time.sleep(0.01)
+print("PIDS", json.dumps([s.pid for s in mesh.status()]), file=sys.stderr, flush=True)
 time.sleep(600)
 """
 
@@ -808,11 +810,11 @@ def test_a_persistent_ssh_mesh_outlives_its_kernel_and_a_new_one_attaches_over_s
     monkeypatch.setenv("XDG_STATE_HOME", str(state))
     marker = str(tmp_path / "trained")
     first = subprocess.Popen([sys.executable, "-c", FIRST_KERNEL, json.dumps(hosts.connect_options()), marker],
-                             stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+                             stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     mesh = None
     try:
-        line = first.stdout.readline()
-        assert line.startswith("PIDS"), line
+        line = next((line for line in iter(first.stderr.readline, "") if line.startswith("PIDS")), "")
+        assert line, "the first kernel ended early"
         pids = json.loads(line[5:])
         first.kill()
         first.wait(10)

@@ -90,6 +90,11 @@ class Persistence:
         """Listen for the next kernels (owner-only socket in the mesh's private folder); hold its folders."""
         for folder in self.folders:  # a sweep by another kernel must not take them once ours is gone
             share_folder(folder)
+        if self.socket_path.startswith("tcp:"):  # a Slurm node: the direct link's kind of listener, on its address
+            self._server = await asyncio.start_server(self._accept, host=self.socket_path[4:], port=0, limit=1 << 22)
+            host, port = self._server.sockets[0].getsockname()[:2]
+            self.socket_path = f"tcp:{host}:{port}"
+            return self
         if not self.socket_path:  # an SSH host: a private folder of its own, reported back
             own = tempfile.mkdtemp(prefix="monarch-persist-")
             self.socket_path, self.folders = os.path.join(own, "agent.sock"), (*self.folders, own)
@@ -160,8 +165,9 @@ class Persistence:
     # ------------------------------------------------------------ kernels that come
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
+        unix = sock is not None and sock.family == socket.AF_UNIX  # (on TCP the secret's proof alone decides)
         try:
-            if sock is None or not peer_is_us(sock):  # (the folder is private too)
+            if sock is None or (unix and not peer_is_us(sock)):  # (the folder is private too)
                 raise AuthenticationFailed("the peer runs as another user")
             session = await check_controller_async(reader, writer, self._secret)
         except (AuthenticationFailed, OSError) as exc:
@@ -190,7 +196,7 @@ class Persistence:
             _log(f"an authenticated peer said nothing usable ({type(exc).__name__}); closed")
             link.close()
             return
-        await self._serve(link, request, peer_credentials(sock)[0], then)
+        await self._serve(link, request, peer_credentials(sock)[0] if unix else 0, then)
 
     async def _serve(self, link: RelayLink, request: Any, pid: int, then: list[Any]) -> None:
         if isinstance(request, pm.MeshQuery):
@@ -207,7 +213,7 @@ class Persistence:
         link.close()
 
     def _attach(self, link: RelayLink, request: pm.AttachRequest, pid: int) -> bool:
-        holder = pm.Holder(pid, request.holder.notebook, time.time())
+        holder = pm.Holder(pid or request.holder.pid, request.holder.notebook, time.time())  # (TCP: as it says)
         if self.holder is not None and not request.take:
             link.send(handshake.hello(__version__))
             link.send(pm.AttachRefused(self.holder))
@@ -256,8 +262,9 @@ class Persistence:
         self.detached_since = None
         if self._server is not None:
             self._server.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.socket_path)
+        if not self.socket_path.startswith("tcp:"):
+            with contextlib.suppress(OSError):
+                os.unlink(self.socket_path)
         remove_record_file(self.record)
         for folder in self.folders:
             release_folder(folder)

@@ -75,9 +75,9 @@ def check_persist(persist: str | float, name: str, hosts: list[HostSpec]) -> flo
         seconds = parse_duration(persist)
     except ValueError as exc:
         raise MeshUsageError(str(exc)) from None
-    if any(h.kind == HostKind.SLURM for h in hosts):
-        raise MeshUsageError("persist works for local and SSH meshes in this version; a Slurm mesh still ends "
-                             "with its kernel (its agents are steps of the kernel's srun)")
+    if any(h.kind == HostKind.SLURM and not h.options.get("direct", True) for h in hosts):
+        raise MeshUsageError("persist on Slurm needs the direct link to the nodes (the next kernel reaches the agents "
+                             "there): start without direct=False (--no-direct)")
     try:
         json.dumps([h.options for h in hosts])
     except (TypeError, ValueError):

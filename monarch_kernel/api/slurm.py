@@ -22,7 +22,8 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
                env: dict[str, str] | None = None, name: str | None = None, keep: bool = False,
                wait_timeout: float | None = None, timeout: float = 180.0, master_addr: str | None = None,
                health: HealthTimings | None = None, direct: bool = True,
-               preload: Sequence[str] | None = None, relay_branching: int = RELAY_BRANCHING) -> Mesh:
+               preload: Sequence[str] | None = None, relay_branching: int = RELAY_BRANCHING,
+               persist: str | float | None = None) -> Mesh:
     """Start `gpus` ranks on each of `nodes` nodes of a new Slurm allocation (or of job `job`).
 
     While the job is pending one line shows its state and Slurm's reason; Ctrl-C (the stop
@@ -33,7 +34,8 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
     asks for no GPUs (CPU nodes: `gpus` is then only the number of ranks per node).
     Each agent offers a direct TCP link that only this kernel can join (it proves a secret
     sent on the step's stdin); `direct=False` keeps all traffic on srun's stdio (slower for data).
-    `preload` and `relay_branching`: as for `local_mesh` and `ssh_mesh`.
+    `preload` and `relay_branching`: as for `local_mesh` and `ssh_mesh`. `persist`: as for `local_mesh`; the
+    agent steps outlive the kernel (the job lasts while they do), and a later kernel joins them on the nodes.
     """
     reuse_name = name
     name = name or f"mesh{next(Session.current().mesh_numbers)}"
@@ -58,7 +60,7 @@ def slurm_mesh(nodes: int = 1, gpus: int = 1, *, partition: str | None = None, t
     try:
         return Mesh.started(start_runtime(list(allocation.host_specs()), gpus, dist, name, env, timeout, master_addr,
                                           health, allocation=allocation, preload=preload,
-                                          relay_branching=relay_branching))
+                                          relay_branching=relay_branching, persist=persist))
     except BaseException:
         allocation.release()  # a mesh that did not start leaves no allocation behind (unless keep)
         raise

@@ -21,6 +21,7 @@ from typing import Any
 from monarch_kernel.controller.hostspec import HostKind, HostSpec
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.runtime import settle
+from monarch_kernel.controller.slurm import SlurmJob
 from monarch_kernel.controller.state import MeshSpec
 from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.core.mesh_records import MeshRecord, RecordError
@@ -42,13 +43,54 @@ class MeshGone(MeshAttachError):
 
 
 @dataclass
+class DirectAgent:
+    """A persistent mesh's agent on a Slurm node, reached by a new kernel on the TCP port it listens on (as the
+    direct link: the mutual proof of the secret and sealed frames make it ours)."""
+
+    node: str
+    writer: asyncio.StreamWriter
+    scheduled = False
+
+    def job_ended(self) -> str:
+        """Not asked: this kernel did not start the job's steps."""
+        return ""
+
+    def lost_reason(self) -> str:
+        """Not asked."""
+        return ""
+
+    def attach(self, on_message: Any, on_close: Any) -> Any:
+        """Not used: the attach makes the sealed link itself."""
+        raise RuntimeError("a reached agent's link is made by the attach")
+
+    async def explain_exit(self) -> str:
+        """Why it is gone: as far as we can tell from here."""
+        return f"the direct link to the agent on node {self.node} ended"
+
+    async def wait_closed(self) -> None:
+        """Until the link is closed."""
+        await self.writer.wait_closed()
+
+    async def remove_shipped(self) -> None:
+        """Nothing is shipped to Slurm nodes."""
+
+    def close(self) -> None:
+        """Close the link (the agent goes on)."""
+        self.writer.close()
+
+    def let_go(self) -> None:
+        """As close."""
+        self.close()
+
+
+@dataclass
 class ReachedAgent:
     """An authenticated stream to one agent, and the SSH forwarding it goes through (None: local)."""
 
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     session: bytes
-    forwarded: Any = None  # ssh.ForwardedAgent
+    forwarded: Any = None  # how it was reached, if not on this machine: ssh.ForwardedAgent, DirectAgent
 
     def close(self) -> None:
         """Close the stream and the forwarding."""
@@ -81,6 +123,8 @@ async def reach_agent(record: MeshRecord, index: int, local_dir: str) -> Reached
                 timeout=float(agent.get("connect_timeout_s", 30.0)), remote_path=agent["socket"], local_path=path)
         except MeshStartError as exc:
             raise MeshGone(f"mesh {record.name!r}: cannot reach {agent['host']}: {exc}") from None
+    elif agent["kind"] == HostKind.SLURM:
+        return await _reach_node(record, agent, gone)
     else:
         path, expected_pid = agent["socket"], agent["pid"]
     try:
@@ -104,6 +148,22 @@ async def reach_agent(record: MeshRecord, index: int, local_dir: str) -> Reached
         raise MeshAttachError(f"mesh {record.name!r}: {where} did not accept this record's secret ({exc}): "
                               "the record is stale or forged") from None
     return reached
+
+
+async def _reach_node(record: MeshRecord, agent: dict[str, Any], gone: str) -> ReachedAgent:
+    host, _, port = agent["socket"][4:].rpartition(":")
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port), limit=1 << 22),
+                                                ATTACH_TIMEOUT_S)
+    except (OSError, TimeoutError, ValueError):
+        raise MeshGone(gone) from None
+    try:
+        session = await prove_controller_async(reader, writer, bytes.fromhex(record.secret))
+    except (AuthenticationFailed, ValueError) as exc:
+        writer.close()
+        raise MeshAttachError(f"mesh {record.name!r}: the agent on node {agent['host']} did not accept this record's "
+                              f"secret ({exc}): the record is stale or forged") from None
+    return ReachedAgent(reader, writer, session, DirectAgent(agent["host"], writer))
 
 
 async def ask_agents(record: MeshRecord, request: pm.MeshQuery | pm.StopMesh,
@@ -153,18 +213,27 @@ def ask_now(record: MeshRecord, request: pm.MeshQuery | pm.StopMesh) -> pm.MeshI
 
 def spec_fields(spec: MeshSpec) -> dict[str, Any]:
     """What a record keeps of a mesh's settings, beyond its shape and agents."""
+    job = spec.allocation if isinstance(spec.allocation, SlurmJob) else None
     return {"env": spec.env, "preload": list(spec.preload), "health": dataclasses.asdict(spec.health),
-            "start_timeout_s": spec.start_timeout_s, "master_addr": spec.master_addr}
+            "start_timeout_s": spec.start_timeout_s, "master_addr": spec.master_addr,
+            "slurm": {"job": job.job_id, "owned": job.owned, "keep": job.keep} if job is not None else None}
 
 
 def spec_of(record: MeshRecord) -> MeshSpec:
     """The MeshSpec of a recorded mesh (its hosts as they were reached)."""
     try:
         saved = record.spec
-        hosts = tuple(HostSpec(a["host"], HostKind(a["kind"]), target=a.get("target"), options=dict(a.get("options") or {}),
+        hosts = tuple(HostSpec(a["host"], HostKind(a["kind"]), target=a.get("target"),
+                               options=dict(a.get("options") or {}) if a["kind"] == HostKind.SSH
+                               else {"job": a["job"], "address": a["address"]} if a["kind"] == HostKind.SLURM else {},
                                connect_timeout_s=float(a.get("connect_timeout_s", 30.0))) for a in agents_of(record))
+        job = saved.get("slurm")
+        allocation = None
+        if job:  # the same job, so that down ends it if the mesh made it (and status shows its time left)
+            allocation = SlurmJob(job["job"], [h.name for h in hosts], {h.name: h.options["address"] for h in hosts},
+                                  owned=bool(job["owned"]), keep=bool(job["keep"]))
         return MeshSpec(record.name, hosts, record.gpus, record.dist, dict(saved.get("env", {})), saved.get("master_addr"),
                         float(saved.get("start_timeout_s", 120.0)), m.HealthTimings(**saved.get("health", {})),
-                        preload=(), persist_s=record.persist_s)
+                        preload=(), persist_s=record.persist_s, allocation=allocation)
     except (TypeError, ValueError, KeyError) as exc:
         raise RecordError(f"the record of mesh {record.name!r} has settings this version cannot read ({exc})") from None

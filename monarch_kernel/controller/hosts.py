@@ -49,6 +49,9 @@ class AgentHandle(Protocol):
     def close(self) -> None:
         """End the session or step."""
 
+    def let_go(self) -> None:
+        """Let go of a persistent mesh's agent: our connection ends, the agent and its ranks go on."""
+
 
 class Connection(Protocol):
     """A framed link to one host agent: a socketpair or pipe (`wire/transport.AsyncConnection`), an
@@ -177,7 +180,7 @@ async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str],
     """Start the agent of one host; raises MeshStartError with a per-host reason.
 
     mesh_folders: the kernel's folders for the mesh, which a local agent removes if it
-    outlives the kernel. persist: the mesh may outlive the kernel (local and SSH hosts).
+    outlives the kernel. persist: the mesh may outlive the kernel.
     """
     if spec.kind == HostKind.LOCAL:
         proc, sock = spawn_local_agent(spec.name, log_path, python=None, mesh_folders=mesh_folders, persist=persist)
@@ -187,7 +190,7 @@ async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str],
 
         step = SlurmStep.start(spec.options["job"], spec.target or spec.name, python=spec.python, setup=spec.setup,
                                env=env, log_path=log_path, address=spec.options["address"],
-                               direct=spec.options.get("direct", True))
+                               direct=spec.options.get("direct", True), persist=persist)
         return HostConnection(None, spec.options["address"], remote=step)
     from monarch_kernel.controller import ssh
 

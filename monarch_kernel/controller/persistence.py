@@ -25,9 +25,10 @@ from monarch_kernel.controller.agent_reach import (
     spec_fields,
     spec_of,
 )
-from monarch_kernel.controller.hosts import HostConnection, HostKind
+from monarch_kernel.controller.hosts import HostConnection, HostKind, HostSpec
 from monarch_kernel.controller.rank_start import quiet_future
 from monarch_kernel.controller.runtime import MeshRuntime, settle
+from monarch_kernel.controller.slurm_step import SlurmStep, StepLink
 from monarch_kernel.controller.state import HostLink, MeshSpec, RankState
 from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.core.folders import forget_folder
@@ -109,11 +110,11 @@ class PersistentRuntime(MeshRuntime):
         secret = new_secret()
         loop = asyncio.get_running_loop()
         record_file = record_path(self.name)
-        for link in self.state.links:
+        for link, spec in zip(self.state.links, self.spec.hosts):
             local = link.host is not None and link.host.is_local
             self._ready[link.index] = loop.create_future()
-            link.send(pm.Persist(self.spec.persist_s or 0.0, os.path.join(self.state.run_dir, SOCKET_NAME) if local else "",
-                                 secret, record_file if local else "", this_holder()))
+            link.send(pm.Persist(self.spec.persist_s or 0.0, self._listen_at(link, spec), secret,
+                                 record_file if local else "", this_holder()))
         try:
             ready = await asyncio.wait_for(asyncio.gather(*self._ready.values()), ATTACH_TIMEOUT_S)
         except TimeoutError:
@@ -122,13 +123,29 @@ class PersistentRuntime(MeshRuntime):
         agents = [{"host": spec.name, "kind": str(spec.kind), "socket": answer.socket, "pid": answer.pid}
                   | ({"target": spec.target or spec.name, "options": spec.options,
                       "connect_timeout_s": spec.connect_timeout_s} if spec.kind == HostKind.SSH else {})
+                  | ({"target": spec.target or spec.name, "job": spec.options["job"],
+                      "address": spec.options["address"]} if spec.kind == HostKind.SLURM else {})
                   for spec, answer in zip(self.spec.hosts, ready)]
-        kind = HostKind.SSH if any(spec.kind == HostKind.SSH for spec in self.spec.hosts) else HostKind.LOCAL
+        kind = next((k for k in (HostKind.SLURM, HostKind.SSH) if any(h.kind == k for h in self.spec.hosts)),
+                    HostKind.LOCAL)
         record = MeshRecord(self.name, str(kind), [h.name for h in self.spec.hosts], self.spec.gpus, self.spec.backend,
                             self.spec.persist_s or 0.0, time.time(), ready[0].pid, ready[0].socket, secret.hex(),
                             self.state.run_dir, self.state.shm_dir, spec_fields(self.spec), agents=agents)
         write_record(record)
         return record
+
+    def _listen_at(self, link: HostLink, spec: HostSpec) -> str:
+        """Where a host's agent waits for the next kernel: the mesh's folder here, a folder of its own on an
+        SSH host, a TCP port on a Slurm node's address (the direct link's kind: the secret's proof decides)."""
+        if link.host is not None and link.host.is_local:
+            return os.path.join(self.state.run_dir, SOCKET_NAME)
+        if spec.kind != HostKind.SLURM:
+            return ""
+        step = link.host.remote if link.host is not None else None
+        if not isinstance(step, SlurmStep) or step.channel != StepLink.DIRECT:
+            raise MeshStartError(f"mesh {self.name!r}: persist on Slurm needs the direct link to the nodes, and node "
+                                 f"{spec.name} has none (see its agent log); start without --no-direct, or without persist")
+        return f"tcp:{spec.options['address']}"
 
     def detached_results(self) -> list[DetachedResult]:
         """What ran to its end while no kernel held the mesh (values unsealed here, on each call)."""
@@ -178,7 +195,7 @@ class PersistentRuntime(MeshRuntime):
         for link in self.state.links:
             link.close()  # (no Shutdown: the agent keeps the ranks)
             if link.host is not None and link.host.remote is not None:
-                link.host.remote.close()  # the SSH connection (its agent's stdin ends: it waits for the next kernel)
+                link.host.remote.let_go()  # our SSH connection or srun pipes (the agent waits for the next kernel)
 
     # ------------------------------------------------------------ a later kernel
     @classmethod
@@ -220,7 +237,8 @@ class PersistentRuntime(MeshRuntime):
     async def _attach_host(self, record: MeshRecord, link: HostLink, take: bool) -> Any:
         reached = await reach_agent(record, link.index, self.state.run_dir)
         agent = agents_of(record)[link.index]
-        address = reached.forwarded.peer_address if reached.forwarded is not None else "127.0.0.1"
+        address = agent.get("address") or (reached.forwarded.peer_address if reached.forwarded is not None
+                                           else "127.0.0.1")
         link.host = HostConnection(None, address, remote=reached.forwarded,
                                    local_pid=None if reached.forwarded is not None else agent["pid"])
         self._attached[link.index] = asyncio.get_running_loop().create_future()

@@ -71,8 +71,10 @@ class SlurmStep:
 
     @classmethod
     def start(cls, job_id: str, node: str, *, python: str, setup: str | None, env: dict[str, str],
-              log_path: str, address: str = "", direct: bool = True) -> SlurmStep:
-        """srun the agent on node (the environment and the direct link's secret go first on its stdin)."""
+              log_path: str, address: str = "", direct: bool = True, persist: bool = False) -> SlurmStep:
+        """srun the agent on node (the environment and the direct link's secret go first on its stdin).
+
+        persist: the step outlives the kernel (srun does not die with it; the agent waits for the next)."""
         to_agent_r, to_agent_w = os.pipe()
         from_agent_r, from_agent_w = os.pipe()
         from monarch_kernel.controller.ssh import agent_command, env_line
@@ -81,13 +83,14 @@ class SlurmStep:
         command = ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
                    "--unbuffered", f"--job-name=monarch-agent-{node}",
                    "/bin/sh", "-c", agent_command(python=python, name=node, setup=setup, env=env,
-                                                  direct_address=address if secret else None)]
+                                                  direct_address=address if secret else None, persist=persist)]
         if shutil.which("srun") is None:
             raise MeshStartError("srun is not on PATH: is this machine a Slurm login node?")
         with open(log_path, "ab") as log:
             # a session of its own: the kernel's SIGINT must not reach srun (it would signal the tasks)
             process = subprocess.Popen(command, stdin=to_agent_r, stdout=from_agent_w, stderr=log,
-                                       preexec_fn=_death_signal(), start_new_session=True, close_fds=True)
+                                       preexec_fn=None if persist else _death_signal(), start_new_session=True,
+                                       close_fds=True)
         os.close(to_agent_r)
         os.close(from_agent_w)
         if env:
@@ -191,10 +194,17 @@ class SlurmStep:
     async def remove_shipped(self) -> None:
         """Nothing is shipped to Slurm nodes (they run the cluster's own environment)."""
 
+    def let_go(self) -> None:
+        """A persistent mesh's kernel ends: srun and the step go on; only our ends of its pipes close."""
+        self._close_pipes()
+
     def close(self) -> None:
         """End the step: srun passes SIGTERM on to the agent, which stops its ranks."""
         if self.process.poll() is None:
             self.process.terminate()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
         if self.channel in (StepLink.STARTING, StepLink.DIRECT):  # the pipes are ours alone (on stdio the connection owns them)
             for fd in (self.read_fd, self.write_fd):
                 try:

@@ -106,6 +106,10 @@ class RemoteAgent:
         """Close the SSH connection (the agent exits when its stdin closes)."""
         self.connection.close()
 
+    def let_go(self) -> None:
+        """A persistent mesh's kernel ends: close the SSH connection (the agent waits for the next kernel)."""
+        self.connection.close()
+
     async def explain_exit(self, timeout: float = 3.0) -> str:
         """Why the agent ended: exit status and stderr, with advice for common causes."""
         try:
@@ -163,6 +167,10 @@ class ForwardedAgent:
         """Close the forwarding and the SSH connection (the agent goes on)."""
         self.listener.close()
         self.connection.close()
+
+    def let_go(self) -> None:
+        """As close: the agent goes on either way."""
+        self.close()
 
 
 async def forward_agent_socket(target: SSHTarget, *, options: dict[str, Any] | None, timeout: float,
