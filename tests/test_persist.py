@@ -76,9 +76,10 @@ def test_a_persistent_mesh_outlives_a_killed_kernel_and_is_attached_refused_take
         assert "bumped [1, 1]" in made.text(), made.text()
         pids = pids_of(first, "keep")
         background = first.submit(
-            "%%mesh --bg\nimport time\nfor i in range(4):\n    print(f'tick {i}', flush=True)\n    time.sleep(0.4)\n"
+            "%%mesh --bg\nimport time\nfor i in range(8):\n    print(f'tick {i}', flush=True)\n    time.sleep(0.4)\n"
             f"open({str(marker)!r} + str(dist.get_rank()), 'w').close()\n'finished'")
         first.collect(background, 30, until=lambda run: "tick 0" in run.text())
+        assert wait_until(lambda: "running In[" in cli(state_home).stdout, 10), cli(state_home).stdout  # (what runs)
         first.kill()
         # the ranks run the cell to its end with no kernel, and stay
         assert wait_until(lambda: all(os.path.exists(f"{marker}{r}") for r in range(2)), 30)
@@ -91,7 +92,7 @@ def test_a_persistent_mesh_outlives_a_killed_kernel_and_is_attached_refused_take
         attached = second.execute("%load_ext monarch_kernel\n%mesh attach keep", 60)
         text = attached.text()
         assert attached.status == "ok", text
-        assert "attached to mesh 'keep'" in text and "tick 3" in text and "'finished'" in text, text
+        assert "attached to mesh 'keep'" in text and "tick 7" in text and "'finished'" in text, text
         assert pids_of(second, "keep") == pids  # the same processes
         kept = second.execute("%%mesh\nprint('w is', w)", 30).text()
         assert "w is 10" in kept and "w is 11" in kept, kept
@@ -101,7 +102,7 @@ def test_a_persistent_mesh_outlives_a_killed_kernel_and_is_attached_refused_take
         reduced = second.execute("%%mesh\nt = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())", 30).text()
         assert "sum 2.0" in reduced, reduced  # the process group made before the kill
         logs = second.execute("%mesh logs --rank 1", 30).text()
-        assert "tick 3" in logs, logs
+        assert "tick 7" in logs, logs
 
         third = kernel(state_home)
         try:

@@ -787,6 +787,35 @@ time.sleep(600)
 """
 
 
+TAKER = """
+import monarch_kernel as mk
+try:
+    mk.attach("sshkeep")
+except mk.MeshUsageError as exc:
+    print(exc)
+m = mk.attach("sshkeep", take=True)
+print("took it:", sorted(m.pull("w").values()), flush=True)
+"""
+
+
+def test_a_persistent_ssh_mesh_with_no_kernel_for_its_duration_stops_on_its_hosts(hosts, tmp_path, monkeypatch):
+    from monarch_kernel import persistent_meshes, stop_persistent
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    mesh = ssh_mesh([h.alias for h in hosts.hosts], gpus=1, dist="none", python=sys.executable,
+                    connect_options=hosts.connect_options(), name="sshbrief", persist="2s")
+    pids = [s.pid for s in mesh.status()]
+    mesh.leave()  # what a kernel's end does
+    assert [m.running for m in persistent_meshes()] == [True]
+    try:
+        assert wait_until(lambda: not _agents_running("host-0") and not _agents_running("host-1"), 30)
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+        assert [m.running for m in persistent_meshes()] == [False]  # the record says it is gone
+    finally:
+        stop_persistent("sshbrief")
+    assert not persistent_meshes()
+
+
 def _agents_running(name):
     found = []
     for pid in os.listdir("/proc"):
@@ -828,6 +857,14 @@ def test_a_persistent_ssh_mesh_outlives_its_kernel_and_a_new_one_attaches_over_s
         assert "step 2" in fit.output[1]
         reduced = mesh.run("t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\nt.item()")
         assert list(reduced.values()) == [3.0, 3.0]  # across the two hosts, in the group made before the kill
+        # one kernel at a time: another is refused, naming this one, then takes it over
+        other = subprocess.run([sys.executable, "-c", TAKER], capture_output=True, text=True, timeout=60)
+        assert f"held by another kernel (pid {os.getpid()}" in other.stdout, (other.stdout, other.stderr)
+        assert "took it: [100, 101]" in other.stdout, (other.stdout, other.stderr)
+        with pytest.raises(Exception, match="taken over by pid"):
+            mesh.run("1")
+        mesh = attach("sshkeep")  # (the taker ended: the mesh waits for the next kernel again)
+        assert [s.pid for s in mesh.status()] == pids
     finally:
         if mesh is not None:
             mesh.shutdown()

@@ -74,6 +74,7 @@ class Persistence:
         self.socket_path = msg.socket
         self.record = msg.record
         self._secret = msg.secret
+        self.same_machine = bool(msg.socket) and not msg.socket.startswith("tcp:")  # (else reached over SSH or TCP)
         self.holder: pm.Holder | None = msg.holder
         self.detached_since: float | None = None
         self.folders = folders
@@ -213,7 +214,8 @@ class Persistence:
         link.close()
 
     def _attach(self, link: RelayLink, request: pm.AttachRequest, pid: int) -> bool:
-        holder = pm.Holder(pid or request.holder.pid, request.holder.notebook, time.time())  # (TCP: as it says)
+        # here, the peer's pid is the kernel's; over SSH it is sshd's, over TCP there is none: then as it says
+        holder = pm.Holder(pid if self.same_machine else request.holder.pid, request.holder.notebook, time.time())
         if self.holder is not None and not request.take:
             link.send(handshake.hello(__version__))
             link.send(pm.AttachRefused(self.holder))
@@ -239,7 +241,8 @@ class Persistence:
     def rank_states(self) -> tuple[pm.DetachedRank, ...]:
         """Each rank of this host as the agent knows it."""
         procs = self.ranks.procs
-        return tuple(pm.DetachedRank(r, procs[r].pid, True, procs[r].activity, _fd_total(procs[r]), procs[r].running)
+        return tuple(pm.DetachedRank(r, procs[r].pid, True, procs[r].activity, _fd_total(procs[r]), procs[r].running,
+                                     procs[r].requests.get(procs[r].running or -1, ""))
                      if r in procs else pm.DetachedRank(r, 0, False, "", 0) for r in sorted(self.ranks.local_ranks))
 
     async def _fresh_heartbeats(self, timeout: float = 1.0) -> None:

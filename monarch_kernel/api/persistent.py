@@ -71,7 +71,8 @@ def persistent_meshes() -> list[PersistentMesh]:
             info, problem = None, str(exc)
         else:
             problem = "" if info is not None else f"not running: its agent (pid {record.agent_pid}) is gone"
-        busy = ", ".join(sorted({r.activity.rsplit(" ", 1)[0] for r in info.ranks if r.activity})) if info else ""
+        busy = ", ".join(sorted({r.running_label or r.activity.rsplit(" ", 1)[0] for r in info.ranks
+                                 if r.running_label or r.activity})) if info else ""
         found.append(PersistentMesh(name, record.kind, record.shape, record.hosts, time.time() - record.created,
                                     info is not None, info.holder if info else None, info.idle_for if info else 0.0,
                                     info.expires_in if info else None, busy, problem))

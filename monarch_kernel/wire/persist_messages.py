@@ -69,6 +69,7 @@ class DetachedRank:
     activity: str  # what its actors run now ("Trainer.step 1.5s"), "" when idle
     fd_total: int  # bytes of its fd output passed on so far (wire/fd_marks.py)
     running: int | None = None  # the request it runs now (sent by an earlier kernel), if any
+    running_label: str = ""  # ... and what it is called ("In[4]")
 
 
 @dataclass(frozen=True)
