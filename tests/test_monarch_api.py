@@ -314,3 +314,53 @@ def test_calls_between_proc_meshes_are_stopped_with_their_caller_and_fail_once_t
     finally:
         procs_a.stop()
         procs_b.stop()
+
+
+class Crasher(Actor):
+    @endpoint
+    async def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    @endpoint
+    async def crash(self) -> None:
+        import os
+
+        os._exit(3)
+
+
+class Caller(Actor):
+    def __init__(self, other):
+        self.other = other.slice(gpus=0)
+
+    @endpoint
+    async def twice(self) -> list:
+        from monarch_kernel.wire.calls import find_sender
+
+        first, second = await self.other.pid.call_one(), await self.other.pid.call_one()
+        return [first == second, sorted(rank for _, rank in find_sender("").direct._lanes)]
+
+    @endpoint
+    async def crash_it(self) -> str:
+        try:
+            await self.other.crash.call_one()
+        except Exception as exc:  # noqa: BLE001 - its type is the answer
+            return f"{type(exc).__name__}: {exc}"
+        return "answered"
+
+
+def test_after_a_first_call_an_actor_calls_another_local_proc_mesh_on_its_lanes_and_hears_of_its_death():
+    """The controller tells the caller where the other mesh's ranks listen; later calls go there directly, and
+    the callee's death still fails the call as a SupervisionError."""
+    procs_a = this_host().spawn_procs(per_host={"gpus": 1})
+    procs_b = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        crasher = procs_b.spawn("crasher", Crasher)
+        caller = procs_a.spawn("caller", Caller, crasher)
+        assert caller.twice.call_one().get(timeout=30) == [True, [0]]  # (the second one on a lane to rank 0)
+        said = caller.crash_it.call_one().get(timeout=30)
+        assert said.startswith("SupervisionError") and "went away" in said, said
+    finally:
+        procs_a.stop()
+        procs_b.stop()

@@ -80,6 +80,7 @@ class HostAgent:
             m.ActorReply: self.router.reply,
             m.CancelCall: lambda msg: self.router.cancel(msg, from_above=True),
             m.InputReply: self._deliver,
+            m.DirectRoute: self._deliver,  # (to the rank: the lanes of another mesh's ranks on this machine)
             m.Ping: lambda msg: self.to_controller(m.Pong(msg.seq)),
             m.Preload: lambda msg: self.preloader.start(msg.modules),
             m.BindStore: lambda msg: self._bind_store(msg.addr),
@@ -248,7 +249,7 @@ class HostAgent:
                 del self._release_when_answered[(caller, call_id)]
                 release(entry[0])  # each rank holds its own link while it maps the arguments
 
-    def _deliver(self, msg: m.InputReply | m.InterruptRanks | InspectRanks) -> None:
+    def _deliver(self, msg: m.InputReply | m.InterruptRanks | InspectRanks | m.DirectRoute) -> None:
         """Pass a message on to the local ranks it names."""
         chunks = encode(msg)
         for rank in msg.ranks:

@@ -11,14 +11,14 @@ messages of a Port go to the mesh of its owner. Both meshes run on the controlle
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.supervision import Supervisors
 from monarch_kernel.wire.calls import PORTS, CallTable, death_reply
-from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply, CancelCall
+from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply, CancelCall, DirectRoute
 from monarch_kernel.wire.routing import CallRouter
 
 
@@ -33,6 +33,15 @@ class MeshSide(Protocol):
     def mesh_name(self) -> str:
         """The mesh's name."""
 
+    def shm_dir_for(self, ranks: Iterable[int]) -> str | None:
+        """Its lanes' folder, if these of its ranks run on this machine."""
+
+    def direct_route(self, to: int) -> DirectRoute | None:
+        """Where its ranks listen, for rank `to` of another mesh on this machine (None: not all here)."""
+
+    def tell_rank(self, rank: int, msg: Any) -> None:
+        """Send a message to one of its ranks."""
+
 
 class MeshBridge:
     """The meshes of this notebook, and the calls between them in flight (loop thread, but `join`/`leave`)."""
@@ -42,6 +51,7 @@ class MeshBridge:
         # (caller's mesh, caller, call id) -> (the called mesh's side, the notebook's call id there)
         self._calls: dict[tuple[str, int, int], tuple[MeshSide, int]] = {}
         self._ports: dict[str, set[int]] = {}  # mesh -> ports forwarding replies of calls made to or from it
+        self._told: set[tuple[str, int, str]] = set()  # (mesh, rank, other mesh): told to call it directly
 
     def join(self, side: MeshSide) -> None:
         """A mesh started (a newer one of the same name replaces the older)."""
@@ -56,6 +66,7 @@ class MeshBridge:
         for origin, (target, _) in list(self._calls.items()):
             if target is side or origin[0] == side.mesh_name:
                 del self._calls[origin]
+        self._told = {told for told in self._told if side.mesh_name not in (told[0], told[2])}
 
     def rank_died(self, side: MeshSide, rank: int, why: str) -> None:
         """A rank of `side` died: owners of its actors in the other meshes hear of it (loop thread)."""
@@ -91,6 +102,18 @@ class MeshBridge:
             self._calls[origin] = (target, pending.call_id)
             call_id = pending.call_id
         target.router.call(replace(msg, caller=CONTROLLER, call_id=call_id, mesh="", from_mesh=source.mesh_name))
+        self._route_directly(source, target, msg.caller)
+
+    def _route_directly(self, source: MeshSide, target: MeshSide, caller: int) -> None:
+        """A rank on this machine calling a mesh whose ranks are all here: it may call their lanes itself
+        from now on (rank/direct_calls.py); told once."""
+        told = (source.mesh_name, caller, target.mesh_name)
+        if caller < 0 or told in self._told or source.shm_dir_for((caller,)) is None:
+            return
+        route = target.direct_route(caller)
+        if route is not None:
+            self._told.add(told)
+            source.tell_rank(caller, route)
 
     def cancel(self, source: MeshSide, msg: CancelCall) -> None:
         """A rank of `source` stops its call to another mesh."""

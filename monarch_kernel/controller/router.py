@@ -186,6 +186,16 @@ class ControllerSender:
         """The shared-memory folder, if every one of these ranks runs on this machine."""
         return self._state.shm_dir_for(ranks)
 
+    def direct_route(self, to: int) -> m.DirectRoute | None:
+        """Where this mesh's ranks listen, for rank `to` of another mesh on this machine (None: not all here)."""
+        ranks = tuple(sorted(self._state.ranks))
+        folder = self._state.shm_dir_for(ranks)
+        return m.DirectRoute((to,), self.mesh_name, folder, ranks) if folder else None
+
+    def tell_rank(self, rank: int, msg: Any) -> None:
+        """Send a message to one of this mesh's ranks through its agent (loop thread)."""
+        self._state.send_to_ranks((rank,), lambda local: msg)
+
     def host_of(self, rank: int) -> str:
         """The host a rank runs on."""
         return self._state.host_of(rank)

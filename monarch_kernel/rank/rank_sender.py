@@ -10,6 +10,7 @@ from typing import Any
 
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.timing import RankTiming
+from monarch_kernel.rank.direct_calls import DirectCalls
 from monarch_kernel.wire.calls import PORTS, CallTable, PendingCall, poll_until
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, ForSupervisors
 
@@ -31,10 +32,13 @@ class RankSender:
         self._notify = notify  # wakes that wait
         self._answer = answer  # answers a call whose endpoint took a Port
         self._post_local: Callable[[ActorCall], None] | None = None  # calls to this rank's own actors
+        self.direct = DirectCalls(self._direct_reply, mesh_name)  # to other meshes' ranks on this machine
 
     def send_call(self, msg: ActorCall) -> None:
         """Hand a call to the host agent, which routes it; this rank's own part goes straight to its
         actors (every call of this sender to them takes that one way, so their order holds)."""
+        if msg.mesh and self.direct.send(msg):  # another mesh's, on this machine: straight to its lanes
+            return
         if msg.mesh or self.own_rank not in msg.ranks or self._post_local is None:  # (msg.mesh: another mesh's)
             self._send(msg)
             return
@@ -44,8 +48,14 @@ class RankSender:
         self._post_local(dataclasses.replace(msg, ranks=(self.own_rank,)))
 
     def send_cancel(self, msg: CancelCall) -> None:
-        """Ask the ranks of a call to stop it."""
-        self._send(msg)
+        """Ask the ranks of a call to stop it (the way the call went)."""
+        if not (msg.mesh and self.direct.send(msg)):
+            self._send(msg)
+
+    def _direct_reply(self, reply: ActorReply) -> None:
+        """A reply on a lane to another mesh's rank: to this rank's call (it went out under another caller id)."""
+        self.calls.deliver(dataclasses.replace(reply, caller=self.caller_id))
+        self._notify()
 
     def other_mesh(self, mesh_name: str) -> bool:
         """Whether `mesh_name` is another mesh than this rank's ("" is its own)."""

@@ -45,6 +45,7 @@ from monarch_kernel.wire.messages import (
     ActorReply,
     Call,
     CancelCall,
+    DirectRoute,
     Display,
     Failure,
     InputReply,
@@ -229,6 +230,8 @@ class Worker:
             self.actors.cancel(msg)
         elif isinstance(msg, InputReply):
             self.input.reply(msg)
+        elif isinstance(msg, DirectRoute):  # another mesh's ranks on this machine: call them directly
+            self.actors.sender.direct.learn(msg)
         elif isinstance(msg, InterruptRanks):
             self._interrupt(msg)
         elif isinstance(msg, InspectRanks):  # answered here, whatever the main thread does
@@ -253,6 +256,8 @@ class Worker:
         def on_message(msg: Any) -> None:
             if isinstance(msg, ActorCall):
                 self.actors.deliver(msg, reply[0])
+            elif isinstance(msg, CancelCall):  # (of a call another mesh's rank sent on this lane)
+                self.actors.cancel(msg)
             elif type(msg) in REQUESTS:  # run now, in the order it came, its replies sent as they are made
                 self._lane_routes[msg.req_id] = reply[0]
                 lane[0].end_batch()

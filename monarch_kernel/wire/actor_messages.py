@@ -72,6 +72,17 @@ class CancelCall:
 
 
 @dataclass(frozen=True)
+class DirectRoute:
+    """Controller -> `ranks` (of the calling mesh): the ranks `local` of mesh `mesh` run on your machine, with
+    their lanes in `shm_dir`: call their actors there directly from now on (the bridge is the way when not)."""
+
+    ranks: tuple[int, ...]
+    mesh: str
+    shm_dir: str
+    local: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class OwnActors:
     """A rank's actor spawned an actor mesh: it supervises it (rank -> agent -> controller)."""
 

@@ -26,6 +26,9 @@ from monarch_kernel.wire.actor_messages import (
     CancelCall as CancelCall,
 )
 from monarch_kernel.wire.actor_messages import (
+    DirectRoute as DirectRoute,
+)
+from monarch_kernel.wire.actor_messages import (
     Failure as Failure,
 )
 from monarch_kernel.wire.actor_messages import (

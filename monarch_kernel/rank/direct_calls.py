@@ -1,0 +1,126 @@
+"""Calls from this rank to the actors of another mesh on the same machine, straight to their ranks' lanes.
+
+The first call to another mesh goes the long way (this rank's agent, the controller's bridge, the other
+mesh's agent), and the controller then tells this rank where that mesh's ranks on this machine listen
+(`DirectRoute`). Later calls go to those lanes directly and the replies come back on them: two transfers
+where the bridge makes eight. Such a call names this process as its caller with a number no other
+process uses (`direct_caller()`), so the callee's books of calls never mix it with another's. A lane
+that cannot be opened (that mesh was restarted or stopped) sends the call the long way, where it is
+answered as before; a lane that closes with calls in flight answers them with the rank's death.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable
+
+from monarch_kernel.core.errors import ConnectionClosed
+from monarch_kernel.wire.calls import death_reply
+from monarch_kernel.wire.lane_client import connect_lane
+from monarch_kernel.wire.lanes import lane_path
+from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, DirectRoute
+from monarch_kernel.wire.transport import BlockingConnection
+
+DIRECT_CALLERS = -1_000_000  # caller ids below this are processes calling another mesh's lanes (minus their pid)
+
+
+def direct_caller() -> int:
+    """This process's caller id on other meshes' lanes (distinct from every rank number and the notebook's)."""
+    return DIRECT_CALLERS - os.getpid()
+
+
+class DirectLane:
+    """This rank's lane to one rank of another mesh: calls out (any thread), replies in (its reader thread)."""
+
+    def __init__(self, path: str, rank: int, deliver: Callable[[ActorReply], None]):
+        self.rank = rank
+        self.conn = BlockingConnection(connect_lane(path))
+        self._deliver = deliver
+        self._lock = threading.Lock()
+        self._owed: set[int] = set()  # call ids sent and not answered
+        self.closed = False
+        threading.Thread(target=self._read, name=f"direct-lane-{rank}", daemon=True).start()
+
+    def send(self, msg: ActorCall | CancelCall) -> None:
+        """Send a call (or its cancel); raises ConnectionClosed if the lane is gone."""
+        if isinstance(msg, ActorCall) and not msg.to_port:
+            with self._lock:
+                if self.closed:
+                    raise ConnectionClosed("the lane closed")
+                self._owed.add(msg.call_id)
+        try:
+            self.conn.send(msg)
+        except (ConnectionClosed, OSError) as exc:
+            with self._lock:
+                self._owed.discard(getattr(msg, "call_id", -1))
+            raise ConnectionClosed(f"the lane to rank {self.rank} closed") from exc
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (ConnectionClosed, OSError):
+                break
+            if isinstance(msg, ActorReply) and not msg.to_port:
+                with self._lock:
+                    self._owed.discard(msg.call_id)
+                self._deliver(msg)
+        with self._lock:
+            self.closed = True
+            owed, self._owed = self._owed, set()
+        for call_id in owed:  # the rank went away (died, restarted, stopped) before answering
+            self._deliver(death_reply(direct_caller(), call_id, self.rank, f"rank {self.rank} of the called mesh "
+                                                                           "went away before answering"))
+
+
+class DirectCalls:
+    """The other meshes on this machine this rank calls directly, and its lanes to their ranks."""
+
+    def __init__(self, deliver: Callable[[ActorReply], None], mesh_name: str):
+        self._deliver = deliver
+        self._mesh_name = mesh_name  # this rank's (the callee's replies then carry no shared-memory names)
+        self._routes: dict[str, tuple[str, frozenset[int]]] = {}  # mesh -> (its lanes' folder, its ranks here)
+        self._lanes: dict[tuple[str, int], DirectLane] = {}
+        self._lock = threading.Lock()
+
+    def learn(self, msg: DirectRoute) -> None:
+        """Where mesh `msg.mesh`'s ranks on this machine listen (the controller says, after a first call)."""
+        with self._lock:
+            self._routes[msg.mesh] = (msg.shm_dir, frozenset(msg.local))
+
+    def send(self, msg: ActorCall | CancelCall) -> bool:
+        """Send a call (or cancel) of another mesh straight to its ranks' lanes; False: not known or not
+        reachable that way (the caller sends it the long way)."""
+        route = self._routes.get(msg.mesh)
+        if route is None or not route[1].issuperset(msg.ranks) or (isinstance(msg, ActorCall) and msg.to_port):
+            return False  # (replies through a Port go the long way, which forwards them)
+        lanes = [self._lane(msg.mesh, route[0], rank) for rank in msg.ranks]
+        if any(lane is None for lane in lanes):
+            return False
+        direct = dataclasses.replace(msg, caller=direct_caller(), mesh="")
+        if isinstance(direct, ActorCall):
+            direct = dataclasses.replace(direct, from_mesh=self._mesh_name)
+        for lane in lanes:
+            assert lane is not None
+            try:
+                lane.send(direct)
+            except ConnectionClosed:
+                if isinstance(msg, ActorCall) and not msg.to_port:  # (its reader answers what it owed)
+                    self._deliver(death_reply(direct_caller(), msg.call_id, lane.rank,
+                                              f"rank {lane.rank} of mesh {msg.mesh!r} went away before answering"))
+        return True
+
+    def _lane(self, mesh: str, folder: str, rank: int) -> DirectLane | None:
+        with self._lock:
+            lane = self._lanes.get((mesh, rank))
+            if lane is not None and not lane.closed:
+                return lane
+            try:
+                lane = self._lanes[(mesh, rank)] = DirectLane(lane_path(folder, rank), rank, self._deliver)
+            except OSError:  # that mesh is gone or was restarted elsewhere: the long way from now on
+                self._routes.pop(mesh, None)
+                return None
+            return lane
+
