@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from monarch_kernel.controller.hostspec import HostKind, HostSpec
+from monarch_kernel.controller.hostspec import HostKind, HostSpec, ReachedAgentHandle
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.runtime import settle
 from monarch_kernel.controller.slurm import SlurmJob
@@ -43,25 +43,12 @@ class MeshGone(MeshAttachError):
 
 
 @dataclass
-class DirectAgent:
+class DirectAgent(ReachedAgentHandle):
     """A persistent mesh's agent on a Slurm node, reached by a new kernel on the TCP port it listens on (as the
     direct link: the mutual proof of the secret and sealed frames make it ours)."""
 
     node: str
     writer: asyncio.StreamWriter
-    scheduled = False
-
-    def job_ended(self) -> str:
-        """Not asked: this kernel did not start the job's steps."""
-        return ""
-
-    def lost_reason(self) -> str:
-        """Not asked."""
-        return ""
-
-    def attach(self, on_message: Any, on_close: Any) -> Any:
-        """Not used: the attach makes the sealed link itself."""
-        raise RuntimeError("a reached agent's link is made by the attach")
 
     async def explain_exit(self) -> str:
         """Why it is gone: as far as we can tell from here."""
@@ -71,16 +58,9 @@ class DirectAgent:
         """Until the link is closed."""
         await self.writer.wait_closed()
 
-    async def remove_shipped(self) -> None:
-        """Nothing is shipped to Slurm nodes."""
-
     def close(self) -> None:
         """Close the link (the agent goes on)."""
         self.writer.close()
-
-    def let_go(self) -> None:
-        """As close."""
-        self.close()
 
 
 @dataclass

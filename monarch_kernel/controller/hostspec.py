@@ -1,8 +1,10 @@
-"""What a host of a mesh is: this machine, an SSH target, or a node of a Slurm allocation."""
+"""What a host of a mesh is: this machine, an SSH target, or a node of a Slurm allocation; and what a later
+kernel holds of a persistent mesh's agent it reached itself."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,3 +29,33 @@ class HostSpec:
     options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     connect_timeout_s: float = 30.0
     ship_package: bool = False
+
+
+class ReachedAgentHandle:
+    """What an `AgentHandle` is for the agent of a persistent mesh that a later kernel reached itself (over
+    SSH, or on a Slurm node's port): no scheduler to ask, nothing shipped, and letting go is closing (the
+    agent goes on either way). Subclasses say how to close and wait."""
+
+    scheduled = False
+
+    def job_ended(self) -> str:
+        """Not asked: this kernel did not start the agent."""
+        return ""
+
+    def lost_reason(self) -> str:
+        """Not asked."""
+        return ""
+
+    def attach(self, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]) -> Any:
+        """Not used: the attach makes the sealed link itself."""
+        raise RuntimeError("a reached agent's link is made by the attach")
+
+    async def remove_shipped(self) -> None:
+        """Nothing: the agent removes its own copy of the package when it ends."""
+
+    def close(self) -> None:
+        """Close our connection (the agent goes on)."""
+
+    def let_go(self) -> None:
+        """As close."""
+        self.close()

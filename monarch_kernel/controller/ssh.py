@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from monarch_kernel.controller.hostspec import ReachedAgentHandle
 from monarch_kernel.controller.ssh_channel import ChannelConnection, agent_session
 from monarch_kernel.core.addresses import is_unspecified
 from monarch_kernel.core.errors import MeshStartError
@@ -129,7 +130,7 @@ class RemoteAgent:
 
 
 @dataclass
-class ForwardedAgent:
+class ForwardedAgent(ReachedAgentHandle):
     """The agent of a persistent mesh on an SSH host, reached by a new kernel: a new SSH connection that
     forwards a private local socket to the agent's Unix socket there (no TCP port is opened)."""
 
@@ -138,19 +139,6 @@ class ForwardedAgent:
     listener: Any  # its local path forwarding
     local_path: str
     peer_address: str
-    scheduled = False
-
-    def job_ended(self) -> str:
-        """No job: SSH hosts run no scheduler."""
-        return ""
-
-    def lost_reason(self) -> str:
-        """No scheduler to ask."""
-        return ""
-
-    def attach(self, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]) -> Any:
-        """Not used: the attach makes its own sealed link on `local_path`."""
-        raise RuntimeError("a forwarded agent's link is made by the attach")
 
     async def explain_exit(self) -> str:
         """Why it is gone: as far as we can tell from here."""
@@ -160,17 +148,10 @@ class ForwardedAgent:
         """Until the SSH connection is closed."""
         await self.connection.wait_closed()
 
-    async def remove_shipped(self) -> None:
-        """Nothing: the agent removes its own copy of the package when it ends."""
-
     def close(self) -> None:
         """Close the forwarding and the SSH connection (the agent goes on)."""
         self.listener.close()
         self.connection.close()
-
-    def let_go(self) -> None:
-        """As close: the agent goes on either way."""
-        self.close()
 
 
 async def forward_agent_socket(target: SSHTarget, *, options: dict[str, Any] | None, timeout: float,
