@@ -191,7 +191,9 @@ def test_a_push_or_pull_longer_than_the_silence_limit_does_not_lose_the_host(hos
     unasked, now count as signs of life."""
     import numpy as np
 
-    quick = HealthTimings(ping_interval_s=0.2, host_lost_after_s=0.8)
+    # (a limit of 0.8 s lost the host now and then on this 2-core machine when another process held a core
+    # for that long; the transfer still takes several times the limit, so the test still means something)
+    quick = HealthTimings(ping_interval_s=0.3, host_lost_after_s=1.2)
     with ssh_mesh([hosts.hosts[0].alias], gpus=1, dist="none", preload=[], python=sys.executable,
                   connect_options=hosts.connect_options(), name="slow-bytes", health=quick) as mesh:
         big = np.ones(320 << 20, dtype=np.uint8)  # several times longer to move than the limit
