@@ -1,11 +1,12 @@
-"""Same-run A/B of our rows of bench_core against an earlier commit: did a change move them?
+"""Same-run A/B of our rows of a benchmark (bench_core, or bench_actors with --bench actors) against an
+earlier commit: did a change move them?
 
 The earlier commit is checked out (a git worktree under .cache/) and each round runs
 bench_core's own measurement of monarch-kernel (`--child ours`) once with that commit's
 package first on the path and once with this checkout's, in turn, so both see the same
 machine at the same time. Prints each row's medians over the rounds and their ratio.
 
-    .venv/bin/python benchmarks/ab_commits.py 2ac1446 [--rounds 3] [--full]
+    .venv/bin/python benchmarks/ab_commits.py 2ac1446 [--rounds 3] [--full] [--bench core|actors]
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ def worktree(ref: str) -> str:
     return path
 
 
-def measure(package_root: str, quick: bool) -> dict[str, list[float]]:
-    """bench_core's raw figures of our system, with the package from `package_root`."""
+def measure(package_root: str, quick: bool, bench: str = "core") -> dict[str, list[float]]:
+    """The benchmark's raw figures of our system, with the package from `package_root`."""
     env = dict(os.environ, PYTHONPATH=package_root)
-    args = [sys.executable, os.path.join(HERE, "bench_core.py"), "--child", "ours"] + (["--quick"] if quick else [])
+    args = [sys.executable, os.path.join(HERE, f"bench_{bench}.py"), "--child", "ours"] + (["--quick"] if quick else [])
     done = subprocess.run(args, env=env, cwd=package_root, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
-        raise RuntimeError(f"bench_core failed with {package_root}:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"bench_{bench} failed with {package_root}:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -47,18 +48,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("ref", help="the earlier commit")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--full", action="store_true", help="bench_core's full repetitions (default: --quick)")
+    parser.add_argument("--full", action="store_true", help="the benchmark's full repetitions (default: --quick)")
+    parser.add_argument("--bench", default="core", choices=("core", "actors"), help="which benchmark's rows")
     args = parser.parse_args()
     trees = {args.ref: worktree(args.ref), "this checkout": ROOT}
     rows: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
     for round_ in range(args.rounds):
         for name, tree in trees.items():
             print(f"round {round_ + 1}: {name} ...", file=sys.stderr, flush=True)
-            for row, values in measure(tree, not args.full).items():
+            for row, values in measure(tree, not args.full, args.bench).items():
                 values = values if isinstance(values, list) else [values]
                 rows[name].setdefault(row, []).append(statistics.median(values))
     old, new = rows[args.ref], rows["this checkout"]
-    print(f"| bench_core row (median over {args.rounds} rounds, taken in turn) | {args.ref} | this checkout | ratio |")
+    print(f"| bench_{args.bench} row (median over {args.rounds} rounds, taken in turn) | {args.ref} | this checkout | ratio |")
     print("|---|---|---|---|")
     for row in old:
         if row in new:

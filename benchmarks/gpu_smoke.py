@@ -48,6 +48,7 @@ def main() -> None:
         on_gpu = mesh.pull("x", device="cuda:0").item(hosts=0, gpus=0)
         check("pull(device='cuda:0') puts it on the GPU", on_gpu.is_cuda and torch.equal(on_gpu, x))
         _pull_speed(mesh)
+        _actor_threads_use_the_ranks_device(mesh)
         stats = mesh.run("import torch\ntorch.cuda.memory_allocated()").item(hosts=0, gpus=0)
         check("rank reports GPU memory", stats > 0, f"{stats} bytes allocated")
         try:
@@ -66,6 +67,31 @@ def main() -> None:
                   snapshot_text(snap).splitlines()[-1])
     _nccl_hang(torch.cuda.device_count())
     print("gpu smoke: all checks passed")
+
+
+class _Devices(monarch_kernel.Actor):
+    @monarch_kernel.endpoint
+    def hold(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    @monarch_kernel.endpoint
+    def device(self) -> tuple[bool, int, str]:
+        import threading
+
+        made = torch.ones(1, device="cuda")
+        return threading.current_thread() is threading.main_thread(), torch.cuda.current_device(), str(made.device)
+
+
+def _actor_threads_use_the_ranks_device(mesh) -> None:
+    """A sync endpoint that runs beside the main thread (on its actor's own thread) uses the rank's GPU."""
+    holder, other = mesh.spawn("gpu_holder", _Devices), mesh.spawn("gpu_other", _Devices)
+    held = holder.hold.call(2.0)
+    time.sleep(0.2)
+    on_main, current, made = other.device.call_one().get(timeout=30)
+    held.get(timeout=30)
+    rank_device = mesh.run("import torch\ntorch.cuda.current_device()").item(hosts=0, gpus=0)
+    check("an endpoint on its actor's own thread uses the rank's GPU",
+          not on_main and current == rank_device and made == f"cuda:{rank_device}", f"{made} (main thread: {on_main})")
 
 
 HANG = ("import time, torch, torch.distributed as dist\nt = torch.ones(4, device='cuda')\n"

@@ -55,6 +55,17 @@ class Caller(Actor):
         return self.counters.slice(gpus=self.me).later.call_one().get(timeout=10)
 
 
+class LoopBlocker(Actor):
+    """An async endpoint that blocks the rank's event loop on an async endpoint of its own rank."""
+
+    def __init__(self, counters):
+        self.mine = counters.slice(gpus=current_rank()["gpus"])
+
+    @endpoint
+    async def block(self):
+        return self.mine.later.call_one().get(timeout=10)
+
+
 class Ping(Actor):
     """Two of these on each rank call each other: a cycle."""
 
@@ -160,10 +171,15 @@ def test_an_actor_waiting_on_itself_is_told_so(mesh):
         pings.slice(gpus=2).answer_back.call_one().get(timeout=20)
 
 
-def test_waiting_on_an_async_endpoint_of_the_same_rank_says_what_to_change(mesh, counters):
+def test_a_sync_endpoint_waits_on_an_async_endpoint_of_the_same_rank(mesh, counters):
     callers = mesh.spawn("async_callers", Caller, counters)
-    with pytest.raises(ActorError, match="async def"):
-        callers.slice(gpus=3).wait_on_async.call_one().get(timeout=20)
+    assert callers.slice(gpus=3).wait_on_async.call_one().get(timeout=20) == "later"  # the loop runs beside it
+
+
+def test_blocking_the_event_loop_on_an_async_endpoint_of_the_same_rank_says_what_to_change(mesh, counters):
+    blockers = mesh.spawn("loop_blockers", LoopBlocker, counters)
+    with pytest.raises(ActorError, match="await"):
+        blockers.slice(gpus=3).block.call_one().get(timeout=20)
     assert counters.slice(gpus=3).later.call_one().get(timeout=10) == "later"  # the loop serves it after
 
 
@@ -202,3 +218,84 @@ def test_calls_to_the_own_rank_alone_and_with_others_keep_their_order(mesh):
     mixed.slice(gpus=2).send_mixed.call_one(400).get(timeout=60)
     assert recorders.slice(gpus=2).logged.call_one().get(timeout=30) == [(99, i) for i in range(400)]
     assert recorders.slice(gpus=0).logged.call_one().get(timeout=30) == [(99, i) for i in range(1, 400, 2)]
+
+
+class Napper(Actor):
+    """Sync endpoints that hold their thread: asleep, or busy in Python."""
+
+    @endpoint
+    def nap(self, seconds):
+        time.sleep(seconds)
+        return threading.current_thread() is threading.main_thread()
+
+    @endpoint
+    def spin(self, seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+        return "spun"
+
+    @endpoint
+    def where(self):
+        return threading.current_thread() is threading.main_thread()
+
+
+def _stop_button_after(seconds):
+    threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+
+
+def test_sync_endpoints_of_two_actors_of_a_rank_run_at_the_same_time_one_on_its_own_thread(mesh):
+    first, second = mesh.spawn("nap_first", Napper), mesh.spawn("nap_second", Napper)
+    start = time.monotonic()
+    on_main = first.slice(gpus=0).nap.call_one(1.0)
+    beside = second.slice(gpus=0).nap.call_one(1.0)
+    results = on_main.get(timeout=20), beside.get(timeout=20)
+    assert time.monotonic() - start < 1.8  # at the same time, not one after the other
+    assert sorted(results) == [False, True]  # one ran on the main thread, the other on its actor's thread
+    assert first.slice(gpus=0).where.call_one().get(timeout=10) is True  # idle again: the main thread takes it
+
+
+def test_the_stop_button_reaches_sync_endpoints_asleep_or_busy_on_their_actors_own_threads(mesh):
+    holder, sleeper, spinner = (mesh.spawn(f"stop_{what}", Napper) for what in ("holder", "sleeper", "spinner"))
+    held = holder.slice(gpus=1).nap.call_one(60)  # holds the main thread: the others run on their own threads
+    for call in (sleeper.slice(gpus=1).nap, spinner.slice(gpus=1).spin):
+        _stop_button_after(0.5)
+        start = time.monotonic()
+        with pytest.raises(MeshInterrupted, match="KeyboardInterrupt"):
+            call.call_one(60).get()
+        assert time.monotonic() - start < 4
+    assert sleeper.slice(gpus=1).where.call_one().get(timeout=10) is False  # serves again, beside the main thread
+    _stop_button_after(0.5)
+    with pytest.raises(MeshInterrupted, match="KeyboardInterrupt"):
+        held.get()
+    assert holder.slice(gpus=1).where.call_one().get(timeout=10) is True
+
+
+def test_a_timeout_and_the_mesh_interrupt_stop_an_endpoint_on_its_actors_own_thread(mesh):
+    busy, other = mesh.spawn("own_busy", Napper), mesh.spawn("own_other", Napper)
+    holder = busy.slice(gpus=2).nap.call_one(60)  # holds the main thread
+    start = time.monotonic()
+    with pytest.raises(MeshTimeoutError):
+        other.slice(gpus=2).nap.call_one(60).get(timeout=0.5)
+    assert time.monotonic() - start < 4
+    assert other.slice(gpus=2).where.call_one().get(timeout=10) is False  # free again (main is still held)
+    beside = other.slice(gpus=2).spin.call_one(60)
+    mesh.interrupt()  # whatever runs on the ranks: the main thread's endpoint and the one beside it
+    for future in (holder, beside):
+        with pytest.raises((MeshInterrupted, ActorError), match="KeyboardInterrupt"):
+            future.get(timeout=10)
+    assert other.slice(gpus=2).where.call_one().get(timeout=10) is True
+
+
+def test_why_shows_an_endpoint_stuck_on_its_actors_own_thread_and_its_line(mesh):
+    holder, stuck = mesh.spawn("why_holder", Napper), mesh.spawn("why_stuck", Napper)
+    spinning = holder.slice(gpus=3).spin.call_one(60)  # holds rank 3's main thread
+    asleep = stuck.slice(gpus=3).nap.call_one(60)  # so this one runs beside it
+    deadline = time.monotonic() + 20
+    while "time.sleep(seconds)" not in (text := mesh.why().text()):
+        assert time.monotonic() < deadline, text
+    assert "actor-why_stuck" in text and "while time.monotonic() < end" in text  # both threads, each at its line
+    mesh.interrupt()  # whatever the ranks run, on any thread
+    for future in (spinning, asleep):
+        with pytest.raises(MeshInterrupted, match="KeyboardInterrupt"):
+            future.get(timeout=10)

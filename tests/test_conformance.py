@@ -25,10 +25,7 @@ _NOISE = re.compile(r"^Monarch internal logs are being written to .*$", re.M)
 
 pytestmark = pytest.mark.slow
 # programs that print differently on ours today, and why (strict: the test fails once they match)
-DIFFERENT = {
-    "19_sync_actors_of_one_process": "sync endpoints of two actors of one process run one after the other on ours "
-                                     "(the rank's main thread serves them); Monarch runs them at the same time",
-}
+DIFFERENT: dict[str, str] = {}  # program -> why ours prints otherwise (none now)
 
 
 def monarch_missing() -> str | None:

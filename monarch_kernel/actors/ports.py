@@ -154,8 +154,8 @@ class _Received(Future[Any]):
         if self._taken is not None:
             return True
         here = _here()
-        if here is not None and threading.current_thread() is threading.main_thread():
-            return here.wait_until(self._port.ready, timeout)  # a rank's main thread serves its actors meanwhile
+        if here is not None:
+            return here.wait_until(self._port.ready, timeout)  # (a rank's wait, which is woken by its deliveries)
         return self._port.wait(timeout)
 
     async def _wait_async(self) -> None:

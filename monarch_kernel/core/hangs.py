@@ -70,6 +70,9 @@ class GroupProgress:
         return f"group{named} of ranks {format_ranks(self.ranks)}"
 
 
+ENDPOINT_THREAD_PREFIX = "actor-"  # a rank's threads that run sync endpoints beside its main thread
+
+
 @dataclass(frozen=True)
 class RankReport:
     """What one rank says of itself when inspected."""
@@ -78,14 +81,16 @@ class RankReport:
     running: str  # what runs ("In[7]", "Trainer.step"), "" when idle
     stack: tuple[Frame, ...]  # the main thread's, outermost first
     groups: tuple[GroupProgress, ...] = ()
-    threads: tuple[tuple[str, tuple[Frame, ...]], ...] = ()  # other threads, when asked
+    threads: tuple[tuple[str, tuple[Frame, ...]], ...] = ()  # endpoints' own threads; all others, when asked
     no_progress_info: str = ""  # why there are no collective figures ("" when there are)
 
     def user_frame(self) -> Frame | None:
-        """The innermost frame of the user's own code on the main thread."""
-        for frame in reversed(self.stack):
-            if frame.user:
-                return frame
+        """The innermost frame of the user's own code on the main thread, else on an endpoint's thread."""
+        endpoints = [frames for name, frames in self.threads if name.startswith(ENDPOINT_THREAD_PREFIX)]
+        for stack in (self.stack, *endpoints):
+            for frame in reversed(stack):
+                if frame.user:
+                    return frame
         return self.stack[-1] if self.stack else None
 
     def where(self) -> str:
@@ -210,7 +215,8 @@ def grouped_stacks(reports: dict[int, RankReport], *, all_threads: bool = False,
     by_stack: dict[tuple[str, tuple[tuple[str, int, str], ...]], list[int]] = {}
     frames_of: dict[tuple[str, tuple[tuple[str, int, str], ...]], tuple[Frame, ...]] = {}
     for rank, report in sorted(reports.items()):
-        stacks = [("main", report.stack)] + (list(report.threads) if all_threads else [])
+        stacks = [("main", report.stack)] + [(name, frames) for name, frames in report.threads
+                                              if all_threads or name.startswith(ENDPOINT_THREAD_PREFIX)]
         for thread, frames in stacks:
             key = (thread, tuple((f.filename, f.lineno, f.function) for f in frames))
             by_stack.setdefault(key, []).append(rank)

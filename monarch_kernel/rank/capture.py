@@ -39,6 +39,7 @@ class RankStream(io.TextIOBase):
     def __init__(self, name: str, rank: int, send: Callable[[Any], None]):
         self.name = name
         self.request_id: int | None = None  # set by the worker around each request
+        self.outside_requests: set[int] = set()  # threads whose output belongs to no request (actors' own)
         self._rank = rank
         self._send = send
         self._chunks: list[tuple[int | None, str]] = []
@@ -68,7 +69,10 @@ class RankStream(io.TextIOBase):
         if text.__class__ is not str and not isinstance(text, str):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
         if text:
-            self._chunks.append((self.request_id, text))
+            req = self.request_id
+            if req is not None and self.outside_requests and threading.get_ident() in self.outside_requests:
+                req = None
+            self._chunks.append((req, text))
             if not self._wake_pending:
                 self._wake_pending = True
                 self._wake.set()

@@ -196,11 +196,16 @@ def track_group_sockets() -> None:
 
 
 def free_main_thread(tell: Callable[[str], None] | None = None) -> str:
-    """End the collective the main thread waits in, if it does (a stop's signal cannot reach into its
-    wait): how it was ended, told first to `tell`; "" when it waits in none (any thread). NCCL returns
-    from a collective at once and waits later (a synchronize, the tensor's next use), so an NCCL group
-    with a collective entered and not completed counts too."""
-    if not (main_thread_in_collective() or _nccl_work_pending()):
+    """End the collective the main thread waits in, if it does: see `free_thread`."""
+    return free_thread(threading.main_thread().ident or 0, tell)
+
+
+def free_thread(thread: int, tell: Callable[[str], None] | None = None) -> str:
+    """End the collective thread `thread` waits in, if it does (a stop cannot reach into its wait): how
+    it was ended, told first to `tell`; "" when it waits in none (any thread). NCCL returns from a
+    collective at once and waits later (a synchronize, the tensor's next use), so an NCCL group with a
+    collective entered and not completed counts too."""
+    if not (thread_in_collective(thread) or _nccl_work_pending()):
         return ""
     text = ending_text()
     if tell is not None:
@@ -223,7 +228,12 @@ def _nccl_work_pending() -> bool:
 
 def main_thread_in_collective() -> bool:
     """Whether the main thread is inside a torch.distributed call now (a collective or its wait)."""
-    top = sys._current_frames().get(threading.main_thread().ident or 0)
+    return thread_in_collective(threading.main_thread().ident or 0)
+
+
+def thread_in_collective(thread: int) -> bool:
+    """Whether thread `thread` is inside a torch.distributed call now (a collective or its wait)."""
+    top = sys._current_frames().get(thread)
     chain: list[FrameType] = []
     while top is not None and len(chain) < 8:
         chain.append(top)

@@ -1,14 +1,16 @@
 """Actor calls a rank cannot serve, named instead of hanging: waits that could never end
 (`ActorDeadlockError`), and calls to an actor that is not there (stopped, replaced, never spawned).
 
-A rank's main thread serves its actors' mailboxes from inside a sync endpoint's (or a cell's)
-wait. What it cannot serve from there: the actor that is waiting (an actor waiting on
-itself), an actor busy further out on the same stack (a cycle), and an async endpoint (the
-event loop that would run it is the thread that waits).
+Each sync call runs on a thread of its own while it runs (`rank/user_threads.py`), so an endpoint
+may block on another actor of its own rank. What can never finish: an actor waiting on itself (it
+serves one call at a time), actors whose calls wait on each other in a cycle, and a blocking wait
+on the rank's event loop (an async endpoint calling `.get()`) for an async endpoint that this loop
+would have to run.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from monarch_kernel.core.errors import ActorDeadlockError
@@ -29,27 +31,69 @@ def not_here(rank: int, key: str, retired: tuple[str, bool] | None, keys: dict[s
                    f"{known}); it was never spawned here, or the mesh restarted", "")
 
 
-def raise_deadlock(rank: int, waited_label: str, serving: list[tuple[Any, str]], box: Any) -> None:
-    """Raise ActorDeadlockError for a wait on `waited_label`, whose actor (`box`) is busy.
+class WaitGraph:
+    """Which thread runs which actor's sync call, and which actor of this rank each thread waits on."""
 
-    `serving`: the (mailbox, endpoint label) of the sync calls running on this rank, outermost first.
-    """
-    waiter = serving[-1][1] if serving else "this %%mesh cell"
-    target = type(box.instance).__name__
-    for i, (running, label) in enumerate(serving):
-        if running is box:
-            if i == len(serving) - 1:
+    def __init__(self) -> None:
+        self._running: dict[int, tuple[Any, str]] = {}  # thread -> (mailbox, endpoint label)
+        self._waiting: dict[int, Any] = {}  # thread -> the mailbox it waits on
+
+    def runs(self, box: Any, label: str) -> tuple[Any, str] | None:
+        """The calling thread starts a sync call of `box`; returns what it ran before (for `ran`)."""
+        me = threading.get_ident()
+        outer = self._running.get(me)
+        self._running[me] = (box, label)
+        return outer
+
+    def ran(self, outer: tuple[Any, str] | None) -> None:
+        """The calling thread's sync call ended; `outer` is what `runs` returned."""
+        if outer is None:
+            self._running.pop(threading.get_ident(), None)
+        else:
+            self._running[threading.get_ident()] = outer
+
+    def runs_here(self, box: Any) -> bool:
+        """Whether the calling thread runs a call of `box`."""
+        found = self._running.get(threading.get_ident())
+        return found is not None and found[0] is box
+
+    def waits_on(self, box: Any | None) -> Any | None:
+        """The calling thread waits on a call to `box` (None: on nothing of this rank); returns what it
+        waited on before."""
+        me = threading.get_ident()
+        before = self._waiting.pop(me, None)
+        if box is not None:
+            self._waiting[me] = box
+        return before
+
+    def check(self, rank: int, box: Any, waited_label: str, on_loop: bool) -> None:
+        """Raise ActorDeadlockError if the calling thread's wait on `box` (busy) could never end."""
+        me = threading.get_ident()
+        mine = self._running.get(me)
+        waiter = mine[1] if mine else ("an async endpoint" if on_loop else "this %%mesh cell")
+        labels = [waiter]
+        target = box
+        for _ in range(len(self._running) + 1):
+            thread = next((t for t, (running, _) in list(self._running.items()) if running is target), None)
+            if thread is None:  # async (or about to start): only a wait on the loop keeps it from running
+                if on_loop and target is box:
+                    raise ActorDeadlockError(
+                        f"{waiter} on rank {rank} blocks the rank's event loop waiting on {waited_label}, an "
+                        "async endpoint of this rank, which that loop would run. Use `await` on the call "
+                        f"instead of .get(), or make {waited_label} a plain def.")
+                return
+            if thread == me:
+                if len(labels) == 1:
+                    raise ActorDeadlockError(
+                        f"{waiter} on rank {rank} waits on {waited_label} of its own actor, which serves "
+                        f"one message at a time and is busy in {waiter}: an actor cannot wait on itself. Call "
+                        "the method directly (self.method(...)), or make the endpoint async def and await the call.")
+                cycle = " -> ".join([*labels, waiter])
                 raise ActorDeadlockError(
-                    f"{waiter} on rank {rank} waits on {waited_label} of its own actor, which serves "
-                    f"one message at a time and is busy in {waiter}: an actor cannot wait on itself. Call the "
-                    "method directly (self.method(...)), or make the endpoint async def and await the call.")
-            cycle = " -> ".join([lbl for _, lbl in serving[i:]] + [waited_label])
-            raise ActorDeadlockError(
-                f"deadlock on rank {rank}: {waiter} waits on {waited_label}, but {target} is busy in "
-                f"{label}, which waits on {waiter.split('.')[0]} in turn ({cycle}); actors that wait on each "
-                "other in a cycle never finish. Break the cycle: do not call back, or make one of the "
-                "endpoints async def and await the call.")
-    raise ActorDeadlockError(
-        f"{waiter} on rank {rank} waits on {waited_label}, an async endpoint of this rank; it runs "
-        "on the rank's event loop, which is the thread that waits. Make the waiting endpoint async def "
-        f"and await the call, or make {waited_label} a plain def.")
+                    f"deadlock on rank {rank}: {waiter} waits on {waited_label}, which waits in turn on the "
+                    f"first ({cycle}); actors that wait on each other in a cycle never finish. Break the cycle: "
+                    "do not call back, or make one of the endpoints async def and await the call.")
+            labels.append(self._running.get(thread, (None, "?"))[1])
+            target = self._waiting.get(thread)
+            if target is None:
+                return

@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from monarch_kernel.core.addresses import is_unspecified
-from monarch_kernel.rank import collectives, user_process_groups
+from monarch_kernel.rank import collectives, thread_stops, user_process_groups
 from monarch_kernel.rank.after_import import when_imported
 from monarch_kernel.wire.messages import DistConfig, RankSpec
 
@@ -124,6 +124,7 @@ def _select_device(spec: RankSpec) -> Any:
     if torch.cuda.is_available() and torch.cuda.device_count() > spec.local_rank:
         device = torch.device("cuda", spec.local_rank)
         torch.cuda.set_device(device)
+        thread_stops.rank_device = device  # (current on the actors' own threads too)
         return device
     return None
 

@@ -70,7 +70,7 @@ def run_rank(conn_sock: socket.socket, hb_sock: socket.socket, config: WorkerCon
     worker.install()
     threading.Thread(target=_heartbeat, args=(hb_sock, worker.activity), name="heartbeat",
                      daemon=True).start()
-    worker.actors.on_idle = lambda: None if _tell(hb_sock, worker.activity()) else None
+    worker.actors.doing.on_idle = lambda: None if _tell(hb_sock, worker.activity()) else None
     started = time.time()
     failure = None
     try:

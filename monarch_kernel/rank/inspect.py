@@ -1,5 +1,6 @@
 """What a rank says of itself when inspected (`%mesh why`, `%mesh stacks`, a hang seen live): its
-main thread's stack, its other threads' on request, and its collectives' progress. Built on the
+main thread's stack, the stacks of the endpoints running on their actors' own threads, its other
+threads' on request, and its collectives' progress. Built on the
 rank's reader thread, so it answers while the main thread waits in a C call that let the GIL go
 (a collective, a sleep); a C call holding the GIL keeps it from answering at all."""
 
@@ -15,6 +16,7 @@ from types import FrameType
 from monarch_kernel.core.hangs import CELL_PREFIX, Frame, RankReport
 from monarch_kernel.core.package import PACKAGE_DIR
 from monarch_kernel.rank import collectives
+from monarch_kernel.rank.user_threads import OWN_THREAD_PREFIX
 
 _LIBRARY_DIRS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths().get("stdlib", ""),
                                                       sysconfig.get_paths().get("purelib", ""),
@@ -30,14 +32,19 @@ def inspect(rank: int, running: str, all_threads: bool = False, stacks_only: boo
     frames = sys._current_frames()
     main = threading.main_thread()
     stack = _frames(frames.get(main.ident or 0))
-    threads: tuple[tuple[str, tuple[Frame, ...]], ...] = ()
-    if all_threads:
-        me = threading.get_ident()
-        names = {t.ident: t.name for t in threading.enumerate()}
-        threads = tuple((names.get(ident, f"thread {ident}"), _frames(top))
-                        for ident, top in sorted(frames.items()) if ident not in (main.ident, me))
+    me = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    threads = tuple((names.get(ident, f"thread {ident}"), stack)
+                    for ident, stack in ((ident, _frames(top)) for ident, top in sorted(frames.items())
+                                         if ident not in (main.ident, me))
+                    if all_threads or _runs_an_endpoint(names.get(ident, ""), stack))
     groups, why_not = ((), "not asked") if stacks_only else collectives.progress(with_entries=not counters_only)
     return RankReport(rank, running, stack, groups, threads, why_not)
+
+
+def _runs_an_endpoint(name: str, stack: tuple[Frame, ...]) -> bool:
+    """Whether a thread is an actor's own thread running user code (shown without being asked)."""
+    return name.startswith(OWN_THREAD_PREFIX) and any(frame.user for frame in stack)
 
 
 def _frames(top: FrameType | None) -> tuple[Frame, ...]:

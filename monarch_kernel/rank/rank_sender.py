@@ -4,14 +4,13 @@ calls through the rank's host agent, and calls to the rank's own actors go strai
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.rank.direct_calls import DirectCalls
-from monarch_kernel.wire.calls import PORTS, CallTable, PendingCall, poll_until
+from monarch_kernel.wire.calls import PORTS, CallTable, PendingCall
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, ForSupervisors
 
 
@@ -19,7 +18,7 @@ class RankSender:
     """Sends this rank's own actor calls through its host agent."""
 
     def __init__(self, rank: int, send: Callable[[Any], None], shm_dir: str | None,
-                 wait_serving: Callable[[Callable[[], bool], float | None, PendingCall | None], bool],
+                 wait: Callable[[Callable[[], bool], float | None, PendingCall | None], bool],
                  notify: Callable[[], None], answer: Callable[[int, int, Any, Failure | None], bool],
                  mesh_name: str = ""):
         self.caller_id = rank
@@ -28,7 +27,7 @@ class RankSender:
         self.calls = CallTable()
         self._send = send
         self._shm_dir = shm_dir
-        self._wait_serving = wait_serving  # the main thread's wait: it serves the rank's actors meanwhile
+        self._wait = wait  # a wait that reports a deadlock among the rank's own actors
         self._notify = notify  # wakes that wait
         self._answer = answer  # answers a call whose endpoint took a Port
         self._post_local: Callable[[ActorCall], None] | None = None  # calls to this rank's own actors
@@ -79,18 +78,12 @@ class RankSender:
         """Calls go out as they are made (no queue to flush)."""
 
     def wait_for_replies(self, pending: PendingCall, count: int, timeout: float | None) -> bool:
-        """Replies are delivered by the rank's reader thread; the main thread serves the rank's
-        other actors while it waits (see the module's note), other threads just wait."""
-        if threading.current_thread() is threading.main_thread():
-            return self._wait_serving(lambda: len(pending.replies) >= count, timeout, pending)
-        return pending.wait(count, timeout)
+        """Replies are delivered by the rank's reader thread (or its loop, or a lane): wait, any thread."""
+        return self._wait(lambda: len(pending.replies) >= count, timeout, pending)
 
     def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
-        """Wait until ready() (a port's message): serving, on the main thread (as for replies);
-        other threads poll."""
-        if threading.current_thread() is threading.main_thread():
-            return self._wait_serving(ready, timeout, None)
-        return poll_until(ready, timeout)
+        """Wait until ready() (a port's message), any thread."""
+        return self._wait(ready, timeout, None)
 
     def send_port(self, msg: ActorReply) -> None:
         """A message through another process's Port: to this rank's own port, or via the agent."""

@@ -2,16 +2,19 @@
 
 A reader thread takes every message off the agent's connection: replies to this rank's own actor
 calls, cancellations, input() answers and stops (SIGINT for the main thread, and the end of a
-collective it waits in) are handled right there; the rest goes to the main thread's event loop,
-which runs cells and sync endpoints one at a time (a stop raises KeyboardInterrupt, as in a local
-kernel) and async endpoints as tasks. A daemon thread answers heartbeats. Never imports IPython,
-rich or ipywidgets: ranks start light.
+collective it waits in) are handled right there. Requests (cells, pulls, pushes, operations) go to
+the main thread, which runs them one at a time in the order they came (a stop raises
+KeyboardInterrupt, as in a local kernel). Actor calls go to the rank's event loop, on a thread of
+its own, which also serves the direct lanes and runs async endpoints as tasks; sync endpoints run
+on the main thread when it is free, else on their actor's own thread (`rank/user_threads.py`). A
+daemon thread answers heartbeats. Never imports IPython, rich or ipywidgets: ranks start light.
 """
 
 from __future__ import annotations
 
 import _signal
 import asyncio
+import functools
 import signal
 import sys
 import threading
@@ -36,6 +39,8 @@ from monarch_kernel.rank.notebook_input import NotebookInput, breakpoint_in_the_
 from monarch_kernel.rank.ops import RankOps
 from monarch_kernel.rank.rankshell import RankShell
 from monarch_kernel.rank.recent import RecentKeys
+from monarch_kernel.rank.thread_stops import install_sleep
+from monarch_kernel.rank.user_threads import MainThreadJobs
 from monarch_kernel.wire.diagnosis import CollectivesAborted, InspectRanks, RankInspection
 from monarch_kernel.wire.fd_marks import FdMarkReader, fd_mark_path
 from monarch_kernel.wire.lane_server import LaneServer, accept_lane, listen_lane
@@ -124,7 +129,10 @@ class Worker:
         self.interrupts = MainThreadInterrupts()  # SIGINT for the main thread that is not lost
         self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir, self.ops, self.interrupts,
                                 config.mesh)
-        self.actors.free_collectives = collectives.free_main_thread
+        self.actors.stops.free_collectives = collectives.free_thread
+        self.jobs = MainThreadJobs()  # requests, and sync endpoints when it is free: the main thread's work
+        self.actors.main_jobs = self.jobs
+        self.stdout.outside_requests = self.stderr.outside_requests = self.actors.own_threads.idents
         self.lane_listener = listen_lane(lane_path(config.shm_dir, config.rank)) if config.shm_dir else None
         self.namespace["actors"] = self.actors.instances
         self.input = NotebookInput(config.rank, self._send, lambda: self.current_req, self.flush_streams)
@@ -158,6 +166,7 @@ class Worker:
         sys.breakpointhook = breakpoint_in_the_notebook
         self.displays.patch_ipython()
         signal.signal(signal.SIGINT, self._sigint_handler)
+        install_sleep()  # a stop wakes an endpoint asleep on its actor's own thread
 
     def _interrupt(self, msg: InterruptRanks) -> None:
         """Reader thread: stop these requests, now if one runs user code on the main thread, else as
@@ -166,6 +175,8 @@ class Worker:
         with self._stops_lock:
             for req_id in msg.req_ids:
                 self._stopped.add(req_id)
+            if msg.running:
+                self.actors.stops.stop_running()
             if self.in_user_code and (msg.running or self.current_req in msg.req_ids):
                 self.interrupts.interrupt(lambda: self.in_user_code)
                 if self.current_req is not None:  # (said before the request's result, which the ending lets through)
@@ -176,12 +187,12 @@ class Worker:
         """What runs on this rank now: the cell ("In[7]"), an endpoint, or "" when idle."""
         if self.current_label:
             return self.current_label
-        return self.actors.activity().rsplit(" ", 1)[0]
+        return self.actors.doing.describe().rsplit(" ", 1)[0]
 
     def activity(self) -> str:
         """What the heartbeat tells the agent: the actors' activity, the collective the main thread
         waits in, and the request it runs as "REQ_ID:LABEL" (tab-separated; trailing empty ones left out)."""
-        doing = self.actors.activity()
+        doing = self.actors.doing.describe()
         waiting = collectives.brief() if self.in_user_code else ""
         request = f"{self.current_req}:{self.current_label}" if self.current_req is not None else ""
         return "\t".join((doing, waiting, request)).rstrip("\t")
@@ -198,16 +209,14 @@ class Worker:
         self.stderr.flush()
 
     def serve(self) -> None:
-        """Handle requests until the agent goes away."""
+        """Handle requests until the agent goes away (the main thread)."""
         loop = asyncio.new_event_loop()
         self.actors.loop = loop
-        threading.Thread(target=self._read, args=(loop,), name="rank-reader", daemon=True).start()
         if self.lane_listener is not None:
             loop.add_reader(self.lane_listener.fileno(), self._accept_lane)
-        try:
-            loop.run_forever()
-        finally:
-            loop.close()
+        threading.Thread(target=self.actors.run_loop, args=(loop,), name="rank-loop", daemon=True).start()
+        threading.Thread(target=self._read, args=(loop,), name="rank-reader", daemon=True).start()
+        self.jobs.serve()
 
     def _read(self, loop: asyncio.AbstractEventLoop) -> None:
         """The reader thread: replies and cancellations here, the rest to the loop."""
@@ -216,6 +225,7 @@ class Worker:
                 msg = self.conn.recv()
             except ConnectionClosed:
                 loop.call_soon_threadsafe(loop.stop)
+                self.jobs.close()
                 return
             try:
                 self._route(loop, msg)
@@ -242,7 +252,7 @@ class Worker:
             self.actors.post(msg)  # delivered by the loop, or by a wait on the main thread that serves
             loop.call_soon_threadsafe(self.actors.pump)
         else:
-            loop.call_soon_threadsafe(self._handle_request, msg)
+            self._queue_request(msg)
 
     def _accept_lane(self) -> None:
         if self.lane_listener is None:
@@ -258,25 +268,27 @@ class Worker:
                 self.actors.deliver(msg, reply[0])
             elif isinstance(msg, CancelCall):  # (of a call another mesh's rank sent on this lane)
                 self.actors.cancel(msg)
-            elif type(msg) in REQUESTS:  # run now, in the order it came, its replies sent as they are made
+            elif type(msg) in REQUESTS:  # to the main thread, in the order it came; replies go back this lane
                 self._lane_routes[msg.req_id] = reply[0]
-                lane[0].end_batch()
-                try:
-                    self._handle_request(msg)
-                except Exception:  # noqa: BLE001 - the frames read behind it must still be served
-                    traceback.print_exc()
+                self._queue_request(msg)
 
         lane.append(LaneServer(sock, asyncio.get_running_loop(), on_message))
         reply.append(lane[0].send)
 
+    def _queue_request(self, msg: Any) -> None:
+        """To the main thread, after the requests before it; the notebook's later calls wait for it."""
+        self.actors.order.request_queued()
+        self.jobs.submit(functools.partial(self._handle_request, msg))
+
     def _handle_request(self, msg: Any) -> None:
-        # A cell runs as plain code, as in a fresh interpreter: it may call asyncio.run().
-        loop = asyncio.get_running_loop()
-        asyncio._set_running_loop(None)
+        self.actors.order.request_runs(True)
         try:
             self.handle(msg)
+        except Exception:  # noqa: BLE001 - the requests behind it must still be served
+            traceback.print_exc()
         finally:
-            asyncio._set_running_loop(loop)
+            self.actors.order.request_runs(False)
+            self.actors.on_loop(self.actors.release_held)
 
     def _set_request(self, req_id: int | None, label: str = "") -> None:
         self.current_req = self.stdout.request_id = self.stderr.request_id = req_id

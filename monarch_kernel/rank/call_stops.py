@@ -1,0 +1,96 @@
+"""Stopping an actor's sync call wherever it runs: SIGINT on the rank's main thread, an
+asynchronous KeyboardInterrupt on an actor's own thread (`rank/thread_stops.py`), and the end of a
+collective the call waits in, which neither reaches."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from monarch_kernel.rank.interrupts import MainThreadInterrupts
+from monarch_kernel.rank.recent import RecentKeys
+from monarch_kernel.rank.thread_stops import stop_thread, withdraw_stop
+from monarch_kernel.wire.calls import CallKey
+
+
+class SyncCallStops:
+    """Which thread runs each sync call, and the calls told to stop (a stop may come before its call)."""
+
+    def __init__(self, interrupts: MainThreadInterrupts, wake: Callable[[], None]) -> None:
+        self._interrupts = interrupts
+        self._wake = wake  # wakes the threads waiting on actor calls (a stopped one leaves its wait)
+        self._lock = threading.Lock()
+        self._cancelled = RecentKeys()  # (the oldest, of calls long ended, are forgotten)
+        self._running: dict[CallKey, int] = {}  # sync calls running -> the thread that runs each
+        self._aborted: dict[CallKey, str] = {}  # stopped calls whose collectives were ended, and how
+        self._main = threading.main_thread().ident or 0
+        self.free_collectives: Callable[[int], str] | None = None  # ends a collective a thread waits in: how
+
+    def cancel(self, key: CallKey) -> None:
+        """Stop call `key`: now if it runs sync code, else as it starts."""
+        with self._lock:
+            self._cancelled.add(key)
+            thread = self._running.get(key)
+            if thread is not None:
+                self._stop(key, thread)
+
+    def stop_running(self) -> None:
+        """Stop the sync calls running on the actors' own threads (the notebook's interrupt)."""
+        with self._lock:
+            for key, thread in list(self._running.items()):
+                if thread != self._main:
+                    self._cancelled.add(key)
+                    self._stop(key, thread)
+
+    def _stop(self, key: CallKey, thread: int) -> None:
+        if thread == self._main:
+            self._interrupts.interrupt(lambda: key in self._running)
+        else:
+            stop_thread(thread)
+            self._wake()
+        ended = self.free_collectives(thread) if self.free_collectives is not None else ""
+        if ended:  # (a signal cannot reach into a collective's wait: it was ended; its reply says so)
+            self._aborted[key] = ended
+
+    def cancelled(self, key: CallKey) -> bool:
+        """Whether call `key` was told to stop."""
+        with self._lock:
+            return key in self._cancelled
+
+    def starts(self, key: CallKey) -> bool:
+        """The calling thread starts call `key`'s sync code; False (not started) if it was told to stop."""
+        with self._lock:
+            if key in self._cancelled:
+                return False
+            self._running[key] = threading.get_ident()
+            return True
+
+    def check(self, key: CallKey) -> None:
+        """Raise KeyboardInterrupt if call `key` was told to stop (first thing in its user code)."""
+        if self.cancelled(key):
+            raise KeyboardInterrupt
+
+    def ended(self, key: CallKey) -> None:
+        """Call `key`'s sync code ended: no stop is sent to its thread from now on."""
+        with self._lock:
+            self._running.pop(key, None)
+
+    def run_stoppable(self, key: CallKey, run: Callable[[], Any]) -> Any:
+        """run() on an actor's own thread: a stop raises in it until it ends, never after."""
+        try:
+            return run()
+        finally:
+            while True:
+                try:
+                    self.ended(key)
+                    withdraw_stop(threading.get_ident())
+                    break
+                except KeyboardInterrupt:  # it came as run() ended: it was for run(), which ended
+                    continue
+
+    def answered(self, key: CallKey) -> str:
+        """Call `key` is answered: forget it; how its collectives were ended ("" if they were not)."""
+        with self._lock:
+            self._cancelled.discard(key)
+            return self._aborted.pop(key, "")

@@ -1,0 +1,154 @@
+"""Where user code runs on a rank: the main thread when it is free, else an actor's own thread.
+
+The rank's main thread runs the notebook's requests (cells, pulls, pushes, operations) in the
+order they came, and a sync endpoint when it has nothing else to do: there a stop is SIGINT, as
+in a local kernel, and reaches a `time.sleep` or a blocking read at once. A sync endpoint called
+while the main thread is busy (a cell, or another actor's endpoint) runs on its actor's own
+thread instead, so actors of one process serve their calls at the same time, as in Monarch; an
+actor still serves one call at a time, whichever thread runs it. A stop reaches an endpoint on
+its own thread as an asynchronous KeyboardInterrupt, raised at its next Python line; the rank's
+`time.sleep` wakes for it (`rank/thread_stops.py`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+from monarch_kernel.core.hangs import ENDPOINT_THREAD_PREFIX
+from monarch_kernel.rank.thread_stops import forget_thread, setup_thread
+
+Job = Callable[[], None]
+OWN_THREAD_PREFIX = ENDPOINT_THREAD_PREFIX  # the names of the actors' own threads (a hang report shows them)
+IDLE_THREAD_EXITS_S = 60.0  # an actor's own thread that had nothing to run for this long ends
+
+
+class MainThreadJobs:
+    """The main thread's work, in order: `serve()` runs it until `close()`."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._busy = 0  # jobs given and not finished
+        self._released = False  # the job running now let the main thread count as free (`release`)
+
+    def submit(self, job: Job) -> None:
+        """Run `job` on the main thread after what it was given before (a request)."""
+        with self._lock:
+            self._busy += 1
+        self._jobs.put(job)
+
+    def submit_if_idle(self, job: Job) -> bool:
+        """Run `job` on the main thread if it has nothing to do now; False (not given) if it has."""
+        with self._lock:
+            if self._busy:
+                return False
+            self._busy = 1
+        self._jobs.put(job)
+        return True
+
+    def release(self) -> None:
+        """The job running now (main thread) has finished its user code: the main thread counts as free
+        (what it still does, sending a reply, must not send the next call to another thread)."""
+        with self._lock:
+            if not self._released:
+                self._released = True
+                self._busy -= 1
+
+    def close(self) -> None:
+        """End `serve()` after the jobs given so far."""
+        self._jobs.put(None)
+
+    def serve(self) -> None:
+        """Run the jobs as they come (main thread), until close()."""
+        while True:
+            try:
+                job = self._jobs.get()
+            except KeyboardInterrupt:  # a stop that came too late, while idle
+                continue
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException:  # noqa: BLE001 - a job reports its own errors; a late stop ends here
+                pass
+            finally:
+                job = None  # (its arguments are let go now, not when the next job comes)
+                with self._lock:
+                    if not self._released:
+                        self._busy -= 1
+                    self._released = False
+
+
+class OwnThreads:
+    """Each actor's own thread, started when first needed: its calls run there one after another."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._threads: dict[str, queue.SimpleQueue[Job | None]] = {}  # actor key -> its thread's jobs
+        self.idents: set[int] = set()  # the threads running now (their output belongs to no request)
+
+    def run(self, key: str, job: Job) -> None:
+        """Run `job` on the thread of actor `key` (after what it runs now)."""
+        with self._lock:
+            jobs = self._threads.get(key)
+            if jobs is None:
+                jobs = self._threads[key] = queue.SimpleQueue()
+                threading.Thread(target=self._serve, args=(key, jobs), name=f"{self._name}{key}",
+                                 daemon=True).start()
+            jobs.put(job)
+
+    def run_alone(self, job: Job) -> None:
+        """Run `job` on a thread of its own (the system actor: a spawn inside a spawn)."""
+        threading.Thread(target=self._serve_one, args=(job,), name=f"{self._name}system", daemon=True).start()
+
+    def end(self, key: str) -> None:
+        """The actor is gone: its thread ends after what it was given."""
+        with self._lock:
+            jobs = self._threads.pop(key, None)
+        if jobs is not None:
+            jobs.put(None)
+
+    def _serve(self, key: str, jobs: queue.SimpleQueue[Job | None]) -> None:
+        ident = threading.get_ident()
+        setup_thread()
+        self.idents.add(ident)
+        try:
+            while True:
+                try:
+                    job = jobs.get(timeout=IDLE_THREAD_EXITS_S)
+                except queue.Empty:
+                    with self._lock:  # nothing came meanwhile (run() puts under this lock): end
+                        if jobs.empty() and self._threads.get(key) is jobs:
+                            del self._threads[key]
+                            return
+                    continue
+                except BaseException:  # noqa: BLE001 - a stop that came as a call ended
+                    continue
+                if job is None:
+                    return
+                _run(job)
+                job = None  # (its arguments are let go now, not when the next job comes)
+        finally:
+            self.idents.discard(ident)
+            forget_thread()
+
+    def _serve_one(self, job: Job) -> None:
+        ident = threading.get_ident()
+        setup_thread()
+        self.idents.add(ident)
+        try:
+            _run(job)
+        finally:
+            self.idents.discard(ident)
+            forget_thread()
+
+
+def _run(job: Job) -> None:
+    try:
+        job()
+    except BaseException:  # noqa: BLE001 - a job reports its own errors; a stop that came late ends here
+        pass
+
