@@ -65,6 +65,10 @@ class LoopBlocker(Actor):
     async def block(self):
         return self.mine.later.call_one().get(timeout=10)
 
+    @endpoint
+    async def block_on_sync(self):
+        return self.mine.incr.call_one(0).get(timeout=10)
+
 
 class Ping(Actor):
     """Two of these on each rank call each other: a cycle."""
@@ -181,6 +185,8 @@ def test_blocking_the_event_loop_on_an_async_endpoint_of_the_same_rank_says_what
     with pytest.raises(ActorError, match="await"):
         blockers.slice(gpus=3).block.call_one().get(timeout=20)
     assert counters.slice(gpus=3).later.call_one().get(timeout=10) == "later"  # the loop serves it after
+    for _ in range(20):  # a sync endpoint runs on another thread: blocking the loop on it is slow, not a deadlock
+        assert blockers.slice(gpus=3).block_on_sync.call_one().get(timeout=20) is not None
 
 
 def test_a_blocked_sync_endpoint_stops_on_a_timeout_and_on_the_stop_button(mesh, counters):

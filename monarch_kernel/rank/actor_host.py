@@ -253,7 +253,7 @@ class ActorHost:
                 continue
             if started[0]:  # async
                 assert self.loop is not None, "async endpoints need the rank's event loop"
-                box.busy = True
+                box.busy = box.in_async = True
                 key = (msg.caller, msg.call_id)
                 task = self.loop.create_task(self._serve_async(box, msg, *started[1:]),
                                              context=context_at(point_of(box, msg), box.key))
@@ -353,7 +353,7 @@ class ActorHost:
             self._tasks.pop(key, None)
         self.doing.ended(key)
         self._answer(box, msg, value, failure, time.perf_counter() - started)
-        box.busy = False
+        box.busy = box.in_async = False
         self._drain(box)
 
     def _answer(self, box: Mailbox, msg: ActorCall, value: Any, failure: Failure | None, seconds: float) -> None:

@@ -75,8 +75,8 @@ class WaitGraph:
         target = box
         for _ in range(len(self._running) + 1):
             thread = next((t for t, (running, _) in list(self._running.items()) if running is target), None)
-            if thread is None:  # async (or about to start): only a wait on the loop keeps it from running
-                if on_loop and target is box:
+            if thread is None:  # async, or a sync call about to start: only a wait on the loop keeps an
+                if on_loop and target is box and getattr(target, "in_async", False):  # async one from running
                     raise ActorDeadlockError(
                         f"{waiter} on rank {rank} blocks the rank's event loop waiting on {waited_label}, an "
                         "async endpoint of this rank, which that loop would run. Use `await` on the call "

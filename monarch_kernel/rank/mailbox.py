@@ -25,6 +25,7 @@ class Mailbox:
     point: Point
     queue: deque = field(default_factory=deque)
     busy: bool = False
+    in_async: bool = False  # what keeps it busy is an async endpoint (on the rank's event loop)
     stopped: bool = False  # stopped or replaced: calls that come now are told so
     endpoints: dict = field(default_factory=dict)  # name -> (bound method, is async, label, takes a port)
 
