@@ -2,7 +2,10 @@
 
 Compares, in one run: startup, no-op broadcast round trip, 64 MiB push/pull and a call between the
 actors of two proc meshes (one on each host) of the SSH mesh, next to a local 4-rank mesh, with plain
-OpenSSH transfers of the same bytes (`ssh host cat > /dev/null`, `ssh host head -c`) as the floor.
+OpenSSH transfers of the same bytes (`ssh host cat > /dev/null`, `ssh host head -c`) as the floor,
+and PyTorch Monarch's same call between proc meshes on the same two hosts (its workers started in the
+hosts' network namespaces on its own TCP transport; from `.cache/monarch-venv`, which
+scripts/test.sh makes).
 
     sudo .venv/bin/python benchmarks/bench_ssh.py [--quick]
 """
@@ -10,6 +13,7 @@ OpenSSH transfers of the same bytes (`ssh host cat > /dev/null`, `ssh host head 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +26,20 @@ sys.path.insert(0, HERE)
 from common import NullSink, cross_mesh_times, format_seconds, report, timed  # noqa: E402
 
 MIB64 = 64 << 20
+MONARCH_PYTHON = os.path.join(HERE, "..", ".cache", "monarch-venv", "bin", "python")
+MONARCH_PORT = 26600  # each test host's own network namespace: no clash
+MONARCH_CLIENT = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from common import cross_mesh_times
+from monarch import actor as api
+api.enable_transport(f"tcp://{sys.argv[2]}:0")  # (the bridge's address: the hosts reach the client there)
+hosts = api.attach_to_workers(ca="trust_all_connections", workers=sys.argv[4:])
+procs_a = hosts.slice(hosts=0).spawn_procs(per_host={"gpus": 1})
+procs_b = hosts.slice(hosts=len(sys.argv[4:]) - 1).spawn_procs(per_host={"gpus": 1})
+print(json.dumps(cross_mesh_times(api, procs_a, procs_b, 200, int(sys.argv[3]))), flush=True)
+os._exit(0)
+"""
 CROSS = "actor -> actor of another proc mesh (per call)"
 ATTACH = "attach after a kernel restart"
 FIRST_KERNEL = """
@@ -81,8 +99,6 @@ def _cross_mesh(mesh, quick: bool) -> list[float]:
 
 def measure_attach(hosts: list[str], options: dict, quick: bool) -> list[float]:
     """A persistent mesh left by a kernel, attached (and a first cell run) by fresh interpreters, each timed."""
-    import json
-
     env = dict(os.environ, XDG_STATE_HOME=tempfile.mkdtemp())
     subprocess.run([sys.executable, "-c", FIRST_KERNEL, json.dumps(hosts), json.dumps(options)], env=env, check=True,
                    capture_output=True, timeout=300)
@@ -96,6 +112,42 @@ def measure_attach(hosts: list[str], options: dict, quick: bool) -> list[float]:
         subprocess.run([sys.executable, "-m", "monarch_kernel", "meshes", "stop", "bench-attach"], env=env,
                        capture_output=True, timeout=120)
     return times
+
+
+def measure_monarch(hosts, quick: bool) -> dict:
+    """PyTorch Monarch's ping-pong between proc meshes on the first and the last test host."""
+    import socket
+
+    if not os.path.exists(MONARCH_PYTHON):
+        return {"skipped": "no .cache/monarch-venv (scripts/test.sh installs torchmonarch there)"}
+    workers, started = [], []
+    serve = ("import sys; from monarch.actor import run_worker_loop_forever as serve; "
+             "serve(ca='trust_all_connections', address=sys.argv[1])")
+    try:
+        for host in hosts.hosts:
+            address = f"tcp://{host.address}:{MONARCH_PORT}"
+            workers.append(address)
+            started.append(subprocess.Popen(["ip", "netns", "exec", host.netns, MONARCH_PYTHON, "-c", serve, address],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for host in hosts.hosts:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    socket.create_connection((host.address, MONARCH_PORT), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        return {"skipped": f"Monarch's worker on {host.alias} did not listen within 60 s"}
+                    time.sleep(0.2)
+        done = subprocess.run([MONARCH_PYTHON, "-c", MONARCH_CLIENT, HERE, "198.18.0.1", "3" if quick else "8", *workers],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            return {"skipped": f"Monarch's client failed: {done.stderr.strip().splitlines()[-1:]}"}
+        return {CROSS: json.loads(done.stdout.strip().splitlines()[-1])}
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
 
 
 def measure_floor(hosts, quick: bool) -> dict:
@@ -134,6 +186,7 @@ def main() -> None:
                 [h.alias for h in hosts.hosts], gpus=2, dist="gloo", python=sys.executable,
                 connect_options=hosts.connect_options()), args.quick),
             "ssh cat (floor)": measure_floor(hosts, args.quick),
+            "PyTorch Monarch": measure_monarch(hosts, args.quick),
         }
         results["local 1x4"][ATTACH] = measure_attach([], {}, args.quick)
         results["ssh 2x2"][ATTACH] = measure_attach([h.alias for h in hosts.hosts], hosts.connect_options(), args.quick)
@@ -143,8 +196,9 @@ def main() -> None:
     print(report({**ours, **results}, ["startup", "no-op broadcast", "pull 64 MiB", "push 64 MiB to all", CROSS, ATTACH],
                  "benchmark", _fmt))
     print("\n(push to all: the time until every rank of the mesh has the tensor; the floor sends it once. "
-          "Proc meshes: on the first and the last host of the mesh, Monarch's ping-pong; its same-host "
-          "figure next to PyTorch Monarch's is in bench_actors.py. Attach: a persistent mesh left by a kernel that "
+          "Proc meshes: on the first and the last host of the mesh, Monarch's ping-pong; PyTorch Monarch's "
+          "column runs the same program on the same two hosts with its own workers; its same-host figure is in "
+          "bench_actors.py. Attach: a persistent mesh left by a kernel that "
           "ended, taken back by a fresh interpreter with a first cell (one new SSH connection per host); "
           "bench_persist.py compares it with IPython Parallel)")
 

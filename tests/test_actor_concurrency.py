@@ -286,6 +286,9 @@ def test_a_timeout_and_the_mesh_interrupt_stop_an_endpoint_on_its_actors_own_thr
     assert time.monotonic() - start < 4
     assert other.slice(gpus=2).where.call_one().get(timeout=10) is False  # free again (main is still held)
     beside = other.slice(gpus=2).spin.call_one(60)
+    deadline = time.monotonic() + 20
+    while "while time.monotonic() < end" not in (text := mesh.slice(gpus=2).why().text()):  # (it runs now)
+        assert time.monotonic() < deadline, text
     mesh.interrupt()  # whatever runs on the ranks: the main thread's endpoint and the one beside it
     for future in (holder, beside):
         with pytest.raises((MeshInterrupted, ActorError), match="KeyboardInterrupt"):

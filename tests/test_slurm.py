@@ -17,7 +17,7 @@ import pytest
 from conftest import RecordingSink, pids_alive, wait_until
 from slurmlab import SlurmTestCluster, unavailable_reason
 
-from monarch_kernel import Actor, MeshInterrupted, MeshStartError, endpoint, slurm_mesh
+from monarch_kernel import Actor, MeshInterrupted, MeshStartError, MeshTimeoutError, endpoint, slurm_mesh
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the nodes cannot import this file
 
@@ -274,7 +274,13 @@ def test_ddp_across_two_nodes_gives_identical_parameters(cluster):
     from test_dist import DDP_CELL
 
     with slurm_mesh(nodes=2, gpus=2, dist="gloo", request_gpus=False, name="ddp") as mesh:
-        results = list(mesh.run(DDP_CELL, sink=RecordingSink(), timeout=120).values())
+        running = mesh.run_async(DDP_CELL, sink=RecordingSink())
+        if not wait_until(running.done, 90):  # (it takes about a second; a hang here has been seen in CI, rarely)
+            said = f"{mesh.why()}\n\n{mesh.stacks(all_threads=True)}"  # where each rank is, for CI's log
+            with pytest.raises(MeshTimeoutError):
+                running.get(timeout=1)
+            pytest.fail(f"DDP across Slurm nodes did not finish in 90 s:\n{said}")
+        results = list(running.get(timeout=10).values())
     assert all(bool((flat == results[0][2]).all()) and last < first for first, last, flat in results)
 
 
