@@ -21,23 +21,20 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.actors.base import SYSTEM_ACTOR, current_actor, current_point
-from monarch_kernel.actors.ports import Port
-from monarch_kernel.core.errors import ConnectionClosed, SerializationError
 from monarch_kernel.core.shape import Point, Shape
 from monarch_kernel.rank.activity import EndpointActivity
 from monarch_kernel.rank.call_order import BehindRequests
+from monarch_kernel.rank.call_replies import CallReplies
 from monarch_kernel.rank.call_stops import SyncCallStops
 from monarch_kernel.rank.cell import describe_failure
-from monarch_kernel.rank.deadlocks import WaitGraph, not_here
+from monarch_kernel.rank.deadlocks import WaitGraph
 from monarch_kernel.rank.interrupts import MainThreadInterrupts
-from monarch_kernel.rank.mailbox import Mailbox, context_at, point_of
+from monarch_kernel.rank.mailbox import Mailbox, Mailboxes, context_at, point_of, prepare_call
 from monarch_kernel.rank.ops import RankOps, SystemActor
 from monarch_kernel.rank.rank_sender import RankSender
-from monarch_kernel.rank.recent import MAX_REMEMBERED
 from monarch_kernel.rank.user_threads import OWN_THREAD_PREFIX, MainThreadJobs, OwnThreads
 from monarch_kernel.wire.calls import CallKey, PendingCall, set_default_sender
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure
-from monarch_kernel.wire.serialization import seal, unseal
 
 WAIT_CHECK_S = 0.5  # how often a wait looks again for a deadlock, at most
 
@@ -48,19 +45,15 @@ class ActorHost:
     def __init__(self, rank: int, send: Callable[[Any], None], run_user: Callable[..., Any],
                  shm_dir: str | None, ops: RankOps, interrupts: MainThreadInterrupts, mesh: str = ""):
         self.rank = rank
-        self.instances: dict[str, Any] = {}  # what `actors[...]` shows in %%mesh cells
-        self._mailboxes: dict[str, Mailbox] = {}  # by spawn key ("name#N")
-        self._keys: dict[str, str] = {}  # actor mesh name -> key of its current spawn
-        self._retired: dict[str, tuple[str, bool]] = {}  # keys of ended spawns -> (their name, replaced?)
-        self._send = send
         self._run_user = run_user  # runs a function on the main thread with interrupts enabled
-        self._shm_dir = shm_dir
-        self._lock = threading.Lock()  # guards the mailboxes' queues and the calls' state below
+        self._lock = threading.Lock()  # guards the mailboxes and their queues, and the calls' state below
+        self._mailboxes = Mailboxes(self._lock)
+        self.instances = self._mailboxes.instances  # what `actors[...]` shows in %%mesh cells
         self._tasks: dict[CallKey, asyncio.Task] = {}
         self.doing = EndpointActivity()  # what the heartbeat tells the agent (its on_idle: set by the rank)
         self.order = BehindRequests()  # the notebook's calls wait for its requests before them
         self.stops = SyncCallStops(interrupts, self.notify)  # (its free_collectives: set by the worker)
-        self._reply_via: dict[CallKey, Callable[[Any], None]] = {}  # loop thread only
+        self.replies = CallReplies(rank, send, shm_dir, self.stops)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the thread that runs the loop
         self.main_jobs: MainThreadJobs | None = None  # the main thread's work (runs sync endpoints when free)
@@ -68,14 +61,12 @@ class ActorHost:
         self._inbox: deque[tuple[ActorCall, Any]] = deque()  # (call, reply route) in arrival order, for the loop
         self._wake = threading.Condition()  # a call or a reply arrived (for the waits)
         self._graph = WaitGraph()
-        self._answering: dict[CallKey, ActorCall] = {}  # calls whose endpoint took a Port and has not answered
         self._main = threading.main_thread().ident or 0
-        self.sender = RankSender(rank, send, shm_dir, self.wait_for, self.notify, self.answer_through_port, mesh)
+        self.sender = RankSender(rank, send, shm_dir, self.wait_for, self.notify, self.replies.through_port, mesh)
         self.sender._post_local = self.post_local
         set_default_sender(self.sender)
         ops.serve_actors(self)
-        self._mailboxes[SYSTEM_ACTOR] = Mailbox(SYSTEM_ACTOR, SYSTEM_ACTOR, SystemActor(ops), Shape((), (rank,)),
-                                                Point((), 0))
+        self._mailboxes.add_system(Mailbox(SYSTEM_ACTOR, SYSTEM_ACTOR, SystemActor(ops), Shape((), (rank,)), Point((), 0)))
 
     def run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """Deliver calls and run async endpoints on `loop`, in the calling thread (the rank's loop thread)."""
@@ -106,41 +97,32 @@ class ActorHost:
             current_actor.reset(owner)
         self.stop(name, replaced=True)
         with self._lock:
-            self.instances[name] = instance
-            self._keys[name] = key
-            self._mailboxes[key] = Mailbox(name, key, instance, shape, point)
+            self._mailboxes.add(Mailbox(name, key, instance, shape, point))
         return f"{cls.__name__} on rank {self.rank}"
 
     def meshes(self) -> list[tuple[str, str, Any, Shape]]:
         """The actor meshes here: (name, spawn key, this rank's instance, shape)."""
-        return [(box.name, box.key, box.instance, box.shape) for box in map(self._mailboxes.get, self._keys.values()) if box]
+        return [(box.name, box.key, box.instance, box.shape) for box in self._mailboxes.current()]
 
     def stop_key(self, key: str) -> bool:
         """Stop the actors of one spawn (by key) on this rank; False if it is not (or no longer) here."""
-        box = self._mailboxes.get(key)
-        if box is None or self._keys.get(box.name) != key:
-            return False
-        self.stop(box.name)
-        return True
+        name = self._mailboxes.is_current(key)
+        if name is not None:
+            self.stop(name)
+        return name is not None
 
     def stop(self, name: str, *, replaced: bool = False) -> None:
         """Forget actor mesh `name` on this rank (its queued calls fail)."""
         with self._lock:
-            key, _ = self._keys.pop(name, None), self.instances.pop(name, None)
-            box = self._mailboxes.pop(key, None) if key is not None else None
-            if key is None or box is None:
-                return
-            box.stopped = True
-            queued = list(box.queue)
-            box.queue.clear()
-            self._retired[key] = (name, replaced)
-            while len(self._retired) > MAX_REMEMBERED:
-                del self._retired[next(iter(self._retired))]
+            removed = self._mailboxes.remove(name, replaced)
+        if removed is None:
+            return
+        key, queued = removed
         self.own_threads.end(key)
         why = ("ActorReplaced", f"actor mesh {name!r} was spawned again") if replaced else \
               ("ActorStopped", f"actor mesh {name!r} was stopped")
         for msg in queued:
-            self._reply(msg, None, Failure(*why, ""))
+            self.replies.reply(msg, None, Failure(*why, ""))
 
     # ------------------------------------------------------------ reader thread side
     def cancel(self, msg: CancelCall) -> None:
@@ -158,9 +140,10 @@ class ActorHost:
         self.notify()  # (a wait on the loop thread delivers it)
 
     def post_local(self, msg: ActorCall) -> None:
-        """A call from this rank to its own actors: no trip through the agent, the reply comes back here."""
-        self.post(msg, self._local_reply)
-        self.on_loop(self.pump)
+        """A call from this rank to its own actors: no trip through the agent, the reply comes back here.
+        It goes straight into the mailbox: a caller that waits on it serves it itself if the actor is
+        idle (`wait_for`), else the loop starts it."""
+        self._deliver_now(msg, self._local_reply, start=False)
 
     def _local_reply(self, reply: ActorReply) -> None:
         self.sender.calls.deliver(reply)
@@ -193,6 +176,9 @@ class ActorHost:
             while True:
                 if ready():
                     return True
+                if box is not None and not box.busy and box.queue and (msg := self._claim(box)) is not None:
+                    self._serve_claimed(box, msg)  # (this thread would only wait: it serves the call itself)
+                    continue
                 if box is not None and pending is not None and box.busy:
                     if box.key == SYSTEM_ACTOR and self._graph.runs_here(box):
                         self._serve_inline(box)  # a spawn inside a spawn (an actor's constructor spawns)
@@ -227,93 +213,129 @@ class ActorHost:
         for msg, reply_via in self.order.release():
             self._deliver_now(msg, reply_via)
 
-    def _deliver_now(self, msg: ActorCall, reply_via: Callable[[Any], None] | None) -> None:
+    def _deliver_now(self, msg: ActorCall, reply_via: Callable[[Any], None] | None, start: bool = True) -> None:
         if reply_via is not None:
-            self._reply_via[(msg.caller, msg.call_id)] = reply_via
+            self.replies.came_by(msg, reply_via)
         with self._lock:
             box = self._mailboxes.get(msg.actor)
             if box is not None and not box.stopped:
                 box.queue.append(msg)
         if box is None or box.stopped:
-            self._reply(msg, None, not_here(self.rank, msg.actor, self._retired.get(msg.actor), self._keys))
+            self.replies.reply(msg, None, self._mailboxes.not_here(self.rank, msg.actor))
             return
         if not box.busy:
-            self._drain(box)
+            self._drain(box) if start else self.on_loop(self._drain, box)
         elif box.key == SYSTEM_ACTOR:
             self.notify()  # (its call may wait on this one: it serves it inline)
 
-    def _next(self, box: Mailbox) -> ActorCall | None:
+    def _claim(self, box: Mailbox) -> ActorCall | None:
+        """The next call of an idle mailbox, which is busy from now on (None: busy, or nothing queued)."""
         with self._lock:
-            return box.queue.popleft() if box.queue and not box.busy else None
+            if not box.queue or box.busy:
+                return None
+            box.busy = True
+            return box.queue.popleft()
 
     def _drain(self, box: Mailbox) -> None:
-        while (msg := self._next(box)) is not None:
+        while (msg := self._claim(box)) is not None:
             started = self._start(box, msg)
             if started is None:
-                continue
-            if started[0]:  # async
-                assert self.loop is not None, "async endpoints need the rank's event loop"
-                box.busy = box.in_async = True
-                key = (msg.caller, msg.call_id)
-                task = self.loop.create_task(self._serve_async(box, msg, *started[1:]),
-                                             context=context_at(point_of(box, msg), box.key))
-                with self._lock:
-                    self._tasks[key] = task
+                box.busy = False
+            elif started[0]:
+                self._launch_async(box, msg, started)
             else:  # its next call waits for it to end, on whichever thread it runs
-                box.busy = True
                 job = functools.partial(self._serve_then_next, box, msg, *started[1:])
                 if self.main_jobs is None or not self.main_jobs.submit_if_idle(job):
                     self.own_threads.run(box.key, job)
+
+    def _launch_async(self, box: Mailbox, msg: ActorCall, started: tuple) -> None:
+        """Run an async endpoint as a task on the loop (from any thread); `box` is busy until it ends."""
+        assert self.loop is not None, "async endpoints need the rank's event loop"
+        box.in_async = True
+        if threading.get_ident() != self._loop_thread:
+            self.on_loop(self._launch_async, box, msg, started)
+            return
+        task = self.loop.create_task(self._serve_async(box, msg, *started[1:]),
+                                     context=context_at(point_of(box, msg), box.key))
+        with self._lock:
+            self._tasks[(msg.caller, msg.call_id)] = task
 
     def _start(self, box: Mailbox, msg: ActorCall) -> tuple[bool, Any, str, tuple, dict] | None:
         """(is async, method, label, args, kwargs) of a call to run; None if it was answered already."""
         key = (msg.caller, msg.call_id)
         if self.stops.cancelled(key):
-            self._reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "", interrupted=True))
+            self.replies.reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "", interrupted=True))
             return None
-        found = box.endpoint(msg.endpoint)
-        if found is None:
-            self._reply(msg, None, Failure(
-                "AttributeError", f"{type(box.instance).__name__} has no endpoint {msg.endpoint!r} "
-                "(only methods marked @endpoint answer calls)", ""))
+        prepared = prepare_call(box, msg, self.rank)
+        if isinstance(prepared, Failure):
+            self.replies.reply(msg, None, prepared)
             return None
-        method, is_async, label, with_port = found
-        try:
-            args, kwargs = unseal(msg.args)
-        except Exception as exc:  # noqa: BLE001
-            self._reply(msg, None, describe_failure(exc))
-            return None
-        if with_port:  # it answers through the port it is given: now, or later
-            if msg.to_port:  # sent with send(..., port=): that port, as it is
-                args = (Port(msg.caller, msg.call_id), *args)
-            else:
-                args = (Port(msg.caller, msg.call_id, answers=self.rank), *args)
-                with self._lock:
-                    self._answering[key] = msg
-        return is_async, method, label, args, kwargs
+        if box.endpoints[msg.endpoint][3] and not msg.to_port:  # it answers through its port, now or later
+            self.replies.expect_port_answer(msg)
+        return prepared
 
-    def _serve_then_next(self, box: Mailbox, msg: ActorCall, method, label: str, args, kwargs) -> None:
-        try:
-            self._serve_sync(box, msg, method, label, args, kwargs)
-        finally:
+    def _serve_then_next(self, box: Mailbox, msg: ActorCall, *call: Any) -> None:
+        """Serve a sync call, then the actor's next ones on this same thread while they are sync (no
+        trip through the loop per call); the main thread goes on only while nothing else waits for it."""
+        while True:
+            method, label, args, kwargs = call
+            self._serve_sync(box, msg, method, label, args, kwargs, job=True)
+            following = self._follow(box)
+            if following is None:
+                return
+            msg, started = following
+            if started[0]:  # async: the loop runs it (the mailbox stays busy)
+                self._launch_async(box, msg, started)
+                return
+            call = started[1:]
+
+    def _follow(self, box: Mailbox) -> tuple[ActorCall, tuple] | None:
+        """The next call of `box`, whose call just ended on this thread, to run here; None: the mailbox
+        is idle again (and the loop serves what is queued, if this thread may not)."""
+        on_main = threading.get_ident() == self._main
+        while True:
+            with self._lock:
+                may = bool(box.queue) and not box.stopped and (
+                    not on_main or self.main_jobs is None or self.main_jobs.keep())
+                msg = box.queue.popleft() if may else None
+                if msg is None:
+                    box.busy = False
+                    left = bool(box.queue) and not box.stopped
+            if msg is None:
+                if left:
+                    self.on_loop(self._drain, box)
+                return None
+            started = self._start(box, msg)
+            if started is not None:
+                return msg, started
+
+    def _serve_claimed(self, box: Mailbox, msg: ActorCall) -> None:
+        """Serve a call claimed by a thread that waits on its actor (inside that wait)."""
+        started = self._start(box, msg)
+        if started is not None and started[0]:
+            self._launch_async(box, msg, started)
+            return
+        if started is not None:
+            self._serve_sync(box, msg, *started[1:])
+        with self._lock:
             box.busy = False
+            left = bool(box.queue) and not box.stopped
+        if left:
             self.on_loop(self._drain, box)
 
     def _serve_inline(self, box: Mailbox) -> None:
         """Serve the calls queued for `box`, which this thread serves and waits on (the system actor)."""
-        while True:
+        while box.queue:
             with self._lock:
                 msg = box.queue.popleft() if box.queue else None
-            if msg is None:
-                return
-            started = self._start(box, msg)
-            if started is not None:
+            if msg is not None and (started := self._start(box, msg)) is not None:
                 self._serve_sync(box, msg, *started[1:])
 
-    def _serve_sync(self, box: Mailbox, msg: ActorCall, method, label: str, args, kwargs) -> None:
+    def _serve_sync(self, box: Mailbox, msg: ActorCall, method, label: str, args, kwargs, job: bool = False) -> None:
+        """Run a sync call on this thread and answer it; `job`: as a job of its own (not inside a wait)."""
         key = (msg.caller, msg.call_id)
         if not self.stops.starts(key):  # the stop came after the mailbox's check, before this
-            self._reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "", interrupted=True))
+            self.replies.reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "", interrupted=True))
             return
         token, owner = current_point.set(point_of(box, msg)), current_actor.set(box.key)
         outer = self._graph.runs(box, label)
@@ -326,8 +348,8 @@ class ActorHost:
             self.stops.check(key)
             return method(*args, **kwargs)
 
+        on_main = threading.get_ident() == self._main
         try:
-            on_main = threading.get_ident() == self._main
             value, failure = (self._run_user(run) if on_main else self.stops.run_stoppable(key, run)), None
         except BaseException as exc:  # noqa: BLE001 - every endpoint error goes to its caller
             value, failure = None, describe_failure(exc)
@@ -337,7 +359,9 @@ class ActorHost:
             self.doing.ended(key)
             current_point.reset(token)
             current_actor.reset(owner)
-        self._answer(box, msg, value, failure, time.perf_counter() - started)
+        if job and on_main and self.main_jobs is not None:
+            self.main_jobs.release()  # (the caller may call again as soon as it has the reply: main is free)
+        self.replies.answer(box, msg, value, failure, time.perf_counter() - started)
 
     async def _serve_async(self, box: Mailbox, msg: ActorCall, method, label: str, args, kwargs) -> None:
         started = time.perf_counter()
@@ -352,43 +376,7 @@ class ActorHost:
         with self._lock:
             self._tasks.pop(key, None)
         self.doing.ended(key)
-        self._answer(box, msg, value, failure, time.perf_counter() - started)
-        box.busy = box.in_async = False
+        self.replies.answer(box, msg, value, failure, time.perf_counter() - started)
+        with self._lock:
+            box.busy = box.in_async = False
         self._drain(box)
-
-    def _answer(self, box: Mailbox, msg: ActorCall, value: Any, failure: Failure | None, seconds: float) -> None:
-        """An endpoint ended: reply with what it returned, unless it answers through its port."""
-        found = box.endpoint(msg.endpoint)
-        if found is None or not found[3]:
-            self._reply(msg, value, failure, seconds)
-        elif failure is not None:  # it raised before answering: the caller hears why (once)
-            if msg.to_port:
-                self._reply(msg, None, failure, seconds)
-            else:
-                self.answer_through_port(msg.caller, msg.call_id, None, failure)
-
-    def answer_through_port(self, caller: int, call_id: int, value: Any, failure: Failure | None) -> bool:
-        """Answer a call whose endpoint took a Port (any thread); False if it has no call waiting."""
-        with self._lock:
-            msg = self._answering.pop((caller, call_id), None)
-        if msg is None:
-            return False
-        self._reply(msg, value, failure)
-        return True
-
-    def _reply(self, msg: ActorCall, value: Any, failure: Failure | None, seconds: float | None = None) -> None:
-        key = (msg.caller, msg.call_id)
-        aborted = self.stops.answered(key)
-        with self._lock:
-            send = self._reply_via.pop(key, self._send)
-        sealed = None
-        if failure is None and msg.want_value and value is not None:
-            try:
-                sealed = seal(value, shm_dir=None if msg.from_mesh else self._shm_dir)  # (not another mesh's files)
-            except SerializationError as exc:
-                failure = Failure("SerializationError", f"the reply of {msg.endpoint} could not be sent: {exc}", "")
-        try:
-            send(ActorReply(msg.caller, msg.call_id, self.rank, sealed, failure, seconds, to_port=msg.to_port,
-                            aborted=aborted))
-        except ConnectionClosed:
-            pass  # the caller went away

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from monarch_kernel.actors.base import current_actor, current_point, is_endpoint, takes_port
+from monarch_kernel.actors.ports import Port
 from monarch_kernel.core.shape import Point, Shape
 from monarch_kernel.core.supervision import SUPERVISE
-from monarch_kernel.wire.messages import ActorCall
+from monarch_kernel.rank.cell import describe_failure
+from monarch_kernel.rank.deadlocks import not_here
+from monarch_kernel.rank.recent import MAX_REMEMBERED
+from monarch_kernel.wire.messages import ActorCall, Failure
+from monarch_kernel.wire.serialization import unseal
 
 
 @dataclass(eq=False)
@@ -39,6 +45,79 @@ class Mailbox:
             found = self.endpoints[name] = (method, inspect.iscoroutinefunction(method),
                                             f"{type(self.instance).__name__}.{name}", takes_port(method))
         return found
+
+
+class Mailboxes:
+    """A rank's actors by spawn key ("name#N"), which spawn of each name is current, and the spawns
+    that ended (so that a late call hears why). Guarded by the rank's actor lock, given."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self.instances: dict[str, Any] = {}  # what `actors[...]` shows in %%mesh cells
+        self._by_key: dict[str, Mailbox] = {}
+        self._keys: dict[str, str] = {}  # actor mesh name -> key of its current spawn
+        self._retired: dict[str, tuple[str, bool]] = {}  # keys of ended spawns -> (their name, replaced?)
+
+    def get(self, key: str) -> Mailbox | None:
+        """The mailbox of spawn `key`, if it is here."""
+        return self._by_key.get(key)
+
+    def add(self, box: Mailbox) -> None:
+        """A new spawn (lock held)."""
+        self.instances[box.name] = box.instance
+        self._keys[box.name] = box.key
+        self._by_key[box.key] = box
+
+    def add_system(self, box: Mailbox) -> None:
+        """The rank's system actor (not an actor mesh of the user's)."""
+        self._by_key[box.key] = box
+
+    def current(self) -> list[Mailbox]:
+        """The current spawn of each actor mesh here."""
+        return [box for box in map(self._by_key.get, self._keys.values()) if box]
+
+    def is_current(self, key: str) -> str | None:
+        """The name of spawn `key` if it is the current one of its name here, else None."""
+        box = self._by_key.get(key)
+        return box.name if box is not None and self._keys.get(box.name) == key else None
+
+    def remove(self, name: str, replaced: bool) -> tuple[str, list[ActorCall]] | None:
+        """Retire actor mesh `name` (lock held): its key and the calls that were queued for it."""
+        key, _ = self._keys.pop(name, None), self.instances.pop(name, None)
+        box = self._by_key.pop(key, None) if key is not None else None
+        if key is None or box is None:
+            return None
+        box.stopped = True
+        queued = list(box.queue)
+        box.queue.clear()
+        self._retired[key] = (name, replaced)
+        while len(self._retired) > MAX_REMEMBERED:
+            del self._retired[next(iter(self._retired))]
+        return key, queued
+
+    def not_here(self, rank: int, key: str) -> Failure:
+        """What a call to spawn `key`, not here, is told."""
+        return not_here(rank, key, self._retired.get(key), self._keys)
+
+
+def prepare_call(box: Mailbox, msg: ActorCall, rank: int) -> tuple[bool, Any, str, tuple, dict] | Failure:
+    """(is async, method, label, args, kwargs) of a call to `box` on `rank`, or why it cannot run.
+
+    An endpoint that takes a Port gets it first: the port the call was sent with (`send(..., port=)`),
+    else one that answers the call (from this rank)."""
+    found = box.endpoint(msg.endpoint)
+    if found is None:
+        return Failure("AttributeError", f"{type(box.instance).__name__} has no endpoint {msg.endpoint!r} "
+                       "(only methods marked @endpoint answer calls)", "")
+    method, is_async, label, with_port = found
+    try:
+        args, kwargs = unseal(msg.args)
+    except Exception as exc:  # noqa: BLE001 - said to the caller
+        return describe_failure(exc)
+    if with_port:
+        port: Port[Any] = Port(msg.caller, msg.call_id) if msg.to_port else Port(msg.caller, msg.call_id, answers=rank)
+        args = (port, *args)
+    return is_async, method, label, args, kwargs
 
 
 def point_of(box: Mailbox, msg: ActorCall) -> Point:

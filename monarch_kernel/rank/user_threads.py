@@ -56,6 +56,18 @@ class MainThreadJobs:
                 self._released = True
                 self._busy -= 1
 
+    def keep(self) -> bool:
+        """The job running now (main thread), which called release(), goes on with more user code if
+        nothing else was given meanwhile (True: the main thread is busy again); False: it must not."""
+        with self._lock:
+            others = self._busy - (0 if self._released else 1)
+            if others:
+                return False
+            if self._released:
+                self._busy += 1
+                self._released = False
+            return True
+
     def close(self) -> None:
         """End `serve()` after the jobs given so far."""
         self._jobs.put(None)
