@@ -413,7 +413,8 @@ class FaultStorm:
         if values != {r: r for r in self.mesh.ranks}:
             outcome.problems.append(f"the cell around the stop gave {values}")
         if not wait_until(lambda: self.mesh.status()[rank].state == "idle", 10):
-            outcome.problems.append(f"rank {rank} stayed {self.mesh.status()[rank].state} after SIGCONT")
+            outcome.problems.append(f"rank {rank} stayed {self.mesh.status()[rank].state} after SIGCONT "
+                                    f"({self.mesh.status()[rank]!r}; {self.mesh.why().text()[:1500]})")
 
     def _agent_sigkill(self, outcome: Outcome) -> None:
         future = self._busy_cell(fail_fast=False)

@@ -338,7 +338,7 @@ class ActorHost:
             self.replies.reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "", interrupted=True))
             return
         token, owner = current_point.set(point_of(box, msg)), current_actor.set(box.key)
-        outer = self._graph.runs(box, label)
+        self._graph.runs(box, label)
         started = time.perf_counter()
         self.doing.started(key, label)
 
@@ -354,7 +354,7 @@ class ActorHost:
         except BaseException as exc:  # noqa: BLE001 - every endpoint error goes to its caller
             value, failure = None, describe_failure(exc)
         finally:
-            self._graph.ran(outer)
+            self._graph.ran()
             self.stops.ended(key)
             self.doing.ended(key)
             current_point.reset(token)
