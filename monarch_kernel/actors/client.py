@@ -199,7 +199,7 @@ class ActorMesh(MeshShaped):
         label = f"{self.class_name}.{endpoint_name}"
 
         pending = sender.calls.new(ranks, label, on_reply)
-        pending.actor = self.key
+        pending.actor = "" if away else self.key  # (a rank's numbers in another mesh are not its own actors)
         if sealed.shm_paths():  # shared-memory arguments: remove them once every rank answered
 
             def replied(reply: ActorReply) -> None:
