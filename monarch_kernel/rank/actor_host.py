@@ -33,6 +33,7 @@ from monarch_kernel.rank.mailbox import Mailbox, Mailboxes, context_at, point_of
 from monarch_kernel.rank.ops import RankOps, SystemActor
 from monarch_kernel.rank.rank_sender import RankSender
 from monarch_kernel.rank.user_threads import OWN_THREAD_PREFIX, MainThreadJobs, OwnThreads
+from monarch_kernel.wire.actor_messages import CONTROLLER
 from monarch_kernel.wire.calls import CallKey, PendingCall, set_default_sender
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure
 
@@ -134,10 +135,15 @@ class ActorHost:
         if task is not None:
             self.on_loop(task.cancel)
 
-    def post(self, msg: ActorCall, reply_via: Callable[[Any], None] | None = None) -> None:
-        """A call for one of our actors (any thread): the loop delivers it (`pump`)."""
-        self._inbox.append((msg, reply_via))
-        self.notify()  # (a wait on the loop thread delivers it)
+    def arrived(self, msg: ActorCall) -> None:
+        """A call from the agent (the reader thread). The notebook's go through the loop, in order with
+        its requests (`deliver`); the others go straight to their mailbox from here (one hop fewer)."""
+        if msg.caller == CONTROLLER:
+            self._inbox.append((msg, None))
+            self.notify()  # (a wait on the loop thread delivers it)
+            self.on_loop(self.pump)
+        else:
+            self._deliver_now(msg, None)
 
     def post_local(self, msg: ActorCall) -> None:
         """A call from this rank to its own actors: no trip through the agent, the reply comes back here.

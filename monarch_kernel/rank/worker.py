@@ -4,10 +4,11 @@ A reader thread takes every message off the agent's connection: replies to this 
 calls, cancellations, input() answers and stops (SIGINT for the main thread, and the end of a
 collective it waits in) are handled right there. Requests (cells, pulls, pushes, operations) go to
 the main thread, which runs them one at a time in the order they came (a stop raises
-KeyboardInterrupt, as in a local kernel). Actor calls go to the rank's event loop, on a thread of
-its own, which also serves the direct lanes and runs async endpoints as tasks; sync endpoints run
-on the main thread when it is free, else on their actor's own thread (`rank/user_threads.py`). A
-daemon thread answers heartbeats. Never imports IPython, rich or ipywidgets: ranks start light.
+KeyboardInterrupt, as in a local kernel). Actor calls go to their actor (the notebook's by way of
+the rank's event loop, in order with its requests); the loop, on a thread of its own, also serves the
+direct lanes and runs async endpoints; sync endpoints run on the main thread when it is free, else on
+their actor's own thread (`rank/user_threads.py`). A daemon thread answers heartbeats. Never imports
+IPython, rich or ipywidgets: ranks start light.
 """
 
 from __future__ import annotations
@@ -249,8 +250,7 @@ class Worker:
                                       inspect(self.config.rank, self.running_label(), msg.all_threads,
                                               msg.stacks_only, msg.counters_only)))
         elif isinstance(msg, ActorCall):
-            self.actors.post(msg)  # delivered by the loop, or by a wait on the main thread that serves
-            loop.call_soon_threadsafe(self.actors.pump)
+            self.actors.arrived(msg)
         else:
             self._queue_request(msg)
 
