@@ -308,3 +308,11 @@ def test_why_shows_an_endpoint_stuck_on_its_actors_own_thread_and_its_line(mesh)
     for future in (spinning, asleep):
         with pytest.raises(MeshInterrupted, match="KeyboardInterrupt"):
             future.get(timeout=10)
+
+
+def test_a_call_sent_right_after_a_cell_or_a_call_ends_runs_on_the_main_thread(mesh):
+    napper = mesh.spawn("after_request", Napper).slice(gpus=0)
+    for _ in range(20):  # (the main thread counts as free from its result on: the next call is not sent elsewhere)
+        mesh.run("pass")
+        assert napper.where.call_one().get(timeout=10) is True
+        assert napper.where.call_one().get(timeout=10) is True

@@ -32,6 +32,7 @@ class MainThreadJobs:
         self._lock = threading.Lock()
         self._busy = 0  # jobs given and not finished
         self._released = False  # the job running now let the main thread count as free (`release`)
+        self._running = False  # a job runs now (release and keep apply to it alone)
 
     def submit(self, job: Job) -> None:
         """Run `job` on the main thread after what it was given before (a request)."""
@@ -52,7 +53,7 @@ class MainThreadJobs:
         """The job running now (main thread) has finished its user code: the main thread counts as free
         (what it still does, sending a reply, must not send the next call to another thread)."""
         with self._lock:
-            if not self._released:
+            if self._running and not self._released:
                 self._released = True
                 self._busy -= 1
 
@@ -61,7 +62,7 @@ class MainThreadJobs:
         nothing else was given meanwhile (True: the main thread is busy again); False: it must not."""
         with self._lock:
             others = self._busy - (0 if self._released else 1)
-            if others:
+            if others or not self._running:
                 return False
             if self._released:
                 self._busy += 1
@@ -81,6 +82,7 @@ class MainThreadJobs:
                 continue
             if job is None:
                 return
+            self._running = True
             try:
                 job()
             except BaseException:  # noqa: BLE001 - a job reports its own errors; a late stop ends here
@@ -90,7 +92,7 @@ class MainThreadJobs:
                 with self._lock:
                     if not self._released:
                         self._busy -= 1
-                    self._released = False
+                    self._released = self._running = False
 
 
 class OwnThreads:

@@ -295,7 +295,7 @@ class Worker:
         self.current_label = label
 
     def handle(self, msg: Any) -> None:
-        """Run one request and send its Result."""
+        """Run one request and send its Result ((1): on a lane, the fd output to show before it)."""
         self._set_request(msg.req_id, _label_of(msg))
         started = time.time()
         value, failure = None, None
@@ -319,8 +319,8 @@ class Worker:
         self._set_request(None)
         if _signal.getsignal(signal.SIGINT) is not self._sigint_handler:  # (signal.getsignal makes an enum)
             signal.signal(signal.SIGINT, self._sigint_handler)  # the cell installed its own: stop must work next time
-        # on a lane, around the agent: the result says how much fd output must be shown before it
-        mark = self._fd_marks.mark() if msg.req_id in self._lane_routes and self._fd_marks is not None else 0
+        mark = self._fd_marks.mark() if msg.req_id in self._lane_routes and self._fd_marks is not None else 0  # (1)
+        self.jobs.release()  # the main thread is free once the result is out: what the notebook sends next may run here
         self._send(Result(msg.req_id, self.config.rank, sealed, failure, started, time.time(), mark))
         self._lane_routes.pop(msg.req_id, None)
 
