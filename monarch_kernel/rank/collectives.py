@@ -226,11 +226,6 @@ def _nccl_work_pending() -> bool:
     return any(group.waiting for group in groups)
 
 
-def main_thread_in_collective() -> bool:
-    """Whether the main thread is inside a torch.distributed call now (a collective or its wait)."""
-    return thread_in_collective(threading.main_thread().ident or 0)
-
-
 def thread_in_collective(thread: int) -> bool:
     """Whether thread `thread` is inside a torch.distributed call now (a collective or its wait)."""
     top = sys._current_frames().get(thread)

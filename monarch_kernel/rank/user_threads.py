@@ -114,10 +114,6 @@ class OwnThreads:
                                  daemon=True).start()
             jobs.put(job)
 
-    def run_alone(self, job: Job) -> None:
-        """Run `job` on a thread of its own (the system actor: a spawn inside a spawn)."""
-        threading.Thread(target=self._serve_one, args=(job,), name=f"{self._name}system", daemon=True).start()
-
     def end(self, key: str) -> None:
         """The actor is gone: its thread ends after what it was given."""
         with self._lock:
@@ -145,16 +141,6 @@ class OwnThreads:
                     return
                 _run(job)
                 job = None  # (its arguments are let go now, not when the next job comes)
-        finally:
-            self.idents.discard(ident)
-            forget_thread()
-
-    def _serve_one(self, job: Job) -> None:
-        ident = threading.get_ident()
-        setup_thread()
-        self.idents.add(ident)
-        try:
-            _run(job)
         finally:
             self.idents.discard(ident)
             forget_thread()
