@@ -779,10 +779,12 @@ import monarch_kernel as mk
 mesh = mk.ssh_mesh(["host-0", "host-1"], gpus=1, dist="gloo", python=sys.executable,
                    connect_options=json.loads(sys.argv[1]), name="sshkeep", persist="5m")
 mesh.run("import torch, torch.distributed as dist\\nw = 100 + dist.get_rank()")
-mesh.run_async("import time\\nfor i in range(3):\\n    print(f'step {i}', flush=True)\\n    time.sleep(0.3)\\n"
+mesh.run_async(f"open({sys.argv[2]!r} + 'started' + str(dist.get_rank()), 'w').close()\\n"
+               "import time\\nfor i in range(3):\\n    print(f'step {i}', flush=True)\\n    time.sleep(0.3)\\n"
                f"open({sys.argv[2]!r} + str(dist.get_rank()), 'w').close()\\n'trained'", name="fit", background=True)
-import time
-while not all(s.state == "busy" for s in mesh.status()):  # (sent: the request left this process)
+import os, time
+deadline = time.monotonic() + 60  # (until it reached both ranks: a request still in this process dies with it)
+while not all(os.path.exists(f"{sys.argv[2]}started{r}") for r in range(2)) and time.monotonic() < deadline:
     time.sleep(0.01)
 print("PIDS", json.dumps([s.pid for s in mesh.status()]), file=sys.stderr, flush=True)
 time.sleep(600)
@@ -831,6 +833,12 @@ def _agents_running(name):
     return found
 
 
+def _why_not_trained(mesh) -> str:
+    """What the ranks of a persistent mesh do and said, when its background cell did not end."""
+    return (f"the background cell did not end: {mesh.status()}\n{mesh.stacks(all_threads=True)}\n"
+            f"{mesh.detached_results}\n{mesh.agent_log(0)}\n{mesh.agent_log(1)}")
+
+
 def test_a_persistent_ssh_mesh_outlives_its_kernel_and_a_new_one_attaches_over_ssh(hosts, tmp_path, monkeypatch):
     """The agents stay on the hosts when the kernel that started them is SIGKILLed; a new kernel reaches them over
     new SSH connections (a forwarded Unix socket: no port opened), with the ranks' state and process group."""
@@ -849,9 +857,10 @@ def test_a_persistent_ssh_mesh_outlives_its_kernel_and_a_new_one_attaches_over_s
         pids = json.loads(line[5:])
         first.kill()
         first.wait(10)
-        assert wait_until(lambda: all(os.path.exists(f"{marker}{r}") for r in range(2)), 30)
+        trained = wait_until(lambda: all(os.path.exists(f"{marker}{r}") for r in range(2)), 30)
         assert [m.name for m in persistent_meshes() if m.running] == ["sshkeep"]
         mesh = attach("sshkeep")
+        assert trained, _why_not_trained(mesh)
         assert [s.pid for s in mesh.status()] == pids
         assert sorted(mesh.pull("w").values()) == [100, 101]
         [fit] = mesh.detached_results

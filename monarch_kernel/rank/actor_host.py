@@ -359,6 +359,7 @@ class ActorHost:
             value, failure = (self._run_user(run) if on_main else self.stops.run_stoppable(key, run)), None
         except BaseException as exc:  # noqa: BLE001 - every endpoint error goes to its caller
             value, failure = None, describe_failure(exc)
+            self.stops.failed(key, exc)
         finally:
             self._graph.ran()
             self.stops.ended(key)

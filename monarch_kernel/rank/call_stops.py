@@ -26,6 +26,7 @@ class SyncCallStops:
         self._aborted: dict[CallKey, str] = {}  # stopped calls whose collectives were ended, and how
         self._main = threading.main_thread().ident or 0
         self.free_collectives: Callable[[int], str] | None = None  # ends a collective a thread waits in: how
+        self.broken_by_peer: Callable[[BaseException], str] | None = None  # a collective's error: how it broke
 
     def cancel(self, key: CallKey) -> None:
         """Stop call `key`: now if it runs sync code, else as it starts."""
@@ -52,6 +53,14 @@ class SyncCallStops:
         ended = self.free_collectives(thread) if self.free_collectives is not None else ""
         if ended:  # (a signal cannot reach into a collective's wait: it was ended; its reply says so)
             self._aborted[key] = ended
+
+    def failed(self, key: CallKey, exc: BaseException) -> None:
+        """Call `key` raised `exc`: if inside a collective (another rank's stop ended it before this rank's
+        stop came), its reply says the collective was ended, as a rank whose stop came first says."""
+        how = self.broken_by_peer(exc) if self.broken_by_peer is not None else ""
+        if how:
+            with self._lock:
+                self._aborted.setdefault(key, how)
 
     def cancelled(self, key: CallKey) -> bool:
         """Whether call `key` was told to stop."""

@@ -236,6 +236,20 @@ def thread_in_collective(thread: int) -> bool:
     return in_collective(list(reversed(chain)))
 
 
+def broken_by_peer(exc: BaseException) -> str:
+    """How the groups are broken if `exc` was raised inside a torch.distributed collective (a peer's stop
+    closed or aborted the group under it), "" otherwise: such a rank's collective was ended too."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.distributed.is_initialized():
+        return ""
+    frames: list[Any] = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return ending_text() if frames and in_collective(frames) else ""
+
+
 def in_collective(frames: list[Any]) -> bool:
     """Whether a stack (innermost last) is inside a torch.distributed collective or its wait."""
     return any("torch/distributed/" in f.f_code.co_filename for f in frames[-6:])

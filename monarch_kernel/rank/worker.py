@@ -65,6 +65,7 @@ from monarch_kernel.wire.messages import (
     RunOp,
 )
 from monarch_kernel.wire.serialization import seal, unseal
+from monarch_kernel.wire.stand_ins import stand_in_for
 from monarch_kernel.wire.transport import BlockingConnection
 
 READY_REQ = 0  # req_id of the rank's start-up reply
@@ -88,17 +89,6 @@ class WorkerConfig:
     host: str
     shm_dir: str | None
     mesh: str = ""  # the mesh's name
-
-
-class UnpicklableValue:
-    """Stands in for a cell value that could not be sent back; shows what it was."""
-
-    def __init__(self, type_name: str, text: str, error: str, rank: int):
-        self.type_name, self.text, self.error, self.rank = type_name, text, error, rank
-
-    def __repr__(self) -> str:
-        return (f"<unpicklable {self.type_name} on rank {self.rank}: {self.text} "
-                f"({self.error}); keep it on the ranks, or return something picklable>")
 
 
 class Worker:
@@ -131,6 +121,7 @@ class Worker:
         self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir, self.ops, self.interrupts,
                                 config.mesh)
         self.actors.stops.free_collectives = collectives.free_thread
+        self.actors.stops.broken_by_peer = collectives.broken_by_peer
         self.jobs = MainThreadJobs()  # requests, and sync endpoints when it is free: the main thread's work
         self.actors.main_jobs = self.jobs
         self.stdout.outside_requests = self.stderr.outside_requests = self.actors.own_threads.idents
@@ -303,6 +294,8 @@ class Worker:
             value = self._dispatch(msg)
         except BaseException as exc:  # noqa: BLE001 - every user error is reported
             failure = describe_failure(exc)
+            if broken := collectives.broken_by_peer(exc):  # (a peer's stop ended it first: the stop is told so)
+                self._send(CollectivesAborted(msg.req_id, self.config.rank, broken))
             if not isinstance(exc, SystemExit):  # for post-mortem debugging (%mesh debug), as IPython keeps it
                 sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, _user_frames(exc.__traceback__)
         finally:
@@ -370,8 +363,7 @@ class Worker:
             return seal(value, shm_dir=self.config.shm_dir), None
         except SerializationError as exc:
             if isinstance(msg, RunCell):
-                text = _short_repr(value)
-                stand_in = UnpicklableValue(type(value).__name__, text, str(exc.__cause__), self.config.rank)
+                stand_in = stand_in_for(value, str(exc.__cause__), self.config.rank)
                 return seal(stand_in, shm_dir=self.config.shm_dir), None
             return None, Failure("SerializationError", str(exc), "")
 
@@ -391,10 +383,3 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
         tb = tb.tb_next
     return tb
 
-
-def _short_repr(value: Any, limit: int = 200) -> str:
-    try:
-        text = repr(value)
-    except Exception as exc:  # noqa: BLE001
-        text = f"<repr failed: {exc}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
