@@ -5,7 +5,9 @@ actors of two proc meshes (one on each host) of the SSH mesh, next to a local 4-
 OpenSSH transfers of the same bytes (`ssh host cat > /dev/null`, `ssh host head -c`) as the floor,
 and PyTorch Monarch's same call between proc meshes on the same two hosts (its workers started in the
 hosts' network namespaces on its own TCP transport; from `.cache/monarch-venv`, which
-scripts/test.sh makes).
+scripts/test.sh makes). The call between proc meshes is measured twice: as it runs (after the first
+call, straight between the ranks: rank/far_calls.py) and with every call through the controller, as
+before that link existed.
 
     sudo .venv/bin/python benchmarks/bench_ssh.py [--quick]
 """
@@ -41,6 +43,7 @@ print(json.dumps(cross_mesh_times(api, procs_a, procs_b, 200, int(sys.argv[3])))
 os._exit(0)
 """
 CROSS = "actor -> actor of another proc mesh (per call)"
+CROSS_LONG = "the same, through the controller (no direct link)"
 ATTACH = "attach after a kernel restart"
 FIRST_KERNEL = """
 import json, sys
@@ -77,14 +80,21 @@ def measure_mesh(make, quick: bool) -> dict:
         x = torch.randn(MIB64 // 4)
         res["push 64 MiB to all"] = timed(lambda: mesh.push(t=x), 3 if quick else 8, 1)
         res[CROSS] = _cross_mesh(mesh, quick)
+        res[CROSS_LONG] = _cross_mesh(mesh, quick, direct=False)
     finally:
         mesh.shutdown()
     return res
 
 
-def _cross_mesh(mesh, quick: bool) -> list[float]:
-    """An actor of a proc mesh on the first host calling an actor of one on the last host (Monarch's API)."""
+def _cross_mesh(mesh, quick: bool, direct: bool = True) -> list[float]:
+    """An actor of a proc mesh on the first host calling an actor of one on the last host (Monarch's API);
+    direct=False: the controller never tells the caller where the called ranks listen (every call goes
+    through it, as before rank/far_calls.py), for the same-run before/after."""
+    from monarch_kernel.controller.bridge import BRIDGE
     from monarch_kernel.monarch import actor as api
+
+    if not direct:
+        BRIDGE._route_directly = lambda *args: None  # (an instance attribute: the class's method is untouched)
 
     host_mesh = mesh.host_mesh()
     last = host_mesh.extent["hosts"] - 1
@@ -95,6 +105,7 @@ def _cross_mesh(mesh, quick: bool) -> list[float]:
     finally:
         procs_a.stop()
         procs_b.stop()
+        BRIDGE.__dict__.pop("_route_directly", None)
 
 
 def measure_attach(hosts: list[str], options: dict, quick: bool) -> list[float]:
@@ -193,7 +204,8 @@ def main() -> None:
     finally:
         hosts.stop()
     ours = {"ssh 2x2": results.pop("ssh 2x2")}  # the first column is the one compared
-    print(report({**ours, **results}, ["startup", "no-op broadcast", "pull 64 MiB", "push 64 MiB to all", CROSS, ATTACH],
+    print(report({**ours, **results}, ["startup", "no-op broadcast", "pull 64 MiB", "push 64 MiB to all", CROSS, CROSS_LONG,
+                                             ATTACH],
                  "benchmark", _fmt))
     print("\n(push to all: the time until every rank of the mesh has the tensor; the floor sends it once. "
           "Proc meshes: on the first and the last host of the mesh, Monarch's ping-pong; PyTorch Monarch's "

@@ -81,6 +81,7 @@ class HostAgent:
             m.CancelCall: lambda msg: self.router.cancel(msg, from_above=True),
             m.InputReply: self._deliver,
             m.DirectRoute: self._deliver,  # (to the rank: the lanes of another mesh's ranks on this machine)
+            m.ListenForCalls: self._deliver,  # (to the ranks: other hosts' ranks of other meshes will call them)
             m.Ping: lambda msg: self.to_controller(m.Pong(msg.seq)),
             m.Preload: lambda msg: self.preloader.start(msg.modules),
             m.BindStore: lambda msg: self._bind_store(msg.addr),
@@ -99,10 +100,9 @@ class HostAgent:
             m.ActorReply: self._reply_from_rank,  # (msg.mesh: a Port of another mesh's rank)
             m.ActorCall: lambda rank, msg: self.to_controller(msg) if msg.mesh else self._call(msg),
             m.CancelCall: lambda rank, msg: self.to_controller(msg) if msg.mesh else self.router.cancel(msg),
-            m.OwnActors: lambda rank, msg: self.to_controller(msg),
-            m.BroadcastFailed: lambda rank, msg: self.to_controller(msg),
-            m.ProcsRequest: lambda rank, msg: self.to_controller(msg),
         }
+        for upward in (m.OwnActors, m.BroadcastFailed, m.ProcsRequest, m.ListeningForCalls):  # the controller's
+            self._from_rank[upward] = lambda rank, msg: self.to_controller(msg)
 
     # ------------------------------------------------------------ the controller
     def connected(self, conn: AsyncConnection | RelayLink) -> None:
@@ -249,7 +249,7 @@ class HostAgent:
                 del self._release_when_answered[(caller, call_id)]
                 release(entry[0])  # each rank holds its own link while it maps the arguments
 
-    def _deliver(self, msg: m.InputReply | m.InterruptRanks | InspectRanks | m.DirectRoute) -> None:
+    def _deliver(self, msg: m.InputReply | m.InterruptRanks | InspectRanks | m.DirectRoute | m.ListenForCalls) -> None:
         """Pass a message on to the local ranks it names."""
         chunks = encode(msg)
         for rank in msg.ranks:

@@ -39,6 +39,9 @@ class MeshSide(Protocol):
     def direct_route(self, to: int) -> DirectRoute | None:
         """Where its ranks listen, for rank `to` of another mesh on this machine (None: not all here)."""
 
+    def far_route(self, caller: int, tell: Callable[[DirectRoute], None]) -> bool:
+        """Have `tell` get where its ranks on remote hosts listen, for rank `caller` of another mesh."""
+
     def tell_rank(self, rank: int, msg: Any) -> None:
         """Send a message to one of its ranks."""
 
@@ -52,6 +55,7 @@ class MeshBridge:
         self._calls: dict[tuple[str, int, int], tuple[MeshSide, int]] = {}
         self._ports: dict[str, set[int]] = {}  # mesh -> ports forwarding replies of calls made to or from it
         self._told: set[tuple[str, int, str]] = set()  # (mesh, rank, other mesh): told to call it directly
+        self.forwarded = 0  # calls it passed on (those that went direct are not seen here)
 
     def join(self, side: MeshSide) -> None:
         """A mesh started (a newer one of the same name replaces the older)."""
@@ -84,6 +88,7 @@ class MeshBridge:
                 source.router.reply(death_reply(msg.caller, msg.call_id, rank, why, "MeshNotRunning",
                                                 to_port=msg.to_port))
             return
+        self.forwarded += 1
         back = self._back_to(source, msg.caller, msg.call_id)
         if msg.to_port:  # replies go through the caller's port, as many as the actors send
             port = PORTS.open_forwarding(back)
@@ -105,15 +110,17 @@ class MeshBridge:
         self._route_directly(source, target, msg.caller)
 
     def _route_directly(self, source: MeshSide, target: MeshSide, caller: int) -> None:
-        """A rank on this machine calling a mesh whose ranks are all here: it may call their lanes itself
-        from now on (rank/direct_calls.py); told once."""
+        """A rank calling another mesh may call its ranks itself from now on (rank/direct_calls.py): their
+        lanes when both run on this machine, else links to them when they all run on remote hosts; told once."""
         told = (source.mesh_name, caller, target.mesh_name)
-        if caller < 0 or told in self._told or source.shm_dir_for((caller,)) is None:
+        if caller < 0 or told in self._told:
             return
-        route = target.direct_route(caller)
+        route = target.direct_route(caller) if source.shm_dir_for((caller,)) is not None else None
         if route is not None:
             self._told.add(told)
             source.tell_rank(caller, route)
+        elif target.far_route(caller, lambda far: source.tell_rank(caller, far)):
+            self._told.add(told)
 
     def cancel(self, source: MeshSide, msg: CancelCall) -> None:
         """A rank of `source` stops its call to another mesh."""

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from monarch_kernel.controller.bridge import BRIDGE
+from monarch_kernel.controller.far_routes import FarRoutes
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.state import MeshState
 from monarch_kernel.controller.supervision import Supervisors
@@ -57,6 +58,7 @@ class ControllerSender:
         self.lanes = LanePool(state.shm_dir, loop.loop, self._on_lane_message)
         self._watchers: list[tuple[frozenset[int], Callable[[int, str], None]]] = []
         self.supervisors = Supervisors(self.calls, self.send_call, state.is_alive)  # actor meshes actors own
+        self.far = FarRoutes(state)  # where its ranks on remote hosts listen for other meshes' calls
         self.on_request_message: Callable[[Any], None] | None = None  # set by the RequestBook
         self.regrouper: Callable[[dict[int, str]], str | None] | None = None  # set by the notebook's Mesh
         self.call_watcher: Callable[[PendingCall], CallWatcher | None] | None = None  # (likewise: hangs)
@@ -192,6 +194,11 @@ class ControllerSender:
         folder = self._state.shm_dir_for(ranks)
         return m.DirectRoute((to,), self.mesh_name, folder, ranks) if folder else None
 
+    def far_route(self, caller: int, tell: Callable[[m.DirectRoute], None]) -> bool:
+        """Have `tell` get where this mesh's ranks on remote hosts listen, for rank `caller` of another mesh
+        (now or once they listen); False if they are not all on remote hosts or cannot listen."""
+        return self.far.route_for(caller, tell)
+
     def tell_rank(self, rank: int, msg: Any) -> None:
         """Send a message to one of this mesh's ranks through its agent (loop thread)."""
         self._state.send_to_ranks((rank,), lambda local: msg)
@@ -249,6 +256,7 @@ class ControllerSender:
     def fail_all(self, why: str) -> None:
         """The mesh restarted or shut down: every call in flight fails."""
         self.lanes.close()
+        self.far.reset()
         for call in self.calls.pending():
             for rank in call.outstanding:
                 self.calls.deliver(death_reply(m.CONTROLLER, call.call_id, rank, why, "MeshRestarted"))

@@ -297,12 +297,14 @@ class ActorHost:
 
     def _follow(self, box: Mailbox) -> tuple[ActorCall, tuple] | None:
         """The next call of `box`, whose call just ended on this thread, to run here; None: the mailbox
-        is idle again (and the loop serves what is queued, if this thread may not)."""
+        is idle again (and the loop serves what is queued, if this thread may not: an actor's own thread
+        leaves it to the main thread when that is free)."""
         on_main = threading.get_ident() == self._main
         while True:
             with self._lock:
+                jobs = self.main_jobs
                 may = bool(box.queue) and not box.stopped and (
-                    not on_main or self.main_jobs is None or self.main_jobs.keep())
+                    jobs is None or (jobs.keep() if on_main else not jobs.idle()))
                 msg = box.queue.popleft() if may else None
                 if msg is None:
                     box.busy = False

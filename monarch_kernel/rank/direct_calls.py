@@ -1,4 +1,5 @@
-"""Calls from this rank to the actors of another mesh on the same machine, straight to their ranks' lanes.
+"""Calls from this rank to the actors of another mesh, straight to their ranks' lanes (on this machine) or
+links (on other hosts: `rank/far_calls.py`).
 
 The first call to another mesh goes the long way (this rank's agent, the controller's bridge, the other
 mesh's agent), and the controller then tells this rank where that mesh's ranks on this machine listen
@@ -11,24 +12,29 @@ answered as before; a lane that closes with calls in flight answers them with th
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
+import secrets
 import threading
 from collections.abc import Callable
 
 from monarch_kernel.core.errors import ConnectionClosed
+from monarch_kernel.rank.far_calls import FarLane, connect_far
 from monarch_kernel.wire.calls import death_reply
 from monarch_kernel.wire.lane_client import connect_lane
 from monarch_kernel.wire.lanes import lane_path
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, DirectRoute
 from monarch_kernel.wire.transport import BlockingConnection
 
-DIRECT_CALLERS = -1_000_000  # caller ids below this are processes calling another mesh's lanes (minus their pid)
+DIRECT_CALLERS = -1_000_000  # caller ids below this are processes calling another mesh's lanes directly
+_HOST_BITS = secrets.randbits(40) << 22  # (pids fit in 22 bits: the same pid on two hosts still differs)
 
 
 def direct_caller() -> int:
-    """This process's caller id on other meshes' lanes (distinct from every rank number and the notebook's)."""
-    return DIRECT_CALLERS - os.getpid()
+    """This process's caller id on other meshes' lanes and links (distinct from every rank number, the
+    notebook's, and, w.h.p., any process's of another host)."""
+    return DIRECT_CALLERS - (_HOST_BITS | os.getpid())
 
 
 class DirectLane:
@@ -76,41 +82,97 @@ class DirectLane:
 
 
 class DirectCalls:
-    """The other meshes on this machine this rank calls directly, and its lanes to their ranks."""
+    """The other meshes this rank calls directly: on this machine by their ranks' lanes, on other hosts
+    by links to their ranks (`rank/far_calls.py`).
 
-    def __init__(self, deliver: Callable[[ActorReply], None], mesh_name: str):
+    A call takes the direct way only when no call of this rank to that mesh that went the long way is
+    still unanswered, so that calls from one caller reach an actor in the order they were made; a cancel
+    goes the way its call went.
+    """
+
+    def __init__(self, deliver: Callable[[ActorReply], None], mesh_name: str,
+                 in_flight: Callable[[int], bool] = lambda call_id: False):
         self._deliver = deliver
         self._mesh_name = mesh_name  # this rank's (the callee's replies then carry no shared-memory names)
+        self._in_flight = in_flight  # whether this rank's call of that id is still unanswered
         self._routes: dict[str, tuple[str, frozenset[int]]] = {}  # mesh -> (its lanes' folder, its ranks here)
         self._lanes: dict[tuple[str, int], DirectLane] = {}
+        self._far: dict[str, dict[int, FarLane]] = {}  # mesh on other hosts -> its ranks' links
+        self._long_way: dict[str, set[int]] = {}  # mesh -> ids of calls to it that went the long way
         self._lock = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the rank's loop, where links to other hosts run
 
     def learn(self, msg: DirectRoute) -> None:
-        """Where mesh `msg.mesh`'s ranks on this machine listen (the controller says, after a first call)."""
+        """Where mesh `msg.mesh`'s ranks listen (the controller says, after a first call)."""
+        if msg.far:
+            if self.loop is None:
+                return
+            lanes = {rank: FarLane(rank, self._deliver, direct_caller()) for rank, _, _ in msg.far}
+            with self._lock:
+                self._far[msg.mesh] = lanes
+            for rank, address, port in msg.far:
+                connect_far(self.loop, lanes[rank], address, port, msg.key, 0)
+            return
         with self._lock:
             self._routes[msg.mesh] = (msg.shm_dir, frozenset(msg.local))
 
+    def went_long_way(self, msg: ActorCall) -> None:
+        """A call to another mesh went through the agent: later ones wait for its answer to go direct."""
+        if msg.to_port:
+            return
+        with self._lock:
+            ids = self._long_way.setdefault(msg.mesh, set())
+            ids.add(msg.call_id)
+            if len(ids) > 64:
+                ids.intersection_update({i for i in ids if self._in_flight(i)})
+
+    def _long_way_clear(self, msg: ActorCall | CancelCall) -> bool:
+        with self._lock:
+            ids = self._long_way.get(msg.mesh)
+            if not ids:
+                return True
+            if isinstance(msg, CancelCall):
+                return msg.call_id not in ids
+            ids.intersection_update({i for i in ids if self._in_flight(i)})
+            return not ids
+
     def send(self, msg: ActorCall | CancelCall) -> bool:
-        """Send a call (or cancel) of another mesh straight to its ranks' lanes; False: not known or not
+        """Send a call (or cancel) of another mesh straight to its ranks; False: not known or not
         reachable that way (the caller sends it the long way)."""
-        route = self._routes.get(msg.mesh)
-        if route is None or not route[1].issuperset(msg.ranks) or (isinstance(msg, ActorCall) and msg.to_port):
+        if isinstance(msg, ActorCall) and msg.to_port:
             return False  # (replies through a Port go the long way, which forwards them)
-        lanes = [self._lane(msg.mesh, route[0], rank) for rank in msg.ranks]
-        if any(lane is None for lane in lanes):
+        lanes = self._far_lanes(msg) if msg.mesh in self._far else self._local_lanes(msg)
+        if lanes is None or not self._long_way_clear(msg):
             return False
         direct = dataclasses.replace(msg, caller=direct_caller(), mesh="")
         if isinstance(direct, ActorCall):
             direct = dataclasses.replace(direct, from_mesh=self._mesh_name)
         for lane in lanes:
-            assert lane is not None
             try:
                 lane.send(direct)
             except ConnectionClosed:
-                if isinstance(msg, ActorCall) and not msg.to_port:  # (its reader answers what it owed)
+                if isinstance(msg, ActorCall):  # (its reader answers what it owed)
                     self._deliver(death_reply(direct_caller(), msg.call_id, lane.rank,
                                               f"rank {lane.rank} of mesh {msg.mesh!r} went away before answering"))
         return True
+
+    def _far_lanes(self, msg: ActorCall | CancelCall) -> list[FarLane] | None:
+        with self._lock:
+            far = self._far.get(msg.mesh, {})
+            lanes = [far.get(rank) for rank in msg.ranks]
+            if any(lane is not None and lane.closed for lane in lanes):
+                self._far.pop(msg.mesh, None)  # a link failed or closed: the long way from now on
+                return None
+        if any(lane is None or not lane.ready for lane in lanes):
+            return None
+        return [lane for lane in lanes if lane is not None]
+
+    def _local_lanes(self, msg: ActorCall | CancelCall) -> list[DirectLane] | None:
+        route = self._routes.get(msg.mesh)
+        if route is None or not route[1].issuperset(msg.ranks):
+            return None
+        lanes = [self._lane(msg.mesh, route[0], rank) for rank in msg.ranks]
+        return None if any(lane is None for lane in lanes) else [lane for lane in lanes if lane is not None]
 
     def _lane(self, mesh: str, folder: str, rank: int) -> DirectLane | None:
         with self._lock:
@@ -123,4 +185,3 @@ class DirectCalls:
                 self._routes.pop(mesh, None)
                 return None
             return lane
-

@@ -31,14 +31,17 @@ class RankSender:
         self._notify = notify  # wakes that wait
         self._answer = answer  # answers a call whose endpoint took a Port
         self._post_local: Callable[[ActorCall], None] | None = None  # calls to this rank's own actors
-        self.direct = DirectCalls(self._direct_reply, mesh_name)  # to other meshes' ranks on this machine
+        self.direct = DirectCalls(self._direct_reply, mesh_name, self.calls.in_flight)  # to other meshes' ranks
 
     def send_call(self, msg: ActorCall) -> None:
         """Hand a call to the host agent, which routes it; this rank's own part goes straight to its
         actors (every call of this sender to them takes that one way, so their order holds)."""
-        if msg.mesh and self.direct.send(msg):  # another mesh's, on this machine: straight to its lanes
+        if msg.mesh:  # another mesh's: straight to its ranks once the controller said where, else the long way
+            if not self.direct.send(msg):
+                self.direct.went_long_way(msg)
+                self._send(msg)
             return
-        if msg.mesh or self.own_rank not in msg.ranks or self._post_local is None:  # (msg.mesh: another mesh's)
+        if self.own_rank not in msg.ranks or self._post_local is None:  # (msg.mesh: another mesh's)
             self._send(msg)
             return
         others = tuple(r for r in msg.ranks if r != self.own_rank)

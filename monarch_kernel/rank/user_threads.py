@@ -49,6 +49,11 @@ class MainThreadJobs:
         self._jobs.put(job)
         return True
 
+    def idle(self) -> bool:
+        """Whether the main thread has nothing to do now."""
+        with self._lock:
+            return not self._busy
+
     def release(self) -> None:
         """The job running now (main thread) has finished its user code: the main thread counts as free
         (what it still does, sending a reply, must not send the next call to another thread)."""

@@ -34,6 +34,7 @@ from monarch_kernel.rank.actor_host import ActorHost
 from monarch_kernel.rank.autoreload import Reloader
 from monarch_kernel.rank.capture import DisplayCapture, RankStream
 from monarch_kernel.rank.cell import CellRunner, describe_failure
+from monarch_kernel.rank.far_calls import CallListener
 from monarch_kernel.rank.inspect import inspect
 from monarch_kernel.rank.interrupts import MainThreadInterrupts
 from monarch_kernel.rank.notebook_input import NotebookInput, breakpoint_in_the_notebook
@@ -57,6 +58,7 @@ from monarch_kernel.wire.messages import (
     InputReply,
     InputRequest,
     InterruptRanks,
+    ListenForCalls,
     Output,
     Pull,
     Push,
@@ -126,6 +128,7 @@ class Worker:
         self.actors.main_jobs = self.jobs
         self.stdout.outside_requests = self.stderr.outside_requests = self.actors.own_threads.idents
         self.lane_listener = listen_lane(lane_path(config.shm_dir, config.rank)) if config.shm_dir else None
+        self.far_calls = CallListener(config.rank, self._serve_far, self._send)  # (listens once asked to)
         self.namespace["actors"] = self.actors.instances
         self.input = NotebookInput(config.rank, self._send, lambda: self.current_req, self.flush_streams)
         self._sigint_handler = self._on_sigint  # the one installed (bound once: checked after every request)
@@ -203,7 +206,7 @@ class Worker:
     def serve(self) -> None:
         """Handle requests until the agent goes away (the main thread)."""
         loop = asyncio.new_event_loop()
-        self.actors.loop = loop
+        self.actors.loop = self.actors.sender.direct.loop = loop
         if self.lane_listener is not None:
             loop.add_reader(self.lane_listener.fileno(), self._accept_lane)
         threading.Thread(target=self.actors.run_loop, args=(loop,), name="rank-loop", daemon=True).start()
@@ -232,8 +235,10 @@ class Worker:
             self.actors.cancel(msg)
         elif isinstance(msg, InputReply):
             self.input.reply(msg)
-        elif isinstance(msg, DirectRoute):  # another mesh's ranks on this machine: call them directly
+        elif isinstance(msg, DirectRoute):  # where another mesh's ranks listen: call them directly
             self.actors.sender.direct.learn(msg)
+        elif isinstance(msg, ListenForCalls):  # other meshes' ranks on other hosts will call this one directly
+            asyncio.run_coroutine_threadsafe(self.far_calls.listen(msg), loop)
         elif isinstance(msg, InterruptRanks):
             self._interrupt(msg)
         elif isinstance(msg, InspectRanks):  # answered here, whatever the main thread does
@@ -265,6 +270,13 @@ class Worker:
 
         lane.append(LaneServer(sock, asyncio.get_running_loop(), on_message))
         reply.append(lane[0].send)
+
+    def _serve_far(self, msg: ActorCall | CancelCall, reply: Callable[[Any], None]) -> None:
+        """A call (or its cancel) from another mesh's rank on another host, on its link (loop thread)."""
+        if isinstance(msg, ActorCall):
+            self.actors.deliver(msg, reply)
+        else:
+            self.actors.cancel(msg)
 
     def _queue_request(self, msg: Any) -> None:
         """To the main thread, after the requests before it; the notebook's later calls wait for it."""

@@ -74,12 +74,36 @@ class CancelCall:
 @dataclass(frozen=True)
 class DirectRoute:
     """Controller -> `ranks` (of the calling mesh): the ranks `local` of mesh `mesh` run on your machine, with
-    their lanes in `shm_dir`: call their actors there directly from now on (the bridge is the way when not)."""
+    their lanes in `shm_dir`: call their actors there directly from now on (the bridge is the way when not).
+    Or, with `far`, they run on other hosts and listen for calls at (rank, address, port), where a link
+    proves `key` (`rank/far_calls.py`); `shm_dir` is then ""."""
 
     ranks: tuple[int, ...]
     mesh: str
     shm_dir: str
     local: tuple[int, ...]
+    far: tuple[tuple[int, str, int], ...] = ()
+    key: bytes = b""
+
+
+@dataclass(frozen=True)
+class ListenForCalls:
+    """Controller -> `ranks` (of a mesh on remote hosts that another mesh's ranks call): listen on your host's
+    `address` for links that prove `key`, and serve the calls that come on them (`rank/far_calls.py`)."""
+
+    ranks: tuple[int, ...]
+    address: str
+    key: bytes
+
+
+@dataclass(frozen=True)
+class ListeningForCalls:
+    """Rank -> controller: where it listens for calls (`port` 0: it cannot, `error` says why)."""
+
+    rank: int
+    address: str
+    port: int
+    error: str = ""
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,11 @@ class CallTable:
             with self._lock:
                 self._calls.pop(reply.call_id, None)
 
+    def in_flight(self, call_id: int) -> bool:
+        """Whether call `call_id` still waits on a rank's answer."""
+        with self._lock:
+            return call_id in self._calls
+
     def fail_rank(self, rank: int, why: str) -> None:
         """A rank is gone: every call still waiting on it fails there."""
         with self._lock:

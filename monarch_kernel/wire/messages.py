@@ -35,6 +35,12 @@ from monarch_kernel.wire.actor_messages import (
     ForSupervisors as ForSupervisors,
 )
 from monarch_kernel.wire.actor_messages import (
+    ListenForCalls as ListenForCalls,
+)
+from monarch_kernel.wire.actor_messages import (
+    ListeningForCalls as ListeningForCalls,
+)
+from monarch_kernel.wire.actor_messages import (
     OwnActors as OwnActors,
 )
 from monarch_kernel.wire.actor_messages import (
