@@ -44,6 +44,7 @@ os._exit(0)
 """
 CROSS = "actor -> actor of another proc mesh (per call)"
 CROSS_LONG = "the same, through the controller (no direct link)"
+SAME_MESH = "actor -> actor of its own mesh on the last host (per call)"
 ATTACH = "attach after a kernel restart"
 FIRST_KERNEL = """
 import json, sys
@@ -81,6 +82,7 @@ def measure_mesh(make, quick: bool) -> dict:
         res["push 64 MiB to all"] = timed(lambda: mesh.push(t=x), 3 if quick else 8, 1)
         res[CROSS] = _cross_mesh(mesh, quick)
         res[CROSS_LONG] = _cross_mesh(mesh, quick, direct=False)
+        res[SAME_MESH] = _same_mesh(mesh, quick)
     finally:
         mesh.shutdown()
     return res
@@ -106,6 +108,31 @@ def _cross_mesh(mesh, quick: bool, direct: bool = True) -> list[float]:
         procs_a.stop()
         procs_b.stop()
         BRIDGE.__dict__.pop("_route_directly", None)
+
+
+def _same_mesh(mesh, quick: bool) -> list[float]:
+    """An actor on the first rank calling the actor of the same actor mesh on the last host's first rank."""
+    from monarch_kernel.monarch import actor as api
+
+    class Pong(api.Actor):
+        @api.endpoint
+        async def ping(self, x: int) -> int:
+            return x
+
+    class Ping(api.Actor):
+        @api.endpoint
+        async def relay(self, pongs, last: int, count: int) -> None:
+            there = pongs.slice(hosts=last, gpus=0)
+            for i in range(count):
+                await there.ping.call_one(i)
+
+    last = mesh.shape.sizes["hosts"] - 1
+    pongs, pings = mesh.spawn("same_pong", Pong), mesh.spawn("same_ping", Ping)
+    one = pings.slice(hosts=0, gpus=0)
+    for _ in range(3):  # (the first calls go through the controller, which then says where the others listen)
+        one.relay.call_one(pongs, last, 10).get()
+    calls = 200
+    return [t / calls for t in timed(lambda: one.relay.call_one(pongs, last, calls).get(), 3 if quick else 8, 1)]
 
 
 def measure_attach(hosts: list[str], options: dict, quick: bool) -> list[float]:
@@ -205,7 +232,7 @@ def main() -> None:
         hosts.stop()
     ours = {"ssh 2x2": results.pop("ssh 2x2")}  # the first column is the one compared
     print(report({**ours, **results}, ["startup", "no-op broadcast", "pull 64 MiB", "push 64 MiB to all", CROSS, CROSS_LONG,
-                                             ATTACH],
+                                             SAME_MESH, ATTACH],
                  "benchmark", _fmt))
     print("\n(push to all: the time until every rank of the mesh has the tensor; the floor sends it once. "
           "Proc meshes: on the first and the last host of the mesh, Monarch's ping-pong; PyTorch Monarch's "

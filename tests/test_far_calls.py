@@ -25,11 +25,16 @@ def hosts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def host_mesh(hosts):
+def two_hosts(hosts):
     mesh = ssh_mesh([h.alias for h in hosts.hosts], gpus=1, dist="none", python=sys.executable,
                     connect_options=hosts.connect_options(), name="far-calls")
-    yield mesh.host_mesh()
+    yield mesh
     mesh.shutdown()
+
+
+@pytest.fixture(scope="module")
+def host_mesh(two_hosts):
+    return two_hosts.host_mesh()
 
 
 def _classes():
@@ -59,6 +64,16 @@ def _classes():
         @endpoint
         async def hits_on(self, other, count: int) -> list:
             return [(await other.slice(gpus=0).hit.call_one(i))[0] for i in range(count)]
+
+        @endpoint
+        async def volley(self, others, count: int) -> list:
+            """Calls to one rank of `others` on the other host, then one to all of them (the long way), then
+            to the one again: each reply in the order sent."""
+            there = others.slice(hosts=1, gpus=0)
+            got = [(await there.hit.call_one(i))[0] for i in range(count)]
+            everyone = await others.hit.call(100)
+            got += sorted(n for n, _ in everyone.values())
+            return got + [(await there.hit.call_one(i))[0] for i in range(count)]
 
         @endpoint
         async def crash_of(self, other) -> str:
@@ -156,3 +171,30 @@ def test_a_called_process_that_dies_fails_the_call_on_the_link_as_the_long_way_d
     finally:
         procs_a.stop()
         procs_b.stop()
+
+
+def test_ranks_of_one_mesh_on_two_hosts_call_each_other_on_a_link_after_the_first_call(two_hosts):
+    """Within one SSH mesh: rank 0's actor calls rank 1's (on the other host) through the controller
+    first, then on a link; a broadcast among them keeps its place in the order."""
+    Pong, Ping = _classes()
+    pongs = two_hosts.spawn("pongs", Pong)
+    pings = two_hosts.spawn("pings", Ping, pongs)
+    try:
+        sender = two_hosts._runtime.sender
+        first = pings.slice(hosts=0, gpus=0)
+
+        def relayed(run) -> int:
+            before = sender.relayed_calls
+            run()
+            return sender.relayed_calls - before
+
+        volley = first.volley.call_one
+        assert relayed(lambda: volley(pongs, 1).get(timeout=60)) == 3  # the first calls, before the link
+        # the link opens in the background; then only the broadcast (to ranks 0 and 1) goes the long way
+        assert wait_until(lambda: relayed(lambda: volley(pongs, 1).get(timeout=60)) == 1, 30)
+        expected = list(range(1, 31)) + [101, 101] + list(range(1, 31))
+        assert relayed(lambda: volley(pongs, 30).get(timeout=60)) == 1
+        assert volley(pongs, 30).get(timeout=60) == expected
+    finally:
+        pings.stop().get(timeout=30)
+        pongs.stop().get(timeout=30)

@@ -1,10 +1,11 @@
-"""Where a mesh's ranks on remote hosts listen for calls from other meshes' ranks (`rank/far_calls.py`).
+"""Where a mesh's ranks on remote hosts listen for calls from ranks of other hosts (`rank/far_calls.py`).
 
-The first call that another mesh's rank makes to this mesh goes through the controller's bridge. If
-every rank of this mesh runs on a remote host with a known address, the bridge then asks for a route:
-the ranks are told (once) to listen on their hosts' addresses under a key made for this mesh, and
-each caller that asked is told where, once all of them listen. Ranks that cannot listen leave the
-mesh without routes: calls go through the controller, as before. A restart forgets it all.
+The first call that a rank makes to this mesh's actors on another host (from another mesh, or from
+this one) goes through the controller (the bridge, or this mesh's router). If every rank of this mesh
+runs on a remote host with a known address, the controller then asks for a route: the ranks are told
+(once) to listen on their hosts' addresses under a key made for this mesh, and each caller that asked
+is told where, once all of them listen. Ranks that cannot listen leave the mesh without routes: calls
+go through the controller, as before. A restart forgets it all.
 """
 
 from __future__ import annotations

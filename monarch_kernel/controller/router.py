@@ -58,7 +58,9 @@ class ControllerSender:
         self.lanes = LanePool(state.shm_dir, loop.loop, self._on_lane_message)
         self._watchers: list[tuple[frozenset[int], Callable[[int, str], None]]] = []
         self.supervisors = Supervisors(self.calls, self.send_call, state.is_alive)  # actor meshes actors own
-        self.far = FarRoutes(state)  # where its ranks on remote hosts listen for other meshes' calls
+        self.far = FarRoutes(state)  # where its ranks on remote hosts listen for calls from other hosts
+        self._told_own: set[int] = set()  # its ranks told where the others listen
+        self.relayed_calls = 0  # calls between its ranks that came through here (not those on links)
         self.on_request_message: Callable[[Any], None] | None = None  # set by the RequestBook
         self.regrouper: Callable[[dict[int, str]], str | None] | None = None  # set by the notebook's Mesh
         self.call_watcher: Callable[[PendingCall], CallWatcher | None] | None = None  # (likewise: hangs)
@@ -223,11 +225,17 @@ class ControllerSender:
 
     # ------------------------------------------------------------ on the loop thread
     def call_from_agents(self, msg: m.ActorCall) -> None:
-        """A rank's call, to this mesh's actors or (`msg.mesh`) another mesh's."""
+        """A rank's call, to this mesh's actors or (`msg.mesh`) another mesh's. A rank calling ranks of
+        this mesh on another host (its agent sent it up) may call them on links from now on, where they
+        can listen (`far_routes`); told once."""
         if msg.mesh:
             BRIDGE.call(self, msg)
-        else:
-            self.router.call(msg)
+            return
+        self.router.call(msg)
+        self.relayed_calls += 1
+        if msg.caller >= 0 and msg.caller not in self._told_own:
+            self._told_own.add(msg.caller)
+            self.far.route_for(msg.caller, lambda route: self.tell_rank(msg.caller, route))
 
     def cancel_from_agents(self, msg: m.CancelCall) -> None:
         """A rank stops a call it made."""
@@ -257,6 +265,7 @@ class ControllerSender:
         """The mesh restarted or shut down: every call in flight fails."""
         self.lanes.close()
         self.far.reset()
+        self._told_own.clear()
         for call in self.calls.pending():
             for rank in call.outstanding:
                 self.calls.deliver(death_reply(m.CONTROLLER, call.call_id, rank, why, "MeshRestarted"))

@@ -12,15 +12,15 @@ answered as before; a lane that closes with calls in flight answers them with th
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed
-from monarch_kernel.rank.far_calls import FarLane, connect_far
+from monarch_kernel.rank.far_calls import FarLinks
 from monarch_kernel.wire.calls import death_reply
 from monarch_kernel.wire.lane_client import connect_lane
 from monarch_kernel.wire.lanes import lane_path
@@ -28,6 +28,7 @@ from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Dire
 from monarch_kernel.wire.transport import BlockingConnection
 
 DIRECT_CALLERS = -1_000_000  # caller ids below this are processes calling another mesh's lanes directly
+FAR_FAN_OUT = 8  # calls to at most this many ranks of a mesh on other hosts take links; more go the long way
 _HOST_BITS = secrets.randbits(40) << 22  # (pids fit in 22 bits: the same pid on two hosts still differs)
 
 
@@ -91,44 +92,43 @@ class DirectCalls:
     """
 
     def __init__(self, deliver: Callable[[ActorReply], None], mesh_name: str,
-                 in_flight: Callable[[int], bool] = lambda call_id: False):
+                 in_flight: Callable[[int], bool] = lambda call_id: False,
+                 pending: Callable[[], Iterable[int]] = tuple):
         self._deliver = deliver
         self._mesh_name = mesh_name  # this rank's (the callee's replies then carry no shared-memory names)
         self._in_flight = in_flight  # whether this rank's call of that id is still unanswered
+        self._pending = pending  # the ids of this rank's calls still unanswered
         self._routes: dict[str, tuple[str, frozenset[int]]] = {}  # mesh -> (its lanes' folder, its ranks here)
         self._lanes: dict[tuple[str, int], DirectLane] = {}
-        self._far: dict[str, dict[int, FarLane]] = {}  # mesh on other hosts -> its ranks' links
-        self._long_way: dict[str, set[int]] = {}  # mesh -> ids of calls to it that went the long way
+        self.far = FarLinks(deliver, direct_caller)  # to meshes on other hosts (its `loop` is the rank's)
+        self._long_way: dict[str, set[int]] = {}  # mesh with a route -> ids of calls that went the long way
         self._lock = threading.Lock()
-        self.loop: asyncio.AbstractEventLoop | None = None  # the rank's loop, where links to other hosts run
 
     def learn(self, msg: DirectRoute) -> None:
-        """Where mesh `msg.mesh`'s ranks listen (the controller says, after a first call)."""
+        """Where mesh `msg.mesh`'s ranks listen (the controller says, after a first call). Every call of
+        this rank unanswered now may have gone the long way to that mesh: calls wait for them to go direct."""
+        with self._lock:
+            self._long_way.setdefault(msg.mesh, set()).update(self._pending())
+            if not msg.far:
+                self._routes[msg.mesh] = (msg.shm_dir, frozenset(msg.local))
         if msg.far:
-            if self.loop is None:
-                return
-            lanes = {rank: FarLane(rank, self._deliver, direct_caller()) for rank, _, _ in msg.far}
-            with self._lock:
-                self._far[msg.mesh] = lanes
-            for rank, address, port in msg.far:
-                connect_far(self.loop, lanes[rank], address, port, msg.key, 0)
-            return
-        with self._lock:
-            self._routes[msg.mesh] = (msg.shm_dir, frozenset(msg.local))
+            self.far.learn(msg)
 
-    def went_long_way(self, msg: ActorCall) -> None:
-        """A call to another mesh went through the agent: later ones wait for its answer to go direct."""
-        if msg.to_port:
+    def went_long_way(self, msg: ActorCall, mesh: str | None = None) -> None:
+        """A call to mesh `mesh` (default: msg.mesh) went through the agent: once that mesh has a route,
+        later calls wait for its answer to go direct."""
+        mesh = msg.mesh if mesh is None else mesh
+        if msg.to_port or mesh not in self._long_way:
             return
         with self._lock:
-            ids = self._long_way.setdefault(msg.mesh, set())
+            ids = self._long_way[mesh]
             ids.add(msg.call_id)
             if len(ids) > 64:
                 ids.intersection_update({i for i in ids if self._in_flight(i)})
 
-    def _long_way_clear(self, msg: ActorCall | CancelCall) -> bool:
+    def _long_way_clear(self, msg: ActorCall | CancelCall, mesh: str) -> bool:
         with self._lock:
-            ids = self._long_way.get(msg.mesh)
+            ids = self._long_way.get(mesh)
             if not ids:
                 return True
             if isinstance(msg, CancelCall):
@@ -136,13 +136,17 @@ class DirectCalls:
             ids.intersection_update({i for i in ids if self._in_flight(i)})
             return not ids
 
-    def send(self, msg: ActorCall | CancelCall) -> bool:
-        """Send a call (or cancel) of another mesh straight to its ranks; False: not known or not
-        reachable that way (the caller sends it the long way)."""
-        if isinstance(msg, ActorCall) and msg.to_port:
-            return False  # (replies through a Port go the long way, which forwards them)
-        lanes = self._far_lanes(msg) if msg.mesh in self._far else self._local_lanes(msg)
-        if lanes is None or not self._long_way_clear(msg):
+    def send(self, msg: ActorCall | CancelCall, mesh: str | None = None) -> bool:
+        """Send a call (or cancel) to the ranks of mesh `mesh` (default: msg.mesh) straight to them; False:
+        not known or not reachable that way (the caller sends it the long way)."""
+        mesh = msg.mesh if mesh is None else mesh
+        if mesh not in self._long_way or (isinstance(msg, ActorCall) and msg.to_port):
+            return False  # (no route; replies through a Port go the long way, which forwards them)
+        far = self.far.knows(mesh)
+        if far and len(msg.ranks) > FAR_FAN_OUT:
+            return False  # (a broadcast to many ranks fans out per host the long way, not per rank here)
+        lanes: list[Any] | None = self.far.lanes(mesh, msg.ranks) if far else self._local_lanes(msg, mesh)
+        if lanes is None or not self._long_way_clear(msg, mesh):
             return False
         direct = dataclasses.replace(msg, caller=direct_caller(), mesh="")
         if isinstance(direct, ActorCall):
@@ -153,25 +157,14 @@ class DirectCalls:
             except ConnectionClosed:
                 if isinstance(msg, ActorCall):  # (its reader answers what it owed)
                     self._deliver(death_reply(direct_caller(), msg.call_id, lane.rank,
-                                              f"rank {lane.rank} of mesh {msg.mesh!r} went away before answering"))
+                                              f"rank {lane.rank} of mesh {mesh!r} went away before answering"))
         return True
 
-    def _far_lanes(self, msg: ActorCall | CancelCall) -> list[FarLane] | None:
-        with self._lock:
-            far = self._far.get(msg.mesh, {})
-            lanes = [far.get(rank) for rank in msg.ranks]
-            if any(lane is not None and lane.closed for lane in lanes):
-                self._far.pop(msg.mesh, None)  # a link failed or closed: the long way from now on
-                return None
-        if any(lane is None or not lane.ready for lane in lanes):
-            return None
-        return [lane for lane in lanes if lane is not None]
-
-    def _local_lanes(self, msg: ActorCall | CancelCall) -> list[DirectLane] | None:
-        route = self._routes.get(msg.mesh)
+    def _local_lanes(self, msg: ActorCall | CancelCall, mesh: str) -> list[DirectLane] | None:
+        route = self._routes.get(mesh)
         if route is None or not route[1].issuperset(msg.ranks):
             return None
-        lanes = [self._lane(msg.mesh, route[0], rank) for rank in msg.ranks]
+        lanes = [self._lane(mesh, route[0], rank) for rank in msg.ranks]
         return None if any(lane is None for lane in lanes) else [lane for lane in lanes if lane is not None]
 
     def _lane(self, mesh: str, folder: str, rank: int) -> DirectLane | None:

@@ -25,7 +25,14 @@ from typing import Any
 from monarch_kernel.core.addresses import numeric_address
 from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.wire.calls import death_reply
-from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, ListenForCalls, ListeningForCalls
+from monarch_kernel.wire.messages import (
+    ActorCall,
+    ActorReply,
+    CancelCall,
+    DirectRoute,
+    ListenForCalls,
+    ListeningForCalls,
+)
 from monarch_kernel.wire.relay_link import DOWN, UP, RelayLink, RelayRefused, handshake_as_child, handshake_as_parent
 from monarch_kernel.wire.serialization import carries_shm_refs
 from monarch_kernel.wire.transport import encode
@@ -177,6 +184,51 @@ class FarLane:
         for call_id in owed:  # the rank, its host or the link went away before answering
             why = f"rank {self.rank} of the called mesh went away before answering (its link closed"
             self._deliver(death_reply(self._caller, call_id, self.rank, f"{why}: {exc})" if exc else f"{why})"))
+
+
+class FarLinks:
+    """A caller's links to the ranks of meshes on other hosts, opened when first called (see the module's
+    note): each route is (the mesh's key, where each of its ranks listens)."""
+
+    def __init__(self, deliver: Callable[[ActorReply], None], caller: Callable[[], int]):
+        self._deliver = deliver
+        self._caller = caller  # this process's caller id on links
+        self._lock = threading.Lock()
+        self._routes: dict[str, tuple[bytes, dict[int, tuple[str, int]]]] = {}
+        self._lanes: dict[tuple[str, int], FarLane] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None  # the rank's loop, where the links run
+
+    def learn(self, msg: DirectRoute) -> None:
+        """Where mesh `msg.mesh`'s ranks listen, and its key (links made under an older route are dropped)."""
+        with self._lock:
+            self._routes[msg.mesh] = (msg.key, {rank: (address, port) for rank, address, port in msg.far})
+            for lane_key in [k for k in self._lanes if k[0] == msg.mesh]:
+                del self._lanes[lane_key]
+
+    def knows(self, mesh: str) -> bool:
+        """Whether there is a route to mesh `mesh` on other hosts."""
+        return mesh in self._routes
+
+    def lanes(self, mesh: str, ranks: tuple[int, ...]) -> list[FarLane] | None:
+        """The open links to these ranks of `mesh`; None if one is not open yet (it is being opened: the
+        long way until then) or cannot be (a link failed: the long way from now on, for the whole mesh)."""
+        lanes: list[FarLane] = []
+        with self._lock:
+            route = self._routes.get(mesh)
+            if route is None or self.loop is None:
+                return None
+            for rank in ranks:
+                lane = self._lanes.get((mesh, rank))
+                if lane is None:
+                    if rank not in route[1]:
+                        return None
+                    lane = self._lanes[(mesh, rank)] = FarLane(rank, self._deliver, self._caller())
+                    connect_far(self.loop, lane, *route[1][rank], route[0], 0)
+                elif lane.closed:
+                    self._routes.pop(mesh, None)
+                    return None
+                lanes.append(lane)
+        return lanes if all(lane.ready for lane in lanes) else None
 
 
 _connecting: set[asyncio.Task[None]] = set()

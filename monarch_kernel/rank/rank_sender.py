@@ -31,7 +31,8 @@ class RankSender:
         self._notify = notify  # wakes that wait
         self._answer = answer  # answers a call whose endpoint took a Port
         self._post_local: Callable[[ActorCall], None] | None = None  # calls to this rank's own actors
-        self.direct = DirectCalls(self._direct_reply, mesh_name, self.calls.in_flight)  # to other meshes' ranks
+        self.direct = DirectCalls(self._direct_reply, mesh_name, self.calls.in_flight,  # to other meshes' ranks,
+                                  lambda: [call.call_id for call in self.calls.pending()])  # and its own elsewhere
 
     def send_call(self, msg: ActorCall) -> None:
         """Hand a call to the host agent, which routes it; this rank's own part goes straight to its
@@ -41,17 +42,25 @@ class RankSender:
                 self.direct.went_long_way(msg)
                 self._send(msg)
             return
-        if self.own_rank not in msg.ranks or self._post_local is None:  # (msg.mesh: another mesh's)
+        if self.own_rank not in msg.ranks and self.direct.send(msg, self.mesh_name):  # (ranks of other hosts,
+            return                                                    # once the controller said where: on links)
+        if self._post_local is None or self.own_rank not in msg.ranks:
+            self.direct.went_long_way(msg, self.mesh_name)
             self._send(msg)
             return
         others = tuple(r for r in msg.ranks if r != self.own_rank)
         if others:
+            self.direct.went_long_way(msg, self.mesh_name)
             self._send(dataclasses.replace(msg, ranks=others))
         self._post_local(dataclasses.replace(msg, ranks=(self.own_rank,)))
 
     def send_cancel(self, msg: CancelCall) -> None:
         """Ask the ranks of a call to stop it (the way the call went)."""
-        if not (msg.mesh and self.direct.send(msg)):
+        if msg.mesh:
+            sent = self.direct.send(msg)
+        else:
+            sent = self.own_rank not in msg.ranks and self.direct.send(msg, self.mesh_name)
+        if not sent:
             self._send(msg)
 
     def _direct_reply(self, reply: ActorReply) -> None:

@@ -206,7 +206,7 @@ class Worker:
     def serve(self) -> None:
         """Handle requests until the agent goes away (the main thread)."""
         loop = asyncio.new_event_loop()
-        self.actors.loop = self.actors.sender.direct.loop = loop
+        self.actors.loop = self.actors.sender.direct.far.loop = loop
         if self.lane_listener is not None:
             loop.add_reader(self.lane_listener.fileno(), self._accept_lane)
         threading.Thread(target=self.actors.run_loop, args=(loop,), name="rank-loop", daemon=True).start()

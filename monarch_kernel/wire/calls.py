@@ -200,8 +200,8 @@ class CallTable:
 
     def in_flight(self, call_id: int) -> bool:
         """Whether call `call_id` still waits on a rank's answer."""
-        with self._lock:
-            return call_id in self._calls
+        call = self._calls.get(call_id)  # (a dict read: atomic)
+        return call is not None and not call.done()
 
     def fail_rank(self, rank: int, why: str) -> None:
         """A rank is gone: every call still waiting on it fails there."""
