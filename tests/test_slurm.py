@@ -376,6 +376,42 @@ def test_agents_join_by_an_authenticated_direct_link_and_leave_no_port_open(clus
     assert wait_until(lambda: ours_in_queue(cluster) == [] and not any(node_processes(cluster).values()), 20)
 
 
+class Hitter(Actor):
+    @endpoint
+    async def hit(self, n):
+        return n + 1
+
+
+class Caller(Actor):
+    @endpoint
+    async def rally(self, hitters, count):
+        there = hitters.slice(hosts=1, gpus=0)
+        return [await there.hit.call_one(i) for i in range(count)]
+
+
+def test_ranks_on_two_nodes_call_each_other_on_authenticated_links_after_the_first_call(cluster):
+    """The first call from node0's actor to node1's goes through the controller; then the rank on node1
+    listens on its node's own address (that one port, nothing on every interface) and later calls go there."""
+    with slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, name="far") as mesh:
+        hitters, callers = mesh.spawn("hitters", Hitter), mesh.spawn("callers", Caller)
+        first, sender = callers.slice(hosts=0, gpus=0), mesh._runtime.sender
+
+        def relayed(count: int) -> int:
+            before = sender.relayed_calls
+            assert first.rally.call_one(hitters, count).get(timeout=60) == list(range(1, count + 1))
+            return sender.relayed_calls - before
+
+        assert relayed(1) == 1
+        assert wait_until(lambda: relayed(2) == 0, 30)
+        assert relayed(50) == 0
+        _, address, netns = cluster.nodes[1]
+        listening = subprocess.run(["ip", "netns", "exec", netns, "ss", "-Htlnp"], capture_output=True,
+                                   text=True).stdout.splitlines()
+        ours = [line for line in listening if any(f"pid={pid}," in line for pid in node_processes(cluster)[1])]
+        assert len(ours) == 1 and f"{address}:" in ours[0], listening
+    assert wait_until(lambda: ours_in_queue(cluster) == [] and not any(node_processes(cluster).values()), 20)
+
+
 def test_all_traffic_can_stay_on_srun_stdio(cluster):
     with slurm_mesh(nodes=1, gpus=2, dist="gloo", request_gpus=False, name="stdio", direct=False) as mesh:
         assert mesh._runtime.state.links[0].host.remote.channel == "stdio"
