@@ -74,6 +74,17 @@ class SSHTestHosts:
         self.scratch = os.path.join(workdir, "scratch")
 
     # ------------------------------------------------------------ lifecycle
+    def __enter__(self) -> SSHTestHosts:
+        """Start the hosts for a `with` block (a fixture's); a partial start is torn down before raising."""
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def start(self) -> SSHTestHosts:
         """Create the network and start every sshd; raises on failure (call stop())."""
         os.makedirs("/run/sshd", exist_ok=True)

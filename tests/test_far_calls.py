@@ -17,11 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(unavailable_reason() is not N
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    test_hosts = SSHTestHosts(2, str(tmp_path_factory.mktemp("ssh")))
-    try:
-        yield test_hosts.start()
-    finally:
-        test_hosts.stop()
+    with SSHTestHosts(2, str(tmp_path_factory.mktemp("ssh"))) as test_hosts:
+        yield test_hosts
 
 
 @pytest.fixture(scope="module")

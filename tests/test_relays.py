@@ -227,11 +227,8 @@ def test_a_frame_recorded_on_one_link_is_refused_on_another():
 def hosts(tmp_path_factory):
     if unavailable_reason() is not None:
         pytest.skip(str(unavailable_reason()))
-    test_hosts = SSHTestHosts(3, str(tmp_path_factory.mktemp("relays")))
-    try:
-        yield test_hosts.start()
-    finally:
-        test_hosts.stop()
+    with SSHTestHosts(3, str(tmp_path_factory.mktemp("relays"))) as test_hosts:
+        yield test_hosts
 
 
 def chain(hosts, name):

@@ -20,11 +20,8 @@ def hosts(tmp_path_factory):
     if unavailable_reason() is not None:
         pytest.skip(str(unavailable_reason()))
     # host-1's workspace folder is a small disk of its own (a full disk on one host)
-    test_hosts = SSHTestHosts(2, str(tmp_path_factory.mktemp("wshosts")), workspace_quota={1: 8 << 20})
-    try:
-        yield test_hosts.start()
-    finally:
-        test_hosts.stop()
+    with SSHTestHosts(2, str(tmp_path_factory.mktemp("wshosts")), workspace_quota={1: 8 << 20}) as test_hosts:
+        yield test_hosts
 
 
 @pytest.fixture(scope="module")

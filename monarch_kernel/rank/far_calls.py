@@ -126,7 +126,7 @@ class CallListener:
 
 
 class FarLane:
-    """The caller's end of a link to one rank of another mesh on another host (see the module's note)."""
+    """The caller's end of a link to one rank on another host (see the module's note)."""
 
     def __init__(self, rank: int, deliver: Callable[[ActorReply], None], caller: int):
         self.rank = rank
