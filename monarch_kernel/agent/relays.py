@@ -14,7 +14,6 @@ lost; the agent itself goes on.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -23,7 +22,7 @@ from typing import Any
 from monarch_kernel.core.addresses import numeric_address
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import relay_messages as rm
-from monarch_kernel.wire.relay_link import DOWN, UP, RelayLink, RelayRefused, handshake_as_child, handshake_as_parent
+from monarch_kernel.wire.relay_link import DOWN, UP, RelayLink, RelayRefused, handshake_as_child, handshake_as_parent, no_delay
 
 UP_TYPES = (m.Output, m.Display, m.Gathered)  # what goes up the tree (in order); the rest goes straight
 HOLD_S = 0.02  # results of a request wait this long for the rest of this subtree's, to go up as one
@@ -94,7 +93,7 @@ class AgentRelays:
                 _log(f"refused a relay connection from {peer[0] if peer else '?'}: {exc}")
                 writer.close()  # (strangers knocking do not stop the listening: the real children may still come)
                 return
-            _nodelay(writer)
+            no_delay(writer)
             self.children[index] = RelayLink(reader, writer, session, DOWN, self._from_child,
                                               partial(self._child_closed, index))
             if expected <= set(self.children):
@@ -124,7 +123,7 @@ class AgentRelays:
         except (OSError, TimeoutError, RelayRefused) as exc:
             self._to_controller(rm.RelayJoined(msg.index, f"cannot join the relay at {msg.address}:{msg.port}: {exc}"))
             return
-        _nodelay(writer)
+        no_delay(writer)
         self.parent = RelayLink(reader, writer, session, UP, self._from_parent, self._parent_closed)
         self._to_controller(rm.RelayJoined(msg.index))
 
@@ -223,9 +222,3 @@ class AgentRelays:
         if not self._stopped and self.index is not None:
             self._to_controller(rm.RelayLost(self.index, f"its relay link to its parent closed "
                                                         f"({exc or 'connection ended'})"))
-
-
-def _nodelay(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -16,7 +16,6 @@ is refused. Both ends run on the rank's event loop (`rank-loop`); other threads 
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from monarch_kernel.wire.messages import (
     ListenForCalls,
     ListeningForCalls,
 )
-from monarch_kernel.wire.relay_link import DOWN, UP, RelayLink, RelayRefused, handshake_as_child, handshake_as_parent
+from monarch_kernel.wire.relay_link import DOWN, UP, RelayLink, RelayRefused, handshake_as_child, handshake_as_parent, no_delay
 from monarch_kernel.wire.serialization import carries_shm_refs
 from monarch_kernel.wire.transport import encode
 
@@ -112,7 +111,7 @@ class CallListener:
                   file=sys.__stderr__, flush=True)
             writer.close()
             return
-        _no_delay(writer)
+        no_delay(writer)
         sender: list[LoopSender] = []
 
         def on_message(msg: Any) -> None:
@@ -150,7 +149,7 @@ class FarLane:
         except (OSError, TimeoutError, RelayRefused):
             self.closed = True
             return
-        _no_delay(writer)
+        no_delay(writer)
         link = RelayLink(reader, writer, session, UP, self._on_reply, self._on_close)
         self._sender = LoopSender(asyncio.get_running_loop(), link)
 
@@ -244,10 +243,4 @@ def connect_far(loop: asyncio.AbstractEventLoop, lane: FarLane, address: str, po
         task.add_done_callback(_connecting.discard)
 
     loop.call_soon_threadsafe(start)
-
-
-def _no_delay(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 

@@ -30,6 +30,7 @@ import asyncio
 import hashlib
 import hmac
 import os
+import socket
 import struct
 import time
 from collections.abc import Callable
@@ -53,6 +54,13 @@ class RelayRefused(FrameError):
 def new_key() -> bytes:
     """A fresh relay key for one mesh."""
     return os.urandom(KEY_BYTES)
+
+
+def no_delay(writer: asyncio.StreamWriter) -> None:
+    """Send small frames at once on a link's TCP connection (no Nagle delay)."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
