@@ -2,8 +2,12 @@
 
 The controller names them (`Preload`, its first message; torch by default when the mesh has
 a process group). They load on a thread while the agent talks to the controller, so the
-import overlaps the rest of the start-up; forking waits for it, and for the thread to end
-(a fork must not copy a process in the middle of an import).
+import overlaps the rest of the start-up; forking waits for it, and for the thread to be gone
+from the kernel: a fork must not copy a process in the middle of an import, nor in the middle of
+a thread's exit. Python's `join` returns before the thread has run its C libraries' thread-exit
+destructors, and MKL (inside torch) frees the buffers that `import torch` made on that thread
+there, under a spin lock; a rank forked in that window inherits the lock held and its first
+matmul spins on it forever.
 """
 
 from __future__ import annotations
@@ -11,9 +15,28 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib
+import os
 import threading
 import time
 import traceback
+
+THREAD_EXIT_S = 10.0  # how long a thread that returned may take to leave the kernel's task list
+
+
+async def until_thread_gone(native_id: int, timeout: float = THREAD_EXIT_S) -> None:
+    """Until thread `native_id` of this process has fully exited (its thread-exit destructors ran).
+
+    Raises RuntimeError when it is still there after `timeout` seconds."""
+    task = f"/proc/self/task/{native_id}"
+    deadline = time.monotonic() + timeout
+    pause = 0.0002
+    while os.path.exists(task):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the agent's import thread (tid {native_id}) did not exit within {timeout:.0f} s "
+                               "of finishing its imports; forking ranks now could copy a lock it holds. "
+                               "Look for a library whose thread-exit handler hangs, or leave it out of preload")
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.01)
 
 
 class Preloader:
@@ -53,10 +76,13 @@ class Preloader:
         self._thread.start()
 
     async def ready(self) -> None:
-        """Until the imports are done and their thread has ended (raises RuntimeError if one failed)."""
+        """Until the imports are done and their thread has left the process (raises RuntimeError if an
+        import failed)."""
         if self._done is None or self._thread is None:
             return
         await self._done.wait()
         self._thread.join()
+        if self._thread.native_id is not None:
+            await until_thread_gone(self._thread.native_id)
         if self.failure is not None:
             raise RuntimeError(self.failure)
