@@ -17,6 +17,8 @@ import signal
 import subprocess
 import time
 
+from mungelab import PrivateMunged
+
 DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged", "/usr/bin/sbatch")
 
 
@@ -55,6 +57,7 @@ class SlurmTestCluster:
         self._daemons: list[subprocess.Popen] = []
         self._made_links: list[str] = []
         self._made_netns: list[str] = []
+        self._munged: PrivateMunged | None = None
 
     @property
     def env(self) -> dict[str, str]:
@@ -81,6 +84,8 @@ class SlurmTestCluster:
 
     def stop(self) -> None:
         """Stop every daemon and whatever is left in the nodes, remove the network and files."""
+        if self._munged is not None:
+            self._munged.stop()
         for proc in self._daemons:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -197,24 +202,8 @@ PartitionName=urgent Nodes={names} MaxTime=INFINITE State=UP PriorityTier=10
 """)
 
     def _start_munge(self) -> None:
-        folder = os.path.dirname(self.munge_socket)
-        os.makedirs(folder, exist_ok=True)
-        munge = pwd.getpwnam("munge")
-        key = os.path.join(folder, "munge.key")
-        with open(key, "wb") as f:
-            f.write(os.urandom(1024))
-        for path, mode in ((folder, 0o755), (key, 0o400)):
-            os.chown(path, munge.pw_uid, munge.pw_gid)
-            os.chmod(path, mode)
         os.chmod(self.workdir, 0o755)  # munge must reach its folder inside ours
-        log = open(os.path.join(self.workdir, "munged.log"), "ab")
-        proc = subprocess.Popen(
-            ["setpriv", f"--reuid={munge.pw_uid}", f"--regid={munge.pw_gid}", "--clear-groups",
-             "/usr/sbin/munged", "--foreground", f"--socket={self.munge_socket}", f"--key-file={key}",
-             f"--pid-file={folder}/munged.pid", f"--log-file={folder}/munged.log",
-             f"--seed-file={folder}/munged.seed"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        self._daemons.append(proc)
-        self._wait(lambda: os.path.exists(self.munge_socket), 10, "munged did not start")
+        self._munged = PrivateMunged(os.path.dirname(self.munge_socket)).start()
 
     def _start(self, who: tuple[str, str, str], command: list[str]) -> None:
         name, _, netns = who

@@ -280,10 +280,3 @@ def test_the_wire_digest_covers_every_internal_operation():
 def test_core_reads_no_module_of_the_layers_above_at_run_time():
     """core/ is the stdlib-only floor: no peeking into sys.modules for a layer above it."""
     assert _lines_matching(r"sys\.modules\.get\(\"monarch_kernel", _product_sources("core")) == []
-
-
-def test_no_module_is_over_400_lines():
-    """One idea per module: a module past 400 lines holds more than one (split it by idea)."""
-    long = {str(path.relative_to(PKG.parent)): n for path, text in _product_sources(*RULES, "magics").items()
-            if (n := len(text.splitlines())) > 400}
-    assert long == {}

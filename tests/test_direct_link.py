@@ -1,40 +1,75 @@
-"""The direct link a Slurm node's agent offers: only a peer that proves the secret gets in."""
+"""A Slurm step's link: keyed by munge credentials (real munged), encrypted, over TCP or the step's pipes.
 
+srun's stdio is readable on the cluster network, so the tests play that onlooker: whatever crossed
+the wire in clear (the offer line, the join, every record) must neither reveal nor let anyone use
+what the link carries.
+"""
+
+import asyncio
+import json
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 
 import pytest
+from mungelab import PrivateMunged, unavailable_reason
 
 from monarch_kernel.agent import direct_link
-from monarch_kernel.wire.direct_auth import AuthenticationFailed, new_secret, prove_controller
-from monarch_kernel.wire.ops import PutBegin
+from monarch_kernel.wire.link_crypto import DOWN, UP, Opener, RecordRefused, Sealer
+from monarch_kernel.wire.munge_auth import JOIN_TAG, OFFER_TAG, Join, MungeFailed, munge_socket
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
+ENV = {"WANDB_API_KEY": "not-for-the-network-" + os.urandom(8).hex()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def munged():
+    folder = tempfile.mkdtemp(prefix="mk-munge-")  # (munge must reach its folder: not under pytest's 0700 one)
+    try:
+        with PrivateMunged(os.path.join(folder, "munge")) as daemon:
+            os.environ["MONARCH_KERNEL_MUNGE_SOCKET"] = daemon.socket
+            try:
+                yield daemon
+            finally:
+                os.environ.pop("MONARCH_KERNEL_MUNGE_SOCKET", None)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def credential_as(uid: int, payload: bytes) -> bytes:
+    """A munge credential made by another user (uid) of this machine, as an attacker would make one."""
+    done = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "munge",
+                           "--socket", munge_socket()], input=payload, capture_output=True, check=True)
+    return done.stdout.strip()
 
 
 class Offer:
     """An agent's offer running in a thread, with the pipes a job step would give it."""
 
-    def __init__(self, secret: bytes, address: str = "127.0.0.1"):
-        self.address = address
+    def __init__(self, address: str | None = "127.0.0.1"):
         self.to_agent_r, self.to_agent_w = os.pipe()
         self.from_agent_r, self.from_agent_w = os.pipe()
         self.result: list = []
-        self.thread = threading.Thread(target=self._run, args=(secret, address), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(address,), daemon=True)
         self.thread.start()
-        line = direct_link.read_line(self.from_agent_r)
-        assert line.startswith(b"direct "), line
-        self.address = line.split()[1].decode()  # the numeric address the agent bound
-        self.port = int(line.split()[2])
+        self.line = direct_link.read_line(self.from_agent_r).decode().split()
+        self.credential = self.line[-1].encode()
+        if self.line[0] == "direct":
+            self.address, self.port = self.line[1], int(self.line[2])
 
-    def _run(self, secret: bytes, address: str) -> None:
+    def _run(self, address: str | None) -> None:
         try:
-            self.result.append(direct_link.offer(self.to_agent_r, self.from_agent_w, address, secret))
+            link = direct_link.offer(self.to_agent_r, self.from_agent_w, address)
+            self.result.append((link, link.read_environment(self.to_agent_r)))
         except BaseException as exc:  # noqa: BLE001 - the test looks at it
             self.result.append(exc)
 
     def outcome(self):
-        self.thread.join(10)
+        self.thread.join(15)
         assert not self.thread.is_alive()
         return self.result[0]
 
@@ -47,88 +82,139 @@ def connect(port: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=5)
 
 
-def test_only_the_holder_of_the_secret_gets_in_and_the_port_closes_behind_it():
-    secret = new_secret()
-    offer = Offer(secret)
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer closed (or reset: it closed with our bytes unread) without a word."""
     try:
-        with connect(offer.port) as stranger:  # sends junk: dropped
-            stranger.recv(32)
-            stranger.sendall(os.urandom(64))
-            assert stranger.recv(64) == b""
-        with connect(offer.port) as guesser, pytest.raises(AuthenticationFailed):
-            prove_controller(guesser, new_secret())
+        return sock.recv(64) == b""
+    except ConnectionResetError:
+        return True
+
+
+def first_bytes(join: Join, env: dict) -> tuple[bytes, Sealer, Opener]:
+    sealer, opener = Sealer(join.session.keys_for(DOWN)[0]), Opener(join.session.keys_for(DOWN)[1])
+    return join.message + b"".join(sealer.seal([json.dumps(env).encode()])), sealer, opener
+
+
+def test_only_a_join_of_our_uid_gets_in_and_the_port_closes_behind_it():
+    offer = Offer()
+    try:
+        with connect(offer.port) as stranger:  # junk: dropped
+            stranger.sendall(os.urandom(300))
+            assert closed_by_peer(stranger)
+        # another user of the cluster binds its own key to the agent's: its uid gives it away
+        with connect(offer.port) as other_user:
+            from monarch_kernel.wire.link_crypto import Ephemeral
+
+            theirs = Ephemeral().public
+            cred = credential_as(65534, JOIN_TAG + b"\0" * 32 + theirs)
+            other_user.sendall(theirs + len(cred).to_bytes(2, "big") + cred)
+            assert closed_by_peer(other_user)
+        join = Join(offer.credential)
+        data, _, _ = first_bytes(join, ENV)
         with connect(offer.port) as controller:
-            session = prove_controller(controller, secret)
-            agent, agent_session = offer.outcome()
-            assert isinstance(agent, socket.socket) and agent_session == session and len(session) == 32
-            agent.sendall(b"ping")
-            assert controller.recv(4) == b"ping"
-            agent.close()
+            controller.sendall(data)
+            link, env = offer.outcome()
+            assert env == ENV and link.sock is not None
+            link.sock.close()
         with pytest.raises(ConnectionRefusedError):  # nothing listens any more
             connect(offer.port)
     finally:
         offer.close()
 
 
-def test_a_controller_that_cannot_connect_keeps_the_step_stdio():
-    offer = Offer(new_secret())
+def test_an_offer_made_by_another_user_is_refused_by_the_controller():
+    from monarch_kernel.wire.link_crypto import Ephemeral
+
+    forged = credential_as(65534, OFFER_TAG + Ephemeral().public)
+    with pytest.raises(MungeFailed, match="uid 65534"):
+        Join(forged)
+
+
+def test_a_join_recorded_on_the_wire_opens_no_other_offer():
+    first, second = Offer(), Offer()
     try:
-        os.write(offer.to_agent_w, b"stdio\n")
-        assert offer.outcome() is None
+        join = Join(first.credential)
+        data, _, _ = first_bytes(join, ENV)
+        with connect(first.port) as controller:
+            controller.sendall(data)
+            _, env = first.outcome()
+            assert env == ENV
+        with connect(second.port) as replayer:  # the recorded join, to another agent
+            replayer.sendall(data)
+            assert closed_by_peer(replayer)
+        os.write(second.to_agent_w, b"stdio\n" + data)  # the same recording on the second one's stdin
+        assert "refused" in str(second.outcome())
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_controller_that_cannot_connect_joins_on_the_step_stdio():
+    offer = Offer()
+    try:
+        data, _, _ = first_bytes(Join(offer.credential), ENV)
+        os.write(offer.to_agent_w, b"stdio\n" + data)
+        link, env = offer.outcome()
+        assert link.sock is None and env == ENV
         with pytest.raises(ConnectionRefusedError):
             connect(offer.port)
     finally:
         offer.close()
 
 
-def test_an_agent_that_cannot_prove_the_secret_is_refused_by_the_controller():
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-
-    def impostor():
-        conn, _ = listener.accept()
-        with conn:
-            conn.sendall(os.urandom(32))
-            conn.recv(64)
-            conn.sendall(os.urandom(32))  # a proof made without the secret
-
-    thread = threading.Thread(target=impostor, daemon=True)
-    thread.start()
-    with connect(port) as sock, pytest.raises(AuthenticationFailed, match="agent's proof"):
-        prove_controller(sock, new_secret())
-    thread.join(5)
-    listener.close()
-
-
-def test_strangers_knocking_neither_end_the_offer_nor_delay_the_controller():
-    """N10: 16 garbage connections ended the agent, and one silent connection held the
-    controller for the full 5 s handshake timeout."""
-    secret = new_secret()
-    offer = Offer(secret)
-    silent = [connect(offer.port) for _ in range(3)]  # they say nothing at all
+def test_without_an_address_the_link_rides_the_pipes_encrypted():
+    offer = Offer(address=None)
     try:
-        for _ in range(20):
-            with connect(offer.port) as stranger:
-                stranger.recv(32)
-                stranger.sendall(os.urandom(64))
+        assert offer.line[0] == "stdio"
+        data, _, _ = first_bytes(Join(offer.credential), ENV)
+        os.write(offer.to_agent_w, data)
+        link, env = offer.outcome()
+        assert link.sock is None and env == ENV
+    finally:
+        offer.close()
+
+
+def test_forty_silent_connections_neither_fail_nor_delay_the_start():
+    """N21: 32 silent connections during the offer made the start fail (the newcomer, the controller,
+    was turned away)."""
+    offer = Offer()
+    silent = [connect(offer.port) for _ in range(40)]
+    try:
         started = time.monotonic()
+        data, _, _ = first_bytes(Join(offer.credential), ENV)
         with connect(offer.port) as controller:
-            prove_controller(controller, secret)
-            assert time.monotonic() - started < 1.5  # the silent ones delayed nobody
-            agent, _ = offer.outcome()
-            agent.close()
+            controller.sendall(data)
+            link, env = offer.outcome()
+        assert env == ENV
+        assert time.monotonic() - started < direct_link.HANDSHAKE_S + 3  # not held behind the silent ones
+        link.sock.close()
     finally:
         for sock in silent:
             sock.close()
         offer.close()
 
 
+def test_an_agent_without_munge_says_why_and_the_controller_can_tell_the_user(monkeypatch):
+    monkeypatch.setenv("MONARCH_KERNEL_MUNGE_SOCKET", "/nonexistent/munge.sock")
+    to_r, to_w = os.pipe()
+    from_r, from_w = os.pipe()
+    try:
+        with pytest.raises(SystemExit):
+            direct_link.offer(to_r, from_w, "127.0.0.1")
+        assert direct_link.read_line(from_r).startswith(b"link refused ")
+    finally:
+        for fd in (to_r, to_w, from_r, from_w):
+            os.close(fd)
+
+
 def test_the_offer_names_the_numeric_address_it_bound():
-    offer = Offer(new_secret(), address="localhost")
+    offer = Offer(address="localhost")
     try:
         assert offer.address in ("127.0.0.1", "::1")
-        os.write(offer.to_agent_w, b"stdio\n")
-        assert offer.outcome() is None
+        os.write(offer.to_agent_w, b"")
+        data, _, _ = first_bytes(Join(offer.credential), ENV)
+        os.write(offer.to_agent_w, b"stdio\n" + data)
+        offer.outcome()
     finally:
         offer.close()
 
@@ -140,61 +226,96 @@ def test_the_controller_connects_only_to_the_literal_offered_and_never_to_a_loop
     assert direct_target(["127.0.0.1", "4242"], "127.0.0.1") == ("127.0.0.1", 4242)  # the node is this machine
     refused = direct_target(["127.0.1.1", "4242"], "198.18.0.5")  # Debian's `127.0.1.1 hostname` on the node
     assert isinstance(refused, str) and "loopback" in refused
-    assert isinstance(direct_target(["4242"], "node7"), str)  # an older agent's offer: stdio
+    assert isinstance(direct_target(["4242"], "node7"), str)
     assert isinstance(direct_target(["node7", "4242"], "node7"), str)  # a name: never resolved here
-    assert direct_target(["none"], "node7") is None
 
 
-def test_a_relay_of_the_handshake_cannot_inject_frames_afterwards():
-    """N1 (High): the handshake proved the secret, but nothing bound it to the connection: a local user
-    relaying it was then trusted by both ends, and injected HostOp frames the agent ran."""
-    import asyncio
+def test_an_onlooker_of_everything_reads_nothing_and_injects_nothing():
+    """N16 (High): frames were sealed but readable, and carried the persistent mesh's secret. Here a tap
+    in the middle of the TCP link records every byte both ways; the secret, the environment and the
+    message types are not in what it saw, and a record it writes into the stream closes the link."""
+    from monarch_kernel.wire.persist_messages import Persist
+    from monarch_kernel.wire.relay_link import RelayLink
 
-    from monarch_kernel.wire import messages as m
-    from monarch_kernel.wire.relay_link import DOWN, UP, RelayLink
-    from monarch_kernel.wire.transport import encode
+    offer = Offer()
+    secret = os.urandom(32)
+    tapped = bytearray(offer.credential)  # the offer line crossed srun's stdio in clear
+    tap = socket.create_server(("127.0.0.1", 0))
+    tap_port = tap.getsockname()[1]
+    inject: list[socket.socket] = []
 
-    secret = new_secret()
-    offer = Offer(secret)
-    controller = connect(offer.port)
-    session = prove_controller(controller, secret)
-    agent_sock, agent_session = offer.outcome()
+    def relay(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while chunk := a.recv(1 << 16):
+                tapped.extend(chunk)
+                b.sendall(chunk)
+        except OSError:
+            pass
+
+    def middle() -> None:
+        controller_side, _ = tap.accept()
+        agent_side = connect(offer.port)
+        inject.append(agent_side)
+        for a, b in ((controller_side, agent_side), (agent_side, controller_side)):
+            threading.Thread(target=relay, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=middle, daemon=True).start()
+    join = Join(offer.credential)
+    data, sealer, opener = first_bytes(join, ENV)
+    controller = connect(tap_port)
+    controller.sendall(data)
+    link, env = offer.outcome()
 
     async def scenario():
         heard, closed = [], []
-        agent_sock.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=agent_sock)
-        RelayLink(reader, writer, agent_session, UP, heard.append, closed.append)
+        link.sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=link.sock)
+        RelayLink(reader, writer, (link.sealer, link.opener), UP, heard.append, closed.append)
         controller.setblocking(False)
         c_reader, c_writer = await asyncio.open_connection(sock=controller)
-        ours = RelayLink(c_reader, c_writer, session, DOWN, lambda msg: None, lambda exc: None)
-        ours.send(m.Ping(1))  # a sealed frame from the real controller: accepted
+        ours = RelayLink(c_reader, c_writer, (sealer, opener), DOWN, lambda msg: None, lambda exc: None)
+        ours.send(Persist(3600.0, "tcp:198.18.0.9", secret=secret, record="/records/keep.json", holder=None))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 5
         while not heard and loop.time() < deadline:
             await asyncio.sleep(0.01)
-        # the relaying attacker writes a frame into the same connection, framed as a sealed one
-        # (the next sequence number, the right length) but without the session key
-        import struct
+        # the tap writes a record of its own (right header, a guess at the body) into the stream
+        from monarch_kernel.wire.link_crypto import RECORD_HEADER
 
-        frame = b"".join(bytes(c) for c in encode(m.HostOp(1, PutBegin("/tmp/pwned", 0))))
-        c_writer.write(struct.pack("!QQ", 2, len(frame)) + os.urandom(32) + frame)
+        inject[0].sendall(RECORD_HEADER.pack(40, 1) + os.urandom(40 + 16))
         while not closed and loop.time() < deadline:
             await asyncio.sleep(0.01)
         return heard, closed
 
     heard, closed = asyncio.run(scenario())
-    assert [type(x) for x in heard] == [m.Ping]  # nothing injected was delivered
-    assert closed and "MAC" in str(closed[0])  # the link closed on the forged frame
+    assert [type(x) for x in heard] == [Persist] and heard[0].secret == secret
+    assert closed and "tag" in str(closed[0])  # the injected record closed the link; nothing was delivered
+    seen = bytes(tapped)
+    assert secret not in seen and secret.hex().encode() not in seen
+    assert ENV["WANDB_API_KEY"].encode() not in seen
+    assert b"Persist" not in seen and b"monarch_kernel" not in seen
+    tap.close()
     offer.close()
 
 
-def test_a_secret_line_that_is_not_a_secret_is_refused():
-    read_fd, write_fd = os.pipe()
-    try:
-        os.write(write_fd, b"abc\n")
-        with pytest.raises(SystemExit, match="16 bytes"):
-            direct_link.read_secret(read_fd)
-    finally:
-        os.close(read_fd)
-        os.close(write_fd)
+def test_records_refuse_replay_reorder_and_truncation():
+    from monarch_kernel.wire.link_crypto import RECORD_BYTES
+
+    key = os.urandom(32)
+    records = Sealer(key).seal([os.urandom(RECORD_BYTES), b"tail"])
+    assert len(records) == 2
+
+    def opened(sequence):
+        opener = Opener(key)
+        return [opener.open(r[:5], r[5:]) for r in sequence]
+
+    assert opened(records)[-1][1] is True
+    for bad in ([records[1], records[0]], [records[0], records[0]]):
+        with pytest.raises(RecordRefused):
+            opened(bad)
+    with pytest.raises(RecordRefused):  # a header that says "last" where it was not
+        forged = bytearray(records[0])
+        forged[4] = 1
+        opened([bytes(forged)])
+    with pytest.raises(RecordRefused, match="announced"):
+        Opener.body_length((RECORD_BYTES + 1).to_bytes(4, "big") + b"\0")

@@ -1,7 +1,9 @@
 """Meshes that outlive the kernel (`--persist`): real kernels are SIGKILLed, restarted and replaced, and
 the ranks, their variables, actors, process groups and a background cell's output come back on attach."""
 
+import contextlib
 import glob
+import io
 import json
 import os
 import signal
@@ -178,7 +180,7 @@ def test_another_user_cannot_attach_or_make_the_agent_run_anything(state_home, t
         with os.fdopen(read) as f:
             outcome = f.read()
         assert outcome == "closed", outcome
-        assert "refused a connection" in mesh.agent_log(0), mesh.agent_log(0)
+        assert "refused 1 connection(s)" in mesh.agent_log(0) and "another user" in mesh.agent_log(0), mesh.agent_log(0)
         assert list(mesh.run("1").values()) == [1]  # and the mesh is fine
     finally:
         mesh.shutdown()
@@ -258,3 +260,73 @@ def test_a_cell_still_running_at_attach_is_followed_to_its_end_by_the_new_kernel
         if mesh is not None:
             mesh.shutdown()
     assert "after" in capsys.readouterr().out
+
+
+LOUD = """
+import json, sys
+import monarch_kernel as mk
+mesh = mk.local_mesh(1, dist="none", name="loud", persist="60s")
+mesh.run_async("import os, time\\n"
+               f"while os.path.exists({sys.argv[1]!r}):\\n    time.sleep(0.02)\\n"  # (until the kernel is gone)
+               "piece = b'#' * 65536\\n"
+               "for _ in range(64 * 16):\\n    os.write(1, piece)\\n"  # 64 MiB on fd 1, not one newline
+               "print('the end', flush=True)\\n"
+               f"open({sys.argv[1]!r} + '.done', 'w').close()\\n'written'", name="loud", background=True)
+print("PIDS", json.dumps([s.pid for s in mesh.status()] + [l.host.pid for l in mesh._runtime.links]),
+      file=sys.stderr, flush=True)
+import time
+time.sleep(600)
+"""
+
+
+def _agent_resident_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_output_held_without_a_kernel_is_bounded_in_bytes_and_a_lost_link_is_a_detach_not_a_kill(state_home, tmp_path):
+    """N18 (High): held output was bounded in "lines" only, went in one frame past the frame limit, and the
+    attaching kernel took the failed link for a lost host and SIGKILLed the persistent agent and its ranks."""
+    from monarch_kernel import attach
+    from monarch_kernel.wire.relay_link import RelayRefused
+
+    gate = tmp_path / "kernel-alive"
+    gate.write_text("")
+    first = subprocess.Popen([sys.executable, "-c", LOUD, str(gate)], stderr=subprocess.PIPE, text=True)
+    mesh = None
+    try:
+        line = ""
+        while not line.startswith("PIDS"):
+            line = first.stderr.readline()
+            assert line, "the first kernel ended early"
+        rank_pid, agent_pid = json.loads(line[5:])
+        first.kill()
+        first.wait(10)
+        baseline = _agent_resident_mib(agent_pid)
+        gate.unlink()  # the rank writes its 64 MiB now, with no kernel attached
+        assert wait_until(lambda: os.path.exists(f"{gate}.done"), 60)
+        assert _agent_resident_mib(agent_pid) - baseline < 48, "the agent held what the rank wrote"
+        with contextlib.redirect_stdout(io.StringIO()):  # (attach shows the held output: 8 MiB of '#')
+            mesh = attach("loud")
+        [loud] = mesh.detached_results
+        assert loud.values == {0: "written"} and "the end" in loud.output[0]
+        assert len(loud.output[0]) < 20 << 20  # bounded, with a note of what was dropped
+        # a link to the persistent agent that fails (a refused frame, a stall) is a detach: nothing is killed
+        link = mesh._runtime.state.links[0]
+        mesh._runtime.controller.run(_close_link(link, RelayRefused("a record failed its authentication tag"))).result(5)
+        assert wait_until(lambda: mesh._runtime.state.ranks[0].host_lost or not mesh._runtime.state.ranks[0].alive, 10)
+        assert pids_alive([agent_pid, rank_pid]) == [agent_pid, rank_pid]
+        failure = mesh._runtime.state.death_failure(mesh._runtime.state.ranks[0], "died")
+        assert "--take" in failure.message and "restart would stop" in failure.message, failure.message
+        mesh._runtime._let_go("test")
+        mesh = attach("loud", take=True)
+        assert list(mesh.run("1").values()) == [1]
+    finally:
+        if first.poll() is None:
+            first.kill()
+        if mesh is not None:
+            mesh.shutdown()
+
+
+async def _close_link(link, why):
+    link.conn.close(why)

@@ -20,6 +20,7 @@ from monarch_kernel.controller.relays import RelayTree
 from monarch_kernel.core.status import RankStatus
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import relay_messages as rm
+from monarch_kernel.wire.link_crypto import Session
 from monarch_kernel.wire.relay_link import (
     DOWN,
     UP,
@@ -187,7 +188,7 @@ def test_a_replayed_frame_is_refused_and_closes_the_link():
         pair = await Pair().open(key := new_key(), key)
         pair.parent._writer.write(await one_delivered_frame(pair))  # the same bytes again
         await asyncio.wait_for(pair.closed_child.wait(), 5)
-        assert isinstance(pair.why_child, RelayRefused) and "replayed" in str(pair.why_child)
+        assert isinstance(pair.why_child, RelayRefused) and "replayed" in str(pair.why_child)  # (its nonce is spent)
         assert len(pair.at_child) == 1  # the copy was not delivered
         await pair.close()
 
@@ -198,10 +199,11 @@ def test_a_forged_or_altered_frame_is_refused_and_closes_the_link():
     async def main():
         pair = await Pair().open(key := new_key(), key)
         forged = bytearray(await one_delivered_frame(pair))
-        forged[7] += 1  # the next sequence number, as a forger would write it, with the old MAC
+        forged[-1] ^= 1  # one bit of the ciphertext's tag flipped
+        forged[8] ^= 1  # and one of the ciphertext
         pair.parent._writer.write(bytes(forged))
         await asyncio.wait_for(pair.closed_child.wait(), 5)
-        assert isinstance(pair.why_child, RelayRefused) and "MAC" in str(pair.why_child)
+        assert isinstance(pair.why_child, RelayRefused) and "tag" in str(pair.why_child)
         assert len(pair.at_child) == 1
         await pair.close()
 
@@ -367,9 +369,11 @@ def test_many_strangers_do_not_stop_a_relay_before_its_child_joins():
 
 
 def test_a_frame_header_alone_does_not_make_a_link_allocate_what_it_names():
-    """N13: a sealed link allocated a header's announced length before any byte (or the MAC) arrived."""
-    import struct
+    """N13: a sealed link allocated a header's announced length before any byte (or the MAC) arrived.
+    Records now carry at most 1 MiB each, checked by their tags before a frame grows."""
     import tracemalloc
+
+    from monarch_kernel.wire.link_crypto import RECORD_HEADER
 
     async def main():
         closed = []
@@ -383,8 +387,8 @@ def test_a_frame_header_alone_does_not_make_a_link_allocate_what_it_names():
         _, peer = await asyncio.open_connection("127.0.0.1", port)
         reader, writer = await server_side
         tracemalloc.start()
-        RelayLink(reader, writer, new_key(), DOWN, lambda msg: None, closed.append)
-        peer.write(struct.pack("!QQ", 1, 512 << 20) + bytes(32) + b"x" * 1024)  # announces 512 MiB, sends 1 KiB
+        RelayLink(reader, writer, Session(new_key(), new_key()), DOWN, lambda msg: None, closed.append)
+        peer.write(RECORD_HEADER.pack(512 << 20, 1) + b"x" * 1024)  # announces 512 MiB, sends 1 KiB
         await peer.drain()
         await asyncio.sleep(0.1)
         peak = tracemalloc.get_traced_memory()[1]

@@ -367,13 +367,47 @@ def test_agents_join_by_an_authenticated_direct_link_and_leave_no_port_open(clus
                                        text=True).stdout
             ours = node_processes(cluster)[index]
             assert ours and not any(f"pid={pid}," in listening for pid in ours), listening
-        for step in steps:  # the secret is on no command line and in no environment
-            secret = step.secret.hex().encode()
-            for pid in node_processes(cluster)[steps.index(step)]:
-                for part in ("cmdline", "environ"):
-                    with open(f"/proc/{pid}/{part}", "rb") as f:
-                        assert secret not in f.read()
     assert wait_until(lambda: ours_in_queue(cluster) == [] and not any(node_processes(cluster).values()), 20)
+
+
+def test_a_reader_of_the_cluster_network_learns_nothing_it_could_use(cluster, tmp_path, monkeypatch):
+    """N16 (High): srun's I/O and the direct link carried the persistent mesh's secret, the far-call key and
+    the environment in clear; whoever read the network could attach and run code as the user. A raw packet
+    socket on the cluster's bridge records every TCP payload of a persistent mesh's life (start over both the
+    direct link and srun's stdio, a push, calls between the nodes on far links): none of the long-lived
+    secrets, the environment's values or the data crosses in clear."""
+    from wiretap import WireTap
+
+    from monarch_kernel.core.mesh_records import read_record
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    token = "token-" + os.urandom(12).hex()
+    marker = os.urandom(64)
+    with WireTap(cluster.bridge) as tap:
+        mesh = slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, name="tapped", persist="5m",
+                          env={"MY_API_TOKEN": token})
+        try:
+            assert [link.host.remote.channel for link in mesh._runtime.state.links] == ["direct", "direct"]
+            mesh.push(blob=marker * 1024)
+            assert set(mesh.run("import os\nos.environ['MY_API_TOKEN']").values()) == {token}
+            hitters, callers = mesh.spawn("hitters", Hitter), mesh.spawn("callers", Caller)
+            first = callers.slice(hosts=0, gpus=0)
+            for _ in range(3):  # the first call goes the long way; then the far link to node1 carries them
+                assert first.rally.call_one(hitters, 2).get(timeout=60) == [1, 2]
+            record = read_record("tapped")
+        finally:
+            mesh.shutdown()
+        with slurm_mesh(nodes=1, gpus=1, dist="none", request_gpus=False, name="tapped-stdio", direct=False,
+                        env={"MY_API_TOKEN": token}) as plain:
+            assert plain._runtime.state.links[0].host.remote.channel == "stdio"
+            plain.push(blob=marker * 1024)
+    assert tap.flows, "the tap saw no traffic"
+    secrets = {"the environment's value": token.encode(), "the pushed data": marker,
+               "the persistent mesh's secret": bytes.fromhex(record.secret),
+               "the persistent mesh's secret (hex)": record.secret.encode()}
+    crossed = [name for name, value in secrets.items() if tap.seen(value)]
+    assert not crossed, f"in clear on the cluster network: {crossed}"
+    assert not tap.seen(b"monarch_kernel.wire"), "message types crossed in clear"
 
 
 class Hitter(Actor):

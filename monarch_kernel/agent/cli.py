@@ -1,4 +1,4 @@
-"""The agent's command line: `python -m monarch_kernel.agent (--fd N | --stdio [--direct ADDR]) --host NAME`."""
+"""The agent's command line: `python -m monarch_kernel.agent (--fd N | --stdio [--munge [--direct ADDR]]) --host NAME`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from monarch_kernel.agent.direct_link import read_line
 from monarch_kernel.agent.host_agent import HostAgent
 from monarch_kernel.agent.watchers import send_heartbeats, watch_controller, watch_ranks
 from monarch_kernel.core.folders import owned_folder, remove_if_orphaned
-from monarch_kernel.wire.relay_link import UP, RelayLink
+from monarch_kernel.wire.handshake_gate import raise_descriptor_limit
+from monarch_kernel.wire.relay_link import UP, RelayLink, pipe_streams
 from monarch_kernel.wire.transport import AsyncConnection
 
 MAX_ENV_BYTES = 64 << 20
@@ -92,18 +93,20 @@ def _watch_step_input(agent: HostAgent, read_fd: int) -> None:
 
 
 async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None,
-                 direct: tuple[socket.socket, bytes] | None) -> None:
+                 step_link: direct_link.StepLink | None) -> None:
     agent = HostAgent(args.host, tuple(args.mesh_folder) if args.persist else ())
     loop = asyncio.get_running_loop()
-    if direct is not None and stdio is not None:
-        sock, session = direct
-        sock.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 22)
-        # every frame sealed under the handshake's session key: a peer relaying the handshake
-        # cannot inject or alter anything afterwards (wire/direct_auth.py)
-        agent.connected(RelayLink(reader, writer, session, UP, agent.on_controller_message,
-                                  agent.on_controller_closed))
-        _watch_step_input(agent, stdio[0])
+    if step_link is not None and stdio is not None:
+        # every frame an AES-GCM record under the munge-authenticated exchange's keys (agent/direct_link.py)
+        if step_link.sock is not None:
+            step_link.sock.setblocking(False)
+            reader, writer = await asyncio.open_connection(sock=step_link.sock, limit=1 << 22)
+        else:
+            reader, writer = await pipe_streams(*stdio)
+        agent.connected(RelayLink(reader, writer, (step_link.sealer, step_link.opener), UP,
+                                  agent.on_controller_message, agent.on_controller_closed))
+        if step_link.sock is not None:
+            _watch_step_input(agent, stdio[0])
     elif stdio is not None:
         agent.connected(await AsyncConnection.from_pipes(
             *stdio, agent.on_controller_message, agent.on_controller_closed))
@@ -138,17 +141,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--persist", action="store_true",
                         help="the mesh may outlive its kernel: do not die with the process that started us")
     parser.add_argument("--env-stdin", action="store_true", help="read the environment from stdin first (JSON line)")
+    parser.add_argument("--munge", action="store_true",
+                        help="with --stdio (a Slurm step): key an encrypted link with munge credentials; the "
+                             "environment comes encrypted on it")
     parser.add_argument("--direct", default=None, metavar="ADDRESS",
-                        help="with --stdio: offer an authenticated TCP link on ADDRESS (the secret follows on stdin)")
+                        help="with --munge: offer that link over TCP on ADDRESS (else it stays on the step's stdio)")
     args = parser.parse_args(argv)
-    if args.direct and not args.stdio:
-        parser.error("--direct needs --stdio")
+    raise_descriptor_limit()  # (the ranks fork from us and keep it)
+    if args.munge and not args.stdio:
+        parser.error("--munge needs --stdio")
+    if args.direct and not args.munge:
+        parser.error("--direct needs --munge")
     if args.env_stdin:
         os.environ.update(_read_env_line(0))
     stdio = _private_stdio() if args.stdio else None
-    direct = None
-    if args.direct and stdio is not None:
-        direct = direct_link.offer(*stdio, args.direct, direct_link.read_secret(stdio[0]))
+    step_link = None
+    if args.munge and stdio is not None:
+        step_link = direct_link.offer(*stdio, args.direct)
+        os.environ.update(step_link.read_environment(stdio[0]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts come as messages, not signals
     from monarch_kernel.rank.entry import die_with_parent
 
@@ -159,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         owned_folder(args.cleanup, remove_on_failure=False)
     _warm_imports()
     try:
-        asyncio.run(_amain(args, stdio, direct))
+        asyncio.run(_amain(args, stdio, step_link))
     finally:
         if args.cleanup:
             import shutil

@@ -1,15 +1,24 @@
-"""The agent's offer of a direct TCP link to the controller (Slurm nodes: srun's stdio is slow for bulk data).
+"""The agent's end of a Slurm step's link: munge-authenticated keys, then a direct TCP link or the step's pipes.
 
-Over the job step's stdin the controller sends a secret (never on a command line or in
-an environment); the agent listens on the node's numeric address, says it and the port on
-stdout, and accepts the first connection that proves the secret (`direct_auth`), whose
-frames are then sealed under the handshake's session key. Then the listener closes: no port
-of ours stays open. If the controller cannot connect it says `stdio` on
-stdin and the protocol stays on the step's pipes.
+srun's stdio is slow for bulk data and readable by anyone who reads the cluster network, so
+nothing but public, bound values travels on it in clear (`wire/munge_auth`). The agent makes an
+ephemeral key pair and a munge credential binding it to our uid, listens on the node's numeric
+address when asked to, and says either `direct IP PORT CREDENTIAL` or `stdio CREDENTIAL` on
+stdout. The controller joins with its own credential, over TCP or (after a `stdio` line) on
+stdin; the first join that checks out wins, and the listener closes: no port of ours stays
+open. Then the environment comes as the first encrypted frame, and everything after it as AES-GCM
+records (`wire/relay_link.RelayLink`).
+
+Strangers connecting to the listener are checked concurrently, each within HANDSHAKE_S, and at
+most MAX_CHECKING at once: past that the oldest one is dropped, never the newcomer (who may be the
+controller), so a crowd of silent connections neither delays nor fails the start. Refusals are
+logged as one summary line per LOG_WINDOW_S.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import queue
 import select
@@ -17,13 +26,17 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from monarch_kernel.core.addresses import numeric_address
-from monarch_kernel.wire.direct_auth import AuthenticationFailed, check_controller
+from monarch_kernel.wire.link_crypto import UP, Opener, RecordRefused, Sealer, Session, read_frame
+from monarch_kernel.wire.munge_auth import MungeFailed, Offer, read_join
 
 OFFER_WAIT_S = 120.0  # the controller answers within its own connect timeout; this bounds a wedged one
-HANDSHAKE_S = 2.0  # each connection proves the secret within this (checked concurrently)
-MAX_CHECKING = 32  # connections being checked at once; more are refused at once
+HANDSHAKE_S = 2.0  # each connection sends its join within this (checked concurrently)
+MAX_CHECKING = 32  # connections being checked at once; the oldest is dropped for a newcomer past it
+LOG_WINDOW_S = 10.0
+MAX_ENV_BYTES = 64 << 20
 
 
 def read_line(fd: int, limit: int = 1 << 16) -> bytes:
@@ -39,43 +52,115 @@ def read_line(fd: int, limit: int = 1 << 16) -> bytes:
     return bytes(line)
 
 
-def read_secret(fd: int) -> bytes:
-    """The direct link's secret: one hex line on stdin."""
-    try:
-        secret = bytes.fromhex(read_line(fd, limit=256).decode().strip())
-    except ValueError:
-        secret = b""
-    if len(secret) < 16:
-        raise SystemExit("monarch_kernel agent: --direct needs a secret of 16 bytes or more on stdin (hex line)")
-    return secret
-
-
 def _log(text: str) -> None:
     print(f"monarch_kernel agent: {text}", file=sys.stderr, flush=True)
 
 
-def offer(read_fd: int, write_fd: int, address: str, secret: bytes) -> tuple[socket.socket, bytes] | None:
-    """The authenticated connected socket and its session key, or None to speak on the pipes.
+class StepLink:
+    """What the handshake gave: the TCP socket (None: the step's pipes), and the link's record state."""
 
-    The address is resolved once, here, and the listener binds that numeric address and says
-    it (`direct IP PORT`): the controller connects to that literal only, so nobody can take the
-    port on another address the name might resolve to. Connections are checked concurrently,
-    each within HANDSHAKE_S: strangers knocking (or one that stays silent) neither delay the
-    controller nor end the agent; they are refused and logged until the controller joins or
-    the offer's time is up.
-    """
+    def __init__(self, sock: socket.socket | None, session: Session):
+        self.sock = sock
+        self.sealer, self.opener = Sealer(session.keys_for(UP)[0]), Opener(session.keys_for(UP)[1])
+
+    def read_environment(self, read_fd: int) -> dict[str, str]:
+        """The first frame: the environment the ranks run with (JSON object of strings)."""
+        sock = self.sock
+        if sock is not None:
+            sock.settimeout(OFFER_WAIT_S)
+            read_exact: Callable[[int], bytes] = lambda n: _recv_exact(sock, n)  # noqa: E731
+        else:
+            read_exact = lambda n: _read_fd_exact(read_fd, n)  # noqa: E731
+        try:
+            data = read_frame(read_exact, self.opener, MAX_ENV_BYTES)
+            env = json.loads(data)
+        except (RecordRefused, ValueError, OSError) as exc:
+            raise SystemExit(f"monarch_kernel agent: the environment did not arrive ({exc})") from None
+        if self.sock is not None:
+            self.sock.settimeout(None)
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise SystemExit("monarch_kernel agent: the environment is not a JSON object of strings")
+        return env
+
+
+def offer(read_fd: int, write_fd: int, address: str | None) -> StepLink:
+    """Make the link (see the module's note): on the node's address if `address`, else on the pipes."""
     try:
-        numeric = numeric_address(address)
-        listener = socket.create_server((numeric, 0), family=socket.AF_INET6 if ":" in numeric else socket.AF_INET)
-    except OSError as exc:
-        _log(f"cannot listen on {address} ({exc}); staying on the step's stdio")
-        os.write(write_fd, b"direct none\n")
-        return None
+        mine = Offer()
+    except MungeFailed as exc:
+        os.write(write_fd, f"link refused {exc}\n".encode())
+        raise SystemExit(f"monarch_kernel agent: {exc}") from None
+    credential = mine.credential.decode()
+    listener = None
+    if address:
+        try:
+            numeric = numeric_address(address)
+            listener = socket.create_server((numeric, 0), family=socket.AF_INET6 if ":" in numeric else socket.AF_INET)
+        except OSError as exc:
+            _log(f"cannot listen on {address} ({exc}); staying on the step's stdio")
+    if listener is None:
+        os.write(write_fd, f"stdio {credential}\n".encode())
+        return _join_on_stdin(read_fd, mine, expect_line=False)
+    with listener:
+        os.write(write_fd, f"direct {numeric} {listener.getsockname()[1]} {credential}\n".encode())
+        return _wait_for_join(read_fd, listener, mine)
+
+
+def _join_on_stdin(read_fd: int, mine: Offer, *, expect_line: bool) -> StepLink:
+    if expect_line and read_line(read_fd).strip() != b"stdio":
+        raise SystemExit("monarch_kernel agent: the controller went away before joining")
+    try:
+        session = mine.accept(read_join(lambda n: _read_fd_exact(read_fd, n)))
+    except (MungeFailed, OSError, EOFError) as exc:
+        raise SystemExit(f"monarch_kernel agent: the controller's join on stdin was refused ({exc})") from None
+    return StepLink(None, session)
+
+
+class _Checks:
+    """The connections being checked, oldest first; refusals counted and logged once per window."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: collections.OrderedDict[int, socket.socket] = collections.OrderedDict()
+        self.refused = 0
+        self.logged_at = 0.0
+        self.last_why = ""
+
+    def add(self, conn: socket.socket) -> None:
+        with self.lock:
+            while len(self.open) >= MAX_CHECKING:
+                _, oldest = self.open.popitem(last=False)
+                _shut(oldest)  # (its thread then fails its read and ends)
+            self.open[id(conn)] = conn
+
+    def done(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.open.pop(id(conn), None)
+
+    def refuse(self, peer: str, why: str) -> None:
+        with self.lock:
+            self.refused += 1
+            self.last_why = f"{peer}: {why}"
+            now = time.monotonic()
+            if now - self.logged_at < LOG_WINDOW_S:
+                return
+            self.logged_at, count, self.refused = now, self.refused, 0
+        _log(f"refused {count} connection(s) to the link's port in the last {LOG_WINDOW_S:.0f} s "
+             f"(last: {self.last_why})")
+
+
+def _shut(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _wait_for_join(read_fd: int, listener: socket.socket, mine: Offer) -> StepLink:
     wake_r, wake_w = socket.socketpair()
-    joined: queue.SimpleQueue[tuple[socket.socket, bytes]] = queue.SimpleQueue()
-    checking = threading.BoundedSemaphore(MAX_CHECKING)
-    with listener, wake_r, wake_w:
-        os.write(write_fd, f"direct {numeric} {listener.getsockname()[1]}\n".encode())
+    joined: queue.SimpleQueue[StepLink] = queue.SimpleQueue()
+    checks = _Checks()
+    with wake_r, wake_w:
         deadline = time.monotonic() + OFFER_WAIT_S
         while True:
             left = deadline - time.monotonic()
@@ -85,40 +170,64 @@ def offer(read_fd: int, write_fd: int, address: str, secret: bytes) -> tuple[soc
             if wake_r.fileno() in ready:
                 wake_r.recv(64)
                 try:
-                    return joined.get_nowait()
+                    link = joined.get_nowait()
                 except queue.Empty:
                     pass
+                else:
+                    with checks.lock:
+                        for conn in checks.open.values():
+                            _shut(conn)
+                    return link
             if read_fd in ready:
-                answer = read_line(read_fd)
-                if not answer:
-                    raise SystemExit("monarch_kernel agent: the controller went away before connecting")
-                if answer.strip() == b"stdio":
-                    _log("the controller could not connect; staying on the step's stdio")
-                    return None
+                return _join_on_stdin(read_fd, mine, expect_line=True)
             if listener.fileno() in ready:
-                conn, peer = listener.accept()
-                if not checking.acquire(blocking=False):
-                    _log(f"refused a connection from {peer[0]}: {MAX_CHECKING} others are being checked")
-                    conn.close()
+                try:
+                    conn, peer = listener.accept()
+                except OSError as exc:  # (out of descriptors: the checks in flight free some)
+                    checks.refuse("?", str(exc))
                     continue
-                threading.Thread(target=_check, args=(conn, peer, secret, joined, wake_w, checking),
+                checks.add(conn)
+                threading.Thread(target=_check, args=(conn, peer[0], mine, checks, joined, wake_w),
                                  name="direct-link-check", daemon=True).start()
 
 
-def _check(conn: socket.socket, peer: tuple[str, int], secret: bytes, joined: queue.SimpleQueue[tuple[socket.socket, bytes]],
-           wake: socket.socket, checking: threading.BoundedSemaphore) -> None:
-    """Check one connection's proof (a thread each: a silent stranger delays nobody)."""
+def _check(conn: socket.socket, peer: str, mine: Offer, checks: _Checks, joined: queue.SimpleQueue[StepLink],
+           wake: socket.socket) -> None:
+    """Check one connection's join (a thread each: a silent stranger delays nobody)."""
     try:
-        session = check_controller(conn, secret, timeout=HANDSHAKE_S)
-    except (AuthenticationFailed, OSError) as exc:
-        _log(f"refused a connection from {peer[0]}: {exc}")
+        conn.settimeout(HANDSHAKE_S)
+        session = mine.accept(read_join(lambda n: _recv_exact(conn, n)))
+    except (MungeFailed, OSError, EOFError) as exc:
+        checks.refuse(peer, str(exc) or type(exc).__name__)
         conn.close()
         return
     finally:
-        checking.release()
+        checks.done(conn)
+    conn.settimeout(None)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    joined.put((conn, session))
+    joined.put(StepLink(conn, session))
     try:
         wake.send(b"!")
     except OSError:  # the offer ended meanwhile (another connection won)
         conn.close()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError("the other end closed the connection during the handshake")
+        data += chunk
+    return bytes(data)
+
+
+def _read_fd_exact(fd: int, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            raise EOFError("stdin closed during the handshake")
+        data += chunk
+    return bytes(data)
+

@@ -32,6 +32,7 @@ from monarch_kernel.agent.preload import Preloader
 from monarch_kernel.agent.rank_set import RankSet, tail_text
 from monarch_kernel.agent.relays import UP_TYPES, AgentRelays
 from monarch_kernel.core.failures import exit_text
+from monarch_kernel.core.output_caps import MAX_FD_OUTPUT_PER_REQUEST
 from monarch_kernel.core.versions import __version__
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
@@ -63,6 +64,7 @@ class HostAgent:
         self.last_load = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._fd_output = FdOutput()
+        self._fd_limit_held: int | None = MAX_FD_OUTPUT_PER_REQUEST  # the cap while a kernel holds the mesh
         self._host_ops = HostOperations()  # workspace files and the like: in order, off the loop
         self._copying = False  # a push is being copied: work for the ranks waits in _backlog
         self._backlog: collections.deque[tuple[Callable[[Any], None], Any]] = collections.deque()
@@ -108,6 +110,7 @@ class HostAgent:
     def connected(self, conn: AsyncConnection | RelayLink) -> None:
         """The controller connection is ready: say who we are, then send what was queued meanwhile."""
         self.controller = conn
+        self._fd_output.limit = self._fd_limit_held
         conn.send(handshake.hello(__version__))
         for msg in self._outbox:
             conn.send(msg)
@@ -138,6 +141,7 @@ class HostAgent:
             self._spawn(self.shutdown(f"the controller connection closed ({exc})"))
         elif self.controller is not None and self.controller.closed and not self.done.done():
             self.controller = None
+            self._fd_output.limit = MAX_FD_OUTPUT_PER_REQUEST  # (no controller caps it while none is attached)
             self.persistence.detach(f"the controller connection closed ({exc})")
 
     async def _persist(self, msg: pm.Persist) -> None:
@@ -350,7 +354,7 @@ class HostAgent:
     # ------------------------------------------------------------ lifecycle
     async def _start(self, msg: m.StartRanks) -> None:
         if msg.shm_dir:  # the notebook's machine: requests come on lanes, the controller caps their fd output
-            self._fd_output.limit = None
+            self._fd_output.limit = self._fd_limit_held = None
         try:
             infos = await self.ranks.start(msg)
         except Exception as exc:  # noqa: BLE001 - reported to the controller

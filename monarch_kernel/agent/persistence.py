@@ -2,8 +2,10 @@
 the next kernel attach.
 
 Once told `Persist`, the agent listens on a Unix socket in the mesh's 0700 folder. A peer must run
-as our own user (SO_PEERCRED) and prove the mesh's secret (`wire/direct_auth`), after which every
-frame is sealed under the session key (`wire/relay_link`). Its one request says what it wants:
+as our own user (SO_PEERCRED) and prove the mesh's secret in an ephemeral key exchange
+(`wire/direct_auth`), after which every frame is encrypted under the session's keys (`wire/relay_link`).
+On a Slurm node it listens on the node's numeric address instead, with connections in their handshake
+bounded (`wire/handshake_gate`). Its one request says what it wants:
 attach (refused while another live kernel holds the mesh, unless it takes it over), a query for
 listings, or a stop. While no kernel holds the mesh, what the ranks send for one (output, results,
 deaths) is kept, the output bounded per rank, and handed to the next kernel; after `seconds`
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -27,20 +30,25 @@ from typing import Any, Protocol
 
 from monarch_kernel.agent.launcher import RankProcess
 from monarch_kernel.agent.rank_set import RankSet
+from monarch_kernel.core.addresses import numeric_address
 from monarch_kernel.core.folders import release_folder, share_folder
 from monarch_kernel.core.versions import __version__
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import persist_messages as pm
 from monarch_kernel.wire.direct_auth import AuthenticationFailed, check_controller_async
+from monarch_kernel.wire.handshake_gate import HandshakeGate
 from monarch_kernel.wire.lanes import peer_credentials, peer_is_us
 from monarch_kernel.wire.relay_link import UP, RelayLink
 from monarch_kernel.wire.transport import FrameError
 
 HELD_LINES_PER_RANK = 10_000  # output lines kept per rank while no kernel is attached
+HELD_CHARS_PER_RANK = 8 << 20  # ... and characters: a progress bar without newlines is one endless "line"
+BATCH_CHARS = 4 << 20  # what was held goes to the next kernel in frames of about this much text
 HELD_MESSAGES = 2_000  # results and deaths kept (oldest dropped past it)
 KEPT = (m.Output, m.Gathered, m.RankExited, m.AgentProblem)  # what is worth handing to the next kernel
 REQUEST_TIMEOUT_S = 5.0  # an authenticated peer says what it wants within this
+HANDSHAKE_TIMEOUT_S = 2.0  # a connecting kernel proves the secret within this
 
 
 class PersistentHost(Protocol):
@@ -82,9 +90,11 @@ class Persistence:
         self._held: collections.deque[tuple[int, Any]] = collections.deque(maxlen=HELD_MESSAGES)  # results, deaths
         self._lines: dict[int, collections.deque[tuple[int, Any]]] = {}  # rank -> its output, line-bounded
         self._line_counts: dict[int, int] = {}
+        self._char_counts: dict[int, int] = {}
         self._labels: dict[int, str] = {}
         self.dropped_lines = 0
         self._server: asyncio.AbstractServer | None = None
+        self._gate = HandshakeGate(f"the persistent mesh's listener on {msg.socket or 'this host'}", _log)
         self._expiry: asyncio.Task[None] | None = None
 
     async def listen(self) -> Persistence:
@@ -92,7 +102,8 @@ class Persistence:
         for folder in self.folders:  # a sweep by another kernel must not take them once ours is gone
             share_folder(folder)
         if self.socket_path.startswith("tcp:"):  # a Slurm node: the direct link's kind of listener, on its address
-            self._server = await asyncio.start_server(self._accept, host=self.socket_path[4:], port=0, limit=1 << 22)
+            address = numeric_address(self.socket_path[4:])  # (one literal address, as said: never every one of a name)
+            self._server = await asyncio.start_server(self._accept, host=address, port=0, limit=1 << 22)
             host, port = self._server.sockets[0].getsockname()[:2]
             self.socket_path = f"tcp:{host}:{port}"
             return self
@@ -139,14 +150,19 @@ class Persistence:
     def _hold_output(self, msg: m.Output) -> None:
         if msg.req_id is not None:
             self._name(msg.rank, msg.req_id)
+        if len(msg.text) > HELD_CHARS_PER_RANK:  # (one huge message: its end is what a reader wants)
+            self.dropped_lines += msg.text.count("\n", 0, len(msg.text) - HELD_CHARS_PER_RANK)
+            msg = dataclasses.replace(msg, text=msg.text[-HELD_CHARS_PER_RANK:])
         lines = self._lines.setdefault(msg.rank, collections.deque())
         lines.append((next(self._seq), msg))
-        count = self._line_counts[msg.rank] = self._line_counts.get(msg.rank, 0) + msg.text.count("\n") + 1
-        while count > HELD_LINES_PER_RANK and len(lines) > 1:
+        count = self._line_counts.get(msg.rank, 0) + msg.text.count("\n") + 1
+        chars = self._char_counts.get(msg.rank, 0) + len(msg.text)
+        while (count > HELD_LINES_PER_RANK or chars > HELD_CHARS_PER_RANK) and len(lines) > 1:
             _, dropped = lines.popleft()
             count -= dropped.text.count("\n") + 1
+            chars -= len(dropped.text)
             self.dropped_lines += dropped.text.count("\n") + 1
-        self._line_counts[msg.rank] = count
+        self._line_counts[msg.rank], self._char_counts[msg.rank] = count, chars
 
     def _name(self, rank: int, req_id: int) -> None:
         if req_id not in self._labels:
@@ -161,20 +177,22 @@ class Persistence:
         self._held.clear()
         self._lines.clear()
         self._line_counts.clear()
+        self._char_counts.clear()
         return held
 
     # ------------------------------------------------------------ kernels that come
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sock = writer.get_extra_info("socket")
         unix = sock is not None and sock.family == socket.AF_UNIX  # (on TCP the secret's proof alone decides)
+        token = self._gate.admit(writer)
         try:
             if sock is None or (unix and not peer_is_us(sock)):  # (the folder is private too)
                 raise AuthenticationFailed("the peer runs as another user")
-            session = await check_controller_async(reader, writer, self._secret)
+            session = await check_controller_async(reader, writer, self._secret, timeout=HANDSHAKE_TIMEOUT_S)
         except (AuthenticationFailed, OSError) as exc:
-            _log(f"refused a connection on {self.socket_path}: {exc}")
-            writer.close()
+            self._gate.refuse(token, str(exc))
             return
+        self._gate.done(token)
         first: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         then: list[Any] = []  # once attached: where the kernel's messages and the link's end go
 
@@ -231,7 +249,18 @@ class Persistence:
                 self._name(rank, proc.running)
         self.host.last_heard = time.monotonic()  # (the silence watch counts from the attach)
         self.host.connected(link)  # (its hello first; nothing can come between it and what follows)
-        link.send(pm.Attached(self.rank_states(), detached_for, self._take_held(), dict(self._labels),
+        held = self._take_held()
+        start = 0
+        while start < len(held):  # in frames of about BATCH_CHARS of text each, the last inside Attached
+            end, size = start, 0
+            while end < len(held) and (end == start or size < BATCH_CHARS):
+                size += len(getattr(held[end], "text", "")) + 256
+                end += 1
+            if end == len(held):
+                break
+            link.send(pm.HeldBatch(held[start:end]))
+            start = end
+        link.send(pm.Attached(self.rank_states(), detached_for, held[start:], dict(self._labels),
                               self.dropped_lines))
         self._labels.clear()
         self.dropped_lines = 0
@@ -265,6 +294,7 @@ class Persistence:
         self.detached_since = None
         if self._server is not None:
             self._server.close()
+        self._gate.close()
         if not self.socket_path.startswith("tcp:"):
             with contextlib.suppress(OSError):
                 os.unlink(self.socket_path)

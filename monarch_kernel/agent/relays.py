@@ -22,6 +22,7 @@ from typing import Any
 from monarch_kernel.core.addresses import numeric_address
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import relay_messages as rm
+from monarch_kernel.wire.handshake_gate import HandshakeGate
 from monarch_kernel.wire.relay_link import DOWN, UP, RelayLink, RelayRefused, handshake_as_child, handshake_as_parent, no_delay
 
 UP_TYPES = (m.Output, m.Display, m.Gathered)  # what goes up the tree (in order); the rest goes straight
@@ -82,17 +83,18 @@ class AgentRelays:
         """Listen for the children the controller named; say the port; stop once they joined."""
         self.index, self._routes, self._stopped = msg.index, dict(msg.routes), False
         expected, joined = set(msg.children), asyncio.Event()
+        gate = HandshakeGate("this agent's relay listener", _log)
 
         async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            peer = writer.get_extra_info("peername")
+            token = gate.admit(writer)
             try:
                 index, session = await handshake_as_parent(reader, writer, msg.key)
                 if index not in expected or index in self.children:
                     raise RelayRefused(f"host {index} is not a child of this relay waiting to join")
             except RelayRefused as exc:
-                _log(f"refused a relay connection from {peer[0] if peer else '?'}: {exc}")
-                writer.close()  # (strangers knocking do not stop the listening: the real children may still come)
+                gate.refuse(token, str(exc))  # (strangers knocking do not stop the listening: the children may come)
                 return
+            gate.done(token)
             no_delay(writer)
             self.children[index] = RelayLink(reader, writer, session, DOWN, self._from_child,
                                               partial(self._child_closed, index))
@@ -112,6 +114,7 @@ class AgentRelays:
             pass  # the controller times the joins out itself, and says so
         finally:
             server.close()  # nothing of ours stays listening
+            gate.close()
             self._server = None
 
     async def join(self, msg: rm.RelayJoin) -> None:

@@ -29,6 +29,7 @@ from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import persist_messages as pm
 from monarch_kernel.wire.direct_auth import AuthenticationFailed, prove_controller_async
 from monarch_kernel.wire.lanes import peer_credentials
+from monarch_kernel.wire.link_crypto import Session
 from monarch_kernel.wire.relay_link import DOWN, RelayLink
 
 ATTACH_TIMEOUT_S = 10.0
@@ -69,7 +70,7 @@ class ReachedAgent:
 
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
-    session: bytes
+    session: Session
     forwarded: Any = None  # how it was reached, if not on this machine: ssh.ForwardedAgent, DirectAgent
 
     def close(self) -> None:
@@ -113,21 +114,21 @@ async def reach_agent(record: MeshRecord, index: int, local_dir: str) -> Reached
         if forwarded is not None:
             forwarded.close()
         raise MeshGone(gone) from None
-    reached = ReachedAgent(reader, writer, b"", forwarded)
+    unproven = ReachedAgent(reader, writer, Session(b"", b""), forwarded)
     pid, uid = peer_credentials(writer.get_extra_info("socket"))
     if uid != os.getuid() or pid != expected_pid:
-        reached.close()
+        unproven.close()
         raise MeshAttachError(f"the socket of mesh {record.name!r} is served by pid {pid} (uid {uid}), not by {where}: "
                               "refusing a stale or forged record")
     try:
-        reached.session = await prove_controller_async(reader, writer, bytes.fromhex(record.secret))
+        session = await prove_controller_async(reader, writer, bytes.fromhex(record.secret))
     except (AuthenticationFailed, ValueError) as exc:
-        reached.close()
+        unproven.close()
         if forwarded is not None and "did not complete" in str(exc):  # the forwarding found no socket there
             raise MeshGone(gone) from None
         raise MeshAttachError(f"mesh {record.name!r}: {where} did not accept this record's secret ({exc}): "
                               "the record is stale or forged") from None
-    return reached
+    return ReachedAgent(reader, writer, session, forwarded)
 
 
 async def _reach_node(record: MeshRecord, agent: dict[str, Any], gone: str) -> ReachedAgent:

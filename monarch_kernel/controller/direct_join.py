@@ -1,8 +1,8 @@
-"""The controller's end of a Slurm agent's direct link: where to connect, and the handshake.
+"""The controller's end of a Slurm agent's direct link: where to connect, and the join.
 
-The agent offers `direct IP PORT` on the step's stdout (agent/direct_link.py): the literal
-address it bound. We connect there only, prove the secret (wire/direct_auth.py), and get the
-session key under which every later frame is sealed.
+The agent offers `direct IP PORT CREDENTIAL` on the step's stdout (agent/direct_link.py): the
+literal address it bound. We connect there only and send our join (`wire/munge_auth.Join`), whose
+keys encrypt every later frame.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import ipaddress
 import socket
 
 from monarch_kernel.core.addresses import is_loopback, numeric_address
-from monarch_kernel.wire.direct_auth import prove_controller
 
 DIRECT_CONNECT_TIMEOUT_S = 5.0
 
@@ -42,15 +41,15 @@ def direct_target(offer: list[str], node_address: str) -> tuple[str, int] | str 
     return ip, port
 
 
-def join_direct(address: str, port: int, secret: bytes) -> tuple[socket.socket, bytes]:
-    """Connect to an agent's direct link and prove the secret; the socket and the session key
+def join_direct(address: str, port: int, first: bytes) -> socket.socket:
+    """Connect to an agent's direct link and send the join and the first records; the socket
     (blocking; run in a thread)."""
     sock = socket.create_connection((address, port), timeout=DIRECT_CONNECT_TIMEOUT_S)
     try:
-        session = prove_controller(sock, secret)
+        sock.sendall(first)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
     except BaseException:
         sock.close()
         raise
-    return sock, session
+    return sock

@@ -10,6 +10,7 @@ the ranks' state and what they said meanwhile (`Attached`). Only local meshes pe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -89,12 +90,15 @@ class PersistentRuntime(MeshRuntime):
         super().__init__(spec, **options)
         self._ready: dict[int, asyncio.Future[Any]] = {}  # by host: its agent listens (PersistReady)
         self._attached: dict[int, asyncio.Future[Any]] = {}  # by host: Attached or AttachRefused
+        self._held_batches: dict[int, list[Any]] = {}  # by host: what came in HeldBatch frames before Attached
+        self.state.persistent = True
         self.detached_runs: list[DetachedRun] = []  # what the ranks did while no kernel held the mesh
         self.detached_for = 0.0
         self.detached_futures: dict[int, Any] = {}  # req_id -> the notebook's future on a request still running
         self.record: MeshRecord | None = None
         self._handlers.update({
             pm.PersistReady: lambda link, msg: settle(self._ready.get(link.index), msg),
+            pm.HeldBatch: lambda link, msg: self._held_batches.setdefault(link.index, []).extend(msg.held),
             pm.Attached: self._on_attached,
             pm.AttachRefused: lambda link, msg: settle(self._attached.get(link.index), msg),
             pm.TakenOver: lambda link, msg: self._taken_over(msg.holder),
@@ -160,6 +164,10 @@ class PersistentRuntime(MeshRuntime):
             found.append(DetachedResult(run.label, ranks, output, values, errors, tuple(sorted(run.running)),
                                         self.detached_futures.get(run.req_id)))
         return found
+
+    def _end_lost_host(self, link: HostLink) -> None:
+        """A lost link to a persistent mesh's agent is a detach, never a kill: the agent keeps the ranks and
+        what they say for the next kernel (a stall, a refused frame or a take-over race must not end them)."""
 
     # ------------------------------------------------------------ leaving, taken over
     def shutdown(self) -> None:
@@ -249,6 +257,9 @@ class PersistentRuntime(MeshRuntime):
 
     def _on_attached(self, link: HostLink, attached: pm.Attached) -> None:
         """As it arrives (before any later message of that host): the ranks, and what they did meanwhile."""
+        earlier = self._held_batches.pop(link.index, [])
+        if earlier:
+            attached = dataclasses.replace(attached, held=(*earlier, *attached.held))
         self._took(attached)
         settle(self._attached.get(link.index), attached)
 

@@ -324,8 +324,7 @@ class MeshRuntime:
             return
         why = f"lost the connection to host {link.name}" + (f" ({exc})" if exc else "")
         self.host_ops.lost(link, why)
-        if link.host is not None:  # on this machine: make sure nothing of it keeps running
-            link.host.kill_local([pid for r in link.ranks if (pid := self.state.ranks[r].pid) is not None])
+        self._end_lost_host(link)
         for rank in link.ranks:
             if self.state.ranks[rank].alive:
                 self.requests.rank_exited(rank, None, None, (why,), expected=False, host_lost=True)
@@ -333,6 +332,11 @@ class MeshRuntime:
             asyncio.get_running_loop().create_task(self._fail_start(link))
         self.relays.lost(link, exc)
         self._cut_off(link.index, f"its relay host {link.name} was lost")
+
+    def _end_lost_host(self, link: HostLink) -> None:
+        """A host that stopped answering, on this machine: make sure nothing of it keeps running."""
+        if link.host is not None:
+            link.host.kill_local([pid for r in link.ranks if (pid := self.state.ranks[r].pid) is not None])
 
     def _relay_lost(self, host: int, why: str) -> None:
         """A relay link broke: `host` and the hosts below it can no longer be reached for work."""

@@ -1,12 +1,14 @@
-"""A host agent as a Slurm job step: `srun` on one node of an allocation, the agent speaking on the
-step's stdin and stdout (Slurm's own step launch authenticates it), then, where the node offers one,
-a direct link keyed by a secret sent on that channel. `slurm.py` makes and watches the allocation."""
+"""A host agent as a Slurm job step: `srun` on one node of an allocation, then an encrypted link to it keyed
+by munge credentials (srun's stdio is readable on the cluster network: only bound public values cross it in
+clear), over a direct TCP link where the node offers one, else over the step's stdin and stdout.
+`slurm.py` makes and watches the allocation."""
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
 import enum
+import json
 import os
 import shutil
 import subprocess
@@ -18,9 +20,9 @@ from typing import Any
 from monarch_kernel.controller.direct_join import direct_target, join_direct
 from monarch_kernel.controller.slurm import job_state, node_state
 from monarch_kernel.core.errors import MeshStartError
-from monarch_kernel.wire.direct_auth import AuthenticationFailed, new_secret
-from monarch_kernel.wire.relay_link import DOWN, RelayLink
-from monarch_kernel.wire.transport import AsyncConnection
+from monarch_kernel.wire.link_crypto import DOWN, Opener, Sealer
+from monarch_kernel.wire.munge_auth import Join, MungeFailed
+from monarch_kernel.wire.relay_link import RelayLink, pipe_streams
 
 OFFER_TIMEOUT_S = 300.0  # srun, the node's --setup line and python's start, until the agent offers its link
 
@@ -41,19 +43,18 @@ class StepLink(enum.StrEnum):
     """What a step's link to the controller rides on."""
 
     STARTING = "starting"  # not attached yet: the pipes are ours
-    STDIO = "stdio"  # srun's stdin/stdout (the connection owns the pipes)
-    DIRECT = "direct"  # the sealed TCP link to the node
+    STDIO = "stdio"  # encrypted records on srun's stdin/stdout (the link owns the pipes)
+    DIRECT = "direct"  # encrypted records on a TCP link to the node
     CLOSED = "closed"
 
 
 @dataclass
 class SlurmStep:
-    """A host agent running as a job step on one node, talking on the step's stdin/stdout.
+    """A host agent running as a job step on one node.
 
-    With a secret, the agent offers a direct TCP link on the node's address, which the
-    controller joins by proving the secret (`wire.direct_auth`): bulk data then skips
-    srun's stdio forwarding (about 10 MB/s). If the node cannot be reached, the protocol
-    stays on the pipes.
+    The agent and the controller key an encrypted link with munge (`wire.munge_auth`). With
+    `direct`, the agent offers it as a TCP link on the node's address: bulk data then skips srun's
+    stdio forwarding (about 10 MB/s). If the node cannot be reached, the link rides the pipes.
     """
 
     scheduled = True  # Slurm says why a rank or the whole step went away (time limit, scancel, a dead node)
@@ -66,24 +67,24 @@ class SlurmStep:
     log_path: str
     python: str
     address: str = ""
-    secret: bytes | None = None
+    env: dict[str, str] | None = None  # sent as the link's first encrypted frame
     channel: StepLink = StepLink.STARTING  # what the link rides on
 
     @classmethod
     def start(cls, job_id: str, node: str, *, python: str, setup: str | None, env: dict[str, str],
               log_path: str, address: str = "", direct: bool = True, persist: bool = False) -> SlurmStep:
-        """srun the agent on node (the environment and the direct link's secret go first on its stdin).
+        """srun the agent on node (the environment follows, encrypted, once the link is keyed).
 
         persist: the step outlives the kernel (srun does not die with it; the agent waits for the next)."""
         to_agent_r, to_agent_w = os.pipe()
         from_agent_r, from_agent_w = os.pipe()
-        from monarch_kernel.controller.ssh import agent_command, env_line
+        from monarch_kernel.controller.ssh import agent_command
 
-        secret = new_secret() if direct and address else None
         command = ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
                    "--unbuffered", f"--job-name=monarch-agent-{node}",
-                   "/bin/sh", "-c", agent_command(python=python, name=node, setup=setup, env=env,
-                                                  direct_address=address if secret else None, persist=persist)]
+                   "/bin/sh", "-c", agent_command(python=python, name=node, setup=setup, env=env, munge=True,
+                                                  direct_address=address if direct and address else None,
+                                                  persist=persist)]
         if shutil.which("srun") is None:
             raise MeshStartError("srun is not on PATH: is this machine a Slurm login node?")
         with open(log_path, "ab") as log:
@@ -93,43 +94,66 @@ class SlurmStep:
                                        close_fds=True)
         os.close(to_agent_r)
         os.close(from_agent_w)
-        if env:
-            os.write(to_agent_w, env_line(env))
-        if secret:
-            os.write(to_agent_w, secret.hex().encode() + b"\n")
-        return cls(job_id, node, process, from_agent_r, to_agent_w, log_path, python, address, secret)
+        return cls(job_id, node, process, from_agent_r, to_agent_w, log_path, python, address, dict(env))
 
     async def attach(self, on_message: Callable[[Any], None],
-                     on_close: Callable[[Exception | None], None]) -> AsyncConnection | RelayLink:
-        """The framed connection to the agent: the direct link if it can be made, else srun's pipes."""
-        if self.secret is not None:
-            offer = (await self._read_offer()).split()[1:]
-            target = direct_target(offer, self.address)
+                     on_close: Callable[[Exception | None], None]) -> RelayLink:
+        """The encrypted link to the agent: over TCP if the node offers it and can be reached, else srun's pipes."""
+        said = (await self._read_offer()).split()
+        if said[:2] == ["link", "refused"]:
+            raise MeshStartError(f"the agent on node {self.node} cannot authenticate its link: {' '.join(said[2:])}")
+        if len(said) < 2 or said[0] not in ("direct", "stdio"):
+            raise MeshStartError(f"the agent on node {self.node} said {' '.join(said)[:200]!r} where a link offer "
+                                 "was due (another monarch_kernel version on the node?)")
+        join = await self._join(said[-1].encode())
+        sealer, opener = self._ends(join)
+        first = join.message + b"".join(self._first_records(sealer))  # (the same bytes on either way: no nonce twice)
+        if said[0] == "direct":
+            target = direct_target(said[1:-1], self.address)
             if isinstance(target, str):
                 self._stay_on_stdio(f"node {self.node}: {target}; data moves through srun's stdio instead")
             elif target is not None:
                 ip, port = target
                 try:
-                    sock, session = await asyncio.to_thread(join_direct, ip, port, self.secret)
-                except AuthenticationFailed as exc:
-                    raise MeshStartError(f"the direct link to the agent on node {self.node} failed: {exc}") from None
+                    sock = await asyncio.to_thread(join_direct, ip, port, first)
                 except OSError as exc:
                     self._stay_on_stdio(f"node {self.node}: the direct link to {ip}:{port} failed ({exc}); data "
                                         "moves through srun's stdio instead (about 10x slower for large tensors)")
                 else:
                     self.channel = StepLink.DIRECT
                     reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 22)
-                    return RelayLink(reader, writer, session, DOWN, on_message, on_close)
-        self.channel = StepLink.STDIO  # the connection owns the pipes from here
-        return await AsyncConnection.from_pipes(self.read_fd, self.write_fd, on_message, on_close)
+                    return RelayLink(reader, writer, (sealer, opener), DOWN, on_message, on_close)
+            else:
+                os.write(self.write_fd, b"stdio\n")
+        os.write(self.write_fd, first)
+        self.channel = StepLink.STDIO  # the link owns the pipes from here
+        reader, writer = await pipe_streams(self.read_fd, self.write_fd)
+        return RelayLink(reader, writer, (sealer, opener), DOWN, on_message, on_close)
 
     def _stay_on_stdio(self, why: str) -> None:
         self._log(why)
         print(f"monarch_kernel: {why}", file=sys.stderr, flush=True)
         os.write(self.write_fd, b"stdio\n")
 
+    async def _join(self, credential: bytes) -> Join:
+        try:
+            return await asyncio.to_thread(Join, credential)
+        except MungeFailed as exc:
+            raise MeshStartError(f"the link to the agent on node {self.node} cannot be authenticated: {exc}. "
+                                 "Slurm meshes key their encrypted link with munge: check that `munge -n | unmunge` "
+                                 "works on this machine and on the node") from None
+
+    @staticmethod
+    def _ends(join: Join) -> tuple[Sealer, Opener]:
+        seal_key, open_key = join.session.keys_for(DOWN)
+        return Sealer(seal_key), Opener(open_key)
+
+    def _first_records(self, sealer: Sealer) -> list[bytes]:
+        """The environment, as the link's first frame (the agent reads it before anything else)."""
+        return sealer.seal([json.dumps(self.env or {}).encode()])
+
     async def _read_offer(self, timeout: float = OFFER_TIMEOUT_S) -> str:
-        """The agent's first line: `direct IP PORT` (or `direct none`)."""
+        """The agent's first line: `direct IP PORT CREDENTIAL`, `stdio CREDENTIAL` or `link refused WHY`."""
         loop = asyncio.get_running_loop()
         line = bytearray()
         done: asyncio.Future[bytes] = loop.create_future()
@@ -142,7 +166,7 @@ class SlurmStep:
             line.extend(byte)
             if done.done():
                 return
-            if not byte or len(line) > 256:
+            if not byte or len(line) > 8192:
                 done.set_result(b"")
             elif byte == b"\n":
                 done.set_result(bytes(line))
@@ -156,7 +180,7 @@ class SlurmStep:
                                  f"(see {self.log_path})") from None
         finally:
             loop.remove_reader(self.read_fd)
-        if not said.startswith(b"direct "):
+        if not said.startswith((b"direct ", b"stdio ", b"link refused")):
             raise MeshStartError(await self.explain_exit())
         return said.decode(errors="replace").strip()
 

@@ -250,17 +250,20 @@ def _config_sets_ciphers(config: Any) -> bool:
 
 
 def agent_command(*, python: str, name: str, setup: str | None, env: dict[str, str],
-                  pythonpath: str | None = None, direct_address: str | None = None, persist: bool = False) -> str:
+                  pythonpath: str | None = None, munge: bool = False, direct_address: str | None = None,
+                  persist: bool = False) -> str:
     """The remote shell command that starts an agent speaking on its stdin/stdout.
 
     The environment's values never appear in it (other users of the host see command
-    lines): with `env`, the agent reads them from its stdin first (`env_line`). With
-    `direct_address` it then reads a secret line and offers a direct link (`agent.direct_link`).
+    lines): with `env`, the agent reads them from its stdin first (`env_line`). With `munge`
+    (a Slurm step, whose stdio is not private) the agent first keys an encrypted link with munge,
+    offered over TCP on `direct_address` if given, and the environment comes on that link
+    (`agent.direct_link`).
     """
     assigns = []
-    extra = (" --env-stdin" if env else "") + (" --persist" if persist else "")
-    if direct_address:
-        extra += f" --direct {shlex.quote(direct_address)}"
+    extra = (" --env-stdin" if env and not munge else "") + (" --persist" if persist else "")
+    if munge:
+        extra += " --munge" + (f" --direct {shlex.quote(direct_address)}" if direct_address else "")
     if pythonpath:
         assigns.append(f'PYTHONPATH={shlex.quote(pythonpath)}"${{PYTHONPATH:+:$PYTHONPATH}}"')
         extra += f" --cleanup {shlex.quote(pythonpath)}"

@@ -259,6 +259,7 @@ class MeshState:
         self.history: deque[TimingRecord] = deque(maxlen=HISTORY_RECORDS)
         self.closed = False
         self.closed_why = ""  # why it is closed, when not by %mesh down (taken over, left for the next kernel)
+        self.persistent = False  # it outlives its kernel: a lost host may still hold its state (no restart advice)
         sweep_stale_folders()
         if folders is not None:
             self.run_dir, self.shm_dir = folders
@@ -340,10 +341,14 @@ class MeshState:
         tail = tuple(text for stream, text in state.log if stream == "stderr")[-10:]
         if state.host_lost:  # it may still run over there (a cut cable): say what we know, not more
             how = "is out of reach" if how == "died" else how
+        advice = "Run %mesh restart (or mesh.restart()) for a fresh mesh."
+        if state.host_lost and self.persistent:  # a restart would stop what the mesh kept there
+            advice = (f"Mesh {self.name!r} is persistent and may still run there with its state: when the host is "
+                      f"back, attach it again with %mesh attach {self.name} --take (monarch_kernel.attach("
+                      f"{self.name!r}, take=True)); %mesh restart would stop what it holds.")
         return RankFailure(
             state.rank, state.host, FailureKind.DIED, "RankDied",
-            f"rank {state.rank} (host {state.host}, pid {state.pid}) {how}: {state.exit_text()}. "
-            f"Run %mesh restart (or mesh.restart()) for a fresh mesh.",
+            f"rank {state.rank} (host {state.host}, pid {state.pid}) {how}: {state.exit_text()}. {advice}",
             pid=state.pid, exit_code=state.exit_code, signal=state.signal, stderr_tail=tail,
         )
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from monarch_kernel.rank.cell import describe_failure
 from monarch_kernel.rank.worker import READY_REQ, Worker, WorkerConfig
+from monarch_kernel.wire.handshake_gate import raise_descriptor_limit
 from monarch_kernel.wire.messages import Result
 from monarch_kernel.wire.serialization import seal
 from monarch_kernel.wire.transport import BlockingConnection
@@ -65,6 +66,7 @@ def run_rank(conn_sock: socket.socket, hb_sock: socket.socket, config: WorkerCon
     if os.getppid() != parent:
         os._exit(1)
     faulthandler.enable(file=sys.__stderr__ or sys.stderr, all_threads=True)
+    raise_descriptor_limit()  # (also when the agent could not: a rank listens for calls from other hosts)
     conn = BlockingConnection(conn_sock)
     worker = Worker(conn, config)
     worker.install()

@@ -6,11 +6,13 @@ hosts, the controller then has its ranks listen on their hosts' addresses (`List
 the caller where (`DirectRoute.far`). The caller's loop opens a link to each called rank, and later calls
 and their replies take that link: one TCP round trip.
 
-A link is the relay link's (`wire/relay_link.py`): both ends prove a key made for the called mesh,
-handed out over the controller's own channels (never on a command line, never sent on the link), and
-every frame is sealed against forgery and replay. A peer that fails the handshake is closed before
-anything it sent is read as a message, and a call that names shared-memory files (of the called host)
-is refused. Both ends run on the rank's event loop (`rank-loop`); other threads hand frames to it.
+A link is the relay link's (`wire/relay_link.py`): an ephemeral key exchange that both ends authenticate
+with a key made for the called mesh, handed out over the controller's own encrypted channels (never on a
+command line, never sent on the link), then every frame encrypted and authenticated. A peer that fails the
+handshake is closed before anything it sent is read as a message; connections still in their handshake are
+bounded in number, in all and per source address (`wire/handshake_gate.py`); and a call that names
+shared-memory files (of the called host) is refused.
+Both ends run on the rank's event loop (`rank-loop`); other threads hand frames to it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from monarch_kernel.core.addresses import numeric_address
 from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.wire.calls import death_reply
+from monarch_kernel.wire.handshake_gate import HandshakeGate
 from monarch_kernel.wire.messages import (
     ActorCall,
     ActorReply,
@@ -85,7 +88,13 @@ class CallListener:
         self._tell = tell  # to the controller
         self._server: asyncio.Server | None = None
         self._key = b""
-        self.refused = 0  # connections that did not prove the key
+        self._gate = HandshakeGate(f"monarch_kernel: rank {rank}'s call listener",
+                                   lambda text: print(text, file=sys.__stderr__, flush=True))
+
+    @property
+    def refused(self) -> int:
+        """Connections that did not prove the key (dropped past the gate's caps included)."""
+        return self._gate.refused
 
     async def listen(self, msg: ListenForCalls) -> None:
         """Listen (once: a second ask, from a kernel that attached later, gets the same port, and links
@@ -102,15 +111,13 @@ class CallListener:
         self._tell(ListeningForCalls(self._rank, host, port))
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
+        token = self._gate.admit(writer)
         try:
             _, session = await handshake_as_parent(reader, writer, self._key)
         except RelayRefused as exc:
-            self.refused += 1
-            print(f"monarch_kernel: rank {self._rank} refused a call link from {peer[0] if peer else '?'}: {exc}",
-                  file=sys.__stderr__, flush=True)
-            writer.close()
+            self._gate.refuse(token, str(exc))
             return
+        self._gate.done(token)
         no_delay(writer)
         sender: list[LoopSender] = []
 

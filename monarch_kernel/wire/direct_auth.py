@@ -1,20 +1,19 @@
-"""Mutual proof of a shared secret on a fresh connection (the direct link to a Slurm node's agent, a persistent mesh's socket).
+"""Mutual proof of a persistent mesh's secret on a fresh connection, with an ephemeral key exchange.
 
-Both ends hold a secret that travelled on an already authenticated channel (the job
-step's stdin). Neither end sends it: each proves knowledge with an HMAC over both
-sides' random nonces, so a recorded exchange proves nothing the next time.
+A persistent mesh's agent waits for the next kernel on a socket (a Unix socket in a private
+folder; on a Slurm node, a TCP port on the node's address). Both ends hold the mesh's secret,
+which travelled only on encrypted channels (SSH, the munge-keyed step link, a 0600 record on the
+kernel's machine). Neither end sends it: each proves it with an HMAC over a transcript of fresh
+X25519 public keys, and the session's keys come from the X25519 exchange, so a recording of the
+connection reveals nothing, even to someone who learns the secret later:
 
-    agent -> controller   nonce_a
-    controller -> agent   nonce_c, HMAC(secret, "controller" | nonce_a | nonce_c)
-    agent -> controller   HMAC(secret, "agent" | nonce_c | nonce_a)
-    session key = HMAC(secret, "session" | nonce_a | nonce_c)
+    agent -> controller   X_a
+    controller -> agent   X_c, HMAC(secret, "controller" | T)
+    agent -> controller   HMAC(secret, "agent" | T)
+    T = SHA256(X_a | X_c);  keys = HKDF(X25519, salt = HMAC(secret, "session" | T), T)
 
-The proof alone would not bind the connection: a local user who relays the handshake
-between the two ends (it can take the port on an address the agent did not bind) would be
-trusted by both afterwards. So every later frame is sealed under the session key, with a
-direction and a sequence number (`wire.relay_link.RelayLink`): a relaying peer can read the
-frames but not forge, alter, replay or reorder one. Frames are not encrypted (like gloo and
-NCCL traffic).
+Every later frame is an AES-GCM record (`wire.relay_link.RelayLink`): a relaying peer can neither
+read nor forge, alter, replay or reorder one.
 """
 
 from __future__ import annotations
@@ -23,11 +22,12 @@ import asyncio
 import hashlib
 import hmac
 import os
-import socket
+
+from monarch_kernel.wire.link_crypto import PUBLIC_BYTES, Ephemeral, RecordRefused, Session, derive_session, transcript_hash
 
 SECRET_BYTES = 32
-_NONCE = 32
 _MAC = hashlib.sha256().digest_size
+_LABEL = b"monarch-kernel persist link v2"
 
 
 class AuthenticationFailed(ConnectionError):
@@ -35,50 +35,20 @@ class AuthenticationFailed(ConnectionError):
 
 
 def new_secret() -> bytes:
-    """A fresh random secret for one agent's direct link."""
+    """A fresh random secret for one persistent mesh."""
     return os.urandom(SECRET_BYTES)
 
 
-def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+def _mac(secret: bytes, role: bytes, transcript: bytes) -> bytes:
+    return hmac.new(secret, role + b"|" + transcript, hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise AuthenticationFailed("the other end closed the connection during the handshake")
-        data += chunk
-    return bytes(data)
-
-
-def prove_controller(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> bytes:
-    """Controller's side: prove the secret, and check the agent's proof; the session key
-    (raises AuthenticationFailed)."""
-    sock.settimeout(timeout)
-    nonce_a = _recv_exact(sock, _NONCE)
-    nonce_c = os.urandom(_NONCE)
-    sock.sendall(nonce_c + _mac(secret, b"controller", nonce_a, nonce_c))
-    if not hmac.compare_digest(_recv_exact(sock, _MAC), _mac(secret, b"agent", nonce_c, nonce_a)):
-        raise AuthenticationFailed("the agent's proof of the secret is wrong")
-    sock.settimeout(None)
-    return _mac(secret, b"session", nonce_a, nonce_c)
-
-
-def check_controller(sock: socket.socket, secret: bytes, timeout: float = 5.0) -> bytes:
-    """Agent's side: check the controller's proof, then prove the secret; the session key
-    (raises AuthenticationFailed)."""
-    sock.settimeout(timeout)
-    nonce_a = os.urandom(_NONCE)
-    sock.sendall(nonce_a)
-    answer = _recv_exact(sock, _NONCE + _MAC)
-    nonce_c, proof = answer[:_NONCE], answer[_NONCE:]
-    if not hmac.compare_digest(proof, _mac(secret, b"controller", nonce_a, nonce_c)):
-        raise AuthenticationFailed("the connecting peer did not prove the secret")
-    sock.sendall(_mac(secret, b"agent", nonce_c, nonce_a))
-    sock.settimeout(None)
-    return _mac(secret, b"session", nonce_a, nonce_c)
+def _session(secret: bytes, ours: Ephemeral, theirs: bytes, transcript: bytes) -> Session:
+    try:
+        shared = ours.shared(theirs)
+    except RecordRefused as exc:
+        raise AuthenticationFailed(str(exc)) from None
+    return derive_session(shared, _mac(secret, b"session", transcript), _LABEL, transcript)
 
 
 async def _read_exact(reader: asyncio.StreamReader, n: int, timeout: float) -> bytes:
@@ -89,27 +59,30 @@ async def _read_exact(reader: asyncio.StreamReader, n: int, timeout: float) -> b
 
 
 async def prove_controller_async(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
-                                 timeout: float = 5.0) -> bytes:
-    """`prove_controller` on asyncio streams (a persistent mesh's Unix socket)."""
-    nonce_a = await _read_exact(reader, _NONCE, timeout)
-    nonce_c = os.urandom(_NONCE)
-    writer.write(nonce_c + _mac(secret, b"controller", nonce_a, nonce_c))
+                                 timeout: float = 5.0) -> Session:
+    """The kernel's side: exchange keys, prove the secret, check the agent's proof; the session's keys
+    (raises AuthenticationFailed)."""
+    theirs = await _read_exact(reader, PUBLIC_BYTES, timeout)
+    ours = Ephemeral()
+    transcript = transcript_hash(theirs, ours.public)
+    writer.write(ours.public + _mac(secret, b"controller", transcript))
     await writer.drain()
-    if not hmac.compare_digest(await _read_exact(reader, _MAC, timeout), _mac(secret, b"agent", nonce_c, nonce_a)):
+    if not hmac.compare_digest(await _read_exact(reader, _MAC, timeout), _mac(secret, b"agent", transcript)):
         raise AuthenticationFailed("the agent's proof of the secret is wrong")
-    return _mac(secret, b"session", nonce_a, nonce_c)
+    return _session(secret, ours, theirs, transcript)
 
 
 async def check_controller_async(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
-                                 timeout: float = 5.0) -> bytes:
-    """`check_controller` on asyncio streams."""
-    nonce_a = os.urandom(_NONCE)
-    writer.write(nonce_a)
+                                 timeout: float = 5.0) -> Session:
+    """The agent's side: check the kernel's proof, then prove the secret; the session's keys."""
+    ours = Ephemeral()
+    writer.write(ours.public)
     await writer.drain()
-    answer = await _read_exact(reader, _NONCE + _MAC, timeout)
-    nonce_c, proof = answer[:_NONCE], answer[_NONCE:]
-    if not hmac.compare_digest(proof, _mac(secret, b"controller", nonce_a, nonce_c)):
+    answer = await _read_exact(reader, PUBLIC_BYTES + _MAC, timeout)
+    theirs, proof = answer[:PUBLIC_BYTES], answer[PUBLIC_BYTES:]
+    transcript = transcript_hash(ours.public, theirs)
+    if not hmac.compare_digest(proof, _mac(secret, b"controller", transcript)):
         raise AuthenticationFailed("the connecting peer did not prove the secret")
-    writer.write(_mac(secret, b"agent", nonce_c, nonce_a))
+    writer.write(_mac(secret, b"agent", transcript))
     await writer.drain()
-    return _mac(secret, b"session", nonce_a, nonce_c)
+    return _session(secret, ours, theirs, transcript)

@@ -73,15 +73,24 @@ class DetachedRank:
 
 
 @dataclass(frozen=True)
+class HeldBatch:
+    """Agent -> kernel, just before `Attached`: part of what the ranks sent while no kernel was attached, in
+    order (what was held goes in several frames, none near a frame's size limit)."""
+
+    held: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
 class Attached:
-    """Agent -> kernel: you hold the mesh. `held`: what the ranks sent while no kernel was attached
-    (output, results, deaths), in order, bounded; `labels`: req_id -> what the request was ("In[4]")."""
+    """Agent -> kernel: you hold the mesh. `held`: the last of what the ranks sent while no kernel was attached
+    (output, results, deaths), in order, after the `HeldBatch`es; `labels`: req_id -> what the request was
+    ("In[4]")."""
 
     ranks: tuple[DetachedRank, ...]
     detached_for: float  # seconds without a kernel
     held: tuple[Any, ...]
     labels: dict[int, str]
-    dropped_lines: int  # output lines beyond the bound, dropped oldest first
+    dropped_lines: int  # output lines beyond the bounds (lines and bytes per rank), dropped oldest first
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,26 @@
-"""Relay links between host agents: authenticated both ways, and every frame sealed against forgery and replay.
+"""Relay links between host agents (and call links between ranks): authenticated, encrypted, in order.
 
 Past a branching factor the controller sends a broadcast to a few agents, which relay it
-to the others over TCP links between agents. A link is as trusted as the controller's
-own channels: the controller hands out a per-mesh relay key over those channels (never
-on a command line), and
+to the others over TCP links between agents; ranks of meshes on different hosts call each
+other over the same kind of link (`rank/far_calls.py`). The controller hands out a per-mesh key
+over its own encrypted channels (SSH, or the Slurm direct link; never on a command line, never
+on one of these links), and each connection then runs an ephemeral key exchange that the key
+authenticates (`wire/link_crypto.py` has the primitives):
 
-- the handshake proves the key both ways without sending it, over fresh nonces from
-  both ends, and derives this link's own session key from them:
+    child  -> parent   X_c, child's host index
+    parent -> child    X_p, HMAC(key, "parent" | T)
+    child  -> parent   HMAC(key, "child" | T)
+    T = SHA256(X_c | X_p | index);  session keys = HKDF(X25519, salt = HMAC(key, "session" | T), T)
 
-      child  -> parent   nonce_c, child's host index
-      parent -> child    nonce_p, HMAC(key, "parent" | nonce_c | nonce_p | index)
-      child  -> parent   HMAC(key, "child" | nonce_p | nonce_c | index)
-      session key = HMAC(key, "session" | nonce_c | nonce_p | index)
+X_c and X_p are fresh X25519 public keys: a reader of the network sees no key and cannot derive
+the session's (forward secrecy), and a peer in the middle without the mesh's key fails the
+proofs. Every frame then travels in AES-GCM records under the direction's key, numbered by their
+nonces: a record that is forged, altered, replayed, dropped or reordered fails its tag and
+closes the link.
 
-- every frame then carries a sequence number and an HMAC-SHA256 under the session key
-  over the direction, the number, the length and the bytes. A frame whose MAC is wrong
-  (forged or altered), or whose number is not the next one (replayed, dropped or
-  reordered), is refused: the link closes and the controller hears why. Frames recorded
-  on one link prove nothing on another (their session keys differ).
-
-The controller's direct link to a Slurm node's agent uses the same sealed frames, under the
-session key of its own handshake (`wire.direct_auth`). Frames are not encrypted (like gloo
-and NCCL traffic).
+The controller's direct link to a Slurm node's agent and a persistent mesh's attach socket use
+the same records (`RelayLink`) under the keys of their own handshakes (`wire.munge_auth`,
+`wire.direct_auth`).
 """
 
 from __future__ import annotations
@@ -36,19 +35,33 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from monarch_kernel.wire.link_crypto import (
+    DOWN,
+    PUBLIC_BYTES,
+    RECORD_HEADER,
+    UP,
+    Ephemeral,
+    Opener,
+    RecordRefused,
+    Sealer,
+    Session,
+    derive_session,
+    transcript_hash,
+)
 from monarch_kernel.wire.transport import MAX_BUFFER_BYTES, FrameError, decode_frame, encode
 
+__all__ = ["DOWN", "UP", "HANDSHAKE_TIMEOUT_S", "KEY_BYTES", "RelayLink", "RelayRefused", "Session",
+           "handshake_as_child", "handshake_as_parent", "new_key", "no_delay", "pipe_streams"]
+
 KEY_BYTES = 32
-HANDSHAKE_TIMEOUT_S = 5.0
-_NONCE = 32
+HANDSHAKE_TIMEOUT_S = 1.0  # a peer on the network answers in far less; a silent one is dropped soon
 _MAC = hashlib.sha256().digest_size
 _INDEX = struct.Struct("!I")
-_HEADER = struct.Struct("!QQ")  # sequence number, frame length
-DOWN, UP = b"down", b"up"  # the two directions of a link (parent -> child, child -> parent)
+_LABEL = b"monarch-kernel relay link v2"
 
 
 class RelayRefused(FrameError):
-    """A peer failed the handshake, or sent a frame that is forged, altered or replayed."""
+    """A peer failed the handshake, or sent a record that is forged, altered or replayed."""
 
 
 def new_key() -> bytes:
@@ -59,40 +72,51 @@ def new_key() -> bytes:
 def no_delay(writer: asyncio.StreamWriter) -> None:
     """Send small frames at once on a link's TCP connection (no Nagle delay)."""
     sock = writer.get_extra_info("socket")
-    if sock is not None:
+    if sock is not None and sock.family != socket.AF_UNIX:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, b"|".join(parts), hashlib.sha256).digest()
+def _mac(key: bytes, role: bytes, transcript: bytes) -> bytes:
+    return hmac.new(key, role + b"|" + transcript, hashlib.sha256).digest()
+
+
+def _session(key: bytes, ours: Ephemeral, theirs: bytes, transcript: bytes) -> Session:
+    try:
+        shared = ours.shared(theirs)
+    except RecordRefused as exc:
+        raise RelayRefused(str(exc)) from None
+    return derive_session(shared, _mac(key, b"session", transcript), _LABEL, transcript)
 
 
 async def handshake_as_child(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes,
-                             index: int) -> bytes:
-    """The child's side: prove the key, check the parent's proof; the session key (raises RelayRefused)."""
-    nonce_c, host = os.urandom(_NONCE), _INDEX.pack(index)
-    writer.write(nonce_c + host)
+                             index: int) -> Session:
+    """The child's side: exchange keys, prove the mesh key, check the parent's proof; the session's
+    keys (raises RelayRefused)."""
+    ours, host = Ephemeral(), _INDEX.pack(index)
+    writer.write(ours.public + host)
     await writer.drain()
-    answer = await _read(reader, _NONCE + _MAC)
-    nonce_p, proof = answer[:_NONCE], answer[_NONCE:]
-    if not hmac.compare_digest(proof, _mac(key, b"parent", nonce_c, nonce_p, host)):
+    answer = await _read(reader, PUBLIC_BYTES + _MAC)
+    theirs, proof = answer[:PUBLIC_BYTES], answer[PUBLIC_BYTES:]
+    transcript = transcript_hash(ours.public, theirs, host)
+    if not hmac.compare_digest(proof, _mac(key, b"parent", transcript)):
         raise RelayRefused("the relay parent did not prove the mesh's relay key")
-    writer.write(_mac(key, b"child", nonce_p, nonce_c, host))
+    writer.write(_mac(key, b"child", transcript))
     await writer.drain()
-    return _mac(key, b"session", nonce_c, nonce_p, host)
+    return _session(key, ours, theirs, transcript)
 
 
 async def handshake_as_parent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                              key: bytes) -> tuple[int, bytes]:
-    """The parent's side: the child's host index and the session key (raises RelayRefused)."""
-    opening = await _read(reader, _NONCE + _INDEX.size)
-    nonce_c, host = opening[:_NONCE], opening[_NONCE:]
-    nonce_p = os.urandom(_NONCE)
-    writer.write(nonce_p + _mac(key, b"parent", nonce_c, nonce_p, host))
+                              key: bytes) -> tuple[int, Session]:
+    """The parent's side: the child's host index and the session's keys (raises RelayRefused)."""
+    opening = await _read(reader, PUBLIC_BYTES + _INDEX.size)
+    theirs, host = opening[:PUBLIC_BYTES], opening[PUBLIC_BYTES:]
+    ours = Ephemeral()
+    transcript = transcript_hash(theirs, ours.public, host)
+    writer.write(ours.public + _mac(key, b"parent", transcript))
     await writer.drain()
-    if not hmac.compare_digest(await _read(reader, _MAC), _mac(key, b"child", nonce_p, nonce_c, host)):
+    if not hmac.compare_digest(await _read(reader, _MAC), _mac(key, b"child", transcript)):
         raise RelayRefused("the connecting peer did not prove the mesh's relay key")
-    return _INDEX.unpack(host)[0], _mac(key, b"session", nonce_c, nonce_p, host)
+    return _INDEX.unpack(host)[0], _session(key, ours, theirs, transcript)
 
 
 async def _read(reader: asyncio.StreamReader, n: int) -> bytes:
@@ -103,20 +127,22 @@ async def _read(reader: asyncio.StreamReader, n: int) -> bytes:
 
 
 class RelayLink:
-    """One end of an authenticated relay link: `send(msg)`; each verified message goes to on_message.
+    """One end of an authenticated, encrypted link: `send(msg)`; each verified message goes to on_message.
 
-    `sending` is the direction this end writes (DOWN for the parent, UP for the child).
-    on_close(exc) runs once, when the link ends for any reason (exc says why, or None).
+    `sending` is the direction this end writes (DOWN for the parent or controller, UP for the
+    child or agent). on_close(exc) runs once, when the link ends for any reason (exc says why, or
+    None). The reader and writer may be a TCP connection, a Unix socket or a pair of pipes.
     """
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: bytes, sending: bytes,
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 session: Session | tuple[Sealer, Opener], sending: bytes,
                  on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]):
         self._reader = reader
         self._writer = writer
-        self._session = session
-        self._out, self._in = (DOWN, UP) if sending == DOWN else (UP, DOWN)
-        self._sent = 0
-        self._received = 0
+        if isinstance(session, Session):  # (a tuple: the records' state after frames sent before the loop ran)
+            seal_key, open_key = session.keys_for(sending)
+            session = Sealer(seal_key), Opener(open_key)
+        self._sealer, self._opener = session
         self._on_message = on_message
         self._on_close = on_close
         self._closed = False
@@ -135,21 +161,16 @@ class RelayLink:
         return self._closed
 
     def send(self, msg: Any) -> None:
-        """Seal and write one message (no-op once closed)."""
+        """Encrypt and write one message (no-op once closed)."""
         self.send_chunks(encode(msg))
 
     def send_chunks(self, chunks: list[memoryview | bytes]) -> None:
-        """Seal and write one already encoded frame (the same chunks may go to several links)."""
+        """Encrypt and write one already encoded frame (the same chunks may go to several links)."""
         if self._closed:
             return
-        self._sent += 1
-        length = sum(len(c) if isinstance(c, bytes) else c.nbytes for c in chunks)
-        header = _HEADER.pack(self._sent, length)
-        mac = hmac.new(self._session, self._out + header, hashlib.sha256)
-        for chunk in chunks:
-            mac.update(chunk)
-        self._writer.writelines([header, mac.digest(), *chunks])
-        self.bytes_sent += _HEADER.size + _MAC + length
+        records = self._sealer.seal(chunks)
+        self._writer.writelines(records)
+        self.bytes_sent += sum(len(r) for r in records)
 
     def close(self, why: Exception | None = None) -> None:
         """End the link (the peer sees it close)."""
@@ -157,39 +178,44 @@ class RelayLink:
             return
         self._closed = True
         self._writer.close()
+        read_side = getattr(self._reader, "_transport", None)  # (a pipe's read side is a transport of its own)
+        if read_side is not None and read_side is not self._writer.transport:
+            read_side.close()
         if asyncio.current_task() is not self._task:
             self._task.cancel()
         self._on_close(why)
 
     async def _read_frames(self) -> None:
         try:
+            frame = bytearray()
             while True:
-                head = await self._reader.readexactly(_HEADER.size + _MAC)
+                header = await self._reader.readexactly(RECORD_HEADER.size)
                 self.last_received = time.monotonic()
-                seq, length = _HEADER.unpack_from(head)
-                if length > MAX_BUFFER_BYTES + (1 << 20):
-                    raise RelayRefused(f"a relay frame announced {length} bytes")
-                # grown as the bytes arrive, not allocated from the header: the MAC can only be
-                # checked at the end, and a forged header must not make us allocate what it names
-                frame = bytearray()
-                while len(frame) < length:
-                    chunk = await self._reader.read(min(length - len(frame), 1 << 22))
-                    if not chunk:
-                        raise asyncio.IncompleteReadError(b"", length - len(frame))
-                    frame += chunk
-                    self.last_received = time.monotonic()
-                mac = hmac.new(self._session, self._in + head[:_HEADER.size], hashlib.sha256)
-                mac.update(frame)
-                if not hmac.compare_digest(mac.digest(), head[_HEADER.size:]):
-                    raise RelayRefused("a relay frame failed its MAC (forged or altered); the link is closed")
-                if seq != self._received + 1:
-                    raise RelayRefused(f"a relay frame came with number {seq} where {self._received + 1} was due "
-                                       "(replayed or reordered); the link is closed")
-                self._received = seq
-                self._on_message(decode_frame(frame))
+                body = await self._reader.readexactly(self._opener.body_length(header))
+                self.last_received = time.monotonic()
+                plain, last = self._opener.open(header, body)
+                frame += plain  # (only what passed its tag is kept: a forged length allocates nothing)
+                if len(frame) > MAX_BUFFER_BYTES + (1 << 20):
+                    raise RelayRefused(f"a frame on the link grew past {len(frame)} bytes")
+                if last:
+                    message = decode_frame(frame)
+                    frame = bytearray()
+                    self._on_message(message)
         except asyncio.CancelledError:
             return
+        except RecordRefused as exc:
+            self.close(RelayRefused(str(exc)))
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             self.close(None if isinstance(exc, asyncio.IncompleteReadError) else exc)
         except FrameError as exc:
             self.close(exc)
+
+
+async def pipe_streams(read_fd: int, write_fd: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Asyncio streams over a pair of pipes (a Slurm step's stdin/stdout), for a RelayLink."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 22)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb", buffering=0))
+    transport, protocol = await loop.connect_write_pipe(lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()),
+                                                        os.fdopen(write_fd, "wb", buffering=0))
+    return reader, asyncio.StreamWriter(transport, protocol, None, loop)
