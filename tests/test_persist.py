@@ -330,3 +330,86 @@ def test_output_held_without_a_kernel_is_bounded_in_bytes_and_a_lost_link_is_a_d
 
 async def _close_link(link, why):
     link.conn.close(why)
+
+
+DIES_BEFORE_RECORD = """
+import json, os, signal, sys
+import monarch_kernel.controller.persistence as persistence
+
+def killed_here(record):  # the kernel dies where it would write the record (all agents said PersistReady)
+    print("AGENTS", json.dumps([a["pid"] for a in record.agents]), file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+persistence.write_record = killed_here
+import monarch_kernel as mk
+mk.local_mesh(2, dist="none", name="unrecorded", persist="10m")
+"""
+
+
+def test_a_kernel_killed_before_the_record_leaves_nothing_running(state_home):
+    """N20: the agents outlived a kernel that died between `Persist` and the record: invisible for hours."""
+    from monarch_kernel.api.persistent import persistent_meshes
+
+    first = subprocess.Popen([sys.executable, "-c", DIES_BEFORE_RECORD], stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while not line.startswith("AGENTS"):
+            line = first.stderr.readline()
+            assert line, "the kernel ended before the record"
+        agents = json.loads(line[7:])
+        first.wait(10)
+        assert wait_until(lambda: pids_alive(agents) == [], 15), "the agents of an unrecorded mesh stayed"
+        assert wait_until(lambda: not mesh_folders("unrecorded"), 10), mesh_folders("unrecorded")
+        assert [m.name for m in persistent_meshes()] == []
+    finally:
+        if first.poll() is None:
+            first.kill()
+
+
+RESTARTER = """
+import json, sys, time
+import monarch_kernel as mk
+mesh = mk.local_mesh(1, dist="none", name="again", persist="60s")
+print("AGENT", mesh._runtime.links[0].host.pid, file=sys.stderr, flush=True)
+sys.stdin.readline()  # (the test killed the agent)
+while mesh._runtime.links[0].is_open:
+    time.sleep(0.02)
+mesh.restart()
+mesh.run("kept = 'after the restart'")
+print("AGENT", mesh._runtime.links[0].host.pid, json.dumps([s.pid for s in mesh.status()]), file=sys.stderr,
+      flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_restart_on_new_agents_keeps_the_mesh_persistent_and_its_record_current(state_home):
+    """N19: after the agent died and `restart()` made new ones, they were never told to persist and the record
+    named the dead agent: the next kernel SIGKILL took the mesh down."""
+    from monarch_kernel import attach
+
+    first = subprocess.Popen([sys.executable, "-c", RESTARTER], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    mesh = None
+    try:
+        def said() -> str:
+            line = ""
+            while not line.startswith("AGENT"):
+                line = first.stderr.readline()
+                assert line, "the kernel ended early"
+            return line
+
+        old_agent = int(said().split()[1])
+        os.killpg(old_agent, signal.SIGKILL)
+        first.stdin.write("go\n")
+        first.stdin.flush()
+        _, new_agent, ranks = said().split(maxsplit=2)
+        assert int(new_agent) != old_agent
+        first.kill()
+        first.wait(10)
+        assert pids_alive([int(new_agent), *json.loads(ranks)]) == [int(new_agent), *json.loads(ranks)]
+        mesh = attach("again")
+        assert list(mesh.pull("kept").values()) == ["after the restart"]
+    finally:
+        if first.poll() is None:
+            first.kill()
+        if mesh is not None:
+            mesh.shutdown()

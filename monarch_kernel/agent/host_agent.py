@@ -90,6 +90,7 @@ class HostAgent:
             m.StartRanks: lambda msg: self._spawn(self._start(msg)),
             m.Shutdown: lambda msg: self._spawn(self.shutdown("the controller asked", asked=True)),
             pm.Persist: lambda msg: self._spawn(self._persist(msg)),
+            pm.PersistRecorded: lambda msg: self.persistence.recorded_by_kernel() if self.persistence else None,
             m.HostOp: lambda msg: self._spawn(self._host_ops.run(msg, self.to_controller)),
             rm.RelayServe: lambda msg: self._spawn(self.relays.serve(msg)),
             rm.RelayJoin: lambda msg: self._spawn(self.relays.join(msg)),
@@ -136,9 +137,11 @@ class HostAgent:
                 self._fail_request(msg, exc)
 
     def on_controller_closed(self, exc: Exception | None) -> None:
-        """The controller is gone: take every rank down (a persistent mesh waits for the next kernel)."""
-        if self.persistence is None:
-            self._spawn(self.shutdown(f"the controller connection closed ({exc})"))
+        """The controller is gone: take every rank down (a persistent mesh whose record the kernel wrote waits
+        for the next kernel; one without a record could be found by nobody)."""
+        if self.persistence is None or not self.persistence.recorded:
+            why = "" if self.persistence is None else ", before it recorded the persistent mesh"
+            self._spawn(self.shutdown(f"the controller connection closed{why} ({exc})"))
         elif self.controller is not None and self.controller.closed and not self.done.done():
             self.controller = None
             self._fd_output.limit = MAX_FD_OUTPUT_PER_REQUEST  # (no controller caps it while none is attached)

@@ -84,6 +84,7 @@ class Persistence:
         self._secret = msg.secret
         self.same_machine = bool(msg.socket) and not msg.socket.startswith("tcp:")  # (else reached over SSH or TCP)
         self.holder: pm.Holder | None = msg.holder
+        self.recorded = False  # the kernel wrote the mesh's record (until then, the link's end ends the mesh)
         self.detached_since: float | None = None
         self.folders = folders
         self._seq = itertools.count()  # (the order everything held was sent in)
@@ -117,6 +118,10 @@ class Persistence:
         os.chmod(self.socket_path, 0o600)
         self._server = await asyncio.start_unix_server(self._accept, sock=listener, limit=1 << 22)
         return self
+
+    def recorded_by_kernel(self) -> None:
+        """The kernel wrote the record: the next kernel can find the mesh, so the link's end is a detach now."""
+        self.recorded = True
 
     # ------------------------------------------------------------ without a kernel
     def detach(self, why: str) -> None:

@@ -43,6 +43,10 @@ class MeshGone(MeshAttachError):
     """The recorded agent does not answer: the mesh ended (or was killed) and left its record."""
 
 
+class HostUnreachable(MeshGone):
+    """The recorded agent's host cannot be reached now (SSH fails, its port times out): it may still run."""
+
+
 @dataclass
 class DirectAgent(ReachedAgentHandle):
     """A persistent mesh's agent on a Slurm node, reached by a new kernel on the TCP port it listens on (as the
@@ -103,7 +107,7 @@ async def reach_agent(record: MeshRecord, index: int, local_dir: str) -> Reached
                 ssh.SSHTarget.parse(agent["target"]), options=agent.get("options") or {},
                 timeout=float(agent.get("connect_timeout_s", 30.0)), remote_path=agent["socket"], local_path=path)
         except MeshStartError as exc:
-            raise MeshGone(f"mesh {record.name!r}: cannot reach {agent['host']}: {exc}") from None
+            raise HostUnreachable(f"mesh {record.name!r}: cannot reach {agent['host']}: {exc}") from None
     elif agent["kind"] == HostKind.SLURM:
         return await _reach_node(record, agent, gone)
     else:
@@ -136,7 +140,9 @@ async def _reach_node(record: MeshRecord, agent: dict[str, Any], gone: str) -> R
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port), limit=1 << 22),
                                                 ATTACH_TIMEOUT_S)
-    except (OSError, TimeoutError, ValueError):
+    except TimeoutError:
+        raise HostUnreachable(f"{gone} (node {agent['host']} did not answer)") from None
+    except (OSError, ValueError):
         raise MeshGone(gone) from None
     try:
         session = await prove_controller_async(reader, writer, bytes.fromhex(record.secret))
@@ -181,6 +187,19 @@ async def _ask_one(record: MeshRecord, index: int, request: Any, local_dir: str,
         link.close()
         with contextlib.suppress(Exception):
             reached.close()
+
+
+async def stop_agents(record: MeshRecord, timeout: float = ATTACH_TIMEOUT_S) -> list[str]:
+    """Ask every agent a record names to stop; the hosts that could not be reached (an agent already gone is
+    stopped enough)."""
+    local_dir = tempfile.mkdtemp(prefix="monarch-reach-")
+    try:
+        found = await asyncio.gather(*(_ask_one(record, i, pm.StopMesh(), local_dir, timeout)
+                                       for i in range(len(agents_of(record)))), return_exceptions=True)
+    finally:
+        shutil.rmtree(local_dir, ignore_errors=True)
+    return [f"{agent['host']} ({answer})" for agent, answer in zip(agents_of(record), found)
+            if isinstance(answer, BaseException) and (not isinstance(answer, MeshGone) or isinstance(answer, HostUnreachable))]
 
 
 def ask_now(record: MeshRecord, request: pm.MeshQuery | pm.StopMesh) -> pm.MeshInfo | None:

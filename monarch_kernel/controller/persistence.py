@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from monarch_kernel.controller.agent_reach import (
     reach_agent,
     spec_fields,
     spec_of,
+    stop_agents,
 )
 from monarch_kernel.controller.hosts import HostConnection, HostKind, HostSpec
 from monarch_kernel.controller.rank_start import quiet_future
@@ -33,7 +35,7 @@ from monarch_kernel.controller.slurm_step import SlurmStep, StepLink
 from monarch_kernel.controller.state import HostLink, MeshSpec, RankState
 from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.core.folders import forget_folder
-from monarch_kernel.core.mesh_records import MeshRecord, record_path, remove_record, write_record
+from monarch_kernel.core.mesh_records import MeshRecord, format_duration, record_path, remove_record, write_record
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import persist_messages as pm
 from monarch_kernel.wire.calls import unregister_sender
@@ -105,10 +107,28 @@ class PersistentRuntime(MeshRuntime):
         })
 
     # ------------------------------------------------------------ the first kernel
-    def start(self, timeout: float | None = None) -> None:
-        """Start the mesh, then have its agent outlive this kernel; the record is written last."""
-        super().start(timeout)
-        self.record = self.controller.run(self._persist()).result(ATTACH_TIMEOUT_S + 5)
+    async def _start(self) -> None:
+        """Start (or restart on new agents), then have every agent outlive this kernel: the record is written
+        (anew, naming the new agents) before the agents are told it exists (`PersistRecorded`)."""
+        await super()._start()
+        previous = self.record
+        self.record = await self._persist()
+        for link in self.state.links:
+            link.send(pm.PersistRecorded())
+        if previous is not None and previous.agent_pid != self.record.agent_pid:
+            await self._stop_replaced(previous)
+
+    async def _stop_replaced(self, previous: MeshRecord) -> None:
+        """A restart on new agents: ask the agents the old record named to stop (one cut off from us keeps its
+        ranks until it hears; say so)."""
+        try:
+            missed = await asyncio.wait_for(stop_agents(previous), ATTACH_TIMEOUT_S * 2)
+        except TimeoutError:
+            missed = list(previous.hosts)
+        if missed:
+            print(f"monarch_kernel: mesh {self.name!r} restarted on new agents; the old agents on {', '.join(missed)} "
+                  f"could not be told to stop: each keeps its ranks until it hears from a kernel or its persist "
+                  f"time ({format_duration(previous.persist_s)} without a kernel) runs out", file=sys.stderr, flush=True)
 
     async def _persist(self) -> MeshRecord:
         secret = new_secret()

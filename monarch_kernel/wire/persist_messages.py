@@ -38,10 +38,17 @@ class Persist:
 
 @dataclass(frozen=True)
 class PersistReady:
-    """Agent -> kernel: it listens at `socket`; the mesh now outlives the kernel."""
+    """Agent -> kernel: it listens at `socket`; once the record is written (`PersistRecorded`), the mesh
+    outlives the kernel."""
 
     pid: int
     socket: str
+
+
+@dataclass(frozen=True)
+class PersistRecorded:
+    """Kernel -> agent: the mesh's record is written (the next kernel can find it): from now on the end of this
+    link is a detach. Until then it ends the mesh, which nobody could find."""
 
 
 @dataclass(frozen=True)
