@@ -93,3 +93,66 @@ def test_hot_messages_travel_as_flat_tuples_and_come_back_equal():
             assert back == msg
     assert not (_HEAD.unpack(bytes(memoryview(encode(m.Shutdown())[0])[:_HEAD.size]))[1] & _FLAT)
     assert pickle.loads(pickle.dumps(call, protocol=5)).call_id == 7  # plain pickling still works
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+
+
+def test_a_large_buffer_is_not_zero_filled_on_the_loop_when_its_header_arrives():
+    """N22: each large buffer was a bytearray(size), zero-filled on the event loop as its header arrived (about a
+    second per GiB of stall for the agent's and the controller's loops). It is now mapped lazily: memory is
+    committed as bytes come, and a header alone commits nothing of what it names."""
+    import struct
+
+    from monarch_kernel.wire.transport import encode
+
+    async def main():
+        a, b = socket.socketpair()
+        got, closed = [], []
+        conn = await AsyncConnection.from_socket(a, got.append, closed.append)
+        size = 512 << 20
+        frame = encode(seal(torch.zeros(4)))  # a real header, then patched to announce one 512 MiB buffer
+        head = bytes(frame[0])
+        meta_len, count = struct.unpack_from("!II", head)
+        assert count == 1
+        patched = struct.pack("!II", meta_len, count) + struct.pack("!Q", size) + head[16:]
+        before = _resident_bytes()
+        sending = threading.Thread(target=b.sendall, args=(patched + b"\x01" * (1 << 20),), daemon=True)
+        sending.start()  # the header and the first MiB of the buffer (a thread: the loop reads meanwhile)
+        await asyncio.sleep(0.3)
+        grown = _resident_bytes() - before
+        b.close()
+        for _ in range(100):
+            if closed:
+                break
+            await asyncio.sleep(0.01)
+        conn.close()
+        return grown, got
+
+    grown, got = asyncio.run(main())
+    assert got == [] and grown < 64 << 20, f"{grown >> 20} MiB committed for a 512 MiB buffer that did not come"
+
+
+def test_large_buffers_arrive_whole_and_writable():
+    async def main():
+        a, b = socket.socketpair()
+        got: list = []
+        conn = await AsyncConnection.from_socket(a, got.append, lambda exc: None)
+        sender = BlockingConnection(b)
+        value = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB
+        threading.Thread(target=sender.send, args=(seal(value),), daemon=True).start()
+        for _ in range(500):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        conn.close()
+        b.close()
+        return value, got
+
+    value, got = asyncio.run(main())
+    back = unseal(got[0])
+    assert torch.equal(back, value)
+    back += 1  # a writable tensor over the received memory
+    assert int(back[0]) == 1

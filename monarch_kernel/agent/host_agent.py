@@ -227,18 +227,42 @@ class HostAgent:
 
     def _call(self, msg: m.ActorCall, from_above: bool = False) -> None:
         """Route an actor call; its large arguments are written once to this host's shared memory for
-        the several ranks of this host it goes to (each maps them), released once they all answered."""
+        the several ranks of this host it goes to (each maps them), released once they all answered.
+        A call from the controller is copied off the loop (a GiB takes a second): the work it sends later
+        waits its turn (`_in_order`). One from a rank of this host is copied here (its order with that rank's
+        next calls is kept by this loop alone)."""
         local = tuple(r for r in msg.ranks if r in self.ranks.local_ranks)
-        if len(local) > 1:
-            shared, problem = self.shm.share(dataclasses.replace(msg, ranks=local))
-            if problem is not None:
-                self._report_failure("writing an actor call's arguments to shared memory", problem)
-            if shared.args is not msg.args:  # (only these ranks may see the file names: not the controller)
-                self._release_when_answered[(msg.caller, msg.call_id)] = (shared.args, set(local))
-                rest = tuple(r for r in msg.ranks if r not in local)
-                if rest:
-                    self.router.call(dataclasses.replace(msg, ranks=rest), from_above=from_above)
-                msg = shared
+        if len(local) > 1 and self.shm.worth_sharing(msg):
+            if from_above:
+                self._copying = True
+                self._spawn(self._call_shared(msg, local, from_above))
+            else:
+                self._route_shared(msg, local, from_above, self.shm.share(dataclasses.replace(msg, ranks=local)))
+            return
+        self.router.call(msg, from_above=from_above)
+
+    async def _call_shared(self, msg: m.ActorCall, local: tuple[int, ...], from_above: bool) -> None:
+        try:
+            self._route_shared(msg, local, from_above,
+                               await self.shm.share_off_loop(dataclasses.replace(msg, ranks=local)))
+        except Exception as exc:  # noqa: BLE001 - the call is routed unshared; the agent goes on
+            self._report_failure(f"sharing actor call {msg.call_id}'s arguments", exc)
+            self.router.call(msg, from_above=from_above)
+        finally:
+            self._copying = False
+            self._drain_backlog()
+
+    def _route_shared(self, msg: m.ActorCall, local: tuple[int, ...], from_above: bool,
+                      sharing: tuple[Any, Exception | None]) -> None:
+        shared, problem = sharing
+        if problem is not None:
+            self._report_failure("writing an actor call's arguments to shared memory", problem)
+        if shared.args is not msg.args:  # (only these ranks may see the file names: not the controller)
+            self._release_when_answered[(msg.caller, msg.call_id)] = (shared.args, set(local))
+            rest = tuple(r for r in msg.ranks if r not in local)
+            if rest:
+                self.router.call(dataclasses.replace(msg, ranks=rest), from_above=from_above)
+            msg = shared
         self.router.call(msg, from_above=from_above)
 
     def _reply_from_rank(self, rank: int, msg: m.ActorReply) -> None:

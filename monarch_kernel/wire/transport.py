@@ -10,6 +10,7 @@ streams inside an SSH connection: nothing here listens on a port.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import pickle
 import socket
@@ -39,6 +40,16 @@ def _default_max_buffer() -> int:
 
 
 MAX_BUFFER_BYTES = int(os.environ.get("MONARCH_KERNEL_MAX_BUFFER_BYTES") or _default_max_buffer())
+
+
+def lazy_buffer(size: int) -> Any:
+    """A writable buffer of `size` bytes whose pages are zeroed only when first touched (large sizes)."""
+    if size < LAZY_BUFFER_BYTES:
+        return bytearray(size)
+    return mmap.mmap(-1, size)
+
+
+LAZY_BUFFER_BYTES = 1 << 20
 
 
 class FrameError(ConnectionClosed):
@@ -164,8 +175,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     return
             size = self._want[0]
             if size > (1 << 16) and len(self._pending) < size:
-                # large part: read the rest of it straight into its own buffer
-                part = bytearray(size)
+                # large part: read the rest of it straight into its own buffer, lazily zeroed (an anonymous
+                # mapping: pages come as bytes arrive, not a GiB memset on the loop when the header does)
+                part = lazy_buffer(size)
                 have = len(self._pending)
                 part[:have] = self._pending
                 self._pending = bytearray()
