@@ -284,3 +284,18 @@ def test_the_plan_magic_plans_the_mesh_from_the_notebooks_names(mesh):
         assert mesh.run("type(model).__name__").by_rank() == {r: "FSDPGPT" for r in range(4)}
     finally:
         ip.run_line_magic("unload_ext", "monarch_kernel")
+
+
+def test_a_model_whose_build_writes_to_fd_1_is_still_estimated():
+    """N23: one byte on fd 1 while the model was built made every layout "not estimated", with no reason."""
+    import torch
+    from planner_models import build_noisy_mlp, class_loss
+
+    from monarch_kernel.api.estimate_helpers import run_estimates
+    from monarch_kernel.planner.apply import TrainingSpec
+    from monarch_kernel.planner.layout import Layout
+
+    batch = (torch.randn(4, 8), torch.randint(0, 2, (4,)))
+    estimates, flops = run_estimates(TrainingSpec(build_noisy_mlp, class_loss), batch,
+                                     [Layout.parse("ddp=2"), Layout.parse("fsdp=2")], workers=1, timeout=120)
+    assert [e.error for e in estimates] == ["", ""] and not flops.error

@@ -77,10 +77,10 @@ def run_estimates(spec: TrainingSpec, batch: Any, layouts: Sequence[Layout], wor
                     assert helper.stdin is not None and helper.stdout is not None
                     write_frame(helper.stdin, pickle.dumps({"payload": payload, "layout": layout, "timeout": timeout}))
                     frame = read_frame(helper.stdout)
-                except OSError:
-                    pass
-                if frame is None:
                     why = "the estimate's helper process ended unexpectedly"
+                except Exception as exc:  # noqa: BLE001 - whatever the reader met, the layout says why
+                    why = f"the estimate's helper process sent something unreadable ({type(exc).__name__}: {exc})"
+                if frame is None:
                     results[index] = LayoutEstimate(layout, error=why) if layout else ModelFlops(0.0, "", error=why)
                     helper.kill()
                     helper = None

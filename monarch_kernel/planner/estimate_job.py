@@ -118,8 +118,12 @@ def _in_child(payload: bytes, layout: str, timeout: float) -> bytes:
 
 def main() -> None:
     """Serve jobs until stdin ends."""
-    source, out = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # what the model prints must not mix with the results
+    # the frames go on a private copy of fd 1; fd 1 itself becomes stderr before any user code runs, so that
+    # what the model writes there (os.write(1, ...), os.system, C/C++ logging) cannot mix with the results
+    source = sys.stdin.buffer
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     warnings.simplefilter("ignore")
     setup = read_frame(source)
     if setup is None:
