@@ -413,3 +413,14 @@ def test_a_restart_on_new_agents_keeps_the_mesh_persistent_and_its_record_curren
             first.kill()
         if mesh is not None:
             mesh.shutdown()
+
+
+def test_a_persistent_ssh_mesh_refuses_passwords_it_would_store_in_its_record(state_home):
+    """N25: the record keeps the SSH connect options for the next kernel, so a password given there would sit
+    in a file for the mesh's life."""
+    from monarch_kernel import ssh_mesh
+    from monarch_kernel.core.errors import MeshUsageError
+
+    for option in ("password", "passphrase"):
+        with pytest.raises(MeshUsageError, match=f"{option} would be stored there"):
+            ssh_mesh(["198.18.0.250"], gpus=1, dist="none", persist="1h", connect_options={option: "hunter2"})

@@ -69,6 +69,9 @@ def start_runtime(hosts: list[HostSpec], gpus: int, dist: str, name: str | None,
     return runtime
 
 
+SECRET_OPTIONS = frozenset({"password", "passphrase"})  # asyncssh options that hold a secret itself
+
+
 def check_persist(persist: str | float, name: str, hosts: list[HostSpec]) -> float:
     """The seconds a new mesh persists; raises MeshUsageError saying what to change."""
     try:
@@ -78,6 +81,11 @@ def check_persist(persist: str | float, name: str, hosts: list[HostSpec]) -> flo
     if any(h.kind == HostKind.SLURM and not h.options.get("direct", True) for h in hosts):
         raise MeshUsageError("persist on Slurm needs the direct link to the nodes (the next kernel reaches the agents "
                              "there): start without direct=False (--no-direct)")
+    secrets = sorted({key for h in hosts for key in h.options if key in SECRET_OPTIONS})
+    if secrets:
+        raise MeshUsageError(f"persist keeps the SSH connect options in the mesh's record (a file on this machine) for "
+                             f"the next kernel, and {', '.join(secrets)} would be stored there: use a key file "
+                             "(client_keys=...) or your SSH agent instead")
     try:
         json.dumps([h.options for h in hosts])
     except (TypeError, ValueError):

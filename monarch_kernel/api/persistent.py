@@ -26,6 +26,7 @@ from monarch_kernel.core.mesh_records import (
 )
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import Shape
+from monarch_kernel.core.status import RankStatus
 from monarch_kernel.wire import persist_messages as pm
 
 
@@ -107,7 +108,7 @@ def show_detached(mesh: Mesh, record: MeshRecord) -> None:
     """Say what was attached, and show what ran meanwhile, grouped across ranks as a cell's output is."""
     runtime = mesh._runtime
     assert isinstance(runtime, PersistentRuntime)
-    alive = [s for s in mesh.status() if s.pid is not None and s.state != "dead"]
+    alive = [s for s in mesh.status() if s.pid is not None and s.state != RankStatus.DEAD]
     print(f"attached to mesh {mesh.name!r} {mesh.shape}: {len(alive)} of {len(mesh.ranks)} ranks running "
           f"(pids {', '.join(str(s.pid) for s in alive)}); no kernel held it for {format_duration(runtime.detached_for)}")
     for run in runtime.detached_runs:  # those still running: followed to their end, here, as a --bg cell is
