@@ -155,6 +155,7 @@ class HostAgent:
         """Another kernel takes the mesh: the one holding it hears so, and its link goes."""
         old, self.controller = self.controller, None
         if old is not None:
+            old.pause_reading()  # (nothing more of the old kernel's is dispatched, not even for the next 0.1 s)
             old.send(notice)
             asyncio.get_running_loop().call_later(0.1, old.close)
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from monarch_kernel.agent.launcher import RankProcess
 from monarch_kernel.agent.rank_set import RankSet
 from monarch_kernel.core.addresses import numeric_address
-from monarch_kernel.core.folders import release_folder, share_folder
+from monarch_kernel.core.folders import owned_folder, release_folder, share_folder
 from monarch_kernel.core.versions import __version__
 from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
@@ -109,7 +109,7 @@ class Persistence:
             self.socket_path = f"tcp:{host}:{port}"
             return self
         if not self.socket_path:  # an SSH host: a private folder of its own, reported back
-            own = tempfile.mkdtemp(prefix="monarch-persist-")
+            own = owned_folder(tempfile.mkdtemp(prefix="monarch-persist-"))  # (swept if this agent is SIGKILLed)
             self.socket_path, self.folders = os.path.join(own, "agent.sock"), (*self.folders, own)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)

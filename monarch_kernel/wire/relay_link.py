@@ -172,6 +172,10 @@ class RelayLink:
         self._writer.writelines(records)
         self.bytes_sent += sum(len(r) for r in records)
 
+    def pause_reading(self) -> None:
+        """Deliver nothing more that arrives (the link stays open for what this end still sends)."""
+        self._task.cancel()
+
     def close(self, why: Exception | None = None) -> None:
         """End the link (the peer sees it close)."""
         if self._closed:

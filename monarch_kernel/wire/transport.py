@@ -222,6 +222,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._parts = []
         self._on_message(decode(meta, bufs, self._flat))
 
+    def mute(self) -> None:
+        """Drop every frame from now on (its connection is being handed over or closed)."""
+        self._on_message = _drop
+
     def data_received(self, data: bytes) -> None:
         """For transports that do not fill our buffers directly (pipes)."""
         view = memoryview(data)
@@ -240,6 +244,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """asyncio: the connection closed."""
         if not self._broken:  # a bad frame already reported why
             self._on_close(exc)
+
+
+def _drop(msg: Any) -> None:
+    """Where a muted connection's frames go."""
 
 
 class AsyncConnection:
@@ -302,6 +310,13 @@ class AsyncConnection:
             return
         for chunk in chunks:
             self._transport.write(chunk)
+
+    def pause_reading(self) -> None:
+        """Deliver nothing more that arrives (what this end still sends goes out)."""
+        self._protocol.mute()
+        reading = self._reader if self._reader is not None else self._transport
+        if isinstance(reading, asyncio.ReadTransport):
+            reading.pause_reading()
 
     def close(self) -> None:
         """Close the connection."""
