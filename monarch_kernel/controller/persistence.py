@@ -121,10 +121,15 @@ class PersistentRuntime(MeshRuntime):
     async def _stop_replaced(self, previous: MeshRecord) -> None:
         """A restart on new agents: ask the agents the old record named to stop (one cut off from us keeps its
         ranks until it hears; say so)."""
+        assert self.record is not None
+        reused = {(a["host"], a["socket"]) for a in agents_of(self.record)}  # (a local agent's socket: the new one's)
+        old = [a for a in agents_of(previous) if (a["host"], a["socket"]) not in reused]
+        if not old:
+            return
         try:
-            missed = await asyncio.wait_for(stop_agents(previous), ATTACH_TIMEOUT_S * 2)
+            missed = await asyncio.wait_for(stop_agents(dataclasses.replace(previous, agents=old)), ATTACH_TIMEOUT_S * 2)
         except TimeoutError:
-            missed = list(previous.hosts)
+            missed = [a["host"] for a in old]
         if missed:
             print(f"monarch_kernel: mesh {self.name!r} restarted on new agents; the old agents on {', '.join(missed)} "
                   f"could not be told to stop: each keeps its ranks until it hears from a kernel or its persist "
