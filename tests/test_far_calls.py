@@ -55,6 +55,10 @@ def _classes():
             return [(await self.pong.hit.call_one(i))[0] for i in range(count)]
 
         @endpoint
+        async def rally_pid(self) -> int:
+            return (await self.pong.hit.call_one(0))[1]
+
+        @endpoint
         def sync_rally(self, count: int) -> list:
             return [self.pong.hit.call_one(i).get()[0] for i in range(count)]
 
@@ -196,3 +200,58 @@ def test_ranks_of_one_mesh_on_two_hosts_call_each_other_on_a_link_after_the_firs
     finally:
         pings.stop().get(timeout=30)
         pongs.stop().get(timeout=30)
+
+
+def test_a_crowd_of_silent_connections_from_another_machine_costs_the_called_rank_nothing(pair, capfd):
+    """N17: each connection that had not proved the key was kept up to 5 s with no cap, and each refusal
+    printed a line: 1,500 connections from another machine filled the rank's descriptors (EMFILE in user code)
+    and the notebook with lines. This process stands for that machine (outside the hosts' namespaces)."""
+    import socket
+    import threading
+
+    ping, _, bridge = pair
+    assert wait_until(lambda: _through_the_controller(bridge, lambda: ping.rally.call_one(1).get(timeout=60)) == 0, 30)
+    [(address, port)] = bridge._meshes["far-pong"].far._where.values()
+    called_pid = _called_pid(ping)
+
+    def descriptors() -> int:
+        return len(os.listdir(f"/proc/{called_pid}/fd"))
+
+    before = descriptors()
+    stop, opened, most = threading.Event(), [], [0]
+
+    def crowd() -> None:
+        while not stop.is_set() and len(opened) < 1500:
+            try:
+                sock = socket.socket()
+                sock.setblocking(False)
+                sock.connect_ex((address, port))
+                opened.append(sock)
+            except OSError:
+                break
+
+    def watch() -> None:
+        while not stop.is_set():
+            most[0] = max(most[0], descriptors())
+
+    threads = [threading.Thread(target=crowd, daemon=True), threading.Thread(target=watch, daemon=True)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(5):  # the link keeps serving meanwhile, without the controller
+            assert _through_the_controller(bridge, lambda: ping.rally.call_one(20).get(timeout=60)) == 0
+        assert wait_until(lambda: len(opened) >= 1500, 30)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        for sock in opened:
+            sock.close()
+    assert most[0] - before < 150, f"the called rank held {most[0]} descriptors during the crowd ({before} before)"
+    said = capfd.readouterr().err
+    assert said.count("call listener refused") <= 2, said[-2000:]
+
+
+def _called_pid(ping) -> int:
+    """The pid of the rank that `ping`'s calls reach on the other host."""
+    return ping.rally_pid.call_one().get(timeout=60)

@@ -37,7 +37,7 @@ from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import persist_messages as pm
 from monarch_kernel.wire.direct_auth import AuthenticationFailed, check_controller_async
-from monarch_kernel.wire.handshake_gate import HandshakeGate
+from monarch_kernel.wire.handshake_gate import ACCEPT_BACKLOG, HandshakeGate
 from monarch_kernel.wire.lanes import peer_credentials, peer_is_us
 from monarch_kernel.wire.relay_link import UP, RelayLink
 from monarch_kernel.wire.transport import FrameError
@@ -104,7 +104,8 @@ class Persistence:
             share_folder(folder)
         if self.socket_path.startswith("tcp:"):  # a Slurm node: the direct link's kind of listener, on its address
             address = numeric_address(self.socket_path[4:])  # (one literal address, as said: never every one of a name)
-            self._server = await asyncio.start_server(self._accept, host=address, port=0, limit=1 << 22)
+            self._server = await asyncio.start_server(self._accept, host=address, port=0, limit=1 << 22,
+                                                      backlog=ACCEPT_BACKLOG)
             host, port = self._server.sockets[0].getsockname()[:2]
             self.socket_path = f"tcp:{host}:{port}"
             return self

@@ -22,7 +22,7 @@ from typing import Any
 from monarch_kernel.core.addresses import numeric_address
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import relay_messages as rm
-from monarch_kernel.wire.handshake_gate import HandshakeGate
+from monarch_kernel.wire.handshake_gate import ACCEPT_BACKLOG, HandshakeGate
 from monarch_kernel.wire.relay_link import DOWN, UP, RelayLink, RelayRefused, handshake_as_child, handshake_as_parent, no_delay
 
 UP_TYPES = (m.Output, m.Display, m.Gathered)  # what goes up the tree (in order); the rest goes straight
@@ -103,7 +103,7 @@ class AgentRelays:
 
         try:  # the numeric address, said to the controller: the children connect to that literal only
             numeric = numeric_address(msg.address)
-            server = self._server = await asyncio.start_server(accept, host=numeric, port=0)
+            server = self._server = await asyncio.start_server(accept, host=numeric, port=0, backlog=ACCEPT_BACKLOG)
         except OSError as exc:
             self._to_controller(rm.RelayListening(0, f"cannot listen on {msg.address}: {exc}"))
             return

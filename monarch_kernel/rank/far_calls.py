@@ -26,7 +26,7 @@ from typing import Any
 from monarch_kernel.core.addresses import numeric_address
 from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.wire.calls import death_reply
-from monarch_kernel.wire.handshake_gate import HandshakeGate
+from monarch_kernel.wire.handshake_gate import ACCEPT_BACKLOG, HandshakeGate
 from monarch_kernel.wire.messages import (
     ActorCall,
     ActorReply,
@@ -103,7 +103,7 @@ class CallListener:
         if self._server is None:
             try:
                 address = numeric_address(msg.address)
-                self._server = await asyncio.start_server(self._accept, host=address, port=0)
+                self._server = await asyncio.start_server(self._accept, host=address, port=0, backlog=ACCEPT_BACKLOG)
             except OSError as exc:
                 self._tell(ListeningForCalls(self._rank, msg.address, 0, f"cannot listen on {msg.address}: {exc}"))
                 return

@@ -6,7 +6,9 @@ holds descriptors until the process runs out (user code then fails to open files
 notebook with refusal lines. The gate keeps at most MAX_PENDING connections in their handshake, at
 most MAX_PENDING_PER_SOURCE from one address, and drops the oldest past either cap (never the
 newcomer: it may be the peer that holds the key); whoever is dropped or refused is counted, and one
-summary line per LOG_WINDOW_S says how many and why. `raise_descriptor_limit` lifts the soft
+summary line per LOG_WINDOW_S says how many and why. Listeners use a short accept backlog
+(ACCEPT_BACKLOG): asyncio accepts that many connections per turn of the loop before their handlers (and
+so the gate) run, which bounds the burst too. `raise_descriptor_limit` lifts the soft
 descriptor limit to the hard one, as agents and ranks start.
 """
 
@@ -18,6 +20,7 @@ import resource
 import time
 from collections.abc import Callable
 
+ACCEPT_BACKLOG = 16  # a listener's backlog: asyncio accepts up to this many at once, before the gate sees them
 MAX_PENDING = 64
 MAX_PENDING_PER_SOURCE = 8
 LOG_WINDOW_S = 60.0
