@@ -62,3 +62,23 @@ def build_noisy_mlp():
     """A small model whose build writes to fd 1 itself (as os.system, a subprocess or C++ logging would)."""
     os.write(1, b"\n")
     return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def build_hf_llama():
+    """A Hugging Face Llama built from a config (random weights, nothing downloaded), as users bring them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
+                                        max_position_embeddings=64))
+
+
+def hf_batch():
+    """Hugging Face inputs: a dict for model(**inputs), with the targets beside it."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (8, 16), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.randint(0, 256, (8, 16), generator=g)
+
+
+def hf_lm_loss(output, targets):
+    return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())

@@ -15,10 +15,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from monarch_kernel.api.estimate_helpers import run_estimates
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.texttable import text_table
 from monarch_kernel.planner.apply import TrainingSpec
+from monarch_kernel.planner.batches import batch_size, check_batch
 from monarch_kernel.planner.estimate import CATEGORIES, LayoutEstimate
 from monarch_kernel.planner.flops import ModelFlops
 from monarch_kernel.planner.hardware import (
@@ -214,12 +217,19 @@ def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[.
                           named.name)
     if memory != "auto":
         figures.memory = parse_bytes(memory)
-    global_batch = batch()
+    try:
+        global_batch = check_batch(batch())
+    except ValueError as exc:
+        raise MeshUsageError(str(exc)) from None
     layouts = candidate_layouts(hosts, gpus, tuple(strategies))
     notes: list[str] = []
     usable = []
-    size = global_batch[0].shape[0]
+    size = batch_size(global_batch[0])
     for layout in layouts:
+        if layout.pp > 1 and not isinstance(global_batch[0], torch.Tensor):
+            notes.append(f"{layout}: ruled out: a pipeline takes one input tensor per micro-batch, and this "
+                         "model's inputs are a dict (model(**inputs))")
+            continue
         if size % layout.data_parallel:
             notes.append(f"{layout}: ruled out: the global batch of {size} does not split over "
                          f"{layout.data_parallel} data-parallel ranks")

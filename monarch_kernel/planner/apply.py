@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from monarch_kernel.planner.batches import Batch, forward, without_cache
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.parallelize import (
-    Batch,
     data_share,
     device_mesh,
     make_optimizer,
@@ -33,6 +33,12 @@ class TrainingSpec:
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw"
     lr: float | None = None
     seed: int = 0
+
+    def make(self) -> nn.Module:
+        """The model, ready for training (a Hugging Face model's key/value cache off: `batches.without_cache`)."""
+        model = self.build()
+        without_cache(model)
+        return model
 
 
 def rank_device() -> torch.device:
@@ -57,14 +63,18 @@ def build_in_layout(spec: TrainingSpec, layout: Layout, batch: Batch | None = No
         raise ValueError(f"layout {layout} needs {layout.world} ranks; this mesh has {dist.get_world_size()}")
     device = rank_device()
     torch.manual_seed(spec.seed)
-    model = spec.build().to(device)
+    model = spec.make().to(device)
     mesh = device_mesh(layout, device.type)
     local_inputs = None
     if layout.pp > 1:
         if batch is None:
             raise ValueError("a pipeline layout is built for a batch's shape: give the global batch")
         dp_rank = mesh["dp"].get_local_rank() if layout.data_parallel > 1 else 0
-        local_inputs = data_share(batch, layout.data_parallel, dp_rank)[0]
+        shared = data_share(batch, layout.data_parallel, dp_rank)[0]
+        if not isinstance(shared, torch.Tensor):
+            raise ValueError("a pipeline takes one input tensor per micro-batch: this model's inputs are a dict "
+                             "(model(**inputs)); use a layout without pp, or give it a tensor input")
+        local_inputs = shared
     placed = place(model, layout, mesh, device, spec.loss, local_inputs)
     module = module_of(placed)
     optimizer = make_optimizer(spec.optimizer, module.parameters(), spec.lr)
@@ -74,12 +84,12 @@ def build_in_layout(spec: TrainingSpec, layout: Layout, batch: Batch | None = No
 def reference_losses(spec: TrainingSpec, batches: list[Batch]) -> list[float]:
     """The losses of the same training in one process, for comparison (one per batch)."""
     torch.manual_seed(spec.seed)
-    model = spec.build()
+    model = spec.make()
     optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.lr)
     losses = []
     for inputs, targets in batches:
         optimizer.zero_grad(set_to_none=True)
-        loss = spec.loss(model(inputs), targets)
+        loss = spec.loss(forward(model, inputs), targets)
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from monarch_kernel.planner.apply import TrainingSpec
+from monarch_kernel.planner.batches import each, forward
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.parallelize import (
     Batch,
@@ -162,17 +163,17 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
         mesh = device_mesh(layout, "cpu")
         recorder = _collective_recorder()
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-            model = spec.build()
+            model = spec.make()
             if layout.fsdp > 1 or layout.tp > 1:  # (DDP alone: the plain model, its buckets added below)
                 model = parallelize(model, layout, mesh)
             optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.lr)
-            inputs, targets = (fake.from_tensor(t) for t in local)
+            inputs, targets = each(local[0], fake.from_tensor), fake.from_tensor(local[1])
             tracker = memory_tracker(model, optimizer, fsdp=layout.fsdp > 1, per_module=per_module)
             with tracker:
                 make_optimizer_state(model, optimizer)  # a step in the steady state holds it
                 tracker.reset_mod_stats()
                 with recorder:
-                    spec.loss(model(inputs), targets).backward()
+                    spec.loss(forward(model, inputs), targets).backward()
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             if per_module:
@@ -229,11 +230,14 @@ def _estimate_pipeline(spec: TrainingSpec, local: Batch, layout: Layout, per_mod
 
     result = LayoutEstimate(layout.text)
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        model = spec.build()
+        model = spec.make()
         params = list(model.parameters())
         result.param_count = sum(p.numel() for p in params)
         result.dtype_bytes = params[0].element_size() if params else 4
-        inputs, targets = (fake.from_tensor(t) for t in local)
+        if not isinstance(local[0], torch.Tensor):
+            raise ValueError("a pipeline takes one input tensor per micro-batch: this model's inputs are a dict "
+                             "(model(**inputs)); plan it without pp, or give it a tensor input")
+        inputs, targets = fake.from_tensor(local[0]), fake.from_tensor(local[1])
         traced = trace_pipeline(model, layout.pp, inputs, torch.device("cpu"))  # once: every stage comes from it
         for index in range(layout.pp):
             with _fake_group(layout, rank=index * layout.data_parallel):

@@ -59,7 +59,7 @@ def _estimate(payload: bytes) -> Any:
 
         try:
             layouts = [Layout.parse(text) for text in job.get("layouts", [])]
-            return count_flops(job["spec"].build, job["batch"], job["spec"].loss, layouts)
+            return count_flops(job["spec"].make, job["batch"], job["spec"].loss, layouts)
         except Exception as exc:  # noqa: BLE001 - the plan says its step times lack the FLOPs, and why
             return ModelFlops(0.0, "", error=f"{type(exc).__name__}: {exc}")
     try:

@@ -1,6 +1,12 @@
 """A model's FLOPs per training step, counted once on fake tensors for the whole global batch,
 and each layout's share per rank.
 
+Per module, only the forward is attributed: FlopCounterMode files backward work under whichever modules
+are on its stack when autograd runs it, which is not the module that owns it (a Llama's `self_attn`
+came out larger than its own parent layer). A module's share of the whole step is its share of the
+forward (backward work follows forward work, layer by layer), and no layout's rank ever does less than
+the total divided by the ranks that share it.
+
 FLOPs grow linearly with the batch (matmuls, convolutions, attention), so a rank of a layout
 without pipeline stages does 1/dp of them; tensor parallelism then splits the layers its plan
 covers (and the attention between a pair) tp ways, and repeats the rest (embeddings, norms, the
@@ -15,19 +21,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from monarch_kernel.planner.batches import Batch, each
+from monarch_kernel.planner.batches import forward as forward_of
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.structure import tp_plan
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
 class ModelFlops:
     """Forward and backward FLOPs of one global batch, in all and per module (torch's names)."""
 
-    total: float
+    total: float  # forward and backward
     root: str  # the model's class name, which prefixes the module names
-    by_module: dict[str, float] = field(default_factory=dict)
+    by_module: dict[str, float] = field(default_factory=dict)  # the forward's, per module
+    forward: float = 0.0  # the forward's FLOPs in all
     param_count: int = 0
     dtype_bytes: int = 4  # of the parameters (which FLOP/s figure applies)
     per_rank: dict[str, float] = field(default_factory=dict)  # layout -> one rank's FLOPs (`rank_flops`)
@@ -44,12 +51,15 @@ def count_flops(build: Callable[[], nn.Module], batch: Batch, loss: Callable[...
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
         model = build()
         params = list(model.parameters())
-        inputs, targets = (fake.from_tensor(t) for t in batch)
-        with FlopCounterMode(display=False) as counter:
-            loss(model(inputs), targets).backward()
-    by_module = {name: float(sum(ops.values())) for name, ops in counter.get_flop_counts().items()}
-    counted = ModelFlops(float(counter.get_total_flops()), type(model).__name__, by_module,
-                         sum(p.numel() for p in params), params[0].element_size() if params else 4)
+        inputs, targets = each(batch[0], fake.from_tensor), fake.from_tensor(batch[1])
+        with FlopCounterMode(display=False) as forward:
+            value = loss(forward_of(model, inputs), targets)
+        with FlopCounterMode(display=False) as backward:
+            value.backward()
+    by_module = {name: float(sum(ops.values())) for name, ops in forward.get_flop_counts().items()}
+    forward_total = float(forward.get_total_flops())
+    counted = ModelFlops(forward_total + float(backward.get_total_flops()), type(model).__name__, by_module,
+                         forward_total, sum(p.numel() for p in params), params[0].element_size() if params else 4)
     for layout in layouts or []:
         if layout.pp == 1:
             counted.per_rank[layout.text] = rank_flops(counted, model, layout)
@@ -66,9 +76,13 @@ def rank_flops(flops: ModelFlops, structure: nn.Module, layout: Layout) -> float
     root = flops.root
     split = {f"{root}.{path}" for path in plan.colwise + plan.rowwise}
     split |= {f"{root}.{path}" if path else root for path, _ in plan.heads}  # the attention between the pairs
-    shared = sum(flops.by_module.get(name, 0.0) for name in split)
-    for name in split:  # a split module inside another split one is already counted with its parent
-        if name.rsplit(".", 1)[0] in split:
-            shared -= flops.by_module.get(name, 0.0)
-    shared /= layout.data_parallel
-    return total - shared + shared / layout.tp
+    shared = sum(flops.by_module.get(name, 0.0) for name in split if not _inside(name, split))
+    fraction = min(1.0, shared / flops.forward) if flops.forward > 0 else 0.0  # of the whole step's work
+    shared = total * fraction
+    return max(total - shared + shared / layout.tp, flops.total / (layout.data_parallel * layout.tp))
+
+
+def _inside(name: str, split: set[str]) -> bool:
+    """Whether a module lies inside another split module (whose count already holds it)."""
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in split for i in range(1, len(parts)))

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from monarch_kernel.planner.batches import Batch, Inputs, batch_size, each, forward
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.pipeline import PipelineStage, TracedPipeline, pipeline_step, take_stage, trace_pipeline
 from monarch_kernel.planner.structure import blocks, tp_plan
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 Placed = nn.Module | PipelineStage  # what a layout makes of the model on one rank
 
 
@@ -128,15 +128,15 @@ def data_parallel_rank(layout: Layout, mesh: Any) -> tuple[int, Any]:
 def data_share(batch: Batch, parts: int, dp_rank: int) -> Batch:
     """The slice of a global batch one of `parts` data-parallel ranks takes (ValueError if it does not divide)."""
     inputs, targets = batch
-    size = inputs.shape[0]
+    size = batch_size(inputs)
     if size % parts:
         raise ValueError(f"a global batch of {size} does not split over {parts} data-parallel ranks")
     share = slice(dp_rank * size // parts, (dp_rank + 1) * size // parts)
-    return inputs[share], targets[share]
+    return each(inputs, lambda t: t[share]), targets[share]
 
 
 def make_local_step(placed: Placed, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
-                    layout: Layout, mesh: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+                    layout: Layout, mesh: Any) -> Callable[[Inputs, torch.Tensor], torch.Tensor | None]:
     """step(inputs, targets) on this rank's share: forward, backward (the pipeline's schedule for
     PP), gradients averaged by hand where DDP cannot, the optimizer's step; returns the share's
     loss (None on a pipeline stage that is not the last)."""
@@ -144,12 +144,14 @@ def make_local_step(placed: Placed, optimizer: torch.optim.Optimizer, loss_fn: C
     module = module_of(placed)
     average_by_hand = layout.ddp > 1 and (layout.tp > 1 or layout.pp > 1)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def step(x: Inputs, y: torch.Tensor) -> torch.Tensor | None:
         optimizer.zero_grad(set_to_none=True)
         if isinstance(placed, PipelineStage):
+            if not isinstance(x, torch.Tensor):
+                raise ValueError("a pipeline takes one input tensor per micro-batch, not a dict of inputs")
             loss = pipeline_step(placed, x, y)
         else:
-            loss = loss_fn(placed(x), y)
+            loss = loss_fn(forward(placed, x), y)
             loss.backward()
         if average_by_hand:
             average_gradients(module, dp_group, layout.data_parallel)
@@ -173,7 +175,7 @@ def make_train_step(placed: Placed, optimizer: torch.optim.Optimizer, loss_fn: C
 
     def train_step(batch: Batch) -> float:
         inputs, targets = data_share(batch, parts, dp_rank)
-        loss = local_step(inputs.to(device), targets.to(device))
+        loss = local_step(each(inputs, lambda t: t.to(device)), targets.to(device))
         if layout.pp > 1:  # only the last stages hold a loss: sum theirs over every rank
             value = torch.zeros((), device=device) if loss is None else loss.float().clone()
             dist.all_reduce(value)
