@@ -364,3 +364,18 @@ def test_a_hugging_face_model_trains_in_each_layout_with_the_one_process_losses(
     for rank, got in losses.by_rank().items():
         for a, b in zip(got, expected):
             assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
+
+
+def test_grouped_query_attention_stays_replicated_with_the_head_count_named():
+    """Issue 38 item 6: a grouped-query model's tp=4 failed with "shape '[8, 32, -1, 32]' is invalid"; now its
+    attention stays whole and says why, and its MLPs are still split."""
+    transformers = pytest.importorskip("transformers")
+    from monarch_kernel.planner.structure import tp_plan
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=256))
+    plan = tp_plan(model, 4)
+    assert plan.applicable and all(".mlp." in path for path in plan.colwise + plan.rowwise)
+    assert "model.layers.0.self_attn.k_proj (Linear: 4 does not divide the 2 key/value heads)" in plan.replicated
+    assert any(".self_attn.q_proj" in path for path in tp_plan(model, 2).colwise)  # 2 divides both counts

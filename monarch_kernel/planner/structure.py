@@ -21,6 +21,12 @@ COLWISE = {"q", "k", "v", "qkv", "query", "key", "value", "q_proj", "k_proj", "v
 ROWWISE = {"o", "out", "o_proj", "out_proj", "wo", "proj", "c_proj", "down", "down_proj", "fc2", "w2", "fc_out",
            "dense"}
 HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads")
+CONFIG_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
+ATTENTION = {"q", "k", "v", "qkv", "query", "key", "value", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "c_attn",
+             "in_proj"}
+_HEAD_KIND = {"n_head": "attention heads", "n_heads": "attention heads", "num_heads": "attention heads",
+              "num_attention_heads": "attention heads", "n_kv_heads": "key/value heads",
+              "num_key_value_heads": "key/value heads"}
 
 
 @dataclass
@@ -70,8 +76,14 @@ def tp_plan(model: nn.Module, degree: int) -> TPPlan:
             covered.update(path + n for n, _ in cols + rows)
             continue
         heads = [(parent_name, attr) for attr in HEAD_COUNTS if isinstance(getattr(parent, attr, None), int)]
-        if any(getattr(parent, attr) % degree for _, attr in heads):
-            plan.replicated += [f"{path}{n} (Linear: heads not divisible by {degree})" for n, _ in cols + rows]
+        uneven = [f"{degree} does not divide the {getattr(parent, attr)} {_HEAD_KIND.get(attr, 'heads')}"
+                  for _, attr in heads if getattr(parent, attr) % degree]
+        if any(n in ATTENTION for n, _ in cols):  # (Hugging Face keeps the counts in the module's config)
+            config = getattr(parent, "config", None)
+            uneven += [f"{degree} does not divide the {count} {_HEAD_KIND[attr]}" for attr in CONFIG_HEAD_COUNTS
+                       if isinstance(count := getattr(config, attr, None), int) and count % degree]
+        if uneven:
+            plan.replicated += [f"{path}{n} (Linear: {'; '.join(dict.fromkeys(uneven))})" for n, _ in cols + rows]
             covered.update(path + n for n, _ in cols + rows)
             continue
         plan.colwise += [path + n for n, _ in cols]
