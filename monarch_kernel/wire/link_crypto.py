@@ -107,11 +107,12 @@ class Sealer:
         self._count = 0
 
     def seal(self, chunks: list[memoryview | bytes]) -> list[bytes]:
-        """One frame, as the records that carry it (header + ciphertext + tag each)."""
+        """One frame, as the records that carry it: header, then ciphertext + tag, for each record (separate
+        pieces, to be written in order: joining them would copy every record once more)."""
         out: list[bytes] = []
         total = sum(len(c) if isinstance(c, bytes) else c.nbytes for c in chunks)
         if total == 0:
-            return [self._record(b"", LAST)]
+            return self._record(b"", LAST)
         pending: list[memoryview | bytes] = []
         pending_len = 0
         left = total
@@ -125,15 +126,15 @@ class Sealer:
                 if pending_len == RECORD_BYTES or pending_len == left:
                     left -= pending_len
                     plain = pending[0] if len(pending) == 1 else b"".join(pending)
-                    out.append(self._record(plain, LAST if left == 0 else 0))
+                    out += self._record(plain, LAST if left == 0 else 0)
                     pending, pending_len = [], 0
         return out
 
-    def _record(self, plain: memoryview | bytes, flags: int) -> bytes:
+    def _record(self, plain: memoryview | bytes, flags: int) -> list[bytes]:
         header = RECORD_HEADER.pack(len(plain), flags)
         nonce = _nonce(self._count)
         self._count += 1
-        return header + self._aead.encrypt(nonce, plain, header)
+        return [header, self._aead.encrypt(nonce, plain, header)]
 
 
 class Opener:
