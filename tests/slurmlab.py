@@ -11,13 +11,13 @@ See ../shared/SLURM-LAB.md for why each step is as it is.
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import signal
 import subprocess
 import time
 
 from mungelab import PrivateMunged
+from mungelab import unavailable_reason as munge_unavailable
 
 DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged", "/usr/bin/sbatch")
 
@@ -29,11 +29,7 @@ def unavailable_reason() -> str | None:
     for tool in (*DAEMONS, "/usr/bin/nsenter", "/usr/bin/unshare"):
         if not os.path.exists(tool):
             return f"{tool} is missing (apt-get install slurmctld slurmd slurm-client munge)"
-    try:
-        pwd.getpwnam("munge")
-    except KeyError:
-        return "the munge user does not exist (install munge)"
-    return None
+    return munge_unavailable()
 
 
 def _run(*cmd: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import signal
 import socket
@@ -14,7 +13,7 @@ from functools import partial
 
 from monarch_kernel.agent import direct_link
 from monarch_kernel.agent.descendants import become_subreaper, reap_adopted
-from monarch_kernel.agent.direct_link import read_line
+from monarch_kernel.agent.direct_link import parse_environment, read_fd_exact, read_line
 from monarch_kernel.agent.host_agent import HostAgent
 from monarch_kernel.agent.watchers import send_heartbeats, watch_controller, watch_ranks
 from monarch_kernel.core.folders import owned_folder, remove_if_orphaned
@@ -38,16 +37,11 @@ def _read_env_line(fd: int) -> dict[str, str]:
                          "(another monarch_kernel version on the notebook's side?)") from None
     if not 0 <= size <= MAX_ENV_BYTES:
         raise SystemExit(f"monarch_kernel agent: an environment of {size} bytes is over {MAX_ENV_BYTES}")
-    data = bytearray()
-    while len(data) < size:
-        chunk = os.read(fd, size - len(data))
-        if not chunk:
-            raise SystemExit("monarch_kernel agent: stdin closed in the middle of the environment")
-        data += chunk
-    env = json.loads(data)
-    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-        raise SystemExit("monarch_kernel agent: the environment is not a JSON object of strings")
-    return env
+    try:
+        data = read_fd_exact(fd, size)
+    except EOFError:
+        raise SystemExit("monarch_kernel agent: stdin closed in the middle of the environment") from None
+    return parse_environment(data)
 
 
 def _warm_imports() -> None:

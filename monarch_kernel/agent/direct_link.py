@@ -70,17 +70,14 @@ class StepLink:
             sock.settimeout(OFFER_WAIT_S)
             read_exact: Callable[[int], bytes] = lambda n: _recv_exact(sock, n)  # noqa: E731
         else:
-            read_exact = lambda n: _read_fd_exact(read_fd, n)  # noqa: E731
+            read_exact = lambda n: read_fd_exact(read_fd, n)  # noqa: E731
         try:
             data = read_frame(read_exact, self.opener, MAX_ENV_BYTES)
-            env = json.loads(data)
-        except (RecordRefused, ValueError, OSError) as exc:
+        except (RecordRefused, OSError, EOFError) as exc:
             raise SystemExit(f"monarch_kernel agent: the environment did not arrive ({exc})") from None
         if self.sock is not None:
             self.sock.settimeout(None)
-        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise SystemExit("monarch_kernel agent: the environment is not a JSON object of strings")
-        return env
+        return parse_environment(data)
 
 
 def offer(read_fd: int, write_fd: int, address: str | None) -> StepLink:
@@ -110,7 +107,7 @@ def _join_on_stdin(read_fd: int, mine: Offer, *, expect_line: bool) -> StepLink:
     if expect_line and read_line(read_fd).strip() != b"stdio":
         raise SystemExit("monarch_kernel agent: the controller went away before joining")
     try:
-        session = mine.accept(read_join(lambda n: _read_fd_exact(read_fd, n)))
+        session = mine.accept(read_join(lambda n: read_fd_exact(read_fd, n)))
     except (MungeFailed, OSError, EOFError) as exc:
         raise SystemExit(f"monarch_kernel agent: the controller's join on stdin was refused ({exc})") from None
     return StepLink(None, session)
@@ -222,12 +219,24 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def _read_fd_exact(fd: int, n: int) -> bytes:
+def read_fd_exact(fd: int, n: int) -> bytes:
+    """n bytes from a blocking descriptor (EOFError if it ends first)."""
     data = bytearray()
     while len(data) < n:
         chunk = os.read(fd, n - len(data))
         if not chunk:
-            raise EOFError("stdin closed during the handshake")
+            raise EOFError("stdin closed before all that was due arrived")
         data += chunk
     return bytes(data)
+
+
+def parse_environment(data: bytes) -> dict[str, str]:
+    """The environment the controller sent: a JSON object of strings (SystemExit saying what is wrong)."""
+    try:
+        env = json.loads(data)
+    except ValueError:
+        env = None
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise SystemExit("monarch_kernel agent: the environment is not a JSON object of strings")
+    return env
 

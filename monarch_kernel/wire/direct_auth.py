@@ -23,7 +23,15 @@ import hashlib
 import hmac
 import os
 
-from monarch_kernel.wire.link_crypto import PUBLIC_BYTES, Ephemeral, RecordRefused, Session, derive_session, transcript_hash
+from monarch_kernel.wire.link_crypto import (
+    PUBLIC_BYTES,
+    Ephemeral,
+    RecordRefused,
+    Session,
+    keyed_session,
+    proof,
+    transcript_hash,
+)
 
 SECRET_BYTES = 32
 _MAC = hashlib.sha256().digest_size
@@ -39,16 +47,11 @@ def new_secret() -> bytes:
     return os.urandom(SECRET_BYTES)
 
 
-def _mac(secret: bytes, role: bytes, transcript: bytes) -> bytes:
-    return hmac.new(secret, role + b"|" + transcript, hashlib.sha256).digest()
-
-
 def _session(secret: bytes, ours: Ephemeral, theirs: bytes, transcript: bytes) -> Session:
     try:
-        shared = ours.shared(theirs)
+        return keyed_session(secret, ours, theirs, transcript, _LABEL)
     except RecordRefused as exc:
         raise AuthenticationFailed(str(exc)) from None
-    return derive_session(shared, _mac(secret, b"session", transcript), _LABEL, transcript)
 
 
 async def _read_exact(reader: asyncio.StreamReader, n: int, timeout: float) -> bytes:
@@ -65,9 +68,9 @@ async def prove_controller_async(reader: asyncio.StreamReader, writer: asyncio.S
     theirs = await _read_exact(reader, PUBLIC_BYTES, timeout)
     ours = Ephemeral()
     transcript = transcript_hash(theirs, ours.public)
-    writer.write(ours.public + _mac(secret, b"controller", transcript))
+    writer.write(ours.public + proof(secret, b"controller", transcript))
     await writer.drain()
-    if not hmac.compare_digest(await _read_exact(reader, _MAC, timeout), _mac(secret, b"agent", transcript)):
+    if not hmac.compare_digest(await _read_exact(reader, _MAC, timeout), proof(secret, b"agent", transcript)):
         raise AuthenticationFailed("the agent's proof of the secret is wrong")
     return _session(secret, ours, theirs, transcript)
 
@@ -79,10 +82,10 @@ async def check_controller_async(reader: asyncio.StreamReader, writer: asyncio.S
     writer.write(ours.public)
     await writer.drain()
     answer = await _read_exact(reader, PUBLIC_BYTES + _MAC, timeout)
-    theirs, proof = answer[:PUBLIC_BYTES], answer[PUBLIC_BYTES:]
+    theirs, kernel_proof = answer[:PUBLIC_BYTES], answer[PUBLIC_BYTES:]
     transcript = transcript_hash(ours.public, theirs)
-    if not hmac.compare_digest(proof, _mac(secret, b"controller", transcript)):
+    if not hmac.compare_digest(kernel_proof, proof(secret, b"controller", transcript)):
         raise AuthenticationFailed("the connecting peer did not prove the secret")
-    writer.write(_mac(secret, b"agent", transcript))
+    writer.write(proof(secret, b"agent", transcript))
     await writer.drain()
     return _session(secret, ours, theirs, transcript)

@@ -25,6 +25,7 @@ cipher or MAC of our own.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,6 +94,16 @@ def derive_session(shared: bytes, binding: bytes, label: bytes, transcript: byte
     okm = HKDF(algorithm=hashes.SHA256(), length=2 * KEY_BYTES, salt=binding,
                info=label + transcript).derive(shared)
     return Session(okm[:KEY_BYTES], okm[KEY_BYTES:])
+
+
+def proof(key: bytes, role: bytes, transcript: bytes) -> bytes:
+    """HMAC-SHA256 of a shared key over a role and a handshake's transcript (what each end sends to prove it)."""
+    return hmac.new(key, role + b"|" + transcript, hashlib.sha256).digest()
+
+
+def keyed_session(key: bytes, ours: Ephemeral, theirs: bytes, transcript: bytes, label: bytes) -> Session:
+    """The session of an exchange that a shared key authenticated (raises RecordRefused for a bad public key)."""
+    return derive_session(ours.shared(theirs), proof(key, b"session", transcript), label, transcript)
 
 
 def _nonce(counter: int) -> bytes:

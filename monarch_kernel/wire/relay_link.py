@@ -45,7 +45,8 @@ from monarch_kernel.wire.link_crypto import (
     RecordRefused,
     Sealer,
     Session,
-    derive_session,
+    keyed_session,
+    proof,
     transcript_hash,
 )
 from monarch_kernel.wire.transport import MAX_BUFFER_BYTES, FrameError, decode_frame, encode
@@ -76,16 +77,11 @@ def no_delay(writer: asyncio.StreamWriter) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _mac(key: bytes, role: bytes, transcript: bytes) -> bytes:
-    return hmac.new(key, role + b"|" + transcript, hashlib.sha256).digest()
-
-
 def _session(key: bytes, ours: Ephemeral, theirs: bytes, transcript: bytes) -> Session:
     try:
-        shared = ours.shared(theirs)
+        return keyed_session(key, ours, theirs, transcript, _LABEL)
     except RecordRefused as exc:
         raise RelayRefused(str(exc)) from None
-    return derive_session(shared, _mac(key, b"session", transcript), _LABEL, transcript)
 
 
 async def handshake_as_child(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes,
@@ -96,11 +92,11 @@ async def handshake_as_child(reader: asyncio.StreamReader, writer: asyncio.Strea
     writer.write(ours.public + host)
     await writer.drain()
     answer = await _read(reader, PUBLIC_BYTES + _MAC)
-    theirs, proof = answer[:PUBLIC_BYTES], answer[PUBLIC_BYTES:]
+    theirs, parent_proof = answer[:PUBLIC_BYTES], answer[PUBLIC_BYTES:]
     transcript = transcript_hash(ours.public, theirs, host)
-    if not hmac.compare_digest(proof, _mac(key, b"parent", transcript)):
+    if not hmac.compare_digest(parent_proof, proof(key, b"parent", transcript)):
         raise RelayRefused("the relay parent did not prove the mesh's relay key")
-    writer.write(_mac(key, b"child", transcript))
+    writer.write(proof(key, b"child", transcript))
     await writer.drain()
     return _session(key, ours, theirs, transcript)
 
@@ -112,9 +108,9 @@ async def handshake_as_parent(reader: asyncio.StreamReader, writer: asyncio.Stre
     theirs, host = opening[:PUBLIC_BYTES], opening[PUBLIC_BYTES:]
     ours = Ephemeral()
     transcript = transcript_hash(theirs, ours.public, host)
-    writer.write(ours.public + _mac(key, b"parent", transcript))
+    writer.write(ours.public + proof(key, b"parent", transcript))
     await writer.drain()
-    if not hmac.compare_digest(await _read(reader, _MAC), _mac(key, b"child", transcript)):
+    if not hmac.compare_digest(await _read(reader, _MAC), proof(key, b"child", transcript)):
         raise RelayRefused("the connecting peer did not prove the mesh's relay key")
     return _INDEX.unpack(host)[0], _session(key, ours, theirs, transcript)
 
