@@ -379,3 +379,43 @@ def test_grouped_query_attention_stays_replicated_with_the_head_count_named():
     assert plan.applicable and all(".mlp." in path for path in plan.colwise + plan.rowwise)
     assert "model.layers.0.self_attn.k_proj (Linear: 4 does not divide the 2 key/value heads)" in plan.replicated
     assert any(".self_attn.q_proj" in path for path in tp_plan(model, 2).colwise)  # 2 divides both counts
+
+
+@pytest.fixture(scope="module")
+def checkpointed_plan(mesh):
+    return mesh.plan(pm.build, pm.batch, loss=pm.lm_loss, lr=3e-3, memory="1GiB",
+                     strategies=("ddp", "fsdp", "tp", "ac"))
+
+
+def test_activation_checkpointing_is_planned_with_less_activation_memory_and_the_recompute_counted(checkpointed_plan):
+    """Issue 38 item 2: activation checkpointing per block as a planned dimension (`ac=K`), with its estimate."""
+    by_layout = {c.layout: c for c in checkpointed_plan.candidates}
+    for plain in ("fsdp=4", "tp=4", "fsdp=2,tp=2"):
+        with_ac = by_layout[f"{plain},ac=1"]
+        assert with_ac.applicable and by_layout[plain].applicable
+        assert with_ac.memory["activations"] < by_layout[plain].memory["activations"], (plain, with_ac.memory)
+        assert with_ac.compute_seconds > by_layout[plain].compute_seconds  # the blocks' forward runs again
+    code = checkpointed_plan.code(candidate="fsdp=4,ac=1")
+    assert "from torch.distributed._composable import checkpoint" in code and "checkpoint(model.get_submodule(" in code
+    compile(code, "plan.py", "exec")
+
+
+@pytest.mark.parametrize("layout", ["ddp=4,ac=1", "fsdp=4,ac=1", "tp=4,ac=1", "fsdp=2,tp=2,ac=1", "ddp=2,tp=2,ac=1"])
+def test_checkpointed_layouts_train_with_the_one_process_losses(mesh, checkpointed_plan, layout):
+    checkpointed_plan.apply(layout, seed=0)
+    _assert_trains_as_one_process(mesh, layout, pm.build, 3e-3)
+
+
+def test_checkpointing_layouts_are_written_parsed_and_placed_on_every_kth_block():
+    from monarch_kernel.planner.layout import Layout, candidate_layouts
+    from monarch_kernel.planner.parallelize import checkpointed_blocks
+
+    assert Layout.parse("fsdp=2,tp=2,ac=2") == Layout(fsdp=2, tp=2, ac=2) and Layout(fsdp=4, ac=1).text == "fsdp=4,ac=1"
+    with pytest.raises(ValueError, match="not with pipelines"):
+        Layout(pp=2, ddp=2, ac=1)
+    with_ac = {layout.text for layout in candidate_layouts(1, 4, ("ddp", "fsdp", "pp", "ac"))}
+    assert "fsdp=4,ac=1" in with_ac and not any(text.startswith("pp=") and "ac=" in text for text in with_ac)
+    assert not any("ac=" in layout.text for layout in candidate_layouts(1, 4))  # asked for, not by default
+    model = pm.build()
+    every = checkpointed_blocks(model, 1)
+    assert len(every) > 1 and checkpointed_blocks(model, 2) == every[::2]

@@ -31,7 +31,7 @@ from monarch_kernel.planner.hardware import (
     parse_bytes,
     size_text,
 )
-from monarch_kernel.planner.layout import STRATEGIES, Layout, candidate_layouts
+from monarch_kernel.planner.layout import POLICIES, STRATEGIES, Layout, candidate_layouts
 from monarch_kernel.planner.pipeline import microbatch_count
 from monarch_kernel.planner.step_time import comm_seconds, compute_seconds
 
@@ -198,9 +198,10 @@ def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[.
     """Plan how to split `build()` over a mesh (`mesh.plan`) or a world you do not have yet
     (`world={"hosts": 4, "gpus": 8}, device="H100"`); see the module docstring. per_module: each
     candidate's `modules` holds every module's (two levels deep) parameter bytes and peak."""
-    unknown = set(strategies) - set(STRATEGIES)
+    unknown = set(strategies) - set(STRATEGIES + POLICIES)
     if unknown:
-        raise MeshUsageError(f"unknown strategies {sorted(unknown)}: use some of {', '.join(STRATEGIES)}")
+        raise MeshUsageError(f"unknown strategies {sorted(unknown)}: use some of {', '.join(STRATEGIES + POLICIES)} "
+                             "(ac: each layout also with activation checkpointing on every block)")
     spec = TrainingSpec(build, loss, optimizer, lr)
     if mesh is not None:
         from monarch_kernel.api.plan_on_mesh import mesh_figures

@@ -13,6 +13,7 @@ import torch
 
 from monarch_kernel.planner.apply import TrainingSpec
 from monarch_kernel.planner.layout import Layout
+from monarch_kernel.planner.parallelize import checkpointed_blocks
 from monarch_kernel.planner.pipeline import microbatch_count, split_points, stage_blocks
 from monarch_kernel.planner.structure import blocks, tp_plan
 
@@ -51,6 +52,8 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
              "import torch",
              "import torch.distributed as dist",
              "from torch.distributed.device_mesh import init_device_mesh"]
+    if layout.ac:
+        lines.append("from torch.distributed._composable import checkpoint")
     if layout.fsdp > 1:
         lines.append("from torch.distributed.fsdp import fully_shard")
     if layout.tp > 1:
@@ -92,6 +95,9 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
         lines += ['    parallelize_module(model, mesh["tp"], {', *(f"        {s}," for s in styles), "    })"]
         lines += [f'    model.get_submodule("{path}").{attr} //= TP' if path else f"    model.{attr} //= TP"
                   for path, attr in plan.heads]
+    if layout.ac:
+        lines += [f"    for name in {checkpointed_blocks(model, layout.ac)!r}:  # recomputed in the backward",
+                  "        checkpoint(model.get_submodule(name))"]
     if layout.fsdp > 1:
         names = [name for name, _ in blocks(model)]
         lines += [f"    for name in {names!r}:", '        fully_shard(model.get_submodule(name), mesh=mesh["dp"])',

@@ -69,6 +69,10 @@ def count_flops(build: Callable[[], nn.Module], batch: Batch, loss: Callable[...
 def rank_flops(flops: ModelFlops, structure: nn.Module, layout: Layout) -> float:
     """One rank's FLOPs per step in a layout without pipeline stages; `structure` is the model
     (a fake copy will do), for its tensor-parallel plan."""
+    return _without_recompute(flops, structure, layout) + _recomputed(flops, structure, layout)
+
+
+def _without_recompute(flops: ModelFlops, structure: nn.Module, layout: Layout) -> float:
     total = flops.total / layout.data_parallel
     if layout.tp == 1:
         return total
@@ -80,6 +84,17 @@ def rank_flops(flops: ModelFlops, structure: nn.Module, layout: Layout) -> float
     fraction = min(1.0, shared / flops.forward) if flops.forward > 0 else 0.0  # of the whole step's work
     shared = total * fraction
     return max(total - shared + shared / layout.tp, flops.total / (layout.data_parallel * layout.tp))
+
+
+def _recomputed(flops: ModelFlops, structure: nn.Module, layout: Layout) -> float:
+    """The forward FLOPs that activation checkpointing runs again in the backward, on one rank (the checkpointed
+    blocks' forward; split by TP like the rest of the blocks, which it mostly is)."""
+    if not layout.ac:
+        return 0.0
+    from monarch_kernel.planner.parallelize import checkpointed_blocks
+
+    again = sum(flops.by_module.get(f"{flops.root}.{path}", 0.0) for path in checkpointed_blocks(structure, layout.ac))
+    return again / (layout.data_parallel * layout.tp)
 
 
 def _inside(name: str, split: set[str]) -> bool:

@@ -1,5 +1,6 @@
 """A layout: how the ranks of a mesh split a model (data parallel, fully sharded, tensor
-parallel, pipeline stages).
+parallel, pipeline stages), and which of its blocks recompute their activations in the backward
+(activation checkpointing, `ac=K`: every K-th block; `ac=1`: every block).
 
 Written as a short string, `"ddp=4"`, `"fsdp=4"`, `"tp=4"`, `"fsdp=2,tp=2"`, `"ddp=2,tp=2"`,
 `"pp=2,fsdp=2"`, `"pp=4"`: the degrees multiply to the number of ranks. Tensor parallelism stays
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 STRATEGIES = ("ddp", "fsdp", "tp", "pp")
+POLICIES = ("ac",)  # asked for as strategies too: `strategies=(..., "ac")` plans each layout also with ac=1
 
 
 @dataclass(frozen=True)
@@ -24,10 +26,13 @@ class Layout:
     fsdp: int = 1
     tp: int = 1
     pp: int = 1
+    ac: int = 0  # activation checkpointing: every ac-th block recomputes its activations (0: none)
 
     def __post_init__(self) -> None:
-        if min(self.ddp, self.fsdp, self.tp, self.pp) < 1:
-            raise ValueError(f"degrees must be at least 1: {self}")
+        if min(self.ddp, self.fsdp, self.tp, self.pp) < 1 or self.ac < 0:
+            raise ValueError(f"degrees must be at least 1 (ac at least 0): {self}")
+        if self.ac and self.pp > 1:
+            raise ValueError("activation checkpointing combines with DDP, FSDP and TP layouts, not with pipelines")
         if self.ddp > 1 and self.fsdp > 1:
             raise ValueError("a layout shards data either with DDP or with FSDP, not both")
         if self.pp > 1 and self.tp > 1:
@@ -47,8 +52,8 @@ class Layout:
     def text(self) -> str:
         """`"fsdp=2,tp=2"`."""
         degrees = (("pp", self.pp), ("ddp", self.ddp), ("fsdp", self.fsdp), ("tp", self.tp))
-        parts = [f"{name}={degree}" for name, degree in degrees if degree > 1]
-        return ",".join(parts) or "ddp=1"
+        parts = [f"{name}={degree}" for name, degree in degrees if degree > 1] or ["ddp=1"]
+        return ",".join(parts + ([f"ac={self.ac}"] if self.ac else []))
 
     def __str__(self) -> str:
         return self.text
@@ -59,9 +64,10 @@ class Layout:
         degrees: dict[str, int] = {}
         for part in text.replace(" ", "").split(","):
             name, _, value = part.partition("=")
-            if name not in STRATEGIES or not value.isdigit():
+            if name not in STRATEGIES + POLICIES or not value.isdigit():
                 raise ValueError(f"{text!r} is not a layout: write it as ddp=N, fsdp=N, tp=N, pp=N or "
-                                 "combinations such as fsdp=A,tp=B and pp=A,fsdp=B")
+                                 "combinations such as fsdp=A,tp=B and pp=A,fsdp=B, with ac=K to recompute "
+                                 "every K-th block's activations")
             degrees[name] = int(value)
         return cls(**degrees)
 
@@ -91,5 +97,7 @@ def candidate_layouts(hosts: int, gpus: int, strategies: tuple[str, ...] = STRAT
         if tp == 1 or "tp" in strategies:
             found += _with_data_parallel(world // tp, strategies, tp=tp)
     if world == 1:
-        return [Layout()]
-    return sorted(set(found), key=lambda layout: (layout.pp, layout.tp, layout.fsdp > 1, layout.ddp))
+        found = [Layout()]
+    if "ac" in strategies:
+        found += [Layout(layout.ddp, layout.fsdp, layout.tp, layout.pp, ac=1) for layout in found if layout.pp == 1]
+    return sorted(set(found), key=lambda layout: (layout.pp, layout.tp, layout.fsdp > 1, layout.ddp, layout.ac))

@@ -9,6 +9,7 @@ when a layout is estimated: what is estimated is what is applied.
   attention modules are divided by the degree.
 - DDP with TP: the tensor-parallel model, its gradients averaged over the data-parallel ranks
   after each backward (DistributedDataParallel does not take DTensor parameters).
+- ac=K: every K-th block recomputes its activations in the backward (after TP, before FSDP).
 - PP: this rank's pipeline stage (`pipeline.py`), with FSDP on its blocks, or its gradients
   averaged by hand over the data-parallel ranks (DDP's per-backward reduction does not fit a
   schedule that runs a backward per micro-batch).
@@ -96,6 +97,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any) -> nn.Module:
         for path, attr in plan.heads:
             owner = model.get_submodule(path) if path else model
             setattr(owner, attr, getattr(owner, attr) // layout.tp)
+    if layout.ac:
+        checkpoint_blocks(model, layout.ac)
     if layout.fsdp > 1:
         fully_shard_blocks(model, [path for path, _ in blocks(model)], mesh)
     elif layout.ddp > 1 and layout.tp == 1:
@@ -103,6 +106,20 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any) -> nn.Module:
 
         return DistributedDataParallel(model)
     return model
+
+
+def checkpointed_blocks(model: nn.Module, every: int) -> list[str]:
+    """The paths of the blocks that `ac=every` recomputes (every `every`-th, from the first)."""
+    return [path for index, (path, _) in enumerate(blocks(model)) if index % every == 0]
+
+
+def checkpoint_blocks(model: nn.Module, every: int) -> None:
+    """Activation checkpointing on every `every`-th block: its activations are dropped after the forward and
+    recomputed in the backward (torch's composable `checkpoint`: module paths and parameter names stay)."""
+    from torch.distributed._composable import checkpoint
+
+    for path in checkpointed_blocks(model, every):
+        checkpoint(model.get_submodule(path))
 
 
 def make_optimizer(optimizer: str | Callable[..., torch.optim.Optimizer], params: Any,
