@@ -114,7 +114,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                (_MESH_NAME, arg("--ranks", default=None))),
     Subcommand("sharding", "EXPR [--rows DIM] [--cols DIM] [--name NAME]", "how a DTensor (or module) lies on the mesh",
                (arg("expr"), arg("--rows", type=int, default=None), arg("--cols", type=int, default=None), _MESH_NAME)),
-    Subcommand("plan", "BUILD BATCH --loss F [--memory 20GiB|auto] [--strategies ddp,fsdp,tp,pp] [--optimizer adamw]\n"
+    Subcommand("plan", "BUILD BATCH --loss F [--memory 20GiB|auto] [--strategies ddp,fsdp,tp,pp[,ac]] [--optimizer adamw]\n"
                "             [--lr LR] [--trial] [--apply] [--name NAME]",
                "which layouts (DDP, FSDP, TP, FSDP x TP) of a model fit the mesh, and which is fastest",
                (arg("build"), arg("batch"), arg("--loss", required=True), arg("--memory", default="auto"),
