@@ -82,6 +82,56 @@ def _assert_trains_as_one_process(mesh, layout, build, lr, optimizer="adamw"):
             assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
 
 
+@pytest.fixture(scope="module")
+def hf_plan(mesh):
+    pytest.importorskip("transformers")
+    return mesh.plan(pm.build_hf_llama, pm.hf_batch, loss=pm.hf_lm_loss, lr=3e-3, memory="1GiB")
+
+
+def test_a_hugging_face_model_with_dict_inputs_plans_with_its_cache_off_and_pipelines_named(hf_plan):
+    """Issue 38 item 6: dict inputs (`model(**inputs)`) crashed the planner with "'dict' object has no attribute
+    'shape'"; a pipeline cannot take them, and says so instead of failing in torch.export."""
+    estimated = {c.layout for c in hf_plan.candidates if c.applicable}
+    assert {"ddp=4", "fsdp=4", "tp=4"} <= estimated, [(c.layout, c.reason) for c in hf_plan.candidates]
+    assert any("pp=4: ruled out: a pipeline takes one input tensor" in note for note in hf_plan.notes)
+
+
+@pytest.mark.parametrize("layout", ["ddp=4", "fsdp=4", "tp=4", "fsdp=2,tp=2"])
+def test_a_hugging_face_model_trains_in_each_layout_with_the_one_process_losses(mesh, hf_plan, layout):
+    hf_plan.apply(layout, seed=0)
+    mesh.push(_batch=pm.hf_batch)
+    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
+    expected = reference_losses(TrainingSpec(pm.build_hf_llama, pm.hf_lm_loss, "adamw", 3e-3, 0), [pm.hf_batch()] * 3)
+    for rank, got in losses.by_rank().items():
+        for a, b in zip(got, expected):
+            assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
+
+
+@pytest.fixture(scope="module")
+def checkpointed_plan(mesh):
+    return mesh.plan(pm.build, pm.batch, loss=pm.lm_loss, lr=3e-3, memory="1GiB",
+                     strategies=("ddp", "fsdp", "tp", "ac"))
+
+
+def test_activation_checkpointing_is_planned_with_less_activation_memory_and_the_recompute_counted(checkpointed_plan):
+    """Issue 38 item 2: activation checkpointing per block as a planned dimension (`ac=K`), with its estimate."""
+    by_layout = {c.layout: c for c in checkpointed_plan.candidates}
+    for plain in ("fsdp=4", "tp=4", "fsdp=2,tp=2"):
+        with_ac = by_layout[f"{plain},ac=1"]
+        assert with_ac.applicable and by_layout[plain].applicable
+        assert with_ac.memory["activations"] < by_layout[plain].memory["activations"], (plain, with_ac.memory)
+        assert with_ac.compute_seconds > by_layout[plain].compute_seconds  # the blocks' forward runs again
+    code = checkpointed_plan.code(candidate="fsdp=4,ac=1")
+    assert "from torch.distributed._composable import checkpoint" in code and "checkpoint(model.get_submodule(" in code
+    compile(code, "plan.py", "exec")
+
+
+@pytest.mark.parametrize("layout", ["ddp=4,ac=1", "fsdp=4,ac=1", "tp=4,ac=1", "fsdp=2,tp=2,ac=1", "ddp=2,tp=2,ac=1"])
+def test_checkpointed_layouts_train_with_the_one_process_losses(mesh, checkpointed_plan, layout):
+    checkpointed_plan.apply(layout, seed=0)
+    _assert_trains_as_one_process(mesh, layout, pm.build, 3e-3)
+
+
 def test_four_pipeline_stages_train_with_sgd_as_one_process(mesh):
     """SGD shows a gradient scaled wrongly over the micro-batches, which AdamW's normalisation hides."""
     plan = mesh.plan(pm.build_wide, pm.batch, loss=pm.lm_loss, optimizer="sgd", lr=0.5, memory="1GiB",
@@ -341,31 +391,6 @@ def test_flops_per_module_follow_the_forward_and_tp_never_undercuts_data_paralle
     assert flops.per_rank["tp=4"] >= flops.per_rank["ddp=4"]
 
 
-@pytest.fixture(scope="module")
-def hf_plan(mesh):
-    pytest.importorskip("transformers")
-    return mesh.plan(pm.build_hf_llama, pm.hf_batch, loss=pm.hf_lm_loss, lr=3e-3, memory="1GiB")
-
-
-def test_a_hugging_face_model_with_dict_inputs_plans_with_its_cache_off_and_pipelines_named(hf_plan):
-    """Issue 38 item 6: dict inputs (`model(**inputs)`) crashed the planner with "'dict' object has no attribute
-    'shape'"; a pipeline cannot take them, and says so instead of failing in torch.export."""
-    estimated = {c.layout for c in hf_plan.candidates if c.applicable}
-    assert {"ddp=4", "fsdp=4", "tp=4"} <= estimated, [(c.layout, c.reason) for c in hf_plan.candidates]
-    assert any("pp=4: ruled out: a pipeline takes one input tensor" in note for note in hf_plan.notes)
-
-
-@pytest.mark.parametrize("layout", ["ddp=4", "fsdp=4", "tp=4", "fsdp=2,tp=2"])
-def test_a_hugging_face_model_trains_in_each_layout_with_the_one_process_losses(mesh, hf_plan, layout):
-    hf_plan.apply(layout, seed=0)
-    mesh.push(_batch=pm.hf_batch)
-    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
-    expected = reference_losses(TrainingSpec(pm.build_hf_llama, pm.hf_lm_loss, "adamw", 3e-3, 0), [pm.hf_batch()] * 3)
-    for rank, got in losses.by_rank().items():
-        for a, b in zip(got, expected):
-            assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
-
-
 def test_grouped_query_attention_stays_replicated_with_the_head_count_named():
     """Issue 38 item 6: a grouped-query model's tp=4 failed with "shape '[8, 32, -1, 32]' is invalid"; now its
     attention stays whole and says why, and its MLPs are still split."""
@@ -379,31 +404,6 @@ def test_grouped_query_attention_stays_replicated_with_the_head_count_named():
     assert plan.applicable and all(".mlp." in path for path in plan.colwise + plan.rowwise)
     assert "model.layers.0.self_attn.k_proj (Linear: 4 does not divide the 2 key/value heads)" in plan.replicated
     assert any(".self_attn.q_proj" in path for path in tp_plan(model, 2).colwise)  # 2 divides both counts
-
-
-@pytest.fixture(scope="module")
-def checkpointed_plan(mesh):
-    return mesh.plan(pm.build, pm.batch, loss=pm.lm_loss, lr=3e-3, memory="1GiB",
-                     strategies=("ddp", "fsdp", "tp", "ac"))
-
-
-def test_activation_checkpointing_is_planned_with_less_activation_memory_and_the_recompute_counted(checkpointed_plan):
-    """Issue 38 item 2: activation checkpointing per block as a planned dimension (`ac=K`), with its estimate."""
-    by_layout = {c.layout: c for c in checkpointed_plan.candidates}
-    for plain in ("fsdp=4", "tp=4", "fsdp=2,tp=2"):
-        with_ac = by_layout[f"{plain},ac=1"]
-        assert with_ac.applicable and by_layout[plain].applicable
-        assert with_ac.memory["activations"] < by_layout[plain].memory["activations"], (plain, with_ac.memory)
-        assert with_ac.compute_seconds > by_layout[plain].compute_seconds  # the blocks' forward runs again
-    code = checkpointed_plan.code(candidate="fsdp=4,ac=1")
-    assert "from torch.distributed._composable import checkpoint" in code and "checkpoint(model.get_submodule(" in code
-    compile(code, "plan.py", "exec")
-
-
-@pytest.mark.parametrize("layout", ["ddp=4,ac=1", "fsdp=4,ac=1", "tp=4,ac=1", "fsdp=2,tp=2,ac=1", "ddp=2,tp=2,ac=1"])
-def test_checkpointed_layouts_train_with_the_one_process_losses(mesh, checkpointed_plan, layout):
-    checkpointed_plan.apply(layout, seed=0)
-    _assert_trains_as_one_process(mesh, layout, pm.build, 3e-3)
 
 
 def test_checkpointing_layouts_are_written_parsed_and_placed_on_every_kth_block():
