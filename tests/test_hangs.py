@@ -93,25 +93,6 @@ def test_a_dead_rank_that_the_others_wait_for(kernel):
     assert kernel.execute("%mesh restart", 120).status == "ok"
 
 
-def test_why_from_a_plain_cell_names_a_background_straggler_hang(kernel):
-    """Issue 37 (found by measurement): `mesh.why()` from a plain cell during a `--bg` straggler hang answered
-    "ranks 0-3 are idle: nothing runs". It must name the collective and the straggler."""
-    run = kernel.execute("%%mesh --bg\nimport time, torch, torch.distributed as dist\n"
-                         "if dist.get_rank() == 3:\n    time.sleep(120)\nt = torch.ones(1)\ndist.all_reduce(t)", 30)
-    assert run.status == "ok"
-    said = ""
-    for _ in range(100):  # (until every rank is in its cell: the straggler in its sleep, the rest in the all_reduce)
-        said = kernel.execute("from monarch_kernel.magics import current_registry\n"
-                              "print(current_registry().get().why())", 30).text()
-        if "time.sleep(120)" in said:
-            break
-    assert re.search(r"ranks 0-2 wait in all_reduce #\d+ .*rank 3 has not entered", said), said
-    assert "idle" not in said
-    kernel.interrupt()
-    assert kernel.execute("%mesh interrupt", 30).status == "ok"
-    assert kernel.execute("%mesh restart", 120).status == "ok"
-
-
 def test_stacks_of_a_background_cell_that_hangs_are_grouped(kernel):
     run = kernel.execute("%%mesh --bg\nimport time\nx = 0\nwhile True:\n    time.sleep(0.5)", 30)
     assert run.status == "ok"
