@@ -6,8 +6,13 @@ estimates come to what a trial measures, in one run.
    estimates run on fake tensors in helper processes).
 2. On a 4-rank CPU mesh (gloo), every fitting layout of a small GPT: estimated against measured
    peak memory per rank and step time, and where the plan ranked the fastest measured one.
+3. A Llama-2-7B (Hugging Face's LlamaForCausalLM from its config, nothing downloaded) planned for
+   1 x 8 and 4 x 8 H100 in bf16 mixed precision with activation checkpointing as a choice: seconds,
+   notebook growth, each layout's per-rank FLOPs against the hand formula (6 x parameters x tokens
+   plus attention's 12 x layers x hidden x sequence x tokens, recompute added for ac=1), and whether the
+   known-good recipe (FSDP over 8, bf16, checkpointing) fits.
 
-    .venv/bin/python benchmarks/bench_planner.py [--skip-large]
+    .venv/bin/python benchmarks/bench_planner.py [--skip-large] [--skip-small] [--skip-llama]
 """
 
 from __future__ import annotations
@@ -55,6 +60,65 @@ def large() -> None:
     print(plan)
 
 
+LLAMA = {"hidden": 4096, "layers": 32, "heads": 32, "mlp": 11008, "vocab": 32000, "seq": 2048}
+
+
+def build_llama7b():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=LLAMA["hidden"], intermediate_size=LLAMA["mlp"],
+                                        num_hidden_layers=LLAMA["layers"], num_attention_heads=LLAMA["heads"],
+                                        num_key_value_heads=LLAMA["heads"], vocab_size=LLAMA["vocab"],
+                                        max_position_embeddings=LLAMA["seq"]))
+
+
+def llama_batch(samples: int):
+    import torch
+
+    def batch():
+        ids = torch.randint(0, LLAMA["vocab"], (samples, LLAMA["seq"]), generator=torch.Generator().manual_seed(0))
+        return ids, ids
+    return batch
+
+
+def llama_loss(output, targets):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(output.logits.flatten(0, 1).float(), targets.flatten())
+
+
+def llama(hosts: int, samples: int) -> None:
+    from monarch_kernel.planner.layout import Layout
+
+    batch = llama_batch(samples)
+    before, peak_before = rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    started = time.perf_counter()
+    plan = monarch_kernel.plan(build_llama7b, batch, loss=llama_loss, world={"hosts": hosts, "gpus": 8},
+                               device="H100", memory="80GiB", precision="bf16", strategies=("ddp", "fsdp", "tp", "ac"))
+    seconds = time.perf_counter() - started
+    grown = max(rss() - before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_before)
+    params = 6_738_415_616
+    print(f"\nLlama-2-7B, {hosts} x 8 H100, batch {samples} x {LLAMA['seq']}, bf16 mixed precision: planned in "
+          f"{seconds:.1f} s, notebook memory grew {grown / 2**20:.0f} MiB")
+    print("| layout | fits | peak/rank | per-rank TFLOP | by hand | ratio |")
+    print("|---|---|---|---|---|---|")
+    for candidate in plan.candidates:
+        if not candidate.applicable:
+            print(f"| {candidate.layout} | n/a | | | | {candidate.reason} |")
+            continue
+        layout = Layout.parse(candidate.layout)
+        tokens = samples * LLAMA["seq"] / layout.data_parallel
+        attention = 12 * LLAMA["layers"] * LLAMA["hidden"] * LLAMA["seq"] * tokens
+        by_hand = (6 * params * tokens + attention) / layout.tp
+        if layout.ac:  # the blocks' forward again: a third of their forward and backward
+            by_hand += (2 * (params - 2 * LLAMA["vocab"] * LLAMA["hidden"]) * tokens + attention / 3) / layout.tp
+        print(f"| {candidate.layout} | {'yes' if candidate.fits else 'no'} | {candidate.peak_bytes / 2**30:.1f} GiB "
+              f"| {candidate.flops / 1e12:.1f} | {by_hand / 1e12:.1f} | {candidate.flops / by_hand:.3f} |")
+    recipe = plan.candidate("fsdp=8,ac=1,mp=bf16" if hosts == 1 else "fsdp=32,ac=1,mp=bf16")
+    print(f"known-good recipe {recipe.layout}: {'fits' if recipe.fits else 'does not fit'} "
+          f"({recipe.peak_bytes / 2**30:.1f} GiB per rank); best: {plan.best.layout if plan.best else 'none'}")
+
+
 def small() -> None:
     with monarch_kernel.local_mesh(gpus=4, dist="gloo", name="bench-planner") as mesh:
         plan = mesh.plan(pm.build_wide, pm.batch, loss=pm.lm_loss, memory="10MiB")
@@ -77,10 +141,16 @@ def small() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-large", action="store_true")
+    parser.add_argument("--skip-small", action="store_true")
+    parser.add_argument("--skip-llama", action="store_true")
     args = parser.parse_args()
     if not args.skip_large:
         large()
-    small()
+    if not args.skip_small:
+        small()
+    if not args.skip_llama:
+        llama(1, 8)
+        llama(4, 32)
 
 
 if __name__ == "__main__":

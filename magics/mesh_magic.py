@@ -284,7 +284,8 @@ class MeshMagics(Magics):
             raise UsageError(f"not defined in the notebook: {', '.join(missing)} (define build(), batch() and the loss)")
         plan = self.registry.get(args.mesh).plan(namespace[args.build], namespace[args.batch], loss=namespace[args.loss],
                                                  memory=args.memory, optimizer=args.optimizer, lr=args.lr,
-                                                 strategies=tuple(s for s in args.strategies.split(",") if s))
+                                                 strategies=tuple(s for s in args.strategies.split(",") if s),
+                                                 precision=args.precision)
         if args.trial:
             plan.trial()
         if args.apply:

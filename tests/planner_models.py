@@ -73,6 +73,11 @@ def build_hf_llama():
                                         max_position_embeddings=64))
 
 
+def build_hf_llama_bf16():
+    """The same, built in bf16 (`.to(torch.bfloat16)` at the end of the build)."""
+    return build_hf_llama().to(torch.bfloat16)
+
+
 def hf_batch():
     """Hugging Face inputs: a dict for model(**inputs), with the targets beside it."""
     g = torch.Generator().manual_seed(1)

@@ -313,6 +313,76 @@ def test_a_failed_apply_from_the_widget_says_why_and_keeps_the_plan(mesh):
     assert "<code>ddp=4" in widget.picture.value
 
 
+@pytest.fixture(scope="module")
+def mixed_plan(mesh):
+    pytest.importorskip("transformers")
+    return mesh.plan(pm.build_hf_llama, pm.hf_batch, loss=pm.hf_lm_loss, lr=3e-3, memory="1GiB", precision="bf16",
+                     strategies=("ddp", "fsdp", "tp"))
+
+
+def test_mixed_precision_is_planned_for_every_layout_and_estimated_within_a_tenth_of_the_trial(mixed_plan):
+    """Issue 38 item 2: bf16 mixed precision (FSDP's MixedPrecisionPolicy, autocast without FSDP) as a planned
+    policy; DDP's estimate holds its gradient buckets for the whole step (it was one gradient copy short)."""
+    by_layout = {c.layout: c for c in mixed_plan.candidates}
+    assert {"ddp=4,mp=bf16", "fsdp=4,mp=bf16", "tp=4,mp=bf16", "fsdp=2,tp=2,mp=bf16"} <= set(by_layout), by_layout
+    assert all(c.applicable and c.fits for c in mixed_plan.candidates), [(c.layout, c.reason) for c in mixed_plan.candidates]
+    mixed_plan.trial(steps=3)
+    for layout in ("ddp=4,mp=bf16", "fsdp=4,mp=bf16"):
+        candidate = by_layout[layout]
+        assert 0.9 <= candidate.peak_bytes / candidate.measured_peak_bytes <= 1.1, (
+            layout, candidate.peak_bytes, candidate.measured_peak_bytes)
+    fsdp_code = mixed_plan.code(candidate="fsdp=4,mp=bf16")
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32" in fsdp_code
+    ddp_code = mixed_plan.code(candidate="ddp=4,mp=bf16")
+    assert "torch.autocast(device.type, dtype=torch.bfloat16)" in ddp_code and "gradient_as_bucket_view=True" in ddp_code
+    for code in (fsdp_code, ddp_code, mixed_plan.code(candidate="tp=4,mp=bf16")):
+        compile(code, "plan.py", "exec")
+
+
+_FIRST_MATMUL_DTYPES = """
+_seen = []
+_hook = next(m for m in model.modules() if type(m).__name__ == "LlamaMLP").down_proj.register_forward_hook(
+    lambda module, args, out: _seen.append((str(args[0].dtype), str(out.dtype))))
+_losses = [train_step(_batch()) for _ in range(3)]
+_hook.remove()
+(_losses, _seen[0], sorted({str(p.dtype) for p in model.parameters()}), len(optimizer.param_groups))
+"""
+
+
+@pytest.mark.parametrize("layout", ["ddp=4,mp=bf16", "fsdp=4,mp=bf16", "tp=4,mp=bf16", "fsdp=2,tp=2,mp=bf16"])
+def test_mixed_precision_layouts_compute_in_bf16_on_fp32_weights_and_train_as_one_process(mesh, mixed_plan, layout):
+    mixed_plan.apply(layout, seed=0)
+    mesh.push(_batch=pm.hf_batch)
+    found = mesh.run(_FIRST_MATMUL_DTYPES).by_rank()
+    expected = reference_losses(TrainingSpec(pm.build_hf_llama, pm.hf_lm_loss, "adamw", 3e-3, 0), [pm.hf_batch()] * 3)
+    for rank, (losses, matmul, params, groups) in found.items():
+        assert matmul == ("torch.bfloat16", "torch.bfloat16"), (layout, rank, matmul)  # computed in bf16
+        assert params == ["torch.float32"], (layout, rank, params)  # on fp32 master weights
+        for a, b in zip(losses, expected):  # bf16 rounding, no more
+            assert abs(a - b) <= 2e-3 * abs(b), (layout, rank, losses, expected)
+        if layout == "tp=4,mp=bf16":  # DTensor and plain parameters apart (GPUs' multi-tensor steps refuse a mix)
+            assert groups == 2, groups
+    if layout == "tp=4,mp=bf16":  # ... and so the multi-tensor step GPUs default to runs
+        steps = mesh.run("for _g in optimizer.param_groups:\n    _g['foreach'] = True\ntrain_step(_batch())")
+        assert all(value > 0 for value in steps.by_rank().values())
+
+
+def test_a_model_built_in_bf16_plans_on_fake_tensors():
+    """Issue 38 item 2: `.to(torch.bfloat16)` in the build made every layout "Couldn't swap Embedding.weight"."""
+    pytest.importorskip("transformers")
+    from monarch_kernel.planner.hardware import Accelerator
+
+    slow = Accelerator("slow", 80 << 30, 1e9, 1e8, 1e11, 1e10)  # FLOPs, not per-operator costs, decide the time
+    plan = plan_world(pm.build_hf_llama_bf16, pm.hf_batch, loss=pm.hf_lm_loss, world={"hosts": 1, "gpus": 4},
+                      device=slow, strategies=("ddp", "fsdp", "tp"))
+    assert all(c.applicable for c in plan.candidates), [(c.layout, c.reason) for c in plan.candidates]
+    fp32 = plan_world(pm.build_hf_llama, pm.hf_batch, loss=pm.hf_lm_loss, world={"hosts": 1, "gpus": 4},
+                      device=slow, strategies=("fsdp",))
+    half, full = plan.candidate("fsdp=4"), fp32.candidate("fsdp=4")
+    assert half.memory["optimizer"] * 2 == pytest.approx(full.memory["optimizer"], rel=0.02)  # bf16 Adam state
+    assert half.compute_seconds < full.compute_seconds / 5  # at the bf16 rate (10x the fp32 one here)
+
+
 def test_the_plan_magic_plans_the_mesh_from_the_notebooks_names(mesh):
     """(Last: unloading the extension shuts down the meshes it knows, this module's too.)"""
     from conftest import ipython_shell

@@ -23,7 +23,8 @@ def mesh_figures(mesh: Any) -> Figures:
         found = Figures(memory=int(min(v["memory"] for v in values)), flops=min(v["flops_fp32"] for v in values),
                         intra_host_bandwidth=min(v["intra_host_bandwidth"] for v in values),
                         inter_host_bandwidth=min(v["inter_host_bandwidth"] for v in values),
-                        source=f"measured on mesh {mesh.name!r}", latency=max(v["latency"] for v in values),
+                        source=f"measured on mesh {mesh.name!r}",
+                        flops_bf16=min(v.get("flops_bf16", 0.0) for v in values), latency=max(v["latency"] for v in values),
                         op_overhead=max(v["op_overhead"] for v in values),
                         dtensor_overhead=max(v["dtensor_overhead"] for v in values),
                         links=_slowest_links([v["links"] for v in values]))

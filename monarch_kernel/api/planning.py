@@ -31,7 +31,7 @@ from monarch_kernel.planner.hardware import (
     parse_bytes,
     size_text,
 )
-from monarch_kernel.planner.layout import POLICIES, STRATEGIES, Layout, candidate_layouts
+from monarch_kernel.planner.layout import POLICIES, PRECISIONS, STRATEGIES, Layout, candidate_layouts
 from monarch_kernel.planner.pipeline import microbatch_count
 from monarch_kernel.planner.step_time import comm_seconds, compute_seconds
 
@@ -47,6 +47,7 @@ class Candidate:
     step_seconds: float = float("inf")
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
+    flops: float = 0.0  # one rank's FLOPs per step (forward, backward and any recompute)
     collectives: dict[str, int] = field(default_factory=dict)
     modules: dict[str, dict[str, int]] = field(default_factory=dict)  # per_module=True: name -> params, peak
     reason: str = ""  # why it does not fit, or does not apply
@@ -164,7 +165,8 @@ def add_flops(counted: ModelFlops, estimates: list[LayoutEstimate], notes: list[
     for estimate in estimates:
         if estimate.layout in counted.per_rank:
             estimate.flops = counted.per_rank[estimate.layout]
-            estimate.param_count, estimate.dtype_bytes = counted.param_count, counted.dtype_bytes
+            estimate.param_count = counted.param_count
+            estimate.dtype_bytes = 2 if Layout.parse(estimate.layout).mp else counted.dtype_bytes
 
 
 def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: int, gpus: int,
@@ -177,8 +179,9 @@ def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: in
             found.append(Candidate(estimate.layout, applicable=False, reason=estimate.error))
             continue
         candidate = Candidate(estimate.layout, peak_bytes=estimate.peak_bytes, memory=dict(estimate.memory),
-                              collectives=dict(estimate.collectives), modules=dict(estimate.modules))
-        flops = known.flops(estimate.dtype_bytes) if known is not None else figures.flops
+                              collectives=dict(estimate.collectives), modules=dict(estimate.modules),
+                              flops=estimate.flops)
+        flops = known.flops(estimate.dtype_bytes) if known is not None else figures.compute_rate(estimate.dtype_bytes)
         candidate.compute_seconds = compute_seconds(estimate, layout, figures, flops)
         candidate.comm_seconds = comm_seconds(estimate, layout, figures, hosts, gpus)
         candidate.step_seconds = candidate.compute_seconds + candidate.comm_seconds
@@ -194,10 +197,16 @@ def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: in
 def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[..., Any],
          optimizer: str | Callable[..., Any] = "adamw", lr: float | None = None, memory: str | int = "auto",
          world: dict[str, int] | None = None, device: str | Accelerator | None = None,
-         strategies: Sequence[str] = STRATEGIES, mesh: Any = None, per_module: bool = False) -> Plan:
+         strategies: Sequence[str] = STRATEGIES, mesh: Any = None, per_module: bool = False,
+         precision: str = "fp32") -> Plan:
     """Plan how to split `build()` over a mesh (`mesh.plan`) or a world you do not have yet
     (`world={"hosts": 4, "gpus": 8}, device="H100"`); see the module docstring. per_module: each
-    candidate's `modules` holds every module's (two levels deep) parameter bytes and peak."""
+    candidate's `modules` holds every module's (two levels deep) parameter bytes and peak.
+    precision: "fp32" trains as the model is built; "bf16" in mixed precision (every layout with
+    mp=bf16: bf16 compute on fp32 master weights, gradients reduced in fp32)."""
+    if precision not in PRECISIONS:
+        raise MeshUsageError(f"precision {precision!r}: use 'fp32' (as the model is built) or 'bf16' (mixed precision: "
+                             "bf16 compute on fp32 master weights)")
     unknown = set(strategies) - set(STRATEGIES + POLICIES)
     if unknown:
         raise MeshUsageError(f"unknown strategies {sorted(unknown)}: use some of {', '.join(STRATEGIES + POLICIES)} "
@@ -215,7 +224,7 @@ def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[.
         hosts, gpus = int(world.get("hosts", 1)), int(world.get("gpus", 1))
         named = accelerator(device)
         figures = Figures(named.memory, named.flops_fp32, named.intra_host_bandwidth, named.inter_host_bandwidth,
-                          named.name)
+                          named.name, flops_bf16=named.flops_bf16)
     if memory != "auto":
         figures.memory = parse_bytes(memory)
     try:
@@ -227,6 +236,10 @@ def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[.
     usable = []
     size = batch_size(global_batch[0])
     for layout in layouts:
+        if precision != "fp32" and layout.pp > 1:
+            notes.append(f"{layout}: ruled out: pipeline stages are not planned in mixed precision")
+            continue
+        layout = layout.with_precision(precision)
         if layout.pp > 1 and not isinstance(global_batch[0], torch.Tensor):
             notes.append(f"{layout}: ruled out: a pipeline takes one input tensor per micro-batch, and this "
                          "model's inputs are a dict (model(**inputs))")

@@ -55,7 +55,8 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
     if layout.ac:
         lines.append("from torch.distributed._composable import checkpoint")
     if layout.fsdp > 1:
-        lines.append("from torch.distributed.fsdp import fully_shard")
+        lines.append("from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard" if layout.mp
+                     else "from torch.distributed.fsdp import fully_shard")
     if layout.tp > 1:
         lines.append("from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module")
     if layout.ddp > 1 and layout.tp == 1 and layout.pp == 1:
@@ -100,24 +101,43 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
                   "        checkpoint(model.get_submodule(name))"]
     if layout.fsdp > 1:
         names = [name for name, _ in blocks(model)]
-        lines += [f"    for name in {names!r}:", '        fully_shard(model.get_submodule(name), mesh=mesh["dp"])',
-                  '    fully_shard(model, mesh=mesh["dp"])']
+        if layout.mp:  # bf16 compute, fp32 master weights and gradient reduction, fp32 outputs for the loss
+            lines += ["    block_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
+                      "    root_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,",
+                      "                                       output_dtype=torch.float32)",
+                      f"    for name in {names!r}:",
+                      '        fully_shard(model.get_submodule(name), mesh=mesh["dp"], mp_policy=block_policy)',
+                      '    fully_shard(model, mesh=mesh["dp"], mp_policy=root_policy)']
+        else:
+            lines += [f"    for name in {names!r}:", '        fully_shard(model.get_submodule(name), mesh=mesh["dp"])',
+                      '    fully_shard(model, mesh=mesh["dp"])']
     elif layout.ddp > 1 and layout.tp == 1:
-        lines.append("    model = DistributedDataParallel(model)")
-    lines += [f"    optimizer = torch.optim.{optimizer}(model.parameters(), lr={lr!r})",
-              '    dp_rank = mesh["dp"].get_local_rank() if "dp" in mesh.mesh_dim_names else 0',
+        lines.append("    model = DistributedDataParallel(model, gradient_as_bucket_view=True)")
+    if layout.tp > 1 and layout.fsdp == 1:  # DTensors and plain tensors apart: GPUs' multi-tensor steps refuse a mix
+        lines += ["    params = list(model.parameters())",
+                  "    split = [p for p in params if hasattr(p, 'to_local')]",
+                  "    groups = [split, [p for p in params if not hasattr(p, 'to_local')]]",
+                  f"    optimizer = torch.optim.{optimizer}([{{'params': g}} for g in groups if g], lr={lr!r})"]
+    else:
+        lines.append(f"    optimizer = torch.optim.{optimizer}(model.parameters(), lr={lr!r})")
+    lines += ['    dp_rank = mesh["dp"].get_local_rank() if "dp" in mesh.mesh_dim_names else 0',
               '    dp_group = mesh["dp"].get_group() if "dp" in mesh.mesh_dim_names else None',
               "    for step in range(STEPS):",
               f"        inputs, targets = {imports[1][1]}()",
               "        size = targets.shape[0]",
               "        share = slice(dp_rank * size // DP, (dp_rank + 1) * size // DP)",
-              "        optimizer.zero_grad(set_to_none=True)",
-              "        if isinstance(inputs, dict):  # (a Hugging Face model's keyword inputs)",
-              "            output = model(**{key: value[share].to(device) for key, value in inputs.items()})",
-              "        else:",
-              "            output = model(inputs[share].to(device))",
-              f"        loss = {imports[2][1]}(output, targets[share].to(device))",
-              "        loss.backward()"]
+              "        optimizer.zero_grad(set_to_none=True)"]
+    forward = ["if isinstance(inputs, dict):  # (a Hugging Face model's keyword inputs)",
+               "    output = model(**{key: value[share].to(device) for key, value in inputs.items()})",
+               "else:",
+               "    output = model(inputs[share].to(device))",
+               f"loss = {imports[2][1]}(output, targets[share].to(device))"]
+    if layout.mp and layout.fsdp == 1:  # mixed precision without FSDP: autocast (fp32 weights and gradients)
+        lines += ["        with torch.autocast(device.type, dtype=torch.bfloat16):",
+                  *(f"            {line}" for line in forward)]
+    else:
+        lines += [f"        {line}" for line in forward]
+    lines += ["        loss.backward()"]
     if layout.ddp > 1 and layout.tp > 1:
         lines += ["        for param in model.parameters():  # data parallel over the dp dimension, by hand",
                   "            if param.grad is not None:",

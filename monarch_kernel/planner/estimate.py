@@ -9,8 +9,9 @@ otherwise) record what the step holds at its peak, and a dispatch mode records t
 every collective. It needs a process of its own (the fake group becomes the default group):
 `estimate_job` runs it so.
 
-DDP's gradient buckets live in C++ where the trackers cannot see them; they are added (one
-copy of the gradients) as collective buffers, and the trial's measurement adds the same.
+DDP keeps its gradients in its buckets (`gradient_as_bucket_view`): they are allocated once and
+held through the whole step, forward included, where a plain model's gradients only appear in the
+backward; the estimate runs the plain model with its gradients kept the same way.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from monarch_kernel.planner.apply import TrainingSpec
 from monarch_kernel.planner.batches import each, forward
+from monarch_kernel.planner.fake_build import build_fake
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.parallelize import (
     Batch,
+    autocast,
     data_share,
     device_mesh,
     make_local_step,
@@ -163,17 +166,23 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
         mesh = device_mesh(layout, "cpu")
         recorder = _collective_recorder()
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-            model = spec.make()
-            if layout.fsdp > 1 or layout.tp > 1:  # (DDP alone: the plain model, its buckets added below)
+            model = build_fake(spec.make, fake)
+            if layout.fsdp > 1 or layout.tp > 1:  # (DDP alone: the plain model, its gradients held as its buckets)
                 model = parallelize(model, layout, mesh)
             optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.lr)
             inputs, targets = each(local[0], fake.from_tensor), fake.from_tensor(local[1])
             tracker = memory_tracker(model, optimizer, fsdp=layout.fsdp > 1, per_module=per_module)
             with tracker:
                 make_optimizer_state(model, optimizer)  # a step in the steady state holds it
+                if layout.ddp > 1 and layout.tp == 1:  # DDP's buckets: the gradients, held all along
+                    for param in model.parameters():
+                        if param.requires_grad:
+                            param.grad = torch.zeros_like(param)
                 tracker.reset_mod_stats()
                 with recorder:
-                    spec.loss(forward(model, inputs), targets).backward()
+                    with autocast(layout, "cpu"):
+                        value = spec.loss(forward(model, inputs), targets)
+                    value.backward()
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             if per_module:
@@ -184,14 +193,13 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
         result.calls = dict(recorder.calls_by_kind)
         if layout.ddp > 1:  # the gradients' all-reduce, in DDP's buckets (with TP: averaged in place)
             grads = sum(local_bytes(p) for p in model.parameters() if p.requires_grad)
-            if layout.tp == 1:
-                memory["buffers"] += grads
             result.collectives["all_reduce"] = result.collectives.get("all_reduce", 0) + grads
             grad_count = sum(1 for p in model.parameters() if p.requires_grad)
             calls = grad_count if layout.tp > 1 else max(1, -(-grads // (25 << 20)))  # DDP: 25 MB buckets
             result.collective_calls += calls
             result.calls["all_reduce"] = result.calls.get("all_reduce", 0) + calls
         result.memory = memory
+        result.dtype_bytes = 2 if layout.mp else next((p.element_size() for p in model.parameters()), 4)
     return result
 
 
@@ -230,7 +238,7 @@ def _estimate_pipeline(spec: TrainingSpec, local: Batch, layout: Layout, per_mod
 
     result = LayoutEstimate(layout.text)
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        model = spec.make()
+        model = build_fake(spec.make, fake)
         params = list(model.parameters())
         result.param_count = sum(p.numel() for p in params)
         result.dtype_bytes = params[0].element_size() if params else 4

@@ -13,10 +13,14 @@ each later one a job: {"payload": cloudpickled {spec, batch, layout, per_module}
 "timeout": seconds}. Each job is answered with one pickled LayoutEstimate, in order; a job whose
 layout is "" counts the model's FLOPs instead (a `flops.ModelFlops`, with the share per rank of
 each of the payload's "layouts").
+
+Each child also names the modules it imported (the model's library: transformers takes seconds), and
+the helper imports them before the next fork, so that only a helper's first child pays for them.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import select
@@ -80,8 +84,10 @@ def _in_child(payload: bytes, layout: str, timeout: float) -> bytes:
     if pid == 0:  # the child: estimate, write, leave without running the parent's exit handlers
         os.close(readable)
         status = 0
+        before = set(sys.modules)
         try:
-            data = pickle.dumps(_estimate(payload))
+            result = _estimate(payload)
+            data = pickle.dumps((result, [name for name in sys.modules if name not in before]))
             view = memoryview(data)
             while view:
                 view = view[os.write(writable, view):]
@@ -113,7 +119,20 @@ def _in_child(payload: bytes, layout: str, timeout: float) -> bytes:
     if status != 0 or not chunks:
         how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}")
         return pickle.dumps(LayoutEstimate(layout, error=f"the estimate's process died ({how})"))
-    return b"".join(chunks)
+    result, imported = pickle.loads(b"".join(chunks))
+    _import_for_later(imported)
+    return pickle.dumps(result)
+
+
+def _import_for_later(names: list[str]) -> None:
+    """Import here what a child imported, so that the next children inherit it (see the module docstring)."""
+    for name in names:
+        if name in sys.modules or name.startswith("__"):
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001 - a module that only imports in its own context stays the child's own
+            continue
 
 
 def main() -> None:

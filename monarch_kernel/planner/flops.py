@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from monarch_kernel.planner.batches import Batch, each
 from monarch_kernel.planner.batches import forward as forward_of
+from monarch_kernel.planner.fake_build import build_fake
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.structure import tp_plan
 
@@ -49,7 +50,7 @@ def count_flops(build: Callable[[], nn.Module], batch: Batch, loss: Callable[...
     from torch.utils.flop_counter import FlopCounterMode
 
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        model = build()
+        model = build_fake(build, fake)
         params = list(model.parameters())
         inputs, targets = each(batch[0], fake.from_tensor), fake.from_tensor(batch[1])
         with FlopCounterMode(display=False) as forward:

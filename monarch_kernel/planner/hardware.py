@@ -105,15 +105,20 @@ class Figures:
     """What a rank can do: memory to use, FLOP/s, link bandwidths (measured or known)."""
 
     memory: int
-    flops: float
+    flops: float  # fp32 matmul FLOP/s
     intra_host_bandwidth: float
     inter_host_bandwidth: float
     source: str  # "measured on mesh NAME" or the accelerator's name
+    flops_bf16: float = 0.0  # bf16 matmul FLOP/s (0: as fp32)
     latency: float = 10e-6  # of one collective, in seconds
     op_overhead: float = 5e-6  # per dispatched operator (a GPU's kernel launch, a CPU's dispatch)
     dtensor_overhead: float = 30e-6  # more per operator on DTensors (sharding propagation, in Python)
     # measured: {"intra" | "inter": {LINK_KINDS: [latency s, bus bandwidth bytes/s, ranks measured over]}}
     links: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+    def compute_rate(self, dtype_bytes: int) -> float:
+        """FLOP/s when computing in a dtype of this many bytes (2: bf16/fp16, 4: fp32)."""
+        return self.flops_bf16 if dtype_bytes <= 2 and self.flops_bf16 > 0 else self.flops
 
     def link(self, kind: str, across_hosts: bool, ranks: int) -> tuple[float, float]:
         """(latency of one call, bus bandwidth) of a kind of collective over `ranks`, inside a host

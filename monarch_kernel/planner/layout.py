@@ -1,6 +1,7 @@
 """A layout: how the ranks of a mesh split a model (data parallel, fully sharded, tensor
-parallel, pipeline stages), and which of its blocks recompute their activations in the backward
-(activation checkpointing, `ac=K`: every K-th block; `ac=1`: every block).
+parallel, pipeline stages), which of its blocks recompute their activations in the backward
+(activation checkpointing, `ac=K`: every K-th block; `ac=1`: every block), and in what precision it
+computes (`mp=bf16`: mixed precision, bf16 compute on fp32 master weights with fp32 gradient reduction).
 
 Written as a short string, `"ddp=4"`, `"fsdp=4"`, `"tp=4"`, `"fsdp=2,tp=2"`, `"ddp=2,tp=2"`,
 `"pp=2,fsdp=2"`, `"pp=4"`: the degrees multiply to the number of ranks. Tensor parallelism stays
@@ -11,10 +12,11 @@ index), so a stage's data-parallel ranks sit together and only activations cross
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 STRATEGIES = ("ddp", "fsdp", "tp", "pp")
 POLICIES = ("ac",)  # asked for as strategies too: `strategies=(..., "ac")` plans each layout also with ac=1
+PRECISIONS = ("fp32", "bf16")  # what a plan's `precision=` takes: as built, or bf16 mixed precision (mp=bf16)
 
 
 @dataclass(frozen=True)
@@ -27,10 +29,15 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ac: int = 0  # activation checkpointing: every ac-th block recomputes its activations (0: none)
+    mp: str = ""  # mixed precision: "bf16" computes in bf16 on fp32 master weights ("": as the model is built)
 
     def __post_init__(self) -> None:
         if min(self.ddp, self.fsdp, self.tp, self.pp) < 1 or self.ac < 0:
             raise ValueError(f"degrees must be at least 1 (ac at least 0): {self}")
+        if self.mp not in ("", "bf16"):
+            raise ValueError(f"mixed precision {self.mp!r}: only bf16 is planned (fp16 needs loss scaling)")
+        if self.mp and self.pp > 1:
+            raise ValueError("mixed precision combines with DDP, FSDP and TP layouts, not with pipelines")
         if self.ac and self.pp > 1:
             raise ValueError("activation checkpointing combines with DDP, FSDP and TP layouts, not with pipelines")
         if self.ddp > 1 and self.fsdp > 1:
@@ -53,7 +60,7 @@ class Layout:
         """`"fsdp=2,tp=2"`."""
         degrees = (("pp", self.pp), ("ddp", self.ddp), ("fsdp", self.fsdp), ("tp", self.tp))
         parts = [f"{name}={degree}" for name, degree in degrees if degree > 1] or ["ddp=1"]
-        return ",".join(parts + ([f"ac={self.ac}"] if self.ac else []))
+        return ",".join(parts + ([f"ac={self.ac}"] if self.ac else []) + ([f"mp={self.mp}"] if self.mp else []))
 
     def __str__(self) -> str:
         return self.text
@@ -62,14 +69,24 @@ class Layout:
     def parse(cls, text: str) -> Layout:
         """The layout a string names (`"fsdp=2,tp=2"`)."""
         degrees: dict[str, int] = {}
+        precision = ""
         for part in text.replace(" ", "").split(","):
             name, _, value = part.partition("=")
+            if name == "mp" and value:
+                precision = value
+                continue
             if name not in STRATEGIES + POLICIES or not value.isdigit():
                 raise ValueError(f"{text!r} is not a layout: write it as ddp=N, fsdp=N, tp=N, pp=N or "
                                  "combinations such as fsdp=A,tp=B and pp=A,fsdp=B, with ac=K to recompute "
-                                 "every K-th block's activations")
+                                 "every K-th block's activations and mp=bf16 for mixed precision")
             degrees[name] = int(value)
-        return cls(**degrees)
+        return cls(**degrees, mp=precision)
+
+    def with_precision(self, precision: str) -> Layout:
+        """This layout computing in `precision` (one of PRECISIONS: "fp32" as built, "bf16" mixed)."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+        return replace(self, mp="" if precision == "fp32" else precision)
 
 
 def _divisors(n: int) -> list[int]:
@@ -78,9 +95,11 @@ def _divisors(n: int) -> list[int]:
 
 def _with_data_parallel(rest: int, strategies: tuple[str, ...], **degrees: int) -> list[Layout]:
     """A layout of `degrees` with the remaining `rest` ranks data parallel (DDP or FSDP, as allowed)."""
+    base = Layout(tp=degrees.get("tp", 1), pp=degrees.get("pp", 1))
     if rest == 1:
-        return [Layout(**degrees)]
-    return [Layout(**degrees, **{kind: rest}) for kind in ("ddp", "fsdp") if kind in strategies]
+        return [base]
+    return ([replace(base, ddp=rest)] if "ddp" in strategies else []) + (
+        [replace(base, fsdp=rest)] if "fsdp" in strategies else [])
 
 
 def candidate_layouts(hosts: int, gpus: int, strategies: tuple[str, ...] = STRATEGIES) -> list[Layout]:
@@ -99,5 +118,5 @@ def candidate_layouts(hosts: int, gpus: int, strategies: tuple[str, ...] = STRAT
     if world == 1:
         found = [Layout()]
     if "ac" in strategies:
-        found += [Layout(layout.ddp, layout.fsdp, layout.tp, layout.pp, ac=1) for layout in found if layout.pp == 1]
+        found += [replace(layout, ac=1) for layout in found if layout.pp == 1]
     return sorted(set(found), key=lambda layout: (layout.pp, layout.tp, layout.fsdp > 1, layout.ddp, layout.ac))

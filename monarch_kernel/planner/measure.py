@@ -18,7 +18,7 @@ from monarch_kernel.planner.parallelize import Batch
 
 
 def rank_figures() -> dict[str, Any]:
-    """This rank's fp32 matmul FLOP/s, its per-operator costs, its memory to use (free GPU memory,
+    """This rank's fp32 and bf16 matmul FLOP/s, its per-operator costs, its memory to use (free GPU memory,
     or a fair share of the host's available memory), and the mesh's links (`links.py`)."""
     device = rank_device()
     n = 1024 if device.type == "cpu" else 4096
@@ -26,6 +26,9 @@ def rank_figures() -> dict[str, Any]:
 
     torch.mm(a, b)
     flops = 2 * n ** 3 / median_seconds(lambda: torch.mm(a, b), 5, device)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    torch.mm(a16, b16)
+    flops_bf16 = 2 * n ** 3 / median_seconds(lambda: torch.mm(a16, b16), 3, device)
     small = torch.ones(16, device=device)
     op_overhead = median_seconds(lambda: [torch.add(small, small) for _ in range(200)], 3) / 200
     from torch.distributed.device_mesh import init_device_mesh
@@ -37,7 +40,7 @@ def rank_figures() -> dict[str, Any]:
         free, _ = torch.cuda.mem_get_info(device)
     else:
         free = _available_host_memory() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    figures: dict[str, Any] = {"flops_fp32": flops, "memory": float(free), "op_overhead": op_overhead,
+    figures: dict[str, Any] = {"flops_fp32": flops, "flops_bf16": flops_bf16, "memory": float(free), "op_overhead": op_overhead,
                "dtensor_overhead": max(0.0, dtensor_overhead - op_overhead)}
     links = measure_links(device)
     figures["links"] = links
@@ -62,7 +65,7 @@ def _available_host_memory() -> int:
 def trial_layout(spec: TrainingSpec, layout: Layout, batch: Batch, steps: int) -> dict[str, float]:
     """Build the layout for real, run `steps` steps (the first warms up), and measure on this rank:
     the median step time and the peak memory of a step (GPU: max_memory_allocated; CPU: torch's
-    memory tracker around a real step, plus DDP's gradient buckets, which it cannot see)."""
+    memory tracker around a real step)."""
     model, optimizer, step, _ = build_in_layout(spec, layout, batch)
     step(batch)  # warm-up: the optimizer's state is made here
     device = rank_device()
@@ -85,7 +88,4 @@ def _tracked_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step
     tracker = memory_tracker(plain, optimizer, fsdp=layout.fsdp > 1)
     with tracker:
         step(batch)
-    peak = sum(peak_by_category(tracker).values())
-    if layout.ddp > 1 and layout.tp == 1 and layout.pp == 1:
-        peak += sum(p.numel() * p.element_size() for p in plain.parameters() if p.requires_grad)  # DDP's buckets
-    return peak
+    return sum(peak_by_category(tracker).values())  # (DDP's buckets are the gradients it sees)

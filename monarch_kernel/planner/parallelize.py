@@ -3,13 +3,16 @@
 The same code runs for real on a mesh's ranks and, on fake tensors with a fake process group,
 when a layout is estimated: what is estimated is what is applied.
 
-- DDP alone: torch's DistributedDataParallel.
+- DDP alone: torch's DistributedDataParallel, its buckets holding the gradients (`gradient_as_bucket_view`).
 - FSDP: `fully_shard` on each repeated block, then on the whole model.
 - TP: `parallelize_module` with the plan `structure.tp_plan` finds; the head counts of split
   attention modules are divided by the degree.
 - DDP with TP: the tensor-parallel model, its gradients averaged over the data-parallel ranks
   after each backward (DistributedDataParallel does not take DTensor parameters).
 - ac=K: every K-th block recomputes its activations in the backward (after TP, before FSDP).
+- mp=bf16: FSDP's `MixedPrecisionPolicy` (bf16 parameters in compute, fp32 sharded master weights,
+  gradients reduced in fp32, the model's outputs in fp32 for the loss); without FSDP, the forward
+  and the loss under `torch.autocast` in bf16 (fp32 weights, gradients and reduction).
 - PP: this rank's pipeline stage (`pipeline.py`), with FSDP on its blocks, or its gradients
   averaged by hand over the data-parallel ranks (DDP's per-backward reduction does not fit a
   schedule that runs a backward per micro-batch).
@@ -17,6 +20,7 @@ when a layout is estimated: what is estimated is what is applied.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -49,13 +53,32 @@ def device_mesh(layout: Layout, device_type: str) -> Any:
     return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
 
 
-def fully_shard_blocks(module: nn.Module, block_paths: list[str], mesh: Any) -> None:
-    """FSDP over the data-parallel dimension: each block its own unit, then the rest."""
+def precision_policy(layout: Layout, root: bool) -> Any:
+    """FSDP's MixedPrecisionPolicy for a layout: bf16 compute, fp32 reduction, and (root) fp32 outputs
+    for `mp=bf16`; the default (compute in the parameters' dtype) otherwise."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not layout.mp:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if root else None)
+
+
+def autocast(layout: Layout, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """What the forward and the loss run under: bf16 autocast for a mixed-precision layout without FSDP
+    (FSDP casts its parameters itself), nothing otherwise."""
+    if layout.mp and layout.fsdp == 1:
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def fully_shard_blocks(module: nn.Module, block_paths: list[str], mesh: Any, layout: Layout) -> None:
+    """FSDP over the data-parallel dimension: each block its own unit, then the rest (in the layout's precision)."""
     from torch.distributed.fsdp import fully_shard
 
     for path in block_paths:
-        fully_shard(module.get_submodule(path), mesh=mesh["dp"])
-    fully_shard(module, mesh=mesh["dp"])
+        fully_shard(module.get_submodule(path), mesh=mesh["dp"], mp_policy=precision_policy(layout, root=False))
+    fully_shard(module, mesh=mesh["dp"], mp_policy=precision_policy(layout, root=True))
 
 
 def place(model: nn.Module | TracedPipeline, layout: Layout, mesh: Any, device: torch.device,
@@ -73,7 +96,7 @@ def place(model: nn.Module | TracedPipeline, layout: Layout, mesh: Any, device: 
 
     def shard(module: nn.Module, held: list[str]) -> None:
         if layout.fsdp > 1:
-            fully_shard_blocks(module, held, mesh)
+            fully_shard_blocks(module, held, mesh, layout)
 
     return take_stage(model, mesh, device, loss_fn, shard)
 
@@ -100,11 +123,11 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any) -> nn.Module:
     if layout.ac:
         checkpoint_blocks(model, layout.ac)
     if layout.fsdp > 1:
-        fully_shard_blocks(model, [path for path, _ in blocks(model)], mesh)
+        fully_shard_blocks(model, [path for path, _ in blocks(model)], mesh, layout)
     elif layout.ddp > 1 and layout.tp == 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model)
+        return DistributedDataParallel(model, gradient_as_bucket_view=True)  # its buckets hold the gradients
     return model
 
 
@@ -124,7 +147,10 @@ def checkpoint_blocks(model: nn.Module, every: int) -> None:
 
 def make_optimizer(optimizer: str | Callable[..., torch.optim.Optimizer], params: Any,
                    lr: float | None) -> torch.optim.Optimizer:
-    """"adamw" (torch's AdamW, its defaults, lr 1e-3 unless given), "adam", "sgd", or a callable(params, lr=...)."""
+    """"adamw" (torch's AdamW, its defaults, lr 1e-3 unless given), "adam", "sgd", or a callable(params, lr=...).
+
+    The named ones get the DTensor parameters (tensor parallelism's) and the plain ones in separate groups:
+    on GPUs torch steps each group with multi-tensor kernels, which refuse a mix of the two."""
     if callable(optimizer):
         return optimizer(params) if lr is None else optimizer(params, lr=lr)
     rate = 1e-3 if lr is None else lr
@@ -132,7 +158,17 @@ def make_optimizer(optimizer: str | Callable[..., torch.optim.Optimizer], params
         "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
     if optimizer not in kinds:
         raise ValueError(f"optimizer {optimizer!r}: use one of {sorted(kinds)} or a callable(params, lr=...)")
-    return kinds[optimizer](params, lr=rate)
+    return kinds[optimizer](_alike_groups(list(params)), lr=rate)
+
+
+def _alike_groups(params: list[Any]) -> list[Any]:
+    """The parameters as given, or in two groups (DTensors, plain tensors) when they mix both."""
+    if not params or isinstance(params[0], dict):  # (param groups of the caller's own)
+        return params
+    distributed = [p for p in params if hasattr(p, "to_local")]
+    if not distributed or len(distributed) == len(params):
+        return params
+    return [{"params": distributed}, {"params": [p for p in params if not hasattr(p, "to_local")]}]
 
 
 def data_parallel_rank(layout: Layout, mesh: Any) -> tuple[int, Any]:
@@ -168,7 +204,8 @@ def make_local_step(placed: Placed, optimizer: torch.optim.Optimizer, loss_fn: C
                 raise ValueError("a pipeline takes one input tensor per micro-batch, not a dict of inputs")
             loss = pipeline_step(placed, x, y)
         else:
-            loss = loss_fn(forward(placed, x), y)
+            with autocast(layout, mesh.device_type):
+                loss = loss_fn(forward(placed, x), y)
             loss.backward()
         if average_by_hand:
             average_gradients(module, dp_group, layout.data_parallel)
