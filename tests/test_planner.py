@@ -485,6 +485,13 @@ def test_checkpointing_layouts_are_written_parsed_and_placed_on_every_kth_block(
     with_ac = {layout.text for layout in candidate_layouts(1, 4, ("ddp", "fsdp", "pp", "ac"))}
     assert "fsdp=4,ac=1" in with_ac and not any(text.startswith("pp=") and "ac=" in text for text in with_ac)
     assert not any("ac=" in layout.text for layout in candidate_layouts(1, 4))  # asked for, not by default
+    mixed = Layout.parse("fsdp=4,ac=1,mp=bf16")
+    assert mixed == Layout(fsdp=4, ac=1, mp="bf16") and mixed.text == "fsdp=4,ac=1,mp=bf16"
+    assert Layout(ddp=4).with_precision("bf16").text == "ddp=4,mp=bf16" and mixed.with_precision("fp32").mp == ""
+    with pytest.raises(ValueError, match="fp16 needs loss scaling"):
+        Layout.parse("fsdp=4,mp=fp16")
+    with pytest.raises(ValueError, match="not with pipelines"):
+        Layout(pp=2, ddp=2, mp="bf16")
     model = pm.build()
     every = checkpointed_blocks(model, 1)
     assert len(every) > 1 and checkpointed_blocks(model, 2) == every[::2]
