@@ -85,5 +85,93 @@ def hf_batch():
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.randint(0, 256, (8, 16), generator=g)
 
 
+def hf_token_batch():
+    """The same tokens as one input tensor (model(input_ids)), which pipeline stages take."""
+    inputs, targets = hf_batch()
+    return inputs["input_ids"], targets
+
+
 def hf_lm_loss(output, targets):
     return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
+
+
+class TitanAttention(nn.Module):
+    """torchtitan's Llama attention, in small: wq/wk/wv/wo, grouped key/value heads, rotary positions."""
+
+    def __init__(self, dim, n_heads, n_kv_heads):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x, rope):
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)  # (-1: the heads this rank holds under TP)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = _rotate(q, rope), _rotate(k, rope)
+        repeat = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def _rotate(x, rope):
+    cos, sin = rope[: x.shape[1], None, :].unbind(-1)
+    first, second = x[..., ::2], x[..., 1::2]
+    return torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1).flatten(-2)
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), \
+            nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim, n_heads, n_kv_heads, hidden):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attention = TitanAttention(dim, n_heads, n_kv_heads)
+        self.feed_forward = TitanFeedForward(dim, hidden)
+
+    def forward(self, x, rope):
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TitanLlama(nn.Module):
+    """A torchtitan-style Llama: its blocks in an nn.ModuleDict keyed "0", "1", ..., rotary tables as a
+    non-persistent buffer of the root."""
+
+    def __init__(self, vocab=256, dim=64, layers=4, n_heads=4, n_kv_heads=2, hidden=128, ctx=32):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(dim, n_heads, n_kv_heads, hidden) for i in range(layers)})
+        self.norm, self.output = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+        half = dim // n_heads // 2
+        angles = torch.outer(torch.arange(ctx).float(), 1.0 / (10000 ** (torch.arange(half).float() / half)))
+        self.register_buffer("rope", torch.stack((angles.cos(), angles.sin()), dim=-1), persistent=False)
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            x = block(x, self.rope)
+        return self.output(self.norm(x))
+
+
+def build_titan():
+    return TitanLlama()
+
+
+_titan_tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(3))
+
+
+def titan_batch():
+    return _titan_tokens[:, :-1], _titan_tokens[:, 1:]

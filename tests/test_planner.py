@@ -383,6 +383,46 @@ def test_a_model_built_in_bf16_plans_on_fake_tensors():
     assert half.compute_seconds < full.compute_seconds / 5  # at the bf16 rate (10x the fp32 one here)
 
 
+def test_a_hugging_face_causal_lm_trains_through_pipeline_stages_with_its_output_as_it_returns_it(mesh):
+    """Issue 38 item 3: the last stage handed the loss a tensor where the loss reads `out.logits`."""
+    pytest.importorskip("transformers")
+    plan = mesh.plan(pm.build_hf_llama, pm.hf_token_batch, loss=pm.hf_lm_loss, lr=3e-3, memory="1GiB",
+                     strategies=("ddp", "pp"))
+    assert plan.candidate("pp=2,ddp=2").applicable, plan
+    plan.apply("pp=2,ddp=2", seed=0)
+    mesh.push(_batch=pm.hf_token_batch)
+    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
+    expected = reference_losses(TrainingSpec(pm.build_hf_llama, pm.hf_lm_loss, "adamw", 3e-3, 0),
+                                [pm.hf_token_batch()] * 3)
+    for rank, got in losses.by_rank().items():
+        for a, b in zip(got, expected):
+            assert abs(a - b) <= 1e-5 * abs(b), (rank, got, expected)
+
+
+@pytest.fixture(scope="module")
+def titan_plan(mesh):
+    return mesh.plan(pm.build_titan, pm.titan_batch, loss=pm.lm_loss, lr=3e-3, memory="1GiB")
+
+
+@pytest.mark.parametrize("layout", ["fsdp=4", "fsdp=2,tp=2", "pp=2,fsdp=2"])
+def test_torchtitan_style_blocks_in_a_module_dict_are_sharded_split_and_train_as_one_process(mesh, titan_plan, layout):
+    """Issue 38 item 6: blocks in an nn.ModuleDict were not found (FSDP sharded the container as one unit,
+    pipelines split at the head)."""
+    from monarch_kernel.planner.structure import blocks
+
+    assert [path for path, _ in blocks(pm.build_titan())] == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    titan_plan.apply(layout, seed=0)
+    if layout == "fsdp=4":
+        units = mesh.run("sorted(n for n, m in model.named_modules() if type(m).__name__.startswith('FSDP'))")
+        assert units.by_rank()[0] == ["", "layers.0", "layers.1", "layers.2", "layers.3"]
+    mesh.push(_batch=pm.titan_batch)
+    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
+    expected = reference_losses(TrainingSpec(pm.build_titan, pm.lm_loss, "adamw", 3e-3, 0), [pm.titan_batch()] * 3)
+    for rank, got in losses.by_rank().items():
+        for a, b in zip(got, expected):
+            assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
+
+
 def test_the_plan_magic_plans_the_mesh_from_the_notebooks_names(mesh):
     """(Last: unloading the extension shuts down the meshes it knows, this module's too.)"""
     from conftest import ipython_shell

@@ -63,6 +63,7 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
         lines.append("from torch.nn.parallel import DistributedDataParallel")
     if layout.pp > 1:
         lines.append("from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline")
+        lines.append("from torch.utils._pytree import tree_flatten, tree_unflatten")
     lines.append("")
     by_module: dict[str, list[str]] = {}
     for module, name in imports:
@@ -175,7 +176,16 @@ def _pipeline_lines(model: torch.nn.Module, layout: Layout, batch: Callable[[], 
         lines += [f"    for name in {held!r}[stage_index]:",
                   '        fully_shard(module.get_submodule(name), mesh=mesh["dp"])',
                   '    fully_shard(module, mesh=mesh["dp"])']
-    lines += [f"    schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn={loss_name})",
+    lines += ["    with torch.no_grad():  # the model's output structure: the last stage hands on its leaves",
+              "        out_spec = tree_flatten(model(example))[1]",
+              "",
+              "    def loss_fn(output, target):  # the loss gets the output as the model returns it (out.logits, ...)",
+              "        leaves = list(output) if isinstance(output, (tuple, list)) else [output]",
+              "        if not out_spec.is_leaf() and len(leaves) == out_spec.num_leaves:",
+              "            output = tree_unflatten(leaves, out_spec)",
+              f"        return {loss_name}(output, target)",
+              "",
+              "    schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)",
               f"    optimizer = torch.optim.{optimizer}(module.parameters(), lr={lr!r})",
               "    for step in range(STEPS):",
               f"        inputs, targets = {batch_name}()",

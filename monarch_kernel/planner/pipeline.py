@@ -9,6 +9,10 @@ batch is cut into micro-batches (twice the stages when its size allows, else as 
 stages); their shape is fixed when the model is traced, so every step takes a batch of the size
 the stage was built for. The schedule scales each micro-batch's gradients by their count, so a
 step's gradients are those of the mean loss over the share, as without stages.
+
+The last stage hands on the model's output flattened (torch.export's leaves: a Hugging Face model's
+`CausalLMOutputWithPast` arrives as a tuple holding the logits); the loss gets it rebuilt in the
+model's own structure (`out.logits` works), from the output's structure found when it is traced.
 """
 
 from __future__ import annotations
@@ -89,6 +93,38 @@ class TracedPipeline:
     microbatches: int
     local_size: int
     held: list[list[str]]  # each stage's block paths
+    output_spec: Any = None  # the model's output structure (a pytree spec), for the loss
+
+
+def output_structure(model: nn.Module, example: torch.Tensor) -> Any:
+    """The pytree structure of `model(example)`, found on fake tensors (nothing is computed)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_flatten
+
+    with torch.no_grad():
+        if detect_fake_mode((example,)) is not None:
+            output = model(example)
+        else:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                output = model(example)
+    return tree_flatten(output)[1]
+
+
+def structured_loss(loss_fn: Callable[..., torch.Tensor], spec: Any) -> Callable[..., torch.Tensor]:
+    """`loss_fn` given the last stage's flattened output rebuilt as the model returns it (see the docstring)."""
+    from torch.utils._pytree import tree_unflatten
+
+    if spec is None or spec.is_leaf():
+        return loss_fn
+
+    def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        leaves = list(output) if isinstance(output, tuple | list) else [output]
+        if len(leaves) == spec.num_leaves:
+            output = tree_unflatten(leaves, spec)
+        return loss_fn(output, target)
+
+    return loss
 
 
 def trace_pipeline(model: nn.Module, stages: int, local_inputs: torch.Tensor, device: torch.device) -> TracedPipeline:
@@ -102,7 +138,7 @@ def trace_pipeline(model: nn.Module, stages: int, local_inputs: torch.Tensor, de
     with _quiet_torch():
         pipe = pipeline(model, mb_args=(example,), split_spec=dict.fromkeys(points, SplitPoint.BEGINNING))
     held = [stage_blocks(model, stages, index) for index in range(stages)]
-    return TracedPipeline(pipe, stages, count, local_size, held)
+    return TracedPipeline(pipe, stages, count, local_size, held, output_structure(model, example))
 
 
 def take_stage(traced: TracedPipeline, mesh: Any, device: torch.device, loss_fn: Callable[..., torch.Tensor],
@@ -116,7 +152,8 @@ def take_stage(traced: TracedPipeline, mesh: Any, device: torch.device, loss_fn:
         stage = traced.pipe.build_stage(index, device, group=mesh["pp"].get_group())
     if shard is not None:
         shard(stage.submod, traced.held[index])
-    schedule = Schedule1F1B(stage, n_microbatches=traced.microbatches, loss_fn=loss_fn)
+    schedule = Schedule1F1B(stage, n_microbatches=traced.microbatches,
+                            loss_fn=structured_loss(loss_fn, traced.output_spec))
     return PipelineStage(stage.submod, schedule, index, traced.stages, traced.microbatches, traced.local_size)
 
 

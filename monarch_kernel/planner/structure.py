@@ -46,18 +46,19 @@ class TPPlan:
 
 
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's repeated blocks: the children of its largest ModuleList (by parameters), with
-    their paths; its top-level children if it has none."""
-    best: tuple[int, str, nn.ModuleList] | None = None
+    """The model's repeated blocks: the children of its largest ModuleList or ModuleDict (by parameters;
+    torchtitan keeps its blocks in a ModuleDict keyed "0", "1", ...), with their paths; its top-level
+    children if it has neither."""
+    best: tuple[int, str, nn.Module] | None = None
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 1:
+        if isinstance(module, nn.ModuleList | nn.ModuleDict) and len(module) > 1:
             size = sum(p.numel() for p in module.parameters())
             if best is None or size > best[0]:
                 best = (size, name, module)
     if best is None:
         return [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
     _, prefix, found = best
-    return [(f"{prefix}.{i}" if prefix else str(i), child) for i, child in enumerate(found)]
+    return [(f"{prefix}.{key}" if prefix else key, child) for key, child in found.named_children()]
 
 
 def tp_plan(model: nn.Module, degree: int) -> TPPlan:
