@@ -175,3 +175,22 @@ _titan_tokens = torch.randint(0, 256, (8, 17), generator=torch.Generator().manua
 
 def titan_batch():
     return _titan_tokens[:, :-1], _titan_tokens[:, 1:]
+
+
+class BatchNormNet(nn.Module):
+    """A small ResNet-style conv net with BatchNorm, whose training depends on the whole batch's statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()),
+                                     nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())])
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(16, 10)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.fc(self.pool(x).flatten(1))
+
+
+def build_batchnorm():
+    return BatchNormNet()

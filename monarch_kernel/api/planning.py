@@ -159,6 +159,10 @@ class Plan:
 
 def add_flops(counted: ModelFlops, estimates: list[LayoutEstimate], notes: list[str]) -> None:
     """Each estimate's FLOPs per rank from the model's count (pipelines count their own)."""
+    if counted.batch_norms:
+        notes.append(f"{counted.batch_norms} BatchNorm layers: with data parallelism their statistics span the "
+                     "data-parallel ranks (SyncBatchNorm on GPUs, SyncedBatchNorm on CPU), so training matches one "
+                     "process; pipeline stages keep each rank's own statistics")
     if counted.error:
         notes.append(f"the model's FLOPs could not be counted ({counted.error}): step times without pipeline stages "
                      "leave out compute")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from monarch_kernel.planner.apply import TrainingSpec
+from monarch_kernel.planner.batchnorm import batch_norms
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.parallelize import checkpointed_blocks
 from monarch_kernel.planner.pipeline import microbatch_count, split_points, stage_blocks
@@ -91,6 +92,11 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
         lines.append("    model.config.use_cache = False  # training never reads the key/value cache")
     if layout.pp > 1:
         return "\n".join(lines + _pipeline_lines(model, layout, batch, imports, optimizer, lr))
+    if layout.data_parallel > 1 and batch_norms(model):
+        lines += ['    if device.type == "cuda":  # BatchNorm statistics over the data-parallel ranks, as in one process',
+                  '        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=mesh["dp"].get_group())',
+                  "    elif dist.get_rank() == 0:  # (torch's SyncBatchNorm takes GPU tensors only)",
+                  '        print("note: on CPU each rank normalises over its own share of the batch", flush=True)']
     if layout.tp > 1:
         plan = tp_plan(model, layout.tp)
         styles = [f'"{p}": ColwiseParallel()' for p in plan.colwise] + [f'"{p}": RowwiseParallel()' for p in plan.rowwise]

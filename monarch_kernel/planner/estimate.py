@@ -39,6 +39,7 @@ from monarch_kernel.planner.parallelize import (
     module_of,
     parallelize,
     place,
+    synchronized,
 )
 from monarch_kernel.planner.pipeline import PipelineStage
 from monarch_kernel.planner.trackers import CATEGORIES, memory_tracker, peak_by_category
@@ -169,6 +170,8 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
             model = build_fake(spec.make, fake)
             if layout.fsdp > 1 or layout.tp > 1:  # (DDP alone: the plain model, its gradients held as its buckets)
                 model = parallelize(model, layout, mesh)
+            else:
+                model = synchronized(model, layout, mesh)
             optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.lr)
             inputs, targets = each(local[0], fake.from_tensor), fake.from_tensor(local[1])
             tracker = memory_tracker(model, optimizer, fsdp=layout.fsdp > 1, per_module=per_module)

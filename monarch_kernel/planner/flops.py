@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from monarch_kernel.planner.batches import Batch, each
 from monarch_kernel.planner.batches import forward as forward_of
+from monarch_kernel.planner.batchnorm import batch_norms
 from monarch_kernel.planner.fake_build import build_fake
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.structure import tp_plan
@@ -39,6 +40,7 @@ class ModelFlops:
     param_count: int = 0
     dtype_bytes: int = 4  # of the parameters (which FLOP/s figure applies)
     per_rank: dict[str, float] = field(default_factory=dict)  # layout -> one rank's FLOPs (`rank_flops`)
+    batch_norms: int = 0  # BatchNorm layers (their statistics need the data-parallel ranks together)
     error: str = ""  # why they could not be counted
 
 
@@ -60,7 +62,8 @@ def count_flops(build: Callable[[], nn.Module], batch: Batch, loss: Callable[...
     by_module = {name: float(sum(ops.values())) for name, ops in forward.get_flop_counts().items()}
     forward_total = float(forward.get_total_flops())
     counted = ModelFlops(forward_total + float(backward.get_total_flops()), type(model).__name__, by_module,
-                         forward_total, sum(p.numel() for p in params), params[0].element_size() if params else 4)
+                         forward_total, sum(p.numel() for p in params), params[0].element_size() if params else 4,
+                         batch_norms=len(batch_norms(model)))
     for layout in layouts or []:
         if layout.pp == 1:
             counted.per_rank[layout.text] = rank_flops(counted, model, layout)

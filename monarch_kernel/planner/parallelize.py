@@ -10,6 +10,7 @@ when a layout is estimated: what is estimated is what is applied.
 - DDP with TP: the tensor-parallel model, its gradients averaged over the data-parallel ranks
   after each backward (DistributedDataParallel does not take DTensor parameters).
 - ac=K: every K-th block recomputes its activations in the backward (after TP, before FSDP).
+- BatchNorm layers, with data parallelism: their statistics over the data-parallel ranks (`batchnorm.py`).
 - mp=bf16: FSDP's `MixedPrecisionPolicy` (bf16 parameters in compute, fp32 sharded master weights,
   gradients reduced in fp32, the model's outputs in fp32 for the loss); without FSDP, the forward
   and the loss under `torch.autocast` in bf16 (fp32 weights, gradients and reduction).
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from monarch_kernel.planner.batches import Batch, Inputs, batch_size, each, forward
+from monarch_kernel.planner.batchnorm import batch_norms, synchronize_batch_norms
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.pipeline import PipelineStage, TracedPipeline, pipeline_step, take_stage, trace_pipeline
 from monarch_kernel.planner.structure import blocks, tp_plan
@@ -106,8 +108,16 @@ def module_of(placed: Placed) -> nn.Module:
     return placed.module if isinstance(placed, PipelineStage) else placed
 
 
+def synchronized(model: nn.Module, layout: Layout, mesh: Any) -> nn.Module:
+    """The model with its BatchNorms' statistics taken over the data-parallel ranks (if it has any, and them)."""
+    if layout.data_parallel > 1 and batch_norms(model):
+        return synchronize_batch_norms(model, mesh["dp"].get_group(), mesh.device_type)
+    return model
+
+
 def parallelize(model: nn.Module, layout: Layout, mesh: Any) -> nn.Module:
     """The model in a layout without pipeline stages (modified in place; DDP alone returns its wrapper)."""
+    model = synchronized(model, layout, mesh)
     if layout.tp > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
