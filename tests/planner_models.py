@@ -194,3 +194,20 @@ class BatchNormNet(nn.Module):
 
 def build_batchnorm():
     return BatchNormNet()
+
+
+def build_hf_bert():
+    """A Hugging Face BERT for masked LM from a config (no dropout, so that layouts can match one process)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                      vocab_size=256, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0))
+
+
+def build_hf_gpt2():
+    """A Hugging Face GPT-2 from a config (its projections are fused Conv1D layers; no dropout)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))

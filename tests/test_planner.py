@@ -193,8 +193,13 @@ def world_plan():
 
 @pytest.mark.parametrize("layout", ["fsdp=2,tp=2", "pp=2,fsdp=2"])
 def test_the_plans_script_runs_under_torchrun_with_the_same_losses(tmp_path, world_plan, layout):
+    _assert_script_trains_as_one_process(tmp_path, world_plan.code(steps=3, candidate=layout),
+                                         TrainingSpec(pm.build, pm.lm_loss, "adamw", 3e-3, 0), pm.batch)
+
+
+def _assert_script_trains_as_one_process(tmp_path, code, spec, batch):
     script = tmp_path / "train.py"
-    script.write_text(world_plan.code(steps=3, candidate=layout))
+    script.write_text(code)
     notebooks = os.path.join(os.path.dirname(HERE), "notebooks")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, notebooks, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
@@ -202,7 +207,7 @@ def test_the_plans_script_runs_under_torchrun_with_the_same_losses(tmp_path, wor
                            str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     printed = [line for line in done.stdout.splitlines() if line.startswith("step ")]
-    expected = reference_losses(TrainingSpec(pm.build, pm.lm_loss, "adamw", 3e-3, 0), [pm.batch()] * 3)
+    expected = reference_losses(spec, [batch()] * 3)
     assert len(printed) == 3
     for line, want in zip(printed, expected):
         got = float(line.split()[-1])
@@ -461,6 +466,42 @@ def _one_process_running_means(steps):
         pm.class_loss(model(inputs), targets).backward()
         optimizer.step()
     return [float(m.running_mean.sum()) for m in model.modules() if hasattr(m, "running_mean")]
+
+
+@pytest.mark.parametrize(("build", "layout"), [("build_hf_bert", "tp=4"), ("build_hf_bert", "ddp=2,tp=2"),
+                                             ("build_hf_gpt2", "tp=4"), ("build_hf_gpt2", "ddp=2,tp=2")])
+def test_bert_and_gpt2_get_tensor_parallel_plans_and_train_as_one_process(mesh, build, layout):
+    """Issue 38 item 6: BERT's query/key/value and its output projection sit in sibling modules, GPT-2's projections
+    are fused Conv1D layers: neither got tensor parallelism."""
+    pytest.importorskip("transformers")
+    from monarch_kernel.planner.structure import tp_plan
+
+    model = getattr(pm, build)
+    split = tp_plan(model(), 4)
+    if build == "build_hf_bert":
+        assert "bert.encoder.layer.0.attention.self.query" in split.colwise
+        assert {"bert.encoder.layer.0.attention.output.dense", "bert.encoder.layer.0.output.dense"} <= set(split.rowwise)
+    else:  # the MLP's Conv1D pair is split; the fused attention stays whole, and says why
+        assert split.colwise == ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
+        assert any("c_attn holds query, key and value in one projection" in entry for entry in split.replicated)
+    plan = mesh.plan(model, pm.hf_batch, loss=pm.hf_lm_loss, lr=3e-3, memory="1GiB", strategies=("ddp", "tp"))
+    plan.apply(layout, seed=0)
+    mesh.push(_batch=pm.hf_batch)
+    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
+    expected = reference_losses(TrainingSpec(model, pm.hf_lm_loss, "adamw", 3e-3, 0), [pm.hf_batch()] * 3)
+    for rank, got in losses.by_rank().items():
+        for a, b in zip(got, expected):
+            assert abs(a - b) <= 1e-5 * abs(b), (build, layout, rank, got, expected)
+
+
+def test_a_gpt2_script_carries_its_conv1d_styles_and_runs_under_torchrun(tmp_path):
+    pytest.importorskip("transformers")
+    plan = plan_world(pm.build_hf_gpt2, pm.hf_token_batch, loss=pm.hf_lm_loss, lr=3e-3, world={"hosts": 1, "gpus": 4},
+                      device="H100", strategies=("fsdp", "tp"))
+    code = plan.code(steps=3, candidate="fsdp=2,tp=2")
+    assert "class Conv1DColwise(ColwiseParallel)" in code and "monarch_kernel" not in code.split('"""', 2)[2]
+    _assert_script_trains_as_one_process(tmp_path, code, TrainingSpec(pm.build_hf_gpt2, pm.hf_lm_loss, "adamw", 3e-3, 0),
+                                         pm.hf_token_batch)
 
 
 def test_the_plan_magic_plans_the_mesh_from_the_notebooks_names(mesh):

@@ -16,7 +16,7 @@ from monarch_kernel.planner.batchnorm import batch_norms
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.parallelize import checkpointed_blocks
 from monarch_kernel.planner.pipeline import microbatch_count, split_points, stage_blocks
-from monarch_kernel.planner.structure import blocks, tp_plan
+from monarch_kernel.planner.structure import blocks, is_conv1d, tp_plan
 
 _SCRIPT_END = [  # every script: rank 0 prints the step's loss; then the process group goes
     "        if dist.get_rank() == 0:",
@@ -78,6 +78,12 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
             dims.append(name)
     optimizer = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[spec.optimizer]
     lr = 1e-3 if spec.lr is None else spec.lr
+    split = tp_plan(model, layout.tp) if layout.tp > 1 else None
+    conv1d = {p for p in (split.colwise + split.rowwise if split else []) if is_conv1d(model.get_submodule(p))}
+    if conv1d:  # GPT-2's Conv1D layers: torch's styles take nn.Linear only, so the script carries its own
+        from monarch_kernel.planner.tp_styles import STYLES_IMPORTS, styles_source
+
+        lines += ["", *STYLES_IMPORTS, "", "", styles_source()]
     lines += ["", f"SEED, STEPS, DP, TP = {spec.seed}, {steps}, {dp}, {layout.tp}", "", "",
               "def main() -> None:",
               '    backend = "nccl" if torch.cuda.is_available() else "gloo"',
@@ -97,12 +103,12 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
                   '        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=mesh["dp"].get_group())',
                   "    elif dist.get_rank() == 0:  # (torch's SyncBatchNorm takes GPU tensors only)",
                   '        print("note: on CPU each rank normalises over its own share of the batch", flush=True)']
-    if layout.tp > 1:
-        plan = tp_plan(model, layout.tp)
-        styles = [f'"{p}": ColwiseParallel()' for p in plan.colwise] + [f'"{p}": RowwiseParallel()' for p in plan.rowwise]
+    if split is not None:
+        styles = ([f'"{p}": {"Conv1DColwise" if p in conv1d else "ColwiseParallel"}()' for p in split.colwise]
+                  + [f'"{p}": {"Conv1DRowwise" if p in conv1d else "RowwiseParallel"}()' for p in split.rowwise])
         lines += ['    parallelize_module(model, mesh["tp"], {', *(f"        {s}," for s in styles), "    })"]
         lines += [f'    model.get_submodule("{path}").{attr} //= TP' if path else f"    model.{attr} //= TP"
-                  for path, attr in plan.heads]
+                  for path, attr in split.heads]
     if layout.ac:
         lines += [f"    for name in {checkpointed_blocks(model, layout.ac)!r}:  # recomputed in the backward",
                   "        checkpoint(model.get_submodule(name))"]

@@ -33,7 +33,7 @@ from monarch_kernel.planner.batches import Batch, Inputs, batch_size, each, forw
 from monarch_kernel.planner.batchnorm import batch_norms, synchronize_batch_norms
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.pipeline import PipelineStage, TracedPipeline, pipeline_step, take_stage, trace_pipeline
-from monarch_kernel.planner.structure import blocks, tp_plan
+from monarch_kernel.planner.structure import blocks, is_conv1d, tp_plan
 
 Placed = nn.Module | PipelineStage  # what a layout makes of the model on one rank
 
@@ -124,8 +124,13 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any) -> nn.Module:
         plan = tp_plan(model, layout.tp)
         if not plan.applicable:
             raise ValueError(f"tensor parallelism does not apply to this model: {plan.reason}")
-        styles: dict[str, Any] = {path: ColwiseParallel() for path in plan.colwise}
-        styles.update({path: RowwiseParallel() for path in plan.rowwise})
+        from monarch_kernel.planner.tp_styles import Conv1DColwise, Conv1DRowwise
+
+        def style(path: str, linear: type, conv1d: type) -> Any:
+            return conv1d() if is_conv1d(model.get_submodule(path)) else linear()
+
+        styles: dict[str, Any] = {path: style(path, ColwiseParallel, Conv1DColwise) for path in plan.colwise}
+        styles.update({path: style(path, RowwiseParallel, Conv1DRowwise) for path in plan.rowwise})
         parallelize_module(model, mesh["tp"], styles)
         for path, attr in plan.heads:
             owner = model.get_submodule(path) if path else model

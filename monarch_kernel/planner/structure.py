@@ -14,16 +14,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
 COLWISE = {"q", "k", "v", "qkv", "query", "key", "value", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv",
-           "c_attn", "in_proj", "up", "gate", "up_proj", "gate_proj", "fc1", "w1", "w3", "c_fc", "fc_in"}
+           "c_attn", "in_proj", "up", "gate", "up_proj", "gate_proj", "fc1", "w1", "w3", "c_fc", "fc_in",
+           "qkv_proj", "wqkv", "Wqkv", "query_key_value"}
+FUSED = {"qkv", "c_attn", "in_proj", "qkv_proj", "wqkv", "Wqkv", "query_key_value"}  # query, key, value in one
 ROWWISE = {"o", "out", "o_proj", "out_proj", "wo", "proj", "c_proj", "down", "down_proj", "fc2", "w2", "fc_out",
            "dense"}
 HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads")
 CONFIG_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads")
-ATTENTION = {"q", "k", "v", "qkv", "query", "key", "value", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "c_attn",
-             "in_proj"}
+ATTENTION = {"q", "k", "v", "query", "key", "value", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv"} | FUSED
 _HEAD_KIND = {"n_head": "attention heads", "n_heads": "attention heads", "num_heads": "attention heads",
               "num_attention_heads": "attention heads", "n_kv_heads": "key/value heads",
               "num_key_value_heads": "key/value heads"}
@@ -43,6 +45,86 @@ class TPPlan:
     def applicable(self) -> bool:
         """Whether there is anything to split."""
         return not self.reason
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether a module is a linear layer of the Conv1D kind (GPT-2's: weight (in, out), bias (out,))."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+            and isinstance(weight, nn.Parameter | torch.Tensor) and weight.dim() == 2 and weight.shape[1] == module.nf)
+
+
+def features(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of a linear layer (nn.Linear or Conv1D); None for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    weight = getattr(module, "weight", None)
+    if is_conv1d(module) and isinstance(weight, torch.Tensor):
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
+def _sibling_pairs(parent_name: str, parent: nn.Module,
+                   ) -> list[tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]], str, nn.Module]]:
+    """Pairs split across a module's children, as BERT, RoBERTa and ViT have them: an `output` child whose
+    `dense` projection follows a sibling's attention projections (`self.query/key/value`) or a sibling
+    `intermediate`'s `dense`. Each: (colwise, rowwise, the module holding the head counts, its path)."""
+    children = dict(parent.named_children())
+    output = getattr(children.get("output"), "dense", None)
+    if not isinstance(output, nn.Linear):
+        return []
+    path = (parent_name + ".") if parent_name else ""
+    rows: list[tuple[str, nn.Module]] = [(f"{path}output.dense", output)]
+    found: list[tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]], str, nn.Module]] = []
+    for name, sibling in children.items():
+        if name == "output":
+            continue
+        linears = [(n, c) for n, c in sibling.named_children() if features(c) is not None]
+        attention = [(f"{path}{name}.{n}", c) for n, c in linears if n in ATTENTION]
+        dense = getattr(sibling, "dense", None)
+        if name == "intermediate" and isinstance(dense, nn.Linear):
+            found.append(([(f"{path}{name}.dense", dense)], rows, f"{path}{name}", sibling))
+        elif attention and not any(n in ROWWISE for n, _ in linears):
+            found.append((attention, rows, f"{path}{name}", sibling))
+    return found
+
+
+def _add_pair(plan: TPPlan, covered: set[str], cols: list[tuple[str, nn.Module]], rows: list[tuple[str, nn.Module]],
+              owner_name: str, owner: nn.Module, degree: int) -> None:
+    """Split a pair of colwise and rowwise layers (with `owner`'s head counts divided), or name why not."""
+    paths = [p for p, _ in cols + rows]
+    covered.update(paths)
+    kind = {path: type(module).__name__ for path, module in cols + rows}
+    fused = [p for p, _ in cols if p.rsplit(".", 1)[-1] in FUSED]
+    if fused:
+        plan.replicated += [f"{p} ({kind[p]}: {fused[0].rsplit('.', 1)[-1]} holds query, key and value in one "
+                            "projection; splitting its output features in contiguous parts would hand each rank a "
+                            "wrong mix of them)" for p in paths]
+        return
+    if any(_out(c) % degree for _, c in cols) or any(_in(r) % degree for _, r in rows):
+        plan.replicated += [f"{p} ({kind[p]}: features not divisible by {degree})" for p in paths]
+        return
+    heads = [(owner_name, attr) for attr in HEAD_COUNTS if isinstance(getattr(owner, attr, None), int)]
+    uneven = [f"{degree} does not divide the {getattr(owner, attr)} {_HEAD_KIND.get(attr, 'heads')}"
+              for _, attr in heads if getattr(owner, attr) % degree]
+    if any(p.rsplit(".", 1)[-1] in ATTENTION for p, _ in cols):  # (Hugging Face keeps the counts in the config)
+        config = getattr(owner, "config", None)
+        uneven += [f"{degree} does not divide the {count} {_HEAD_KIND[attr]}" for attr in CONFIG_HEAD_COUNTS
+                   if isinstance(count := getattr(config, attr, None), int) and count % degree]
+    if uneven:
+        plan.replicated += [f"{p} ({kind[p]}: {'; '.join(dict.fromkeys(uneven))})" for p in paths]
+        return
+    plan.colwise += [p for p, _ in cols]
+    plan.rowwise += [p for p, _ in rows]
+    plan.heads += heads
+
+
+def _in(module: nn.Module) -> int:
+    return (features(module) or (0, 0))[0]
+
+
+def _out(module: nn.Module) -> int:
+    return (features(module) or (0, 0))[1]
 
 
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -66,31 +148,17 @@ def tp_plan(model: nn.Module, degree: int) -> TPPlan:
     plan = TPPlan()
     covered: set[str] = set()
     for parent_name, parent in model.named_modules():
-        linears = [(name, child) for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+        linears = [(name, child) for name, child in parent.named_children() if features(child) is not None]
         cols = [(n, c) for n, c in linears if n in COLWISE]
         rows = [(n, c) for n, c in linears if n in ROWWISE]
-        if not cols or not rows:
-            continue
-        path = (parent_name + ".") if parent_name else ""
-        if any(c.out_features % degree for _, c in cols) or any(r.in_features % degree for _, r in rows):
-            plan.replicated += [f"{path}{n} (Linear: features not divisible by {degree})" for n, _ in cols + rows]
-            covered.update(path + n for n, _ in cols + rows)
-            continue
-        heads = [(parent_name, attr) for attr in HEAD_COUNTS if isinstance(getattr(parent, attr, None), int)]
-        uneven = [f"{degree} does not divide the {getattr(parent, attr)} {_HEAD_KIND.get(attr, 'heads')}"
-                  for _, attr in heads if getattr(parent, attr) % degree]
-        if any(n in ATTENTION for n, _ in cols):  # (Hugging Face keeps the counts in the module's config)
-            config = getattr(parent, "config", None)
-            uneven += [f"{degree} does not divide the {count} {_HEAD_KIND[attr]}" for attr in CONFIG_HEAD_COUNTS
-                       if isinstance(count := getattr(config, attr, None), int) and count % degree]
-        if uneven:
-            plan.replicated += [f"{path}{n} (Linear: {'; '.join(dict.fromkeys(uneven))})" for n, _ in cols + rows]
-            covered.update(path + n for n, _ in cols + rows)
-            continue
-        plan.colwise += [path + n for n, _ in cols]
-        plan.rowwise += [path + n for n, _ in rows]
-        plan.heads += heads
-        covered.update(path + n for n, _ in cols + rows)
+        if cols and rows:
+            path = (parent_name + ".") if parent_name else ""
+            _add_pair(plan, covered, [(path + n, c) for n, c in cols], [(path + n, r) for n, r in rows],
+                      parent_name, parent, degree)
+    for parent_name, parent in model.named_modules():  # the BERT family's pairs sit in sibling modules
+        for cols, rows, owner_name, owner in _sibling_pairs(parent_name, parent):
+            if not covered & {path for path, _ in cols + rows}:
+                _add_pair(plan, covered, cols, rows, owner_name, owner, degree)
     for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
         if own and name not in covered and not any(name.startswith(c + ".") for c in covered):
