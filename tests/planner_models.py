@@ -211,3 +211,42 @@ def build_hf_gpt2():
 
     return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0,
                                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+class Recommender(nn.Module):
+    """A DLRM-style recommender: embedding tables (EmbeddingBag, sum pooling) for sparse features, an MLP for
+    dense ones, and a top MLP on their concatenation; most parameters sit in the tables."""
+
+    def __init__(self, tables=(4096, 2048, 1024), dim=16, dense=8):
+        super().__init__()
+        self.tables = nn.ModuleList([nn.EmbeddingBag(rows, dim, mode="sum") for rows in tables])
+        self.bottom = nn.Sequential(nn.Linear(dense, 32), nn.ReLU(), nn.Linear(32, dim))
+        self.top = nn.Sequential(nn.Linear(dim * (len(tables) + 1), 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, sparse, dense):
+        pooled = [table(sparse[:, i]) for i, table in enumerate(self.tables)]
+        return self.top(torch.cat([self.bottom(dense), *pooled], dim=1)).squeeze(1)
+
+
+def build_recommender():
+    return Recommender()
+
+
+def recommender_batch():
+    g = torch.Generator().manual_seed(4)
+    sparse = torch.randint(0, 1024, (16, 3, 4), generator=g)  # 3 features, 4 ids each
+    return {"sparse": sparse, "dense": torch.randn(16, 8, generator=g)}, torch.rand(16, generator=g)
+
+
+def click_loss(logits, targets):
+    return F.binary_cross_entropy_with_logits(logits, targets)
+
+
+def build_hf_mixtral():
+    """A Hugging Face Mixtral (mixture of experts: 4 experts, 2 per token) from a config, its experts run by
+    transformers' default grouped matmul."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
+                                            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))

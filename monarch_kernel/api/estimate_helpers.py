@@ -43,9 +43,10 @@ def _stop(helper: subprocess.Popen[bytes]) -> None:
 
 
 def run_estimates(spec: TrainingSpec, batch: Any, layouts: Sequence[Layout], workers: int | None = None,
-                  per_module: bool = False, timeout: float = 1800.0) -> tuple[list[LayoutEstimate], ModelFlops]:
+                  per_module: bool = False, timeout: float = 1800.0,
+                  device_type: str = "cuda") -> tuple[list[LayoutEstimate], ModelFlops]:
     """Each layout's estimate (in the order given) and the model's FLOPs (`flops.py`), `workers`
-    helpers at a time (default: one per core)."""
+    helpers at a time (default: one per core), for ranks of `device_type` ("cuda" or "cpu")."""
     import cloudpickle
 
     texts = [layout.text for layout in layouts] + [""]  # "": the FLOPs, counted beside the estimates
@@ -71,7 +72,7 @@ def run_estimates(spec: TrainingSpec, batch: Any, layouts: Sequence[Layout], wor
                     with lock:
                         helpers.append(helper)
                 payload = cloudpickle.dumps({"spec": spec, "batch": batch, "layout": layout, "per_module": per_module,
-                                             "layouts": [] if layout else texts[:-1]})
+                                             "layouts": [] if layout else texts[:-1], "device_type": device_type})
                 frame = None
                 try:
                     assert helper.stdin is not None and helper.stdout is not None

@@ -259,7 +259,8 @@ def plan(build: Callable[[], Any], batch: Callable[[], Any], *, loss: Callable[.
                 notes.append(f"{layout}: ruled out: {exc}")
                 continue
         usable.append(layout)
-    estimates, counted = run_estimates(spec, global_batch, usable, per_module=per_module)
+    device_type = "cuda" if mesh is None or mesh.backend == "nccl" else "cpu"  # (named devices are GPUs)
+    estimates, counted = run_estimates(spec, global_batch, usable, per_module=per_module, device_type=device_type)
     add_flops(counted, estimates, notes)
     known = accelerator(device) if device is not None and mesh is None else None
     candidates = rank_candidates(estimates, figures, hosts, gpus, known)

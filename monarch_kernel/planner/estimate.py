@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from monarch_kernel.planner.apply import TrainingSpec
 from monarch_kernel.planner.batches import each, forward
-from monarch_kernel.planner.fake_build import build_fake
+from monarch_kernel.planner.fake_build import build_fake, lenient_grouped_mm
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.parallelize import (
     Batch,
@@ -153,12 +153,18 @@ def _fake_friendly_device_mesh() -> None:
 
 
 def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_module: bool = False,
-                    depth: int = 2) -> LayoutEstimate:
+                    depth: int = 2, device_type: str = "cuda") -> LayoutEstimate:
     """Estimate `layout` in this process (which must have no process group of its own: see `estimate_job`).
 
     per_module: also each module's parameter bytes and the peak while it ran, for modules at
-    most `depth` levels below the model.
+    most `depth` levels below the model. device_type: the ranks' ("cpu": the CPU kernels' dtypes are
+    taken where torch's fake kernels follow the GPU's, `fake_build.lenient_grouped_mm`).
     """
+    with lenient_grouped_mm() if device_type == "cpu" else contextlib.nullcontext():
+        return _estimate_layout(spec, batch, layout, per_module, depth)
+
+
+def _estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, per_module: bool, depth: int) -> LayoutEstimate:
     local = data_share(batch, layout.data_parallel, 0)
     if layout.pp > 1:
         return _estimate_pipeline(spec, local, layout, per_module, depth)
@@ -190,7 +196,7 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
                 optimizer.zero_grad(set_to_none=True)
             if per_module:
                 result.modules = module_peaks(tracker, depth)
-        memory = peak_by_category(tracker)
+        memory = peak_by_category(tracker, optimizer)
         result.collectives = dict(recorder.bytes)
         result.collective_calls, result.ops, result.dtensor_ops = recorder.calls, recorder.ops, recorder.dtensor_ops
         result.calls = dict(recorder.calls_by_kind)
@@ -267,7 +273,7 @@ def _estimate_pipeline(spec: TrainingSpec, local: Batch, layout: Layout, per_mod
                     tracker.reset_mod_stats()
                     with recorder, counter:
                         step(inputs, targets)
-                memory = peak_by_category(tracker)
+                memory = peak_by_category(tracker, optimizer)
                 peak = sum(memory.values())
                 result.stage_peaks.append(peak)
                 if peak >= max(result.stage_peaks):

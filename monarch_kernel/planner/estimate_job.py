@@ -9,7 +9,7 @@ whose `error` says so.
 
 Frames on stdin and stdout are an 8-byte length and a pickle. The first frame in is the
 notebook's sys.path (plain data, so that the payloads' functions can be imported by reference);
-each later one a job: {"payload": cloudpickled {spec, batch, layout, per_module}, "layout": text,
+each later one a job: {"payload": cloudpickled {spec, batch, layout, per_module, device_type}, "layout": text,
 "timeout": seconds}. Each job is answered with one pickled LayoutEstimate, in order; a job whose
 layout is "" counts the model's FLOPs instead (a `flops.ModelFlops`, with the share per rank of
 each of the payload's "layouts").
@@ -68,11 +68,21 @@ def _estimate(payload: bytes) -> Any:
             return ModelFlops(0.0, "", error=f"{type(exc).__name__}: {exc}")
     try:
         return estimate_layout(job["spec"], job["batch"], Layout.parse(job["layout"]),
-                               per_module=job.get("per_module", False))
+                               per_module=job.get("per_module", False), device_type=job.get("device_type", "cuda"))
     except Exception as exc:  # noqa: BLE001 - the notebook shows why this layout could not be estimated
         last = traceback.extract_tb(exc.__traceback__)[-1:]
         where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
-        return LayoutEstimate(job["layout"], error=f"{type(exc).__name__}: {exc}{where}")
+        return LayoutEstimate(job["layout"], error=f"{type(exc).__name__}: {exc}{where}{_hint(str(exc))}")
+
+
+def _hint(message: str) -> str:
+    """What to do about a failure whose cause the message alone does not say."""
+    if "Expected inputs of BF16 type" in message:
+        return (" -- this model's experts run torch's grouped matmul (transformers' default "
+                "experts_implementation 'grouped_mm'), which takes bf16 only on GPUs: plan with precision='bf16' "
+                "(FSDP layouts cast the experts' weights), build the model in bf16, or set "
+                "config._experts_implementation = 'batched_mm'")
+    return ""
 
 
 def _in_child(payload: bytes, layout: str, timeout: float) -> bytes:

@@ -7,6 +7,9 @@ came out larger than its own parent layer). A module's share of the whole step i
 forward (backward work follows forward work, layer by layer), and no layout's rank ever does less than
 the total divided by the ranks that share it.
 
+torch's counter has no formula for the grouped matmul that mixture-of-experts layers use (`_grouped_mm`);
+one is registered here: each token's rows meet one expert's weights, 2 x rows x contraction x outputs.
+
 FLOPs grow linearly with the batch (matmuls, convolutions, attention), so a rank of a layout
 without pipeline stages does 1/dp of them; tensor parallelism then splits the layers its plan
 covers (and the attention between a pair) tp ways, and repeats the rest (embeddings, norms, the
@@ -24,7 +27,7 @@ import torch.nn as nn
 from monarch_kernel.planner.batches import Batch, each
 from monarch_kernel.planner.batches import forward as forward_of
 from monarch_kernel.planner.batchnorm import batch_norms
-from monarch_kernel.planner.fake_build import build_fake
+from monarch_kernel.planner.fake_build import build_fake, lenient_grouped_mm
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.structure import tp_plan
 
@@ -44,6 +47,29 @@ class ModelFlops:
     error: str = ""  # why they could not be counted
 
 
+def _grouped_mm_flops(a_shape: tuple[int, ...], b_shape: tuple[int, ...], *args: object,
+                      out_shape: tuple[int, ...] | None = None, **kwargs: object) -> int:
+    """2 x rows x contraction x outputs of a grouped matmul (2-D or 3-D operands, groups by offsets)."""
+    if len(a_shape) == 2 and len(b_shape) == 3:  # tokens (M, K) against experts (G, K, N)
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 3 and len(b_shape) == 3:  # (G, M, K) x (G, K, N)
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:  # (M, K_total) x (K_total, N), grouped along K
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    out = 1
+    for size in out_shape or ():
+        out *= size
+    return 2 * out * a_shape[-1]
+
+
+def _register_grouped_mm() -> None:
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    target = torch.ops.aten._grouped_mm
+    if target.default not in flop_registry and target not in flop_registry:
+        register_flop_formula(target)(_grouped_mm_flops)
+
+
 def count_flops(build: Callable[[], nn.Module], batch: Batch, loss: Callable[..., torch.Tensor],
                 layouts: list[Layout] | None = None) -> ModelFlops:
     """Count on a fake copy of the model (nothing of it is allocated), and one rank's share in
@@ -51,7 +77,8 @@ def count_flops(build: Callable[[], nn.Module], batch: Batch, loss: Callable[...
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+    _register_grouped_mm()
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, lenient_grouped_mm():
         model = build_fake(build, fake)
         params = list(model.parameters())
         inputs, targets = each(batch[0], fake.from_tensor), fake.from_tensor(batch[1])

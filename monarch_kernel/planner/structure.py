@@ -162,7 +162,12 @@ def tp_plan(model: nn.Module, degree: int) -> TPPlan:
     for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
         if own and name not in covered and not any(name.startswith(c + ".") for c in covered):
-            plan.replicated.append(f"{name} ({type(module).__name__})")
+            stacked = [p for p in own if p.dim() == 3]  # a mixture of experts' weights, one slice per expert
+            if stacked:
+                plan.replicated.append(f"{name} ({type(module).__name__}: {stacked[0].shape[0]} experts, all kept on "
+                                       "every rank; expert parallelism is not planned)")
+            else:
+                plan.replicated.append(f"{name} ({type(module).__name__})")
     if not plan.colwise:
         kinds = sorted({entry.split("(")[-1].rstrip(")") for entry in plan.replicated})
         plan.reason = ("no attention or MLP projection pairs (a colwise layer followed by a rowwise one) were found; "
