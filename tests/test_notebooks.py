@@ -79,6 +79,7 @@ def test_actors_notebook_trains_with_a_parameter_server():
     assert "samplers" in status and "rank" in status
 
 
+@pytest.mark.timeout(480)  # (three plans, two trained layouts, a trial)
 def test_planning_notebook_plans_trials_applies_and_trains_like_one_process():
     nb = execute("09_planning.ipynb")
     planned = texts(cell_with(nb, "plan = mesh.plan("))
@@ -97,6 +98,10 @@ def test_planning_notebook_plans_trials_applies_and_trains_like_one_process():
     assert f"layout {best} on 4 ranks" in texts(cell_with(nb, "plan.code(")) and "torchrun" in texts(cell_with(nb, "plan.code("))
     assert "module model:" in texts(cell_with(nb, "%mesh sharding model"))
     assert "H100" in texts(cell_with(nb, "world={'hosts': 4"))
+    llama = texts(cell_with(nb, "llama_plan = mesh.plan("))  # a Hugging Face model, mixed precision, checkpointing
+    assert "fsdp=4,ac=1,mp=bf16" in llama and "key/value cache" not in llama.split("best:")[0] and "n/a" not in llama
+    trained = texts(cell_with(nb, "train_step(llama_batch())"))
+    assert "torch.float32" in trained and "all ranks" in trained  # fp32 master weights, the same losses everywhere
     assert "is down" in texts(nb.cells[-1])
 
 

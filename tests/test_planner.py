@@ -682,3 +682,14 @@ def test_the_optimizers_step_temporaries_are_not_counted_as_its_state():
     assert params * 2 <= found.memory["optimizer"] <= params * 2 + 4096, (params, found.memory)  # exp_avg, exp_avg_sq
     assert found.memory["temporary"] >= 2 * 4096 * 16 * 4  # two copies of the largest table, in the step
 
+
+
+def test_pipelines_are_ruled_out_for_weights_tied_across_stages_with_the_reason():
+    """GPT-2's input embedding and output head share a weight: pipelining gave each stage a copy, pp=2,ddp=2
+    trained 6.7e-3 away from one process and pp=2,fsdp=2 failed in stage 1's forward."""
+    pytest.importorskip("transformers")
+    plan = plan_world(pm.build_hf_gpt2, pm.hf_token_batch, loss=pm.hf_lm_loss, world={"hosts": 1, "gpus": 4},
+                      device="H100", strategies=("ddp", "pp"))
+    reason = plan.candidate("pp=2,ddp=2").reason
+    assert "transformer.wte.weight and lm_head.weight are one parameter (tied weights)" in reason, reason
+    assert not plan.candidate("pp=2,ddp=2").applicable and plan.candidate("ddp=4").applicable

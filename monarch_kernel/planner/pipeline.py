@@ -29,6 +29,24 @@ import torch.nn as nn
 from monarch_kernel.planner.structure import blocks
 
 
+def tied_across_blocks(model: nn.Module) -> list[tuple[str, str]]:
+    """Pairs of names of one parameter used in two places not within one block (GPT-2's input embedding and
+    output head share their weight): torch's pipelining gives each stage its own copy of such a parameter,
+    and the copies would be trained apart."""
+    block_paths = [path for path, _ in blocks(model)]
+
+    def block_of(name: str) -> str:
+        return next((path for path in block_paths if name.startswith(path + ".")), "")
+
+    first: dict[int, str] = {}
+    tied = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        seen = first.setdefault(id(param), name)
+        if seen != name and not (block_of(seen) and block_of(seen) == block_of(name)):
+            tied.append((seen, name))
+    return tied
+
+
 def split_points(model: nn.Module, stages: int) -> list[str]:
     """The block paths where stages 1.. begin (ValueError if the model has fewer blocks than stages)."""
     found = [path for path, _ in blocks(model)]
@@ -131,6 +149,12 @@ def trace_pipeline(model: nn.Module, stages: int, local_inputs: torch.Tensor, de
     """Trace `model` on one micro-batch of `local_inputs` and split it at block boundaries."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
+    tied = tied_across_blocks(model)
+    if tied:
+        first, second = tied[0]
+        raise ValueError(f"{first} and {second} are one parameter (tied weights) used in different pipeline stages: "
+                         "torch's pipelining would give each stage its own copy and train them apart; plan it without "
+                         "pp, or untie them")
     local_size = local_inputs.shape[0]
     count = microbatch_count(local_size, stages)
     points = split_points(model, stages)
