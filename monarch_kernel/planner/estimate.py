@@ -42,7 +42,7 @@ from monarch_kernel.planner.parallelize import (
     synchronized,
 )
 from monarch_kernel.planner.pipeline import PipelineStage
-from monarch_kernel.planner.trackers import CATEGORIES, memory_tracker, peak_by_category
+from monarch_kernel.planner.trackers import CATEGORIES, memory_tracker, peak_by_category, track_optimizer_state
 
 __all__ = ["CATEGORIES", "LayoutEstimate", "estimate_layout"]
 
@@ -103,11 +103,6 @@ def _collective_recorder() -> Any:
             self.calls = 0
             self.ops = 0
             self.dtensor_ops = 0
-
-        def clear(self) -> None:
-            self.bytes.clear()
-            self.calls_by_kind.clear()
-            self.calls = self.ops = self.dtensor_ops = 0
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
@@ -182,7 +177,7 @@ def _estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, per_modul
             inputs, targets = each(local[0], fake.from_tensor), fake.from_tensor(local[1])
             tracker = memory_tracker(model, optimizer, fsdp=layout.fsdp > 1, per_module=per_module)
             with tracker:
-                make_optimizer_state(model, optimizer)  # a step in the steady state holds it
+                make_optimizer_state(model, optimizer, tracker)  # a step in the steady state holds it
                 if layout.ddp > 1 and layout.tp == 1:  # DDP's buckets: the gradients, held all along
                     for param in model.parameters():
                         if param.requires_grad:
@@ -212,14 +207,36 @@ def _estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, per_modul
     return result
 
 
-def make_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer's state as after a first step, without running one (zero gradients, one
-    optimizer step): the model's forward and backward are most of an estimate's time."""
+def make_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, tracker: Any = None) -> None:
+    """The optimizer's state as after a first step, without running the model (the forward and backward are
+    most of an estimate's time): Adam's and AdamW's made as their first step makes it, and filed with the
+    tracker as optimizer state; any other's by one optimizer step on zero gradients."""
+    if tracker is not None and _make_adam_state(optimizer):
+        track_optimizer_state(tracker, optimizer)
+        return
     for param in model.parameters():
         if param.requires_grad:
             param.grad = torch.zeros_like(param)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def _make_adam_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Adam's or AdamW's state as its first step makes it (a step count, the two moments); False for any other
+    optimizer, or options that change the state (amsgrad, fused, capturable)."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or any(
+            group.get("amsgrad") or group.get("fused") or group.get("capturable") or group.get("differentiable")
+            for group in optimizer.param_groups):
+        return False
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad:
+                optimizer.state[param] = {"step": torch.tensor(0.0, dtype=_get_scalar_dtype()),
+                                          "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                                          "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+    return True
 
 
 @contextlib.contextmanager
@@ -269,7 +286,7 @@ def _estimate_pipeline(spec: TrainingSpec, local: Batch, layout: Layout, per_mod
                 tracker = memory_tracker(module, optimizer, fsdp=layout.fsdp > 1, per_module=per_module)
                 counter = FlopCounterMode(display=False)
                 with tracker:
-                    make_optimizer_state(module, optimizer)
+                    make_optimizer_state(module, optimizer, tracker)
                     tracker.reset_mod_stats()
                     with recorder, counter:
                         step(inputs, targets)

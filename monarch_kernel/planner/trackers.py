@@ -87,6 +87,15 @@ def memory_tracker(module: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bo
     return tracker
 
 
+def track_optimizer_state(tracker: Any, optimizer: torch.optim.Optimizer) -> None:
+    """File the optimizer's present state with the tracker as optimizer state (as its step's hook does)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    kind = _FSDPRefType.OPT if isinstance(tracker, FSDPMemTracker) else _MemRefType.OPT
+    tracker._track_optimizer_states(kind, optimizer)
+
+
 def peak_by_category(tracker: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """The tracker's peak, in our categories (they add up to its total).
 
