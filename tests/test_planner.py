@@ -28,6 +28,20 @@ def mesh():
 
 
 @pytest.fixture(scope="module")
+def plan_once(mesh):
+    """mesh.plan(build, batch, **options), made once per model and options in this module."""
+    made = {}
+
+    def plan(build, batch, **options):
+        key = (build.__name__, batch.__name__, tuple(sorted((k, repr(v)) for k, v in options.items())))
+        if key not in made:
+            made[key] = mesh.plan(build, batch, **options)
+        return made[key]
+
+    return plan
+
+
+@pytest.fixture(scope="module")
 def wide_plan(mesh):
     return mesh.plan(pm.build_wide, pm.batch, loss=pm.lm_loss, memory=MEMORY)
 
@@ -429,12 +443,12 @@ def test_torchtitan_style_blocks_in_a_module_dict_are_sharded_split_and_train_as
 
 
 @pytest.mark.parametrize("layout", ["ddp=4", "fsdp=4"])
-def test_a_batchnorm_model_trains_as_one_process_with_statistics_over_the_data_parallel_ranks(mesh, layout):
+def test_a_batchnorm_model_trains_as_one_process_with_statistics_over_the_data_parallel_ranks(mesh, plan_once, layout):
     """Issue 38 item 6: with each rank normalising over its own share, a ResNet-18's third loss was 1.198
     against 0.011 in one process, with no note."""
     # (SGD: AdamW would turn the noise-sized gradients of the conv biases before each BatchNorm, zero in exact
     # arithmetic, into full steps of either sign, which the losses do not see but the running means do)
-    plan = mesh.plan(pm.build_batchnorm, pm.conv_batch, loss=pm.class_loss, optimizer="sgd", lr=0.1, memory="1GiB",
+    plan = plan_once(pm.build_batchnorm, pm.conv_batch, loss=pm.class_loss, optimizer="sgd", lr=0.1, memory="1GiB",
                      strategies=("ddp", "fsdp"))
     assert any("2 BatchNorm layers" in note for note in plan.notes), plan.notes
     plan.apply(layout, seed=0)
@@ -470,7 +484,7 @@ def _one_process_running_means(steps):
 
 @pytest.mark.parametrize(("build", "layout"), [("build_hf_bert", "tp=4"), ("build_hf_bert", "ddp=2,tp=2"),
                                              ("build_hf_gpt2", "tp=4"), ("build_hf_gpt2", "ddp=2,tp=2")])
-def test_bert_and_gpt2_get_tensor_parallel_plans_and_train_as_one_process(mesh, build, layout):
+def test_bert_and_gpt2_get_tensor_parallel_plans_and_train_as_one_process(mesh, plan_once, build, layout):
     """Issue 38 item 6: BERT's query/key/value and its output projection sit in sibling modules, GPT-2's projections
     are fused Conv1D layers: neither got tensor parallelism."""
     pytest.importorskip("transformers")
@@ -484,7 +498,7 @@ def test_bert_and_gpt2_get_tensor_parallel_plans_and_train_as_one_process(mesh, 
     else:  # the MLP's Conv1D pair is split; the fused attention stays whole, and says why
         assert split.colwise == ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
         assert any("c_attn holds query, key and value in one projection" in entry for entry in split.replicated)
-    plan = mesh.plan(model, pm.hf_batch, loss=pm.hf_lm_loss, lr=3e-3, memory="1GiB", strategies=("ddp", "tp"))
+    plan = plan_once(model, pm.hf_batch, loss=pm.hf_lm_loss, lr=3e-3, memory="1GiB", strategies=("ddp", "tp"))
     plan.apply(layout, seed=0)
     mesh.push(_batch=pm.hf_batch)
     losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
@@ -505,7 +519,7 @@ def test_a_gpt2_script_carries_its_conv1d_styles_and_runs_under_torchrun(tmp_pat
 
 
 @pytest.mark.parametrize("layout", ["ddp=4", "fsdp=2,tp=2"])
-def test_a_mixture_of_experts_plans_on_cpu_ranks_and_trains_as_one_process(mesh, layout):
+def test_a_mixture_of_experts_plans_on_cpu_ranks_and_trains_as_one_process(mesh, plan_once, layout):
     """Issue 38 item 4: Mixtral got no layout (the experts' grouped matmul has a bf16-only fake kernel, where the
     CPU kernel takes fp32; its FLOPs were not counted at all)."""
     pytest.importorskip("transformers")
@@ -513,7 +527,7 @@ def test_a_mixture_of_experts_plans_on_cpu_ranks_and_trains_as_one_process(mesh,
 
     assert any("mlp.experts (MixtralExperts: 4 experts, all kept on every rank; expert parallelism is not planned)"
                in entry for entry in tp_plan(pm.build_hf_mixtral(), 2).replicated)
-    plan = mesh.plan(pm.build_hf_mixtral, pm.hf_batch, loss=pm.hf_lm_loss, lr=3e-3, memory="1GiB",
+    plan = plan_once(pm.build_hf_mixtral, pm.hf_batch, loss=pm.hf_lm_loss, lr=3e-3, memory="1GiB",
                      strategies=("ddp", "fsdp", "tp"))
     assert all(c.applicable for c in plan.candidates), [(c.layout, c.reason) for c in plan.candidates]
     assert not any("FLOPs could not be counted" in note for note in plan.notes), plan.notes
@@ -527,8 +541,8 @@ def test_a_mixture_of_experts_plans_on_cpu_ranks_and_trains_as_one_process(mesh,
 
 
 @pytest.mark.parametrize("layout", ["ddp=4", "fsdp=4"])
-def test_a_recommender_with_embedding_bags_trains_as_one_process(mesh, layout):
-    plan = mesh.plan(pm.build_recommender, pm.recommender_batch, loss=pm.click_loss, lr=3e-3, memory="1GiB",
+def test_a_recommender_with_embedding_bags_trains_as_one_process(mesh, plan_once, layout):
+    plan = plan_once(pm.build_recommender, pm.recommender_batch, loss=pm.click_loss, lr=3e-3, memory="1GiB",
                      strategies=("ddp", "fsdp"))
     plan.apply(layout, seed=0)
     mesh.push(_batch=pm.recommender_batch)
