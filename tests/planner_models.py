@@ -250,3 +250,13 @@ def build_hf_mixtral():
     return MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
                                             num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+
+
+def build_hf_bert_untied():
+    """BERT with its output head's weight apart from the input embedding's (so that pipelines get as far as the
+    attention mask it hands between stages)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                      vocab_size=256, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0, tie_word_embeddings=False))

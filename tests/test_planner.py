@@ -707,3 +707,13 @@ def test_pipelines_are_ruled_out_for_weights_tied_across_stages_with_the_reason(
     reason = plan.candidate("pp=2,ddp=2").reason
     assert "transformer.wte.weight and lm_head.weight are one parameter (tied weights)" in reason, reason
     assert not plan.candidate("pp=2,ddp=2").applicable and plan.candidate("ddp=4").applicable
+
+
+def test_a_pipeline_that_would_hand_a_non_contiguous_tensor_between_stages_is_ruled_out_with_the_reason():
+    """Issue 38 item 3: BERT's pp layouts were offered and every train_step failed with "input tensor has to be
+    contiguous" (its expanded attention mask crosses the stage boundary)."""
+    pytest.importorskip("transformers")
+    plan = plan_world(pm.build_hf_bert_untied, pm.hf_token_batch, loss=pm.hf_lm_loss, world={"hosts": 1, "gpus": 4},
+                      device="H100", strategies=("ddp", "pp"))
+    reason = plan.candidate("pp=2,ddp=2").reason
+    assert "stage 0 hands stage 1 a tensor that is not contiguous" in reason and "strides" in reason, reason

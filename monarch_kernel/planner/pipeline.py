@@ -161,8 +161,25 @@ def trace_pipeline(model: nn.Module, stages: int, local_inputs: torch.Tensor, de
     example = local_inputs[: local_size // count].to(device)
     with _quiet_torch():
         pipe = pipeline(model, mb_args=(example,), split_spec=dict.fromkeys(points, SplitPoint.BEGINNING))
+    _check_contiguous_handoffs(pipe)
     held = [stage_blocks(model, stages, index) for index in range(stages)]
     return TracedPipeline(pipe, stages, count, local_size, held, output_structure(model, example))
+
+
+def _check_contiguous_handoffs(pipe: Any) -> None:
+    """ValueError if a stage hands the next one a tensor that is not contiguous (BERT's attention mask, expanded
+    with a zero stride): torch's pipelining sends and receives it as it is, which the process group refuses
+    ("input tensor has to be contiguous") on every step."""
+    stages = list(pipe.split_gm.named_children())
+    for index, (_, stage) in enumerate(stages[:-1]):
+        output = next(node for node in stage.graph.nodes if node.op == "output")
+        values = output.args[0] if isinstance(output.args[0], tuple | list) else [output.args[0]]
+        for node in values:
+            value = getattr(node, "meta", {}).get("val")
+            if isinstance(value, torch.Tensor) and not value.is_contiguous():
+                raise ValueError(f"stage {index} hands stage {index + 1} a tensor that is not contiguous ({node.name}, "
+                                 f"shape {tuple(value.shape)}, strides {value.stride()}): torch's pipelining sends it as "
+                                 "it is and the process group refuses it; plan this model without pp")
 
 
 def take_stage(traced: TracedPipeline, mesh: Any, device: torch.device, loss_fn: Callable[..., torch.Tensor],
