@@ -88,12 +88,17 @@ def test_every_layout_applies_and_trains_with_the_one_process_losses(mesh, small
 
 
 def _assert_trains_as_one_process(mesh, layout, build, lr, optimizer="adamw"):
-    mesh.push(_batch=pm.batch)
-    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
-    expected = reference_losses(TrainingSpec(build, pm.lm_loss, optimizer, lr, 0), [pm.batch()] * 3)
+    _assert_trains_like_one_process(mesh, layout, TrainingSpec(build, pm.lm_loss, optimizer, lr, 0), pm.batch)
+
+
+def _assert_trains_like_one_process(mesh, label, spec, batch, steps=3):
+    """The layout applied on the mesh trains `steps` steps of `batch()` with the losses of one process (1e-5)."""
+    mesh.push(_batch=batch)
+    losses = mesh.run(f"[train_step(_batch()) for _ in range({steps})]")
+    expected = reference_losses(spec, [batch()] * steps)
     for rank, got in losses.by_rank().items():
         for a, b in zip(got, expected):
-            assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
+            assert abs(a - b) <= 1e-5 * abs(b), (label, rank, got, expected)
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +118,8 @@ def test_a_hugging_face_model_with_dict_inputs_plans_with_its_cache_off_and_pipe
 @pytest.mark.parametrize("layout", ["ddp=4", "fsdp=4", "tp=4", "fsdp=2,tp=2"])
 def test_a_hugging_face_model_trains_in_each_layout_with_the_one_process_losses(mesh, hf_plan, layout):
     hf_plan.apply(layout, seed=0)
-    mesh.push(_batch=pm.hf_batch)
-    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
-    expected = reference_losses(TrainingSpec(pm.build_hf_llama, pm.hf_lm_loss, "adamw", 3e-3, 0), [pm.hf_batch()] * 3)
-    for rank, got in losses.by_rank().items():
-        for a, b in zip(got, expected):
-            assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
+    _assert_trains_like_one_process(mesh, layout, TrainingSpec(pm.build_hf_llama, pm.hf_lm_loss, "adamw", 3e-3, 0),
+                                    pm.hf_batch)
 
 
 @pytest.fixture(scope="module")
@@ -409,13 +410,8 @@ def test_a_hugging_face_causal_lm_trains_through_pipeline_stages_with_its_output
                      strategies=("ddp", "pp"))
     assert plan.candidate("pp=2,ddp=2").applicable, plan
     plan.apply("pp=2,ddp=2", seed=0)
-    mesh.push(_batch=pm.hf_token_batch)
-    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
-    expected = reference_losses(TrainingSpec(pm.build_hf_llama, pm.hf_lm_loss, "adamw", 3e-3, 0),
-                                [pm.hf_token_batch()] * 3)
-    for rank, got in losses.by_rank().items():
-        for a, b in zip(got, expected):
-            assert abs(a - b) <= 1e-5 * abs(b), (rank, got, expected)
+    _assert_trains_like_one_process(mesh, "pp=2,ddp=2", TrainingSpec(pm.build_hf_llama, pm.hf_lm_loss, "adamw", 3e-3, 0),
+                                    pm.hf_token_batch)
 
 
 @pytest.fixture(scope="module")
@@ -434,12 +430,8 @@ def test_torchtitan_style_blocks_in_a_module_dict_are_sharded_split_and_train_as
     if layout == "fsdp=4":
         units = mesh.run("sorted(n for n, m in model.named_modules() if type(m).__name__.startswith('FSDP'))")
         assert units.by_rank()[0] == ["", "layers.0", "layers.1", "layers.2", "layers.3"]
-    mesh.push(_batch=pm.titan_batch)
-    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
-    expected = reference_losses(TrainingSpec(pm.build_titan, pm.lm_loss, "adamw", 3e-3, 0), [pm.titan_batch()] * 3)
-    for rank, got in losses.by_rank().items():
-        for a, b in zip(got, expected):
-            assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
+    _assert_trains_like_one_process(mesh, layout, TrainingSpec(pm.build_titan, pm.lm_loss, "adamw", 3e-3, 0),
+                                    pm.titan_batch)
 
 
 @pytest.mark.parametrize("layout", ["ddp=4", "fsdp=4"])
@@ -454,12 +446,8 @@ def test_a_batchnorm_model_trains_as_one_process_with_statistics_over_the_data_p
     plan.apply(layout, seed=0)
     norms = mesh.run("sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith('BatchNorm')})")
     assert norms.by_rank()[0] == ["SyncedBatchNorm"]
-    mesh.push(_batch=pm.conv_batch)
-    losses = mesh.run("[train_step(_batch()) for _ in range(4)]")
-    expected = reference_losses(TrainingSpec(pm.build_batchnorm, pm.class_loss, "sgd", 0.1, 0), [pm.conv_batch()] * 4)
-    for rank, got in losses.by_rank().items():
-        for a, b in zip(got, expected):
-            assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
+    _assert_trains_like_one_process(mesh, layout, TrainingSpec(pm.build_batchnorm, pm.class_loss, "sgd", 0.1, 0),
+                                    pm.conv_batch, steps=4)
     running = mesh.run("[float(m.running_mean.sum()) for m in model.modules() if hasattr(m, 'running_mean')]")
     torch_ref = _one_process_running_means(4)
     for got in running.by_rank().values():
@@ -500,12 +488,8 @@ def test_bert_and_gpt2_get_tensor_parallel_plans_and_train_as_one_process(mesh, 
         assert any("c_attn holds query, key and value in one projection" in entry for entry in split.replicated)
     plan = plan_once(model, pm.hf_batch, loss=pm.hf_lm_loss, lr=3e-3, memory="1GiB", strategies=("ddp", "tp"))
     plan.apply(layout, seed=0)
-    mesh.push(_batch=pm.hf_batch)
-    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
-    expected = reference_losses(TrainingSpec(model, pm.hf_lm_loss, "adamw", 3e-3, 0), [pm.hf_batch()] * 3)
-    for rank, got in losses.by_rank().items():
-        for a, b in zip(got, expected):
-            assert abs(a - b) <= 1e-5 * abs(b), (build, layout, rank, got, expected)
+    _assert_trains_like_one_process(mesh, (build, layout), TrainingSpec(model, pm.hf_lm_loss, "adamw", 3e-3, 0),
+                                    pm.hf_batch)
 
 
 def test_a_gpt2_script_carries_its_conv1d_styles_and_runs_under_torchrun(tmp_path):
@@ -532,12 +516,8 @@ def test_a_mixture_of_experts_plans_on_cpu_ranks_and_trains_as_one_process(mesh,
     assert all(c.applicable for c in plan.candidates), [(c.layout, c.reason) for c in plan.candidates]
     assert not any("FLOPs could not be counted" in note for note in plan.notes), plan.notes
     plan.apply(layout, seed=0)
-    mesh.push(_batch=pm.hf_batch)
-    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
-    expected = reference_losses(TrainingSpec(pm.build_hf_mixtral, pm.hf_lm_loss, "adamw", 3e-3, 0), [pm.hf_batch()] * 3)
-    for rank, got in losses.by_rank().items():
-        for a, b in zip(got, expected):
-            assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
+    _assert_trains_like_one_process(mesh, layout, TrainingSpec(pm.build_hf_mixtral, pm.hf_lm_loss, "adamw", 3e-3, 0),
+                                    pm.hf_batch)
 
 
 @pytest.mark.parametrize("layout", ["ddp=4", "fsdp=4"])
@@ -545,13 +525,8 @@ def test_a_recommender_with_embedding_bags_trains_as_one_process(mesh, plan_once
     plan = plan_once(pm.build_recommender, pm.recommender_batch, loss=pm.click_loss, lr=3e-3, memory="1GiB",
                      strategies=("ddp", "fsdp"))
     plan.apply(layout, seed=0)
-    mesh.push(_batch=pm.recommender_batch)
-    losses = mesh.run("[train_step(_batch()) for _ in range(3)]")
-    expected = reference_losses(TrainingSpec(pm.build_recommender, pm.click_loss, "adamw", 3e-3, 0),
-                                [pm.recommender_batch()] * 3)
-    for rank, got in losses.by_rank().items():
-        for a, b in zip(got, expected):
-            assert abs(a - b) <= 1e-5 * abs(b), (layout, rank, got, expected)
+    _assert_trains_like_one_process(mesh, layout, TrainingSpec(pm.build_recommender, pm.click_loss, "adamw", 3e-3, 0),
+                                    pm.recommender_batch)
 
 
 def test_the_plan_magic_plans_the_mesh_from_the_notebooks_names(mesh):
