@@ -169,8 +169,7 @@ def add_flops(counted: ModelFlops, estimates: list[LayoutEstimate], notes: list[
     for estimate in estimates:
         if estimate.layout in counted.per_rank:
             estimate.flops = counted.per_rank[estimate.layout]
-            estimate.param_count = counted.param_count
-            estimate.dtype_bytes = 2 if Layout.parse(estimate.layout).mp else counted.dtype_bytes
+            estimate.param_count = counted.param_count  # (its dtype_bytes, the compute's, the estimate set)
 
 
 def rank_candidates(estimates: list[LayoutEstimate], figures: Figures, hosts: int, gpus: int,

@@ -60,7 +60,7 @@ class LayoutEstimate:
     ops: int = 0  # operators a step dispatches (each costs the rank's per-operator overhead)
     dtensor_ops: int = 0  # ... of which on DTensors (each also costs DTensor's sharding propagation)
     param_count: int = 0
-    dtype_bytes: int = 4  # of the model's parameters (which FLOP/s figure applies)
+    dtype_bytes: int = 4  # of what it computes in: the parameters', 2 with mp=bf16 (which FLOP/s figure applies)
     modules: dict[str, dict[str, int]] = field(default_factory=dict)  # on request: module -> params, peak bytes
     microbatches: int = 1  # per step, through a pipeline
     stage_peaks: list[int] = field(default_factory=list)  # PP: each stage's peak bytes
