@@ -40,4 +40,4 @@ fi
 .venv/bin/mypy
 # The documentation site, warnings (a broken internal link among them) as errors.
 .venv/bin/sphinx-build -q -W --keep-going -b html docs docs/_build/html
-.venv/bin/python -m pytest tests --durations=15 "$@"  # (the slowest tests, for keeping CI under 20 minutes)
+.venv/bin/python -m pytest tests --durations=40 "$@"  # (the slowest tests, for keeping CI under 25 minutes)

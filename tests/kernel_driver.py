@@ -65,6 +65,7 @@ class KernelDriver:
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
+        self._replies: dict[str, dict] = {}  # shell replies that came while waiting for another request's
 
     @property
     def pid(self) -> int:
@@ -99,9 +100,21 @@ class KernelDriver:
             if until is not None and until(run):
                 return run
             if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                run.reply = self.kc.get_shell_msg(timeout=10)
+                run.reply = self.reply_to(run.msg_id, 10)
                 return run
         raise TimeoutError(f"cell did not finish within {timeout} s; got:\n{run.text()}")
+
+    def reply_to(self, msg_id: str, timeout: float) -> dict:
+        """The shell reply that answers request `msg_id` (replies to other requests are kept for theirs)."""
+        if msg_id in self._replies:
+            return self._replies.pop(msg_id)
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self.kc.get_shell_msg(timeout=max(0.0, deadline - time.monotonic()))
+            parent = reply["parent_header"].get("msg_id")
+            if parent == msg_id:
+                return reply
+            self._replies[parent] = reply
 
     def execute(self, code: str, timeout: float = 60, answers: list[str] | None = None) -> CellRun:
         """Run a cell to completion (typing `answers` into the input boxes it opens)."""

@@ -110,6 +110,20 @@ def test_stacks_of_a_background_cell_that_hangs_are_grouped(kernel):
     assert wait_until(lambda: "busy" not in kernel.execute("%mesh status", 30).text(), 10)
 
 
+def test_a_background_cell_stopped_inside_a_collective_leaves_a_working_process_group(kernel):
+    """A --bg cell whose ranks 0-2 wait in all_reduce for rank 3, stopped with %mesh interrupt (nobody
+    waits on it, so the stop is not the future's own): the group is made anew, and the next
+    collective works on every rank (before, every later collective failed until %mesh restart)."""
+    run = kernel.execute("%%mesh --bg\n" + STRAGGLER.removeprefix("%%mesh\n"), 30)
+    assert run.status == "ok", run.text()
+    assert wait_until(lambda: "in all_reduce" in kernel.execute("%mesh status", 30).text(), 15)
+    assert kernel.execute("%mesh interrupt", 30).status == "ok"
+    assert wait_until(lambda: "busy" not in kernel.execute("%mesh status", 30).text(), 15)
+    after = kernel.execute("%%mesh\nimport torch, torch.distributed as dist\nt = torch.ones(2)\n"
+                           "dist.all_reduce(t)\nprint('sum', t.tolist())", 30)
+    assert after.status == "ok" and "[0-3] sum [4.0, 4.0]" in after.text(), after.text()
+
+
 def test_status_shows_the_collective_each_rank_waits_in(kernel):
     """%mesh status (and the widget and sidebar, which draw the same rows) while ranks wait in a collective."""
     from monarch_kernel import MeshInterrupted, local_mesh

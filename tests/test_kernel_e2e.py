@@ -227,7 +227,7 @@ def test_background_run_keeps_its_output_in_its_cell(kernel):
             later.messages.append((time.monotonic(), msg))
             if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                 break
-    later.reply = kernel.kc.get_shell_msg(timeout=10)
+    later.reply = kernel.reply_to(later.msg_id, 10)
     assert any("late line" in u for u in updates)  # into the bg cell's widget
     assert "late line" not in later.text() and "other cell" in later.text()
     waited = kernel.execute("await _", 10)

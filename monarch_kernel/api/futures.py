@@ -109,7 +109,9 @@ class MeshFuture(Future[T]):
     def _mark_ranks_done(self) -> None:
         """Show which ranks have finished a request sent on lanes (its results queue no event:
         a fast request then wakes its waiter once, not once per rank)."""
-        for rank in [r for r in self._request.results if r not in self._marked_done]:
+        # (a snapshot: the loop thread's service tick books results into the dict while this thread looks;
+        # iterating it directly once failed a plan.apply with 'dictionary changed size during iteration')
+        for rank in [r for r in tuple(self._request.results) if r not in self._marked_done]:
             self._marked_done.add(rank)
             self._sink.rank_done(rank)
 
@@ -130,6 +132,11 @@ class MeshFuture(Future[T]):
 
     def _finish(self) -> T:
         self._sink.close()
+        # stopped by someone else (%mesh interrupt, the sidebar) inside collectives: nobody else makes the
+        # group anew for a run this future did not stop itself (`_stopped` does it for its own stops)
+        remade = remake_groups_after_stop(self._runtime, self._request)
+        if remade is not None:
+            print(f"monarch_kernel: {remade}", file=sys.stderr, flush=True)
         return self._make_result(self._request)
 
     def _show_verdict(self, text: str, html: str) -> None:

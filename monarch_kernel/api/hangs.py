@@ -8,6 +8,7 @@ The ranks answer from their reader threads (rank/inspect.py); the verdict is cor
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import html
 import itertools
 import os
@@ -269,8 +270,35 @@ def watch_call(runtime: MeshRuntime, pending: PendingCall) -> CallWatch | None:
 
 def remake_groups_after_stop(runtime: MeshRuntime, request: Request, timeout: float = 30.0) -> str | None:
     """If stopping `request` ended collectives on some ranks, every rank of the mesh makes a fresh
-    default group; the one line that says so (None when nothing was ended)."""
-    return remake_default_groups(runtime, dict(request.aborted), f"remade/{request.req_id}", timeout)
+    default group; the one line that says so (None when nothing was ended, or another caller made it:
+    then this one waits until it is made, so that nothing sent after it meets the broken group)."""
+    if not request.aborted:
+        return None
+    first, made = request.claim_regroup()
+    if not first:
+        made.wait(timeout)
+        return None
+    try:
+        return remake_default_groups(runtime, dict(request.aborted), f"remade/{request.req_id}", timeout)
+    finally:
+        made.set()
+
+
+def regroup_after_interrupt(runtime: MeshRuntime, stopped: list[Request], grace: float) -> list[str]:
+    """After an interrupt that nobody's wait made (%mesh interrupt, the sidebar's stop): wait up to `grace`
+    for the `stopped` requests to end, and make the group anew after each that ended collectives; what
+    was said (one line each)."""
+    deadline = time.monotonic() + grace
+    lines = []
+    for request in stopped:
+        try:
+            request.completion().result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            continue  # still running: whoever waits on it, or its own future, makes the group when it ends
+        line = remake_groups_after_stop(runtime, request)
+        if line is not None:
+            lines.append(line)
+    return lines
 
 
 _regroups = itertools.count(1)

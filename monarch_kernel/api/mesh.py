@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -39,6 +40,7 @@ from monarch_kernel.wire.ops import Describe, PostMortem, RankOperation
 from monarch_kernel.wire.serialization import arriving_on, release, seal, unseal
 
 T = TypeVar("T")
+REGROUP_GRACE_S = 3.0  # how long an interrupt waits for the stopped runs to end, to make the group anew
 
 
 class Mesh(HostFiles, KeptState):
@@ -288,8 +290,15 @@ class Mesh(HostFiles, KeptState):
 
     # ------------------------------------------------------------ control
     def interrupt(self) -> None:
-        """Send KeyboardInterrupt to whatever the ranks of this mesh are running."""
+        """Send KeyboardInterrupt to whatever the ranks of this mesh are running.
+
+        Where the stop ended collectives (a signal cannot reach into one), every rank makes the
+        default group anew before this returns, so the next cell's collectives work.
+        """
+        stopped = self._runtime.requests.in_flight(self.ranks)
         self._runtime.requests.interrupt(self.ranks)
+        for line in hangs.regroup_after_interrupt(self._runtime, stopped, REGROUP_GRACE_S):
+            print(f"monarch_kernel: {line}", file=sys.stderr, flush=True)
 
     def restart(self) -> None:
         """Replace all ranks of the whole mesh with fresh ones (namespaces are reset).

@@ -25,10 +25,12 @@ from monarch_kernel.controller.state import MeshState, RankState, Request
 from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.core.failures import FailureKind, RankFailure
 from monarch_kernel.core.ids import fresh_ids
+from monarch_kernel.core.interrupt_shield import shielded
 from monarch_kernel.core.output_caps import fd_dropped_note, fit
 from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.diagnosis import CollectivesAborted
+from monarch_kernel.wire.lane_client import Lane
 from monarch_kernel.wire.transport import encode
 
 HELD_AT_MOST_S = 2.0  # a result waits at most this long for the fd output it says came before it
@@ -64,6 +66,10 @@ class RequestBook:
             lane.check_room(rank)  # a rank that reads nothing: fail fast, before anything is booked or sent
         req.on_lanes = True
         chunks = encode(body)
+        shielded(lambda: self._send_on_lanes(req, lanes, chunks))  # (a stop never sends it to some ranks only)
+        return req
+
+    def _send_on_lanes(self, req: Request, lanes: list[Lane], chunks: list[Any]) -> None:
         with self._lock:
             self._book(req)
         for lane in lanes:
@@ -73,7 +79,6 @@ class RequestBook:
                 pass  # the rank is going away: its agent reports how
         with self._lock:
             self._maybe_complete(req)
-        return req
 
     def adopt(self, req_id: int, label: str, running: Iterable[int], results: dict[int, m.Result]) -> Request:
         """Follow a request an earlier kernel sent (a persistent mesh just attached): it still runs on `running`,
@@ -100,6 +105,12 @@ class RequestBook:
         """KeyboardInterrupt in whatever these ranks run (cells, endpoints), and in the requests
         they were sent that have not started yet (the stop button)."""
         self._loop.call(self._interrupt, frozenset(ranks))
+
+    def in_flight(self, ranks: Iterable[int]) -> list[Request]:
+        """The requests that these ranks are running or were sent and have not answered."""
+        with self._lock:
+            ids = {req_id for rank in ranks if rank in self._state.ranks for req_id in self._state.ranks[rank].inflight}
+            return [self._state.requests[i] for i in sorted(ids) if i in self._state.requests]
 
     def stop(self, req: Request) -> None:
         """Stop one request on the ranks that still owe it, whether it started there or not."""

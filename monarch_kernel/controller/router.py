@@ -22,6 +22,7 @@ from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.state import MeshState
 from monarch_kernel.controller.supervision import Supervisors
 from monarch_kernel.core.errors import ConnectionClosed
+from monarch_kernel.core.interrupt_shield import shielded
 from monarch_kernel.core.timing import RankTiming, TimingReporter
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.calls import CallTable, PendingCall, death_reply, poll_until
@@ -87,8 +88,12 @@ class ControllerSender:
 
     # ------------------------------------------------------------ from any thread
     def send_call(self, msg: m.ActorCall) -> None:
-        """Send an actor call: local ranks over their lanes, the rest via the loop and agents."""
+        """Send an actor call: local ranks over their lanes, the rest via the loop and agents (one step that
+        a stop does not split: a call never goes to some of its ranks only)."""
         self._state.require_open()
+        shielded(lambda: self._send_call(msg))
+
+    def _send_call(self, msg: m.ActorCall) -> None:
         away = []
         chunks = None
         lanes = [(rank, self._lane(rank)) for rank in msg.ranks]

@@ -156,6 +156,7 @@ class Request:
     timings: list[RankTiming] = field(default_factory=list)  # each rank's part, once every rank answered
     aborted: dict[int, str] = field(default_factory=dict)  # ranks where a stop ended collectives: what was done
     _inputs: dict[int, bool] = field(default_factory=dict)  # id(InputRequest) -> claimed (True) or expired
+    _regrouped: threading.Event | None = None  # set once the group is made anew after its stop (see claim_regroup)
     _completion: concurrent.futures.Future[Request] | None = None  # made when someone awaits it
     _lock: threading.Lock = field(default_factory=threading.Lock)  # guards _inputs, done and _completion
 
@@ -168,6 +169,15 @@ class Request:
         """Nobody took this input() in time: True if it is now expired (False: it was claimed)."""
         with self._lock:
             return not self._inputs.setdefault(id(msg), False)
+
+    def claim_regroup(self) -> tuple[bool, threading.Event]:
+        """(True, event) for the one caller that makes the group anew after this request's stop, which sets
+        the event when done; (False, event) for the others, who wait on it (the waiting future, %mesh interrupt)."""
+        with self._lock:
+            if self._regrouped is None:
+                self._regrouped = threading.Event()
+                return True, self._regrouped
+            return False, self._regrouped
 
     def finish(self) -> None:
         """Mark the request done, and resolve its completion future if one was made (a second call does nothing)."""

@@ -351,9 +351,10 @@ class ActorHost:
         self.doing.started(key, label)
 
         def run() -> Any:
-            # inside user code already (a stop from now on raises here); a stop that came before,
-            # while it would have been ignored, is caught by this check
-            self.stops.check(key)
+            # inside the `try` below, so a stop from here on always reaches the clean-up in its `finally`
+            # (one sent between `starts` and the `try` would have skipped it: the mailbox stayed busy);
+            # a stop that came before is raised by `enter`
+            self.stops.enter(key)
             return method(*args, **kwargs)
 
         on_main = threading.get_ident() == self._main

@@ -37,16 +37,16 @@ class SyncCallStops:
                 self._stop(key, thread)
 
     def stop_running(self) -> None:
-        """Stop the sync calls running on the actors' own threads (the notebook's interrupt)."""
+        """Stop every sync call running now, on the actors' own threads and on the main thread (the
+        notebook's interrupt)."""
         with self._lock:
             for key, thread in list(self._running.items()):
-                if thread != self._main:
-                    self._cancelled.add(key)
-                    self._stop(key, thread)
+                self._cancelled.add(key)
+                self._stop(key, thread)
 
     def _stop(self, key: CallKey, thread: int) -> None:
         if thread == self._main:
-            self._interrupts.interrupt(lambda: key in self._running)
+            self._interrupts.interrupt(lambda: key in self._running, lambda: self.innermost_on_main() == key)
         else:
             stop_thread(thread)
             self._wake()
@@ -62,23 +62,29 @@ class SyncCallStops:
             with self._lock:
                 self._aborted.setdefault(key, how)
 
+    def innermost_on_main(self) -> CallKey | None:
+        """The sync call the main thread runs now (the innermost, when one is served inside another's
+        wait), or None. Takes no lock: the main thread's SIGINT handler asks it."""
+        on_main = [key for key, thread in list(self._running.items()) if thread == self._main]
+        return on_main[-1] if on_main else None
+
     def cancelled(self, key: CallKey) -> bool:
         """Whether call `key` was told to stop."""
         with self._lock:
             return key in self._cancelled
 
     def starts(self, key: CallKey) -> bool:
-        """The calling thread starts call `key`'s sync code; False (not started) if it was told to stop."""
+        """Whether call `key` may start (False: it was told to stop). No stop is sent to the calling
+        thread for it until `enter`: a stop before then is noted, and `enter` raises it."""
+        return not self.cancelled(key)
+
+    def enter(self, key: CallKey) -> None:
+        """The calling thread enters call `key`'s user code (first thing inside the caller's `try`):
+        stops reach it from now on; raises KeyboardInterrupt if it was told to stop already."""
         with self._lock:
             if key in self._cancelled:
-                return False
+                raise KeyboardInterrupt
             self._running[key] = threading.get_ident()
-            return True
-
-    def check(self, key: CallKey) -> None:
-        """Raise KeyboardInterrupt if call `key` was told to stop (first thing in its user code)."""
-        if self.cancelled(key):
-            raise KeyboardInterrupt
 
     def ended(self, key: CallKey) -> None:
         """Call `key`'s sync code ended: no stop is sent to its thread from now on."""

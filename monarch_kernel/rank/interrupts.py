@@ -12,46 +12,74 @@ ended. So an interrupt is re-sent, every few milliseconds, until the handler cou
 
 from __future__ import annotations
 
+import itertools
 import signal
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from monarch_kernel.core.interrupt_shield import main_thread_notes_stops
 
 RESEND_EVERY_S = 0.05
 GIVE_UP_AFTER_S = 5.0
 
 
 class MainThreadInterrupts:
-    """Sends SIGINT to the main thread until `seen()` (called by the rank's handler) counts it."""
+    """Sends SIGINT to the main thread until the handler claims it for the run it was meant for.
+
+    A stop is addressed to a run, not to the thread: `interrupt(alive, current)` takes whether the run
+    has not ended yet, and whether it is what the main thread runs now (a cell's stop waits while an
+    endpoint served inside the cell's wait runs; it reaches the cell once that endpoint is done). The
+    handler raises only for a stop whose run is current (`claim`); a stop whose run ended is dropped,
+    never deferred to whatever runs next. Threads: any thread may interrupt; the handler runs on the
+    main thread; `_lock` guards `_wanted` and `_seen` and a send with the check before it.
+    """
 
     def __init__(self) -> None:
-        self._seen = 0
-        self._lock = threading.Lock()  # a check and a send are one step against a handler counting
+        self._seen = 0  # stops claimed by the handler
+        self._wanted: dict[int, tuple[Callable[[], bool], Callable[[], bool]]] = {}  # ticket -> (alive, current)
+        self._tickets = itertools.count(1)
+        self._lock = threading.RLock()  # (re-entered by the handler when the main thread itself interrupts)
         self.handler: Any = None  # the rank's SIGINT handler: another one (the user's) is sent to once
 
-    def seen(self) -> None:
-        """The SIGINT handler ran (first thing it does)."""
+    def interrupt(self, alive: Callable[[], bool], current: Callable[[], bool] | None = None) -> None:
+        """SIGINT the main thread now, and again until the handler claims it or the run ended (`alive()`
+        false); `current()` (default: `alive`) says whether the run is what the main thread runs now."""
         with self._lock:
-            self._seen += 1
-
-    def interrupt(self, still_wanted: Callable[[], bool]) -> None:
-        """SIGINT the main thread now, and again while the handler has not run and still_wanted()."""
-        with self._lock:
-            seen = self._seen
+            ticket = next(self._tickets)
+            self._wanted[ticket] = (alive, current or alive)
             _sigint_main()
-        threading.Thread(target=self._follow_up, args=(seen, still_wanted), name="interrupt-follow-up",
+        threading.Thread(target=self._follow_up, args=(ticket, alive), name="interrupt-follow-up",
                          daemon=True).start()
 
-    def _follow_up(self, seen: int, still_wanted: Callable[[], bool]) -> None:
+    def claim(self) -> bool:
+        """For the handler: whether a stop was sent for what the main thread runs now (then it is spent);
+        False for a stop that came too late (its run ended) or too early (its run is not current)."""
+        with self._lock:
+            hits = [ticket for ticket, (alive, current) in self._wanted.items() if alive() and current()]
+            for ticket in hits:
+                del self._wanted[ticket]
+            if hits:
+                self._seen += 1
+            return bool(hits)
+
+    def _follow_up(self, ticket: int, alive: Callable[[], bool]) -> None:
         waited = threading.Event()
-        for _ in range(int(GIVE_UP_AFTER_S / RESEND_EVERY_S)):
-            waited.wait(RESEND_EVERY_S)
-            if not still_wanted() or signal.getsignal(signal.SIGINT) != self.handler:  # (no lock held: it may take others)
-                return
-            with self._lock:
-                if self._seen != seen:
+        try:
+            for _ in range(int(GIVE_UP_AFTER_S / RESEND_EVERY_S)):
+                waited.wait(RESEND_EVERY_S)
+                if not alive():
                     return
-                _sigint_main()
+                handler = signal.getsignal(signal.SIGINT)
+                if handler != self.handler and not main_thread_notes_stops():  # (the user's own: sent once)
+                    return
+                with self._lock:
+                    if ticket not in self._wanted:
+                        return  # claimed
+                    _sigint_main()
+        finally:
+            with self._lock:
+                self._wanted.pop(ticket, None)
 
 
 def _sigint_main() -> None:

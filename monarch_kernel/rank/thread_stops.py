@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any, SupportsIndex
 
+from monarch_kernel.core.interrupt_shield import defer_or_stop, withdraw
+
 _real_sleep = time.sleep
 _wakes: dict[int, threading.Event] = {}  # the threads our stops may reach -> what wakes their sleep
 rank_device: Any = None  # the rank's CUDA device (set by rank/dist.py), made current on each such thread
@@ -36,15 +38,21 @@ def forget_thread() -> None:
 
 
 def stop_thread(ident: int) -> None:
-    """Raise KeyboardInterrupt in thread `ident` at its next line, and wake it from `time.sleep`."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(KeyboardInterrupt))
-    wake = _wakes.get(ident)
-    if wake is not None:
-        wake.set()
+    """Raise KeyboardInterrupt in thread `ident` at its next line, and wake it from `time.sleep`; a
+    thread inside a write or read that a stop must not split raises it as that ends
+    (`core/interrupt_shield.py`)."""
+    def raise_there() -> None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(KeyboardInterrupt))
+
+    if defer_or_stop(ident, raise_there):
+        wake = _wakes.get(ident)
+        if wake is not None:
+            wake.set()
 
 
 def withdraw_stop(ident: int) -> None:
     """Forget a stop not yet raised in thread `ident` (what it was for has ended)."""
+    withdraw(ident)
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)
     wake = _wakes.get(ident)
     if wake is not None:

@@ -172,11 +172,14 @@ class Worker:
                 self._stopped.add(req_id)
             if msg.running:
                 self.actors.stops.stop_running()
-            if self.in_user_code and (msg.running or self.current_req in msg.req_ids):
-                self.interrupts.interrupt(lambda: self.in_user_code)
-                if self.current_req is not None:  # (said before the request's result, which the ending lets through)
-                    collectives.free_main_thread(lambda text: self._send(
-                        CollectivesAborted(self.current_req or 0, self.config.rank, text)))
+            if self.in_user_code and self.current_req is not None and (msg.running or self.current_req in msg.req_ids):
+                target = self.current_req  # the stop is this run's (never the next one's: see interrupts.py)
+                self.interrupts.interrupt(
+                    lambda: self.current_req == target,
+                    lambda: self.in_user_code and self.actors.stops.innermost_on_main() is None)
+                # (said before the request's result, which the ending lets through)
+                collectives.free_main_thread(lambda text: self._send(
+                    CollectivesAborted(self.current_req or 0, self.config.rank, text)))
 
     def running_label(self) -> str:
         """What runs on this rank now: the cell ("In[7]"), an endpoint, or "" when idle."""
@@ -193,10 +196,10 @@ class Worker:
         return "\t".join((doing, waiting, request)).rstrip("\t")
 
     def _on_sigint(self, signum, frame) -> None:
-        self.interrupts.seen()
-        if self.in_user_code:
+        if self.interrupts.claim():
             raise KeyboardInterrupt
-        # idle or in our own code: an interrupt that came too late is ignored
+        # idle, in our own code, or running another run than the stop's: a stop that came too late (or is
+        # for a cell whose wait serves an endpoint now) is not raised here; its follow-up sends it again
 
     def flush_streams(self) -> None:
         """Send pending stdout/stderr text now."""

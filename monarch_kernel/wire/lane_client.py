@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed, MeshBusyError
+from monarch_kernel.core.interrupt_shield import StopsNoted, shielded
 from monarch_kernel.wire.lanes import lane_path, peer_is_us, read_available
 from monarch_kernel.wire.messages import Display, InputRequest, Output
 from monarch_kernel.wire.transport import FrameProtocol, advance, byte_views
@@ -94,7 +95,13 @@ class Lane:
                 f"(%mesh interrupt), or send less at a time")
 
     def send_chunks(self, chunks: list[Any]) -> None:
-        """Send (or queue) one encoded frame that will be answered by one reply; never blocks."""
+        """Send (or queue) one encoded frame that will be answered by one reply; never blocks.
+
+        A stop (the notebook's Ctrl-C) that comes meanwhile is raised once the frame is queued or
+        sent and counted (`core/interrupt_shield.py`): never half-queued, never sent twice."""
+        shielded(lambda: self._send_chunks(chunks))
+
+    def _send_chunks(self, chunks: list[Any]) -> None:
         with self._write_lock:
             if self.closed:
                 raise ConnectionClosed("the lane is closed")
@@ -105,7 +112,7 @@ class Lane:
             self._queued.extend(byte_views(chunks))
             self._queued_frames += 1
             if (first and self._queued_frames == 1) or self._queued_frames >= BATCH_FRAMES:
-                self._push()  # an idle lane sends at once; a long queue keeps the rank busy
+                self._write_out()  # an idle lane sends at once; a long queue keeps the rank busy
 
     def flush(self, *, wait_for_lock: bool = True) -> None:
         """Write what is queued, as far as the socket takes it now (the rest stays for later)."""
@@ -131,7 +138,8 @@ class Lane:
         return bool(self._out) or bool(self._queued)
 
     def drain(self) -> None:
-        """Read and dispatch every reply that is already here (caller holds read_lock)."""
+        """Read and dispatch every reply that is already here (caller holds read_lock); a stop waits
+        until what was read is counted (`read_available`)."""
         read_available(self.sock, self._reader, self._lost, lambda: self.closed)
 
     def _got(self, msg: Any) -> None:
@@ -144,7 +152,11 @@ class Lane:
         self.closed = True
 
     def _push(self) -> None:
-        """Move the queue to `_out` and write until the socket is full (caller holds _write_lock)."""
+        """Move the queue to `_out` and write until the socket is full (caller holds _write_lock); a stop
+        meanwhile is raised after what was written is dropped from `_out`."""
+        shielded(self._write_out)
+
+    def _write_out(self) -> None:
         if self._queued:
             self._out.extend(self._queued)
             self._queued, self._queued_frames = [], 0
@@ -229,15 +241,20 @@ class LanePool:
             for lane in unique:
                 lane.waiters += 1
         try:
-            return self._read_until(unique, done, deadline)
+            with StopsNoted() as stops:  # (one handler change for the whole wait, not one per read)
+                return self._read_until(unique, done, deadline, stops)
         finally:
             with self._lock:
                 for lane in unique:
                     lane.waiters -= 1
 
-    def _read_until(self, lanes: list[Lane], done: Callable[[], bool], deadline: float | None) -> bool:
+    def _read_until(self, lanes: list[Lane], done: Callable[[], bool], deadline: float | None,
+                    stops: StopsNoted) -> bool:
+        """Read until done() or the deadline; a stop (Ctrl-C) is raised between reads, at most one select
+        (50 ms) after it came (a read and its count are never split: `core/interrupt_shield.py`)."""
         ready = lanes  # read what is there already; then only the lanes select says have bytes
         while True:
+            stops.raise_if_noted()
             shared = False  # another thread may read our replies: poll, do not sleep in select
             for lane in ready:
                 if lane.read_lock.acquire(blocking=False):

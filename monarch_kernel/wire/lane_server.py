@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed
+from monarch_kernel.core.interrupt_shield import shielded
 from monarch_kernel.wire.lanes import peer_is_us, read_available
 from monarch_kernel.wire.transport import FrameProtocol, advance, byte_views, encode
 
@@ -117,6 +118,9 @@ class LaneServer:
         self._flush()
 
     def _flush(self) -> None:
+        shielded(self._write_out)  # (a stop of the sending thread is raised once the write is counted)
+
+    def _write_out(self) -> None:
         with self._lock:
             while self._out and not self.closed:
                 try:

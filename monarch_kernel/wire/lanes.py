@@ -16,6 +16,7 @@ import socket
 import struct
 from collections.abc import Callable
 
+from monarch_kernel.core.interrupt_shield import shielded
 from monarch_kernel.wire.transport import FrameProtocol
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
@@ -42,18 +43,26 @@ def read_available(sock: socket.socket, reader: FrameProtocol, lost: Callable[[E
     """Feed the bytes waiting on a non-blocking socket to a frame reader, until a read comes
     back short (the socket was empty then: what comes later wakes the caller's select again,
     and a read that would only say "nothing more" is saved)."""
-    while not closed():
-        buf = reader.get_buffer(-1)
-        try:
-            n = sock.recv_into(buf)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            lost(exc)
-            return
-        if n == 0:
-            lost(None)
-            return
-        reader.buffer_updated(n)
-        if n < len(buf):
-            return
+    def read_all() -> None:
+        while not closed() and _read_once(sock, reader, lost):
+            pass
+
+    shielded(read_all)  # (non-blocking: it ends when the socket is empty)
+
+
+def _read_once(sock: socket.socket, reader: FrameProtocol, lost: Callable[[Exception | None], None]) -> bool:
+    """One read, and the reader told of it (one step a stop cannot split); False when the socket is empty,
+    or the lane was lost."""
+    buf = reader.get_buffer(-1)
+    try:
+        n = sock.recv_into(buf)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError as exc:
+        lost(exc)
+        return False
+    if n == 0:
+        lost(None)
+        return False
+    reader.buffer_updated(n)
+    return n == len(buf)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed
+from monarch_kernel.core.interrupt_shield import shielded
 from monarch_kernel.wire import safe_pickle
 from monarch_kernel.wire.flat import flatten, unflatten
 
@@ -407,6 +408,12 @@ def advance(views: list[memoryview], sent: int) -> None:
 
 
 def _sendall_chunks(sock: socket.socket, chunks: list[memoryview | bytes]) -> None:
+    """Send a whole frame on a blocking socket; a stop meanwhile is raised once it is all sent (half a
+    frame would leave the stream out of step for good)."""
     views = byte_views(chunks)
-    while views:
-        advance(views, sock.sendmsg(views[:64]))
+
+    def send_all() -> None:
+        while views:
+            advance(views, sock.sendmsg(views[:64]))
+
+    shielded(send_all)
