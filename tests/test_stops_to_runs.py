@@ -59,9 +59,9 @@ def test_a_stop_whose_run_has_ended_is_dropped_and_never_reaches_the_next_run(in
     assert not run_until_stopped(0.3)
 
 
-def test_a_cells_stop_waits_while_an_endpoint_served_in_its_wait_runs_and_then_reaches_the_cell(interrupts):
-    serving_endpoint = {"now": True}
-    stop = stop_from_the_reader(interrupts, lambda: True, lambda: not serving_endpoint["now"])
-    assert not run_until_stopped(0.3, stop)  # the endpoint (someone else's call) is not interrupted
-    # the endpoint is done and the cell runs again: its stop reaches it (sent again until it is claimed)
-    assert run_until_stopped(5, lambda: serving_endpoint.update(now=False))
+def test_a_stop_that_comes_while_the_ranks_own_code_runs_for_the_cell_waits_for_the_cells_code(interrupts):
+    in_user_code = {"now": False}  # (the rank is sending the cell's output, say)
+    stop = stop_from_the_reader(interrupts, lambda: True, lambda: in_user_code["now"])
+    assert not run_until_stopped(0.3, stop)  # the rank's own code is not interrupted
+    # the cell's code runs again: its stop reaches it (sent again until it is claimed)
+    assert run_until_stopped(5, lambda: in_user_code.update(now=True))

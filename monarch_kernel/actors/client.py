@@ -34,14 +34,14 @@ from monarch_kernel.core.supervision import MeshFailure, Owner, report_unhandled
 from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire.calls import CallSender, PendingCall, find_sender
-from monarch_kernel.wire.messages import ActorCall, ActorReply, BroadcastFailed, CancelCall, Through
+from monarch_kernel.wire.messages import ActorCall, ActorReply, BroadcastFailed, CancelCall, FailureCause, Through
 from monarch_kernel.wire.ops import StopActors
 from monarch_kernel.wire.serialization import release, seal, unseal
 
 T = TypeVar("T")
 
-_KIND_OF_ERROR = {"RankDied": FailureKind.DIED, "MeshRestarted": FailureKind.LOST}  # failures a router made
-_GONE = frozenset({"ActorStopped", "MeshNotRunning"})  # error types of calls to actors that no longer are
+_KIND_OF_ERROR = {FailureCause.RANK_DIED: FailureKind.DIED, FailureCause.MESH_RESTARTED: FailureKind.LOST}  # (a router's)
+_GONE = frozenset({FailureCause.ACTOR_STOPPED, FailureCause.MESH_NOT_RUNNING})  # calls to actors that no longer are
 
 
 class ActorFuture(Future[T]):
@@ -290,7 +290,7 @@ class EndpointHandle:
             f = reply.failure
             if f is None:
                 return
-            if supervised and f.error_type in _KIND_OF_ERROR:
+            if supervised and f.cause in _KIND_OF_ERROR:
                 return  # a death reaches the owner as such; a mesh shut down is nobody's failure
             failure = MeshFailure(mesh.name, mesh.class_name, reply.rank, FailureKind.EXCEPTION,
                                   f"broadcast {label} raised {f.message}", f.traceback)
@@ -361,7 +361,7 @@ def _failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...] | No
             continue
         f = reply.failure
         sender = mesh._sender()
-        kind = _KIND_OF_ERROR.get(f.error_type, FailureKind.INTERRUPTED if f.interrupted else FailureKind.EXCEPTION)
+        kind = _KIND_OF_ERROR.get(f.cause, FailureKind.INTERRUPTED if f.interrupted else FailureKind.EXCEPTION)
         message = f"{pending.label} (actor mesh {mesh.name!r}) on rank {rank}: {f.message}"
         found.append(RankFailure(rank, sender.host_of(rank), kind, f.error_type, message, f.traceback))
     return found
@@ -375,7 +375,9 @@ def raise_failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...]
     kinds = sorted({f.error_type for f in failures})
     summary = (f"{pending.label} (actor mesh {mesh.name!r}) failed on rank"
                f"{'s' if len(failures) > 1 else ''} {format_ranks([f.rank for f in failures])}: {', '.join(kinds)}")
-    if any(f.error_type in _GONE for f in failures):  # its actors are gone, rather than it failed
+    gone = any(reply.failure is not None and reply.failure.cause in _GONE
+               for rank in ranks if (reply := pending.replies.get(rank)) is not None)
+    if gone:  # its actors are gone, rather than it failed
         raise SupervisionError(summary, failures, partial)
     raise_for(failures, summary, partial, ActorError, SupervisionError)
 

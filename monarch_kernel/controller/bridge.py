@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.supervision import Supervisors
 from monarch_kernel.wire.calls import PORTS, CallTable, death_reply
-from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply, CancelCall, DirectRoute
+from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply, CancelCall, DirectRoute, FailureCause
 from monarch_kernel.wire.routing import CallRouter
 
 
@@ -85,7 +85,7 @@ class MeshBridge:
             why = (f"mesh {msg.mesh!r} is not running in this notebook (it was stopped, or its processes "
                    "were started by another kernel)")
             for rank in msg.ranks:
-                source.router.reply(death_reply(msg.caller, msg.call_id, rank, why, "MeshNotRunning",
+                source.router.reply(death_reply(msg.caller, msg.call_id, rank, why, FailureCause.MESH_NOT_RUNNING,
                                                 to_port=msg.to_port))
             return
         self.forwarded += 1

@@ -273,7 +273,7 @@ class ControllerSender:
         self._told_own.clear()
         for call in self.calls.pending():
             for rank in call.outstanding:
-                self.calls.deliver(death_reply(m.CONTROLLER, call.call_id, rank, why, "MeshRestarted"))
+                self.calls.deliver(death_reply(m.CONTROLLER, call.call_id, rank, why, m.FailureCause.MESH_RESTARTED))
         self.router.forget()
         self.supervisors.forget()
         BRIDGE.leave(self, closed=self._state.closed)

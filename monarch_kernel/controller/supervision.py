@@ -73,7 +73,7 @@ class Supervisors:
                 if reply.value is not None and unseal(reply.value):
                     return  # handled
                 self._pass_on(owned, failure.passed_over(owned.owner_label))
-            elif f.error_type == "AttributeError" and SUPERVISE in f.message:  # it has no __supervise__
+            elif f.cause is m.FailureCause.NO_SUCH_ENDPOINT:  # it has no __supervise__
                 self._pass_on(owned, failure.passed_over(f"{owned.owner_label} (no {SUPERVISE})"))
             else:  # __supervise__ raised (or its rank died meanwhile): a new failure, caused by this one
                 self._pass_on(owned, MeshFailure(owned.owner_key.split("#")[0], owned.owner_label, owned.owner_rank,

@@ -35,7 +35,7 @@ from monarch_kernel.rank.rank_sender import RankSender
 from monarch_kernel.rank.user_threads import OWN_THREAD_PREFIX, MainThreadJobs, OwnThreads
 from monarch_kernel.wire.actor_messages import CONTROLLER
 from monarch_kernel.wire.calls import CallKey, PendingCall, set_default_sender
-from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure
+from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, FailureCause
 
 WAIT_CHECK_S = 0.5  # how often a wait looks again for a deadlock, at most
 
@@ -120,10 +120,10 @@ class ActorHost:
             return
         key, queued = removed
         self.own_threads.end(key)
-        why = ("ActorReplaced", f"actor mesh {name!r} was spawned again") if replaced else \
-              ("ActorStopped", f"actor mesh {name!r} was stopped")
+        why = Failure.of(FailureCause.ACTOR_REPLACED, f"actor mesh {name!r} was spawned again") if replaced else \
+            Failure.of(FailureCause.ACTOR_STOPPED, f"actor mesh {name!r} was stopped")
         for msg in queued:
-            self.replies.reply(msg, None, Failure(*why, ""))
+            self.replies.reply(msg, None, why)
 
     # ------------------------------------------------------------ reader thread side
     def cancel(self, msg: CancelCall) -> None:

@@ -46,7 +46,9 @@ class SyncCallStops:
 
     def _stop(self, key: CallKey, thread: int) -> None:
         if thread == self._main:
-            self._interrupts.interrupt(lambda: key in self._running, lambda: self.innermost_on_main() == key)
+            # (an endpoint served inside this call's wait is stopped too: this call waits on it, or cannot go on
+            # until it ends; telling the two apart needs the calls' ancestry, which ranks do not keep)
+            self._interrupts.interrupt(lambda: key in self._running)
         else:
             stop_thread(thread)
             self._wake()
@@ -61,12 +63,6 @@ class SyncCallStops:
         if how:
             with self._lock:
                 self._aborted.setdefault(key, how)
-
-    def innermost_on_main(self) -> CallKey | None:
-        """The sync call the main thread runs now (the innermost, when one is served inside another's
-        wait), or None. Takes no lock: the main thread's SIGINT handler asks it."""
-        on_main = [key for key, thread in list(self._running.items()) if thread == self._main]
-        return on_main[-1] if on_main else None
 
     def cancelled(self, key: CallKey) -> bool:
         """Whether call `key` was told to stop."""

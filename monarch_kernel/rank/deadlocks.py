@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from monarch_kernel.core.errors import ActorDeadlockError
-from monarch_kernel.wire.messages import Failure
+from monarch_kernel.wire.messages import Failure, FailureCause
 
 
 def not_here(rank: int, key: str, retired: tuple[str, bool] | None, keys: dict[str, str]) -> Failure:
@@ -22,10 +22,10 @@ def not_here(rank: int, key: str, retired: tuple[str, bool] | None, keys: dict[s
     whether it was replaced) for one that ended here, `keys` the actor meshes here by name."""
     name, replaced = retired or ("", False)
     if name and not replaced:
-        return Failure("ActorStopped", f"actor mesh {name!r} was stopped on rank {rank}", "")
+        return Failure.of(FailureCause.ACTOR_STOPPED, f"actor mesh {name!r} was stopped on rank {rank}")
     if name:
-        return Failure("ActorReplaced", f"actor mesh {name!r} was spawned again on rank {rank}; this handle "
-                       "still points at the old actors: use the one the new spawn() returned", "")
+        return Failure.of(FailureCause.ACTOR_REPLACED, f"actor mesh {name!r} was spawned again on rank {rank}; this "
+                          "handle still points at the old actors: use the one the new spawn() returned")
     known = ", ".join(sorted(keys)) or "none"
     return Failure("ActorNotFound", f"no actor mesh {key.split('#')[0]!r} on rank {rank} (actor meshes here: "
                    f"{known}); it was never spawned here, or the mesh restarted", "")

@@ -28,10 +28,10 @@ class MainThreadInterrupts:
     """Sends SIGINT to the main thread until the handler claims it for the run it was meant for.
 
     A stop is addressed to a run, not to the thread: `interrupt(alive, current)` takes whether the run
-    has not ended yet, and whether it is what the main thread runs now (a cell's stop waits while an
-    endpoint served inside the cell's wait runs; it reaches the cell once that endpoint is done). The
-    handler raises only for a stop whose run is current (`claim`); a stop whose run ended is dropped,
-    never deferred to whatever runs next. Threads: any thread may interrupt; the handler runs on the
+    has not ended yet, and whether the main thread is in its user code now (a stop that comes while the
+    rank's own code runs for it waits, and is sent again, until its user code runs). The handler raises
+    only for a stop whose run is current (`claim`); a stop whose run ended is dropped, never deferred
+    to whatever runs next. Threads: any thread may interrupt; the handler runs on the
     main thread; `_lock` guards `_wanted` and `_seen` and a send with the check before it.
     """
 

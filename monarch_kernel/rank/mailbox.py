@@ -16,7 +16,7 @@ from monarch_kernel.core.supervision import SUPERVISE
 from monarch_kernel.rank.cell import describe_failure
 from monarch_kernel.rank.deadlocks import not_here
 from monarch_kernel.rank.recent import MAX_REMEMBERED
-from monarch_kernel.wire.messages import ActorCall, Failure
+from monarch_kernel.wire.messages import ActorCall, Failure, FailureCause
 from monarch_kernel.wire.serialization import unseal
 
 
@@ -107,8 +107,8 @@ def prepare_call(box: Mailbox, msg: ActorCall, rank: int) -> tuple[bool, Any, st
     else one that answers the call (from this rank)."""
     found = box.endpoint(msg.endpoint)
     if found is None:
-        return Failure("AttributeError", f"{type(box.instance).__name__} has no endpoint {msg.endpoint!r} "
-                       "(only methods marked @endpoint answer calls)", "")
+        return Failure.of(FailureCause.NO_SUCH_ENDPOINT, f"{type(box.instance).__name__} has no endpoint "
+                          f"{msg.endpoint!r} (only methods marked @endpoint answer calls)")
     method, is_async, label, with_port = found
     try:
         args, kwargs = unseal(msg.args)

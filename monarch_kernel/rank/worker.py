@@ -174,9 +174,7 @@ class Worker:
                 self.actors.stops.stop_running()
             if self.in_user_code and self.current_req is not None and (msg.running or self.current_req in msg.req_ids):
                 target = self.current_req  # the stop is this run's (never the next one's: see interrupts.py)
-                self.interrupts.interrupt(
-                    lambda: self.current_req == target,
-                    lambda: self.in_user_code and self.actors.stops.innermost_on_main() is None)
+                self.interrupts.interrupt(lambda: self.current_req == target, lambda: self.in_user_code)
                 # (said before the request's result, which the ending lets through)
                 collectives.free_main_thread(lambda text: self._send(
                     CollectivesAborted(self.current_req or 0, self.config.rank, text)))

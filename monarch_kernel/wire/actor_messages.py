@@ -3,6 +3,7 @@ actors ask of the controller (supervision, processes of their own). `wire/messag
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from monarch_kernel.core.supervision import MeshFailure
@@ -10,14 +11,32 @@ from monarch_kernel.wire.message_pickling import fast_pickling
 from monarch_kernel.wire.serialization import Sealed
 
 
+class FailureCause(enum.Enum):
+    """What made a call fail, for deciding by type (`Failure.error_type` is what a user reads)."""
+
+    RAISED = "raised"  # the endpoint raised (or its arguments could not be unpickled): error_type is the exception's
+    RANK_DIED = "RankDied"  # a router answered for a rank that died before answering
+    MESH_RESTARTED = "MeshRestarted"  # ... for a mesh that restarted or shut down
+    MESH_NOT_RUNNING = "MeshNotRunning"  # ... for a call to a mesh this notebook does not run
+    ACTOR_STOPPED = "ActorStopped"  # the actor mesh was stopped
+    ACTOR_REPLACED = "ActorReplaced"  # the actor mesh was spawned again
+    NO_SUCH_ENDPOINT = "AttributeError"  # the actor has no endpoint (or __supervise__) of that name
+
+
 @dataclass(frozen=True)
 class Failure:
-    """An exception raised on a rank, already formatted there."""
+    """An exception raised on a rank, already formatted there; `cause` says what it is, by type."""
 
     error_type: str
     message: str
     traceback: str
     interrupted: bool = False
+    cause: FailureCause = FailureCause.RAISED
+
+    @classmethod
+    def of(cls, cause: FailureCause, message: str) -> Failure:
+        """A failure the runtime made itself (not an exception of the user's code)."""
+        return cls(cause.value, message, "", cause=cause)
 
 
 # A slice as (dims, global ranks): its points are the endpoint's current_rank() (plain tuples: calls travel flat)

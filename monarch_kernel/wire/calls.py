@@ -23,6 +23,7 @@ from monarch_kernel.wire.messages import (
     ActorReply,
     CancelCall,
     Failure,
+    FailureCause,
     ForSupervisors,
 )
 
@@ -63,10 +64,10 @@ class CallTracker:
         return sorted(self._by_rank.get(rank, ()))
 
 
-def death_reply(caller: int, call_id: int, rank: int, why: str, error_type: str = "RankDied", *,
+def death_reply(caller: int, call_id: int, rank: int, why: str, cause: FailureCause = FailureCause.RANK_DIED, *,
                 to_port: bool = False) -> ActorReply:
-    """The reply a router sends on behalf of a rank that died before answering."""
-    return ActorReply(caller, call_id, rank, None, Failure(error_type, why, ""), to_port=to_port)
+    """The reply a router sends on behalf of a rank that died (or a mesh that went away) before answering."""
+    return ActorReply(caller, call_id, rank, None, Failure.of(cause, why), to_port=to_port)
 
 
 class PendingCall:

@@ -32,6 +32,9 @@ from monarch_kernel.wire.actor_messages import (
     Failure as Failure,
 )
 from monarch_kernel.wire.actor_messages import (
+    FailureCause as FailureCause,
+)
+from monarch_kernel.wire.actor_messages import (
     ForSupervisors as ForSupervisors,
 )
 from monarch_kernel.wire.actor_messages import (
