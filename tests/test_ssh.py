@@ -743,18 +743,18 @@ def test_the_planner_measures_links_per_host_and_across_and_trains_a_pipeline_ov
     import planner_models as pm
 
     from monarch_kernel.planner.apply import TrainingSpec, reference_losses
-    from monarch_kernel.planner.measure import rank_figures
-
     cloudpickle.register_pickle_by_value(pm)
     cloudpickle.register_pickle_by_value(pm.gpt_model)
     with ssh_mesh([h.alias for h in hosts.hosts], gpus=2, dist="gloo", python=sys.executable,
                   connect_options={**hosts.connect_options(), "keepalive_count_max": 15}, name="ssh-planner") as mesh:
-        _plan_and_train_over_two_hosts(mesh, pm, rank_figures, TrainingSpec, reference_losses)
+        _plan_and_train_over_two_hosts(mesh, pm, TrainingSpec, reference_losses)
 
 
-def _plan_and_train_over_two_hosts(mesh, pm, rank_figures, TrainingSpec, reference_losses):
-    for figures in mesh.call(rank_figures, timeout=120).values():
-        links = figures["links"]
+def _plan_and_train_over_two_hosts(mesh, pm, TrainingSpec, reference_losses):
+    from monarch_kernel.wire.ops import MeasureRank
+
+    for figures in mesh._ask(MeasureRank(), "measure the ranks", timeout=120).values():
+        links = figures.links
         assert set(links["intra"]) == set(links["inter"]) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
         assert all(ranks == 2 for _, _, ranks in links["intra"].values())  # each host's own two ranks
         assert links["inter"]["all_reduce"][2] == 4 and links["inter"]["send_recv"][2] == 2  # the mesh; host pairs

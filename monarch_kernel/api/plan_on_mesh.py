@@ -9,25 +9,24 @@ from monarch_kernel.api.session import Session
 from monarch_kernel.core.errors import MeshUsageError, MonarchWarning
 from monarch_kernel.planner.hardware import Figures, size_text
 from monarch_kernel.planner.layout import Layout
-from monarch_kernel.wire.ops import ApplyLayout
+from monarch_kernel.planner.measure import RankFigures, TrialMeasurement
+from monarch_kernel.wire.ops import ApplyLayout, MeasureRank, TrialLayout
 from monarch_kernel.wire.serialization import seal
 
 
 def mesh_figures(mesh: Any) -> Figures:
     """The slowest rank's throughput, the smallest memory, and the links, measured once per mesh."""
-    from monarch_kernel.planner.measure import rank_figures
-
     found = Session.current().of_mesh(mesh._runtime, _MeasuredFigures, _MeasuredFigures).figures
     if found is None:
-        values = list(mesh.call(rank_figures, timeout=300).values())
-        found = Figures(memory=int(min(v["memory"] for v in values)), flops=min(v["flops_fp32"] for v in values),
-                        intra_host_bandwidth=min(v["intra_host_bandwidth"] for v in values),
-                        inter_host_bandwidth=min(v["inter_host_bandwidth"] for v in values),
+        values: list[RankFigures] = list(mesh._ask(MeasureRank(), "measure the ranks", timeout=300).values())
+        found = Figures(memory=int(min(v.memory for v in values)), flops=min(v.flops_fp32 for v in values),
+                        intra_host_bandwidth=min(v.intra_host_bandwidth for v in values),
+                        inter_host_bandwidth=min(v.inter_host_bandwidth for v in values),
                         source=f"measured on mesh {mesh.name!r}",
-                        flops_bf16=min(v.get("flops_bf16", 0.0) for v in values), latency=max(v["latency"] for v in values),
-                        op_overhead=max(v["op_overhead"] for v in values),
-                        dtensor_overhead=max(v["dtensor_overhead"] for v in values),
-                        links=_slowest_links([v["links"] for v in values]))
+                        flops_bf16=min(v.flops_bf16 for v in values), latency=max(v.latency for v in values),
+                        op_overhead=max(v.op_overhead for v in values),
+                        dtensor_overhead=max(v.dtensor_overhead for v in values),
+                        links=_slowest_links([v.links for v in values]))
         Session.current().of_mesh(mesh._runtime, _MeasuredFigures, _MeasuredFigures).figures = found
     return dataclasses.replace(found)
 
@@ -58,18 +57,15 @@ def _require_mesh(plan: Any) -> Any:
 
 def trial(plan: Any, steps: int) -> None:
     """Run each fitting candidate for real (one after the other) and record what it measured."""
-    from monarch_kernel.planner.measure import trial_layout
-
     mesh = _require_mesh(plan)
-    batch = plan.batch()
+    sealed = seal((plan.spec, plan.batch()))
     for candidate in plan.candidates:
         if not candidate.fits:
             continue
-        layout = Layout.parse(candidate.layout)
-        measured = list(mesh.call(trial_layout, plan.spec, layout, batch, steps, timeout=1800).values())
-        candidate.measured_step_seconds = max(m["step_seconds"] for m in measured)
-        candidate.measured_peak_bytes = max(m["peak_bytes"] for m in measured)
-    mesh.run("import gc\ngc.collect()")
+        measured: list[TrialMeasurement] = list(mesh._ask(TrialLayout(sealed, candidate.layout, steps),
+                                                           f"trial {candidate.layout}", timeout=1800).values())
+        candidate.measured_step_seconds = max(m.step_seconds for m in measured)
+        candidate.measured_peak_bytes = max(m.peak_bytes for m in measured)
 
 
 def apply(plan: Any, candidate: Any, seed: int, names: tuple[str, str, str]) -> Any:

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,6 +21,8 @@ from typing import Any, Protocol
 from monarch_kernel.controller.hostspec import HostKind, HostSpec
 from monarch_kernel.core.package import PACKAGE_PARENT
 from monarch_kernel.wire.transport import AsyncConnection
+
+EXIT_STATUS_WAIT_S = 2.0  # how long a start that failed waits for the local agent's exit status
 
 
 class AgentHandle(Protocol):
@@ -118,7 +121,15 @@ class HostConnection:
         except OSError:
             tail = ""
         code = self.process.poll() if self.process is not None else None
-        return f"the local agent exited (status {code})" + (f":\n{tail}" if tail else "")
+        deadline = time.monotonic() + EXIT_STATUS_WAIT_S
+        while code is None and self.process is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # its connection closes a moment before it exits (longer on a busy machine)
+            code = self.process.poll()
+        if code is None:
+            what = f"the local agent (pid {self.local_pid}) closed its connection while starting and still runs"
+        else:
+            what = f"the local agent exited (status {code})"
+        return what + (f":\n{tail}" if tail else "")
 
     def kill_local(self, rank_pids: list[int]) -> None:
         """A local agent that stopped answering (SIGSTOP, wedged): SIGKILL it and its ranks' process groups."""

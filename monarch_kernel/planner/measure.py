@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,8 +16,33 @@ from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.links import measure_links, median_seconds
 from monarch_kernel.planner.parallelize import Batch
 
+Links = dict[str, dict[str, list[float]]]  # scope ("intra", "inter") -> collective -> [latency, bandwidth, ranks]
 
-def rank_figures() -> dict[str, Any]:
+
+@dataclass(frozen=True)
+class RankFigures:
+    """What one rank measured of itself and of the mesh's links (the answer of `MeasureRank`)."""
+
+    flops_fp32: float  # matmul FLOP/s
+    flops_bf16: float
+    memory: float  # bytes this rank may use
+    op_overhead: float  # seconds of one small operator
+    dtensor_overhead: float  # what a DTensor adds to it
+    links: Links
+    intra_host_bandwidth: float  # all_reduce bytes/s among the ranks of a host
+    inter_host_bandwidth: float  # ... across the mesh
+    latency: float  # the slower all_reduce latency of the two
+
+
+@dataclass(frozen=True)
+class TrialMeasurement:
+    """One rank's steps of a layout run for real (the answer of `TrialLayout`)."""
+
+    step_seconds: float  # the median step
+    peak_bytes: float  # the peak memory of a step
+
+
+def rank_figures() -> RankFigures:
     """This rank's fp32 and bf16 matmul FLOP/s, its per-operator costs, its memory to use (free GPU memory,
     or a fair share of the host's available memory), and the mesh's links (`links.py`)."""
     device = rank_device()
@@ -40,15 +65,12 @@ def rank_figures() -> dict[str, Any]:
         free, _ = torch.cuda.mem_get_info(device)
     else:
         free = _available_host_memory() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    figures: dict[str, Any] = {"flops_fp32": flops, "flops_bf16": flops_bf16, "memory": float(free), "op_overhead": op_overhead,
-               "dtensor_overhead": max(0.0, dtensor_overhead - op_overhead)}
     links = measure_links(device)
-    figures["links"] = links
     intra = links["intra"].get("all_reduce", [0.0, float("inf"), 1.0])
     inter = links["inter"].get("all_reduce", intra)
-    figures["intra_host_bandwidth"], figures["inter_host_bandwidth"] = intra[1], inter[1]
-    figures["latency"] = max(intra[0], inter[0])
-    return figures
+    return RankFigures(flops_fp32=flops, flops_bf16=flops_bf16, memory=float(free), op_overhead=op_overhead,
+                       dtensor_overhead=max(0.0, dtensor_overhead - op_overhead), links=links,
+                       intra_host_bandwidth=intra[1], inter_host_bandwidth=inter[1], latency=max(intra[0], inter[0]))
 
 
 def _available_host_memory() -> int:
@@ -62,7 +84,7 @@ def _available_host_memory() -> int:
     return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def trial_layout(spec: TrainingSpec, layout: Layout, batch: Batch, steps: int) -> dict[str, float]:
+def trial_layout(spec: TrainingSpec, layout: Layout, batch: Batch, steps: int) -> TrialMeasurement:
     """Build the layout for real, run `steps` steps (the first warms up), and measure on this rank:
     the median step time and the peak memory of a step (GPU: max_memory_allocated; CPU: torch's
     memory tracker around a real step)."""
@@ -77,7 +99,7 @@ def trial_layout(spec: TrainingSpec, layout: Layout, batch: Batch, steps: int) -
     else:
         times = [median_seconds(lambda: step(batch), 1) for _ in range(max(1, steps - 2))]
         peak = float(_tracked_peak(model, optimizer, step, batch, layout))
-    return {"step_seconds": statistics.median(times), "peak_bytes": peak}
+    return TrialMeasurement(statistics.median(times), peak)
 
 
 def _tracked_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[Batch], float],

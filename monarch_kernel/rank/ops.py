@@ -7,6 +7,7 @@ this rank's system actor. Both go through `RankOps.handle`.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -60,6 +61,8 @@ class RankOps:
             ops.SetAutoreload: self._set_autoreload,
             ops.Versions: lambda op: versions(),
             ops.ApplyLayout: self._apply_layout,
+            ops.MeasureRank: lambda op: _measure_rank(),
+            ops.TrialLayout: _trial_layout,
             ops.RemakeDefaultGroup: lambda op: remake_default_group(op.key),
             ops.StartProfile: lambda op: profiling.start(),
             ops.StopProfile: lambda op: profiling.stop(),
@@ -123,6 +126,22 @@ class RankOps:
         self._namespace.update({model_name: model, optimizer_name: optimizer, step_name: step,
                                 "device_mesh": device_mesh})
         return layout.text
+
+
+def _measure_rank() -> Any:
+    from monarch_kernel.planner.measure import rank_figures
+
+    return rank_figures()
+
+
+def _trial_layout(op: ops.TrialLayout) -> Any:
+    from monarch_kernel.planner.layout import Layout
+    from monarch_kernel.planner.measure import trial_layout
+
+    spec, batch = unseal(op.plan)
+    measured = trial_layout(spec, Layout.parse(op.layout), batch, op.steps)
+    gc.collect()  # (the layout's model and optimizer, cycles included, go before the next layout's are built)
+    return measured
 
 
 def use_workspace(folder: str, chdir: bool, reloader: Reloader) -> str:

@@ -93,6 +93,22 @@ class ApplyLayout:
 
 
 @dataclass(frozen=True)
+class MeasureRank:
+    """Measure the rank for the planner: its matmul throughput, operator costs, the memory it may use
+    and the mesh's links (collectives with the other ranks). Answer: `planner.measure.RankFigures`."""
+
+
+@dataclass(frozen=True)
+class TrialLayout:
+    """Build the plan's model in `layout` for real and run `steps` training steps on the rank (every rank
+    of the mesh at once). `plan`: the sealed (TrainingSpec, batch). Answer: `planner.measure.TrialMeasurement`."""
+
+    plan: Sealed
+    layout: str
+    steps: int
+
+
+@dataclass(frozen=True)
 class RemakeDefaultGroup:
     """Destroy this rank's process groups and make the default one anew through the mesh's store,
     under `key` (the same on every rank), after a stop ended collectives in progress. Answer: how
@@ -123,10 +139,11 @@ class ListActorMeshes:
 
 
 RankOperation = (SpawnActors | StopActors | Describe | PostMortem | UseWorkspace | SetAutoreload | Versions
-                 | ApplyLayout | RemakeDefaultGroup | StartProfile | StopProfile | ReadClock | ListActorMeshes)
+                 | ApplyLayout | MeasureRank | TrialLayout | RemakeDefaultGroup | StartProfile | StopProfile | ReadClock
+                 | ListActorMeshes)
 RANK_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors, Describe, PostMortem, UseWorkspace, SetAutoreload,
-                                     Versions, ApplyLayout, RemakeDefaultGroup, StartProfile, StopProfile, ReadClock,
-                                     ListActorMeshes)
+                                     Versions, ApplyLayout, MeasureRank, TrialLayout, RemakeDefaultGroup, StartProfile,
+                                     StopProfile, ReadClock, ListActorMeshes)
 ACTOR_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors)  # what a rank's system actor takes from others
 
 # ---------------------------------------------------------------- host operations (the agent's own files)
