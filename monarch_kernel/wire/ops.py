@@ -14,7 +14,7 @@ are `Sealed`, so whoever routes the operation never unpickles them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from monarch_kernel.core.shape import Shape
 from monarch_kernel.wire.serialization import Sealed
@@ -141,9 +141,7 @@ class ListActorMeshes:
 RankOperation = (SpawnActors | StopActors | Describe | PostMortem | UseWorkspace | SetAutoreload | Versions
                  | ApplyLayout | MeasureRank | TrialLayout | RemakeDefaultGroup | StartProfile | StopProfile | ReadClock
                  | ListActorMeshes)
-RANK_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors, Describe, PostMortem, UseWorkspace, SetAutoreload,
-                                     Versions, ApplyLayout, MeasureRank, TrialLayout, RemakeDefaultGroup, StartProfile,
-                                     StopProfile, ReadClock, ListActorMeshes)
+RANK_OPERATIONS: tuple[type, ...] = get_args(RankOperation)  # (the list is written once, as the union)
 ACTOR_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors)  # what a rank's system actor takes from others
 
 # ---------------------------------------------------------------- host operations (the agent's own files)
@@ -242,5 +240,4 @@ class NativeStacks:
 
 HostOperation = (PutBegin | PutChunk | PutEnd | DescribePath | ReadChunk | Checksum | PrefixDigest | ListFiles
                  | HashFiles | WriteFiles | NativeStacks)
-HOST_OPERATIONS: tuple[type, ...] = (PutBegin, PutChunk, PutEnd, DescribePath, ReadChunk, Checksum, PrefixDigest,
-                                     ListFiles, HashFiles, WriteFiles, NativeStacks)
+HOST_OPERATIONS: tuple[type, ...] = get_args(HostOperation)
