@@ -59,14 +59,19 @@ class RequestBook:
         req = Request(next(self._req_ids), frozenset(ranks), label, fail_fast, on_done=on_done)
         body = make_body(req.req_id)
         lanes = self._sender.request_lanes(req.ranks)
-        if lanes is None:
-            self._loop.call(self._send, req, body)
-            return req
-        for lane, rank in zip(lanes, sorted(req.ranks)):
-            lane.check_room(rank)  # a rank that reads nothing: fail fast, before anything is booked or sent
-        req.on_lanes = True
-        chunks = encode(body)
-        shielded(lambda: self._send_on_lanes(req, lanes, chunks))  # (a stop never sends it to some ranks only)
+        if lanes is not None:
+            for lane, rank in zip(lanes, sorted(req.ranks)):
+                lane.check_room(rank)  # a rank that reads nothing: fail fast, before anything is booked or sent
+            req.on_lanes = True
+            chunks = encode(body)
+        try:  # a stop never sends it to some ranks only; one that came as it was sent is raised after
+            if lanes is None:
+                shielded(lambda: self._loop.call(self._send, req, body))
+            else:
+                shielded(lambda: self._send_on_lanes(req, lanes, chunks))
+        except KeyboardInterrupt:  # it went out whole, and nobody will wait on it: stop it on the ranks too
+            self.stop(req)
+            raise
         return req
 
     def _send_on_lanes(self, req: Request, lanes: list[Lane], chunks: list[Any]) -> None:
