@@ -150,3 +150,4 @@ def test_the_main_threads_own_handler_runs_for_a_sigint_that_came_during_a_secti
         assert calls == ["body", signal.SIGINT]
     finally:
         signal.signal(signal.SIGINT, previous)
+

@@ -39,7 +39,8 @@ WORK = {
     "busy": "while True:\n    pass\n",
     "collective": ("import time, torch, torch.distributed as dist\nif dist.get_rank() == 3:\n    time.sleep(120)\n"
                    "dist.all_reduce(torch.ones(4))\n"),
-    "background": "import time\nwhile True:\n    time.sleep(0.01)\n",
+    "background": ("import time, torch, torch.distributed as dist\nif dist.get_rank() == 3:\n    while True:\n"
+                   "        time.sleep(0.01)\ndist.all_reduce(torch.ones(4))\n"),  # (nobody waits on it: %mesh interrupt)
 }
 
 
@@ -151,3 +152,29 @@ def test_stops_at_random_moments_on_a_busy_machine_each_end_their_own_work_and_o
                     problems.append(f"rank {rank}: {followup} ran {counts.get(followup, 0)} times, not once")
     assert not problems, (f"stop storm (seed {SEED}, {oversubscribed} busy loops beside the mesh):\n"
                           + "\n".join(problems))
+
+
+def test_a_stop_as_a_cell_is_sent_never_runs_it_twice_and_stops_it_on_every_rank():
+    """The stop button lands just as a cell's bytes went out to rank 0 (before, rank 0 got the cell again
+    with the next one, and nobody stopped it); then the next cell runs once everywhere."""
+    import socket
+
+    from conftest import wait_until
+    from test_interrupt_shield import StoppedAsItReturns
+
+    out = PlainSink(io.StringIO())
+    with local_mesh(gpus=2, name=f"shield-{os.getpid()}") as mesh:
+        mesh.run("ran = []", sink=out)
+        lanes = mesh._runtime.sender.lanes
+        lane = lanes.get(0)
+        stopped = StoppedAsItReturns(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(lane.sock.fileno()))
+        stopped.setblocking(False)
+        stopped.stop_on = "send"
+        lane.sock = stopped
+        with pytest.raises(KeyboardInterrupt):
+            mesh.run("import time\nran.append('first')\ntime.sleep(30)", sink=out)
+        assert wait_until(lambda: all(s.busy_with is None for s in mesh.status()), 10)
+        mesh.run("ran.append('second')", sink=out)
+        runs = mesh.run("ran", sink=out).by_rank()
+        for rank, ran in runs.items():  # the first ran at most once (it may have been stopped before it began)
+            assert ran in (["first", "second"], ["second"]), (rank, ran)
