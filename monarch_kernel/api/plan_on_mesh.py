@@ -10,7 +10,7 @@ from monarch_kernel.core.errors import MeshUsageError, MonarchWarning
 from monarch_kernel.planner.hardware import Figures, size_text
 from monarch_kernel.planner.layout import Layout
 from monarch_kernel.planner.measure import RankFigures, TrialMeasurement
-from monarch_kernel.wire.ops import ApplyLayout, MeasureRank, TrialLayout
+from monarch_kernel.wire.ops import ApplyLayout, CollectGarbage, MeasureRank, TrialLayout
 from monarch_kernel.wire.serialization import seal
 
 
@@ -66,6 +66,9 @@ def trial(plan: Any, steps: int) -> None:
                                                            f"trial {candidate.layout}", timeout=1800).values())
         candidate.measured_step_seconds = max(m.step_seconds for m in measured)
         candidate.measured_peak_bytes = max(m.peak_bytes for m in measured)
+    # the trials' models go now, all at once (collecting between trials made the next trial's measured peak
+    # come out in one of two values, 16% apart, from run to run)
+    mesh._ask(CollectGarbage(), "collect the trials' garbage")
 
 
 def apply(plan: Any, candidate: Any, seed: int, names: tuple[str, str, str]) -> Any:

@@ -63,6 +63,7 @@ class RankOps:
             ops.ApplyLayout: self._apply_layout,
             ops.MeasureRank: lambda op: _measure_rank(),
             ops.TrialLayout: _trial_layout,
+            ops.CollectGarbage: lambda op: gc.collect(),
             ops.RemakeDefaultGroup: lambda op: remake_default_group(op.key),
             ops.StartProfile: lambda op: profiling.start(),
             ops.StopProfile: lambda op: profiling.stop(),
@@ -139,9 +140,7 @@ def _trial_layout(op: ops.TrialLayout) -> Any:
     from monarch_kernel.planner.measure import trial_layout
 
     spec, batch = unseal(op.plan)
-    measured = trial_layout(spec, Layout.parse(op.layout), batch, op.steps)
-    gc.collect()  # (the layout's model and optimizer, cycles included, go before the next layout's are built)
-    return measured
+    return trial_layout(spec, Layout.parse(op.layout), batch, op.steps)
 
 
 def use_workspace(folder: str, chdir: bool, reloader: Reloader) -> str:

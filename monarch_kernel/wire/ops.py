@@ -109,6 +109,11 @@ class TrialLayout:
 
 
 @dataclass(frozen=True)
+class CollectGarbage:
+    """Run Python's garbage collector on the rank (after trials: their models' cycles go). Answer: objects freed."""
+
+
+@dataclass(frozen=True)
 class RemakeDefaultGroup:
     """Destroy this rank's process groups and make the default one anew through the mesh's store,
     under `key` (the same on every rank), after a stop ended collectives in progress. Answer: how
@@ -139,8 +144,8 @@ class ListActorMeshes:
 
 
 RankOperation = (SpawnActors | StopActors | Describe | PostMortem | UseWorkspace | SetAutoreload | Versions
-                 | ApplyLayout | MeasureRank | TrialLayout | RemakeDefaultGroup | StartProfile | StopProfile | ReadClock
-                 | ListActorMeshes)
+                 | ApplyLayout | MeasureRank | TrialLayout | CollectGarbage | RemakeDefaultGroup | StartProfile
+                 | StopProfile | ReadClock | ListActorMeshes)
 RANK_OPERATIONS: tuple[type, ...] = get_args(RankOperation)  # (the list is written once, as the union)
 ACTOR_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors)  # what a rank's system actor takes from others
 
