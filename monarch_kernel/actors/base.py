@@ -19,6 +19,7 @@ from monarch_kernel.core.shape import Point, Shape
 
 ENDPOINT_MARK = "_monarch_endpoint"
 PORT_MARK = "_monarch_explicit_port"
+CONCURRENT_MARK = "_monarch_concurrent"
 SYSTEM_ACTOR = "__procs__"  # the key of each rank's system actor, which spawns and stops actors for others
 
 # The coordinates of the actor whose endpoint (or constructor) runs in this context.
@@ -47,6 +48,36 @@ def endpoint(fn: Callable[..., Any] | None = None, *, explicit_response_port: bo
     return mark if fn is None else mark(fn)
 
 
+def concurrent_endpoint(fn: Callable[..., Any] | None = None, *, explicit_response_port: bool = False,
+                        **_options: Any) -> Any:
+    """Mark an `async def` Actor method as an endpoint whose calls run beside the actor's others.
+
+    A plain endpoint's call holds the actor's mailbox until it ends; a call to a concurrent one is
+    started as a task on the rank's event loop and the mailbox goes on to the next call at once (so
+    one call may wait for another, as with an asyncio.Event). Stopping the actor cancels the tasks
+    still running, before its `__cleanup__`. As in Monarch: only `async def` methods, and not
+    stacked on @endpoint.
+    """
+
+    def mark(method: Callable[..., Any]) -> Callable[..., Any]:
+        if getattr(method, ENDPOINT_MARK, False):
+            raise ValueError(f"concurrent_endpoint does not wrap @endpoint: use @concurrent_endpoint alone on "
+                             f"{getattr(method, '__qualname__', method)!r}")
+        if not inspect.iscoroutinefunction(method):
+            raise ValueError(f"concurrent_endpoint can only wrap async endpoints: {getattr(method, '__qualname__', method)!r} "
+                             "is not `async def` (use @endpoint for a sync method)")
+        endpoint(method, explicit_response_port=explicit_response_port)
+        setattr(method, CONCURRENT_MARK, True)
+        return method
+
+    return mark if fn is None else mark(fn)
+
+
+def is_concurrent(method: Any) -> bool:
+    """Whether an endpoint was marked with @concurrent_endpoint (its calls do not hold the mailbox)."""
+    return bool(getattr(getattr(method, "__func__", method), CONCURRENT_MARK, False))
+
+
 def is_endpoint(method: Any) -> bool:
     """Whether a method (bound or not) was marked with @endpoint."""
     return bool(getattr(getattr(method, "__func__", method), ENDPOINT_MARK, False))
@@ -68,6 +99,20 @@ class Actor:
         for klass in cls.__mro__:
             names.update(n for n, v in vars(klass).items() if getattr(v, ENDPOINT_MARK, False))
         cls._endpoints = frozenset(names)
+
+
+def check_endpoint_kinds(cls: type) -> None:
+    """Monarch's rule for an actor class spawned on a ProcMesh: its endpoints are all sync or all async
+    (and an async `__cleanup__` needs async endpoints). Raises ValueError, as Monarch's spawn does."""
+    sync = sorted(n for n in cls._endpoints if not inspect.iscoroutinefunction(getattr(cls, n)))  # type: ignore[attr-defined]
+    asynchronous = sorted(n for n in cls._endpoints if inspect.iscoroutinefunction(getattr(cls, n)))  # type: ignore[attr-defined]
+    if sync and asynchronous:
+        raise ValueError(f"{cls.__name__} mixes both async and sync endpoints: a sync endpoint that waits would stall "
+                         f"the async ones on the actor's event loop, so Monarch refuses it; make them all `async def` "
+                         f"or all plain `def` (sync: {sync}, async: {asynchronous})")
+    if sync and inspect.iscoroutinefunction(getattr(cls, "__cleanup__", None)):
+        raise ValueError(f"{cls.__name__} has sync endpoints but an async __cleanup__: make __cleanup__ a plain `def` "
+                         f"too (sync: {sync})")
 
 
 def owner_label(key: str, rank: int) -> str:

@@ -14,11 +14,13 @@ there (`this_host()`, `mesh.host_mesh()`) carries how to start a mesh on its hos
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from monarch_kernel.actors.base import Actor
+from monarch_kernel.actors.base import Actor, check_endpoint_kinds
 from monarch_kernel.actors.client import ActorMesh, system_actors
 from monarch_kernel.actors.ports import Channel, Port, PortReceiver
 from monarch_kernel.actors.spawning import spawn_actor_mesh
@@ -26,9 +28,11 @@ from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.future import DoneFuture, Future
 from monarch_kernel.core.shape import MeshShaped, Shape
 from monarch_kernel.wire.calls import find_sender
-from monarch_kernel.wire.messages import ProcsRequest, StartProcs, StopProcs
+from monarch_kernel.wire.messages import GetController, ProcsRequest, StartProcs, StopProcs
+from monarch_kernel.wire.ops import StopAllActors
 from monarch_kernel.wire.serialization import seal
 
+STOP_ACTORS_S = 30.0  # how long ProcMesh.stop() gives the actors' clean-up before the processes end
 START_TIMEOUT_S = 600.0  # how long an actor waits for the notebook to start processes for it
 _NO_BOOTSTRAP = ("spawn_procs(bootstrap=...) runs in the notebook; in an actor, do the set-up in the constructor of "
                  "the actors you spawn on the new processes")
@@ -66,6 +70,8 @@ class ProcMesh(MeshShaped):
         Waits until every constructor ran (Monarch's returns at once): a constructor that
         raises fails the spawn with its traceback. Spawned inside an actor, the actor owns it.
         """
+        if isinstance(actor_class, type) and issubclass(actor_class, Actor):
+            check_endpoint_kinds(actor_class)
         system = system_actors(self._mesh, self.shape)
         return spawn_actor_mesh(self._mesh, self.shape, name, actor_class, args, kwargs,
                                 lambda op, label: system.operate.call(op).get())
@@ -148,7 +154,23 @@ class HostMesh(MeshShaped):
         for started in mesh_started:
             started(mesh)
         dims = (*self.shape.dims, *per_host.items())
-        return ProcMesh(mesh.name, Shape(dims, mesh.ranks), stop=mesh.shutdown, host_mesh=lambda: self)
+        return ProcMesh(mesh.name, Shape(dims, mesh.ranks), stop=lambda: stop_actors_then_processes(mesh),
+                        host_mesh=lambda: self)
+
+    def with_python_executable(self, python_executable: str) -> HostMesh:
+        """The same hosts, whose new processes run `python_executable` (an interpreter, or a script that execs
+        one); processes that those processes' actors start on their own host run it too."""
+        if self._start is None:
+            raise MeshUsageError("with_python_executable() is for a HostMesh made in the notebook or by this_host(); "
+                                 "in an actor, the processes it starts already run its own mesh's interpreter")
+        hosts = [dataclasses.replace(h, python=python_executable)
+                 if dataclasses.is_dataclass(h) and not isinstance(h, type) else h for h in self._hosts]
+        return HostMesh(hosts, self.shape, self._start)
+
+    @property
+    def is_fake_in_process(self) -> bool:
+        """Always False: spawn_procs starts real OS processes (Monarch's fake in-process hosts are for its tests)."""
+        return False
 
     def shutdown(self) -> None:
         """Stop every process that spawn_procs started on these hosts."""
@@ -170,6 +192,20 @@ class HostMesh(MeshShaped):
         return f"<HostMesh {self.shape} of {names}>"
 
 
+def stop_actors_then_processes(mesh: Any) -> None:
+    """ProcMesh.stop(): every actor is stopped first (its concurrent tasks cancelled, its `__cleanup__`
+    run, as Monarch does), for at most STOP_ACTORS_S, then the processes end."""
+    try:
+        ask = getattr(mesh, "_ask", None)  # (the notebook's Mesh; one started for an actor just ends)
+        if ask is not None:
+            ask(StopAllActors(), "stop the actors", timeout=STOP_ACTORS_S)
+    except Exception as exc:  # noqa: BLE001 - a dead rank or a slow clean-up must not keep the processes
+        print(f"ProcMesh.stop(): stopping the actors of mesh {mesh.name!r} first failed ({exc}); "
+              "its processes end now", file=sys.stderr)
+    finally:
+        mesh.shutdown()
+
+
 class _StartedForActor:
     """A mesh the notebook started for an actor (what HostMesh.spawn_procs needs of it, on a rank)."""
 
@@ -184,8 +220,9 @@ class _StartedForActor:
         _ask_notebook(StopProcs(self.name), "stopping processes")
 
 
-def _ask_notebook(op: StartProcs | StopProcs, what: str) -> Any:
-    """Have the notebook start or stop processes for this rank's actor; waits for its answer (serving)."""
+def _ask_notebook(op: StartProcs | StopProcs | GetController, what: str) -> Any:
+    """Have the notebook start or stop processes for this rank's actor (or give it a controller); waits for its
+    answer (serving)."""
 
     sender = find_sender("")
     if sender is None or sender.own_rank is None:
@@ -202,6 +239,13 @@ def _start_from_rank(hosts: tuple[Any, ...], count: int, name: str | None, optio
     mesh_name, shape = _ask_notebook(StartProcs(tuple(per_host.items()), name or "", seal(options)),
                                      "starting processes")
     return _StartedForActor(mesh_name, shape)
+
+
+def controller_from_rank(name: str, actor_class: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ActorMesh:
+    """get_or_spawn_controller in an endpoint: the notebook keeps the one actor of that name (spawning it now
+    if there is none) and hands it back."""
+    mesh: ActorMesh = _ask_notebook(GetController(name, seal((actor_class, args, kwargs))), "getting a controller")
+    return mesh
 
 
 def this_host_of_rank() -> HostMesh:

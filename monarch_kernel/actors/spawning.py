@@ -14,6 +14,7 @@ from typing import Any
 
 from monarch_kernel.actors.base import Actor, class_sources, current_actor, endpoint_parameters, owner_label
 from monarch_kernel.actors.client import ActorMesh
+from monarch_kernel.actors.identities import current_identity
 from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
 from monarch_kernel.core.shape import Shape
 from monarch_kernel.core.supervision import Owner
@@ -45,7 +46,7 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
     key = f"{name}#{sender.caller_id}.{next(_spawns)}"
     sealed = seal((actor_class, args, kwargs), shm_dir=sender.shm_dir_for(shape.ranks), shared=True)
     try:
-        run(SpawnActors(name, key, sealed, shape, class_sources(actor_class)),
+        run(SpawnActors(name, key, sealed, shape, class_sources(actor_class), current_identity()),
             f"spawn({name!r}, {actor_class.__name__})")
     finally:
         release(sealed)

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from monarch_kernel.actors.procs import HostMesh, ProcMesh, mesh_started
+from monarch_kernel.actors.procs import HostMesh, ProcMesh, mesh_started, stop_actors_then_processes
 from monarch_kernel.api.mesh import Mesh
 from monarch_kernel.api.session import Session
 from monarch_kernel.api.starting import local_mesh
-from monarch_kernel.controller.hostspec import HostSpec
+from monarch_kernel.controller.hostspec import DEFAULT_PYTHON, HostSpec
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.shape import Shape
 
 THIS_PROC = "this_proc"  # the name of the mesh this_proc() starts
+_started_here: list[Mesh] = []  # the meshes this_host().spawn_procs started (shutdown_context stops them)
 
 
 
@@ -27,7 +28,10 @@ def _start_local(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, optio
     if set(options) - allowed:
         raise MeshUsageError(f"spawn_procs() on this host takes {', '.join(sorted(allowed))}; "
                              f"not {', '.join(sorted(set(options) - allowed))}")
-    return local_mesh(gpus, name=name, **options)
+    python = hosts[0].python if hosts and hosts[0].python != DEFAULT_PYTHON else None
+    mesh = local_mesh(gpus, name=name, python=python, **options)
+    _started_here.append(mesh)
+    return mesh
 
 
 def this_host() -> HostMesh:
@@ -47,3 +51,18 @@ def this_proc() -> ProcMesh:
         procs = ProcMesh(mesh.name, Shape((), mesh.ranks), stop=mesh.shutdown)
         session.this_proc = (procs, mesh)
         return procs
+
+
+def stop_started_here() -> int:
+    """Stop the processes that `this_host().spawn_procs` and `this_proc()` started; how many meshes were
+    stopped. Meshes started with `%mesh up` are not touched, and a later spawn_procs starts new ones."""
+    session = Session.current()
+    with session.this_proc_lock:
+        meshes = [mesh for mesh in _started_here if not mesh.closed]
+        _started_here.clear()
+        if session.this_proc is not None:
+            meshes.append(session.this_proc[1])
+            session.this_proc = None
+    for mesh in meshes:
+        stop_actors_then_processes(mesh)
+    return len(meshes)

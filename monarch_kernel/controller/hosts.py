@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from monarch_kernel.controller.hostspec import HostKind, HostSpec
+from monarch_kernel.controller.hostspec import DEFAULT_PYTHON, HostKind, HostSpec
 from monarch_kernel.core.package import PACKAGE_PARENT
 from monarch_kernel.wire.transport import AsyncConnection
 
@@ -194,7 +194,8 @@ async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str],
     outlives the kernel. persist: the mesh may outlive the kernel.
     """
     if spec.kind == HostKind.LOCAL:
-        proc, sock = spawn_local_agent(spec.name, log_path, python=None, mesh_folders=mesh_folders, persist=persist)
+        python = None if spec.python == DEFAULT_PYTHON else spec.python  # (with_python_executable chose one)
+        proc, sock = spawn_local_agent(spec.name, log_path, python=python, mesh_folders=mesh_folders, persist=persist)
         return HostConnection(sock, "127.0.0.1", process=proc, local_pid=proc.pid)
     if spec.kind == HostKind.SLURM:
         from monarch_kernel.controller.slurm_step import SlurmStep

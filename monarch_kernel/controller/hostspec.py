@@ -24,11 +24,14 @@ class HostSpec:
     name: str
     kind: HostKind = HostKind.LOCAL
     target: str | None = None  # ssh: host, user@host, host:port or user@host:port; slurm: the node
-    python: str = "python3"
+    python: str = "python3"  # the interpreter its agent runs with; on this machine, the kernel's own unless set
     setup: str | None = None
     options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     connect_timeout_s: float = 30.0
     ship_package: bool = False
+
+
+DEFAULT_PYTHON = HostSpec.python  # what a host runs when nobody chose (a local host: the kernel's interpreter)
 
 
 class ReachedAgentHandle:

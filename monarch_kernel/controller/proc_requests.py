@@ -30,6 +30,9 @@ class ProcStarter(Protocol):
     def stop(self, mesh: str) -> None:
         """Stop a mesh that an actor started."""
 
+    def controller(self, name: str, cls: type, args: tuple, kwargs: dict) -> Any:
+        """The notebook's controller actor called `name` (spawned now if there is none); its ActorMesh."""
+
 
 _starters: list[ProcStarter] = []
 
@@ -52,6 +55,9 @@ def handle(spec: MeshSpec, host: int, router: CallRouter, msg: m.ProcsRequest) -
             if isinstance(msg.op, m.StartProcs):
                 options = unseal(msg.op.options)
                 value = _starters[0].start(spec, spec.hosts[host], dict(msg.op.per_host), msg.op.name or None, options)
+            elif isinstance(msg.op, m.GetController):
+                cls, args, kwargs = unseal(msg.op.actor)
+                value = _starters[0].controller(msg.op.name, cls, args, kwargs)
             else:
                 _starters[0].stop(msg.op.mesh)
         except BaseException as exc:  # noqa: BLE001 - the asking endpoint raises it

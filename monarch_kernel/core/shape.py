@@ -49,6 +49,11 @@ class Point(Mapping[str, int]):
         inner = ", ".join(f"{k}={v}" for k, v in self.coords)
         return f"Point({inner}, rank={self.rank})"
 
+    def __str__(self) -> str:
+        """Monarch's form: each coordinate over its dim's size, e.g. {'hosts': 0/1, 'gpus': 1/2}."""
+        sizes = dict(self.extent)
+        return "{" + ", ".join(f"{k!r}: {v}/{sizes[k]}" if k in sizes else f"{k!r}: {v}" for k, v in self.coords) + "}"
+
 
 @dataclass(frozen=True)
 class Shape:

@@ -24,13 +24,22 @@ that no actor's `__supervise__` handled (the default prints a report in the note
 
 from __future__ import annotations
 
-from monarch_kernel.actors.base import Actor, current_rank, current_size, endpoint
+from typing import Any, TypeVar
+
+from monarch_kernel.actors.base import Actor, concurrent_endpoint, current_rank, current_size, endpoint
 from monarch_kernel.actors.client import ActorMesh
+from monarch_kernel.actors.context import Context, Instance, client_proc_from, context, current_actor_name
 from monarch_kernel.actors.helpers import Accumulator, send
 from monarch_kernel.actors.ports import Channel, Port, PortReceiver
-from monarch_kernel.actors.procs import HostMesh, ProcMesh, this_host_of_rank, this_proc_of_rank
+from monarch_kernel.actors.procs import (
+    HostMesh,
+    ProcMesh,
+    controller_from_rank,
+    this_host_of_rank,
+    this_proc_of_rank,
+)
 from monarch_kernel.core.errors import ActorError
-from monarch_kernel.core.future import Future
+from monarch_kernel.core.future import DoneFuture, Future
 from monarch_kernel.core.shape import Point
 from monarch_kernel.core.supervision import MeshFailure, default_fault_hook, read_fault_hook_from
 from monarch_kernel.core.values import ValueMesh
@@ -42,18 +51,25 @@ __all__ = [
     "ActorError",
     "ActorMesh",
     "Channel",
+    "Context",
     "Future",
     "HostMesh",
+    "Instance",
     "MeshFailure",
     "Point",
     "Port",
     "PortReceiver",
     "ProcMesh",
     "ValueMesh",
+    "concurrent_endpoint",
+    "context",
+    "current_actor_name",
     "current_rank",
     "current_size",
     "endpoint",
+    "get_or_spawn_controller",
     "send",
+    "shutdown_context",
     "this_host",
     "this_proc",
     "unhandled_fault_hook",
@@ -88,3 +104,36 @@ def this_proc() -> ProcMesh:
     from monarch_kernel.api import this_host as notebook  # noqa: PLC0415 - notebook side only
 
     return notebook.this_proc()
+
+
+client_proc_from(this_proc)
+
+A = TypeVar("A", bound=Actor)
+
+
+def get_or_spawn_controller(name: str, actor_class: type[A], *args: Any, **kwargs: Any) -> Future[ActorMesh]:
+    """The one actor called `name` for the whole program: spawned (with these arguments) on the notebook's
+    own process the first time it is asked for, from the notebook or from any actor's endpoint; every later
+    ask gets the same actor, whatever it passes. `.get()` (or await) it, as in Monarch."""
+    if _on_rank():
+        return DoneFuture(controller_from_rank(name, actor_class, args, kwargs))
+    from monarch_kernel.api.actor_procs import ACTOR_PROCESSES  # noqa: PLC0415 - notebook side only
+
+    return DoneFuture(ACTOR_PROCESSES.controller(name, actor_class, args, kwargs))
+
+
+_shut_down = False
+
+
+def shutdown_context(host_timeout: float | None = None) -> Future[None]:
+    """Monarch's end of a program: stop every process this program started with `this_host().spawn_procs`
+    and `this_proc()` (their actors' `__cleanup__` run first), and the controllers on them. Later calls do
+    nothing, as in Monarch. Unlike Monarch's, the notebook kernel goes on: meshes started with `%mesh up`
+    are not touched, and a later spawn_procs starts new processes. In an actor it does nothing."""
+    global _shut_down
+    if not _on_rank() and not _shut_down:
+        _shut_down = True
+        from monarch_kernel.api.actor_procs import shutdown_local  # noqa: PLC0415 - notebook side only
+
+        shutdown_local()
+    return DoneFuture(None)

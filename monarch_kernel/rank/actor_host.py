@@ -12,15 +12,22 @@ reported (`rank/deadlocks.py`). The rank's own `CallSender` is `rank/rank_sender
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import functools
+import inspect
 import linecache
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.actors.base import SYSTEM_ACTOR, current_actor, current_point
+from monarch_kernel.actors.identities import forget_identity, register_identity
+from monarch_kernel.core.identity import ActorIdentity, root_identity
 from monarch_kernel.core.shape import Point, Shape
 from monarch_kernel.rank.activity import EndpointActivity
 from monarch_kernel.rank.call_order import BehindRequests
@@ -38,6 +45,7 @@ from monarch_kernel.wire.calls import CallKey, PendingCall, set_default_sender
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, FailureCause
 
 WAIT_CHECK_S = 0.5  # how often a wait looks again for a deadlock, at most
+CLEANUP_S = 10.0  # how long stopping an actor waits for its cancelled tasks and its async __cleanup__
 
 
 class ActorHost:
@@ -46,6 +54,7 @@ class ActorHost:
     def __init__(self, rank: int, send: Callable[[Any], None], run_user: Callable[..., Any],
                  shm_dir: str | None, ops: RankOps, interrupts: MainThreadInterrupts, mesh: str = ""):
         self.rank = rank
+        self.mesh_name = mesh
         self._run_user = run_user  # runs a function on the main thread with interrupts enabled
         self._lock = threading.Lock()  # guards the mailboxes and their queues, and the calls' state below
         self._mailboxes = Mailboxes(self._lock)
@@ -82,7 +91,7 @@ class ActorHost:
             loop.call_soon_threadsafe(fn, *args)
 
     def spawn(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
-              sources: dict[str, list[str]]) -> str:
+              sources: dict[str, list[str]], creator: ActorIdentity | None = None) -> str:
         """Create this rank's instance of actor mesh `name` (in user-code context); `key` names this spawn.
 
         An earlier actor mesh of that name here is replaced, as re-running a notebook cell expects: its
@@ -90,9 +99,14 @@ class ActorHost:
         for filename, lines in sources.items():
             linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
         point = shape.numbered_point(self.rank) or Point((), 0)
+        register_identity(key, ActorIdentity(name, f"{cls.__module__}.{cls.__qualname__}", point, self.mesh_name,
+                                             shape, creator or root_identity()))
         token, owner = current_point.set(point), current_actor.set(key)
         try:
             instance = cls(*args, **kwargs)
+        except BaseException:
+            forget_identity(key)
+            raise
         finally:
             current_point.reset(token)
             current_actor.reset(owner)
@@ -113,17 +127,77 @@ class ActorHost:
         return name is not None
 
     def stop(self, name: str, *, replaced: bool = False) -> None:
-        """Forget actor mesh `name` on this rank (its queued calls fail)."""
+        """Forget actor mesh `name` on this rank (its queued calls fail), then end its instance: its
+        concurrent endpoints' tasks are cancelled, then its `__cleanup__(None)` runs, as in Monarch."""
         with self._lock:
             removed = self._mailboxes.remove(name, replaced)
         if removed is None:
             return
-        key, queued = removed
-        self.own_threads.end(key)
+        box, queued = removed
+        self.own_threads.end(box.key)
         why = Failure.of(FailureCause.ACTOR_REPLACED, f"actor mesh {name!r} was spawned again") if replaced else \
             Failure.of(FailureCause.ACTOR_STOPPED, f"actor mesh {name!r} was stopped")
         for msg in queued:
             self.replies.reply(msg, None, why)
+        self._end_instance(box)
+        forget_identity(box.key)
+
+    def stop_all(self) -> int:
+        """Stop every actor mesh on this rank (its processes are about to end): how many there were."""
+        names = [box.name for box in self._mailboxes.current()]
+        for name in names:
+            self.stop(name)
+        return len(names)
+
+    def _end_instance(self, box: Mailbox) -> None:
+        """Cancel the tasks of a stopped actor's concurrent endpoints (waiting for them, up to CLEANUP_S),
+        then run its `__cleanup__` (an async one on the rank's loop), in the actor's context."""
+        with self._lock:
+            tasks = list(box.tasks)
+        on_loop = threading.get_ident() == self._loop_thread
+        loop = self.loop
+        if tasks and loop is not None and not loop.is_closed():
+            async def cancel_all() -> None:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.wait(tasks, timeout=CLEANUP_S)
+
+            if on_loop:
+                for task in tasks:
+                    task.cancel()
+            else:
+                self._wait_on_loop(loop, cancel_all(), "cancelling its concurrent endpoints")
+        cleanup = getattr(type(box.instance), "__cleanup__", None)
+        if cleanup is None:
+            return
+        ctx = context_at(box.point, box.key)
+        if inspect.iscoroutinefunction(cleanup):
+            if loop is None or loop.is_closed() or on_loop:
+                print(f"{box.name}: the async __cleanup__ could not run (the rank's event loop is "
+                      f"{'this thread' if on_loop else 'gone'})", file=sys.stderr)
+                return
+            self._wait_on_loop(loop, self._async_cleanup(box, ctx), "its __cleanup__")
+            return
+        try:
+            ctx.run(cleanup, box.instance, None)
+        except Exception:  # noqa: BLE001 - a failing clean-up is reported, the stop goes on
+            print(f"{box.name} on rank {self.rank}: __cleanup__ raised:", file=sys.stderr)
+            traceback.print_exc()
+
+    async def _async_cleanup(self, box: Mailbox, ctx: contextvars.Context) -> None:
+        try:
+            await asyncio.get_running_loop().create_task(box.instance.__cleanup__(None), context=ctx)
+        except Exception:  # noqa: BLE001 - reported, the stop goes on
+            print(f"{box.name} on rank {self.rank}: __cleanup__ raised:", file=sys.stderr)
+            traceback.print_exc()
+
+    def _wait_on_loop(self, loop: asyncio.AbstractEventLoop, coro: Any, what: str) -> None:
+        done = asyncio.run_coroutine_threadsafe(coro, loop)
+        try:
+            done.result(timeout=CLEANUP_S)
+        except concurrent.futures.TimeoutError:
+            print(f"rank {self.rank}: stopping an actor: {what} took over {CLEANUP_S:.0f} s; stopped waiting",
+                  file=sys.stderr)
 
     # ------------------------------------------------------------ reader thread side
     def cancel(self, msg: CancelCall) -> None:
@@ -255,16 +329,23 @@ class ActorHost:
                     self.own_threads.run(box.key, job)
 
     def _launch_async(self, box: Mailbox, msg: ActorCall, started: tuple) -> None:
-        """Run an async endpoint as a task on the loop (from any thread); `box` is busy until it ends."""
+        """Run an async endpoint as a task on the loop (from any thread); `box` is busy until it ends,
+        except for a concurrent endpoint's call: the mailbox goes on to its next call once it started."""
         assert self.loop is not None, "async endpoints need the rank's event loop"
-        box.in_async = True
+        concurrent = box.endpoints[msg.endpoint][4]
+        box.in_async = not concurrent
         if threading.get_ident() != self._loop_thread:
             self.on_loop(self._launch_async, box, msg, started)
             return
-        task = self.loop.create_task(self._serve_async(box, msg, *started[1:]),
+        task = self.loop.create_task(self._serve_async(box, msg, *started[1:], concurrent=concurrent),
                                      context=context_at(point_of(box, msg), box.key))
         with self._lock:
             self._tasks[(msg.caller, msg.call_id)] = task
+            if concurrent:
+                box.tasks.add(task)
+                box.busy = False
+        if concurrent:
+            self.on_loop(self._drain, box)  # (the calls queued behind it go on now)
 
     def _start(self, box: Mailbox, msg: ActorCall) -> tuple[bool, Any, str, tuple, dict] | None:
         """(is async, method, label, args, kwargs) of a call to run; None if it was answered already."""
@@ -373,7 +454,8 @@ class ActorHost:
             self.main_jobs.release()  # (the caller may call again as soon as it has the reply: main is free)
         self.replies.answer(box, msg, value, failure, time.perf_counter() - started)
 
-    async def _serve_async(self, box: Mailbox, msg: ActorCall, method, label: str, args, kwargs) -> None:
+    async def _serve_async(self, box: Mailbox, msg: ActorCall, method, label: str, args, kwargs, *,
+                           concurrent: bool = False) -> None:
         started = time.perf_counter()
         key = (msg.caller, msg.call_id)
         self.doing.started(key, label)
@@ -384,9 +466,12 @@ class ActorHost:
         except BaseException as exc:  # noqa: BLE001
             value, failure = None, describe_failure(exc)
         with self._lock:
-            self._tasks.pop(key, None)
+            task = self._tasks.pop(key, None)
+            box.tasks.discard(task)
         self.doing.ended(key)
         self.replies.answer(box, msg, value, failure, time.perf_counter() - started)
+        if concurrent:
+            return  # (it never held the mailbox)
         with self._lock:
             box.busy = box.in_async = False
         self._drain(box)

@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from monarch_kernel.actors.base import current_actor, current_point, is_endpoint, takes_port
+from monarch_kernel.actors.base import current_actor, current_point, is_concurrent, is_endpoint, takes_port
 from monarch_kernel.actors.ports import Port
 from monarch_kernel.core.shape import Point, Shape
 from monarch_kernel.core.supervision import SUPERVISE
@@ -33,9 +33,10 @@ class Mailbox:
     busy: bool = False
     in_async: bool = False  # what keeps it busy is an async endpoint (on the rank's event loop)
     stopped: bool = False  # stopped or replaced: calls that come now are told so
-    endpoints: dict = field(default_factory=dict)  # name -> (bound method, is async, label, takes a port)
+    endpoints: dict = field(default_factory=dict)  # name -> (bound method, is async, label, takes a port, concurrent)
+    tasks: set = field(default_factory=set)  # its concurrent endpoints' running tasks (cancelled when it stops)
 
-    def endpoint(self, name: str) -> tuple[Any, bool, str, bool] | None:
+    def endpoint(self, name: str) -> tuple[Any, bool, str, bool, bool] | None:
         """The endpoint called `name` (looked up once per name), or None."""
         found = self.endpoints.get(name)
         if found is None:
@@ -43,7 +44,8 @@ class Mailbox:
             if method is None or not (is_endpoint(method) or name == SUPERVISE):
                 return None  # only @endpoint methods answer calls (and __supervise__, asked by the controller)
             found = self.endpoints[name] = (method, inspect.iscoroutinefunction(method),
-                                            f"{type(self.instance).__name__}.{name}", takes_port(method))
+                                            f"{type(self.instance).__name__}.{name}", takes_port(method),
+                                            is_concurrent(method))
         return found
 
 
@@ -81,8 +83,8 @@ class Mailboxes:
         box = self._by_key.get(key)
         return box.name if box is not None and self._keys.get(box.name) == key else None
 
-    def remove(self, name: str, replaced: bool) -> tuple[str, list[ActorCall]] | None:
-        """Retire actor mesh `name` (lock held): its key and the calls that were queued for it."""
+    def remove(self, name: str, replaced: bool) -> tuple[Mailbox, list[ActorCall]] | None:
+        """Retire actor mesh `name` (lock held): its mailbox and the calls that were queued for it."""
         key, _ = self._keys.pop(name, None), self.instances.pop(name, None)
         box = self._by_key.pop(key, None) if key is not None else None
         if key is None or box is None:
@@ -93,7 +95,7 @@ class Mailboxes:
         self._retired[key] = (name, replaced)
         while len(self._retired) > MAX_REMEMBERED:
             del self._retired[next(iter(self._retired))]
-        return key, queued
+        return box, queued
 
     def not_here(self, rank: int, key: str) -> Failure:
         """What a call to spawn `key`, not here, is told."""
@@ -109,7 +111,7 @@ def prepare_call(box: Mailbox, msg: ActorCall, rank: int) -> tuple[bool, Any, st
     if found is None:
         return Failure.of(FailureCause.NO_SUCH_ENDPOINT, f"{type(box.instance).__name__} has no endpoint "
                           f"{msg.endpoint!r} (only methods marked @endpoint answer calls)")
-    method, is_async, label, with_port = found
+    method, is_async, label, with_port, _ = found
     try:
         args, kwargs = unseal(msg.args)
     except Exception as exc:  # noqa: BLE001 - said to the caller

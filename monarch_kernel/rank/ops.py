@@ -24,6 +24,7 @@ from monarch_kernel.wire.ops import ACTOR_OPERATIONS
 from monarch_kernel.wire.serialization import unseal
 
 if TYPE_CHECKING:
+    from monarch_kernel.core.identity import ActorIdentity
     from monarch_kernel.core.shape import Shape
     from monarch_kernel.rank.autoreload import Reloader
     from monarch_kernel.rank.cell import CellRunner
@@ -33,11 +34,14 @@ class Actors(Protocol):
     """The rank's actors, as the operations use them (rank/actor_host.ActorHost)."""
 
     def spawn(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
-              sources: dict[str, list[str]]) -> str:
+              sources: dict[str, list[str]], creator: ActorIdentity | None = None) -> str:
         """Create this rank's instance of an actor mesh; its key."""
 
     def stop_key(self, key: str) -> bool:
         """Stop this rank's actor of a spawn; whether it was there."""
+
+    def stop_all(self) -> int:
+        """Stop every actor mesh here (the processes are about to end); how many there were."""
 
     def meshes(self) -> list[tuple[str, str, Any, Shape]]:
         """The actor meshes here: (name, spawn key, this rank's instance, shape)."""
@@ -55,6 +59,7 @@ class RankOps:
         self._table: dict[type, Callable[[Any], Any]] = {
             ops.SpawnActors: self._spawn,
             ops.StopActors: lambda op: self.actors.stop_key(op.key),
+            ops.StopAllActors: lambda op: self.actors.stop_all(),
             ops.Describe: self._describe,
             ops.PostMortem: lambda op: post_mortem(),
             ops.UseWorkspace: self._use_workspace,
@@ -92,7 +97,7 @@ class RankOps:
     # ------------------------------------------------------------ handlers
     def _spawn(self, op: ops.SpawnActors) -> str:
         cls, args, kwargs = unseal(op.actor)
-        return self.actors.spawn(op.name, op.key, cls, args, kwargs, op.shape, op.sources)
+        return self.actors.spawn(op.name, op.key, cls, args, kwargs, op.shape, op.sources, op.creator)
 
     def _actor_meshes(self) -> dict[str, tuple[str, str, frozenset[str], dict[str, Any], Shape]]:
         return {name: (key, type(instance).__name__, type(instance)._endpoints, endpoint_parameters(type(instance)), shape)

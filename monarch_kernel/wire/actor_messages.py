@@ -167,14 +167,24 @@ class StopProcs:
 
 
 @dataclass(frozen=True)
+class GetController:
+    """Monarch's `get_or_spawn_controller(name, cls, ...)` asked in an endpoint: the one actor of that name that
+    the notebook keeps (spawned now, on its `this_proc()`, if there is none yet)."""
+
+    name: str
+    actor: Sealed  # (class, args, kwargs)
+
+
+@dataclass(frozen=True)
 class ProcsRequest:
     """An actor starts or stops processes of its own, as Monarch allows (`this_host().spawn_procs(...)` in an
     endpoint): rank -> agent -> controller, which does it as the notebook does and answers through the
-    rank's port `reply_to` (owner, id) with the new mesh's (name, shape), or None after a stop."""
+    rank's port `reply_to` (owner, id) with the new mesh's (name, shape), None after a stop, or the
+    controller's ActorMesh."""
 
     rank: int
     reply_to: tuple[int, int]
-    op: StartProcs | StopProcs
+    op: StartProcs | StopProcs | GetController
 
 
 ForSupervisors = OwnActors | BroadcastFailed | ProcsRequest  # what a rank sends its controller about its actors

@@ -38,6 +38,9 @@ from monarch_kernel.wire.actor_messages import (
     ForSupervisors as ForSupervisors,
 )
 from monarch_kernel.wire.actor_messages import (
+    GetController as GetController,
+)
+from monarch_kernel.wire.actor_messages import (
     ListenForCalls as ListenForCalls,
 )
 from monarch_kernel.wire.actor_messages import (

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, get_args
 
+from monarch_kernel.core.identity import ActorIdentity
 from monarch_kernel.core.shape import Shape
 from monarch_kernel.wire.serialization import Sealed
 
@@ -34,6 +35,7 @@ class SpawnActors:
     actor: Sealed
     shape: Shape
     sources: dict[str, list[str]]
+    creator: ActorIdentity | None = None  # who spawns it (its `context().actor_instance.creator`)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,12 @@ class StopActors:
     """Stop this rank's actor of the spawn `key`. Answer: whether it was there."""
 
     key: str
+
+
+@dataclass(frozen=True)
+class StopAllActors:
+    """Stop every actor on this rank (each one's concurrent tasks cancelled, then its `__cleanup__`), as
+    its processes are about to end. Answer: how many actor meshes there were."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +151,7 @@ class ListActorMeshes:
     Answer: name -> (spawn key, class name, endpoints, their parameters, shape)."""
 
 
-RankOperation = (SpawnActors | StopActors | Describe | PostMortem | UseWorkspace | SetAutoreload | Versions
+RankOperation = (SpawnActors | StopActors | StopAllActors | Describe | PostMortem | UseWorkspace | SetAutoreload | Versions
                  | ApplyLayout | MeasureRank | TrialLayout | CollectGarbage | RemakeDefaultGroup | StartProfile
                  | StopProfile | ReadClock | ListActorMeshes)
 RANK_OPERATIONS: tuple[type, ...] = get_args(RankOperation)  # (the list is written once, as the union)
