@@ -41,7 +41,8 @@ from monarch_kernel.wire.serialization import release, seal, unseal
 T = TypeVar("T")
 
 _KIND_OF_ERROR = {FailureCause.RANK_DIED: FailureKind.DIED, FailureCause.MESH_RESTARTED: FailureKind.LOST}  # (a router's)
-_GONE = frozenset({FailureCause.ACTOR_STOPPED, FailureCause.MESH_NOT_RUNNING})  # calls to actors that no longer are
+# calls to actors that no longer are (or failed in their constructor)
+_GONE = frozenset({FailureCause.ACTOR_STOPPED, FailureCause.MESH_NOT_RUNNING, FailureCause.ACTOR_FAILED})
 
 
 class ActorFuture(Future[T]):

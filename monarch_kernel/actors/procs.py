@@ -67,14 +67,16 @@ class ProcMesh(MeshShaped):
     def spawn(self, name: str, actor_class: type[A], *args: Any, **kwargs: Any) -> ActorMesh:
         """One `actor_class(*args, **kwargs)` per process, as actor mesh `name`; returns its handle.
 
-        Waits until every constructor ran (Monarch's returns at once): a constructor that
-        raises fails the spawn with its traceback. Spawned inside an actor, the actor owns it.
+        Waits until every constructor ran (Monarch's returns at once). As in Monarch, a constructor
+        that raises does not fail the spawn: that rank's failure goes to the owner's `__supervise__` (or
+        the notebook's `unhandled_fault_hook`, which prints it by default), and calls to that actor raise
+        SupervisionError with the constructor's traceback. Spawned inside an actor, the actor owns it.
         """
         if isinstance(actor_class, type) and issubclass(actor_class, Actor):
             check_endpoint_kinds(actor_class)
         system = system_actors(self._mesh, self.shape)
         return spawn_actor_mesh(self._mesh, self.shape, name, actor_class, args, kwargs,
-                                lambda op, label: system.operate.call(op).get())
+                                lambda op, label: system.operate.call(op).get(), supervise_constructor=True)
 
     # ------------------------------------------------------------ processes
     def stop(self, reason: str = "stopped by client") -> Future[None]:

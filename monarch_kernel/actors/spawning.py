@@ -16,11 +16,12 @@ from monarch_kernel.actors.base import Actor, class_sources, current_actor, endp
 from monarch_kernel.actors.client import ActorMesh
 from monarch_kernel.actors.identities import current_identity
 from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
+from monarch_kernel.core.failures import FailureKind
 from monarch_kernel.core.shape import Shape
-from monarch_kernel.core.supervision import Owner
+from monarch_kernel.core.supervision import MeshFailure, Owner, report_unhandled
 from monarch_kernel.wire.calls import find_sender
-from monarch_kernel.wire.messages import OwnActors
-from monarch_kernel.wire.ops import SpawnActors
+from monarch_kernel.wire.messages import BroadcastFailed, OwnActors
+from monarch_kernel.wire.ops import ConstructorFailed, SpawnActors
 from monarch_kernel.wire.serialization import release, seal
 
 _spawns = itertools.count(1)
@@ -28,13 +29,18 @@ RunSpawn = Callable[[SpawnActors, str], object]  # (operation, label): runs it o
 
 
 def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, args: tuple[Any, ...],
-                     kwargs: dict[str, Any], run: RunSpawn, *, notebook_hook: bool = True) -> ActorMesh:
+                     kwargs: dict[str, Any], run: RunSpawn, *, notebook_hook: bool = True,
+                     supervise_constructor: bool = False) -> ActorMesh:
     """One `actor_class(*args, **kwargs)` per rank of `shape`, as actor mesh `name`; its handle.
 
     Spawned inside an actor, that actor owns (and supervises) it. Spawned in the notebook
     with `notebook_hook` (Monarch's way: ProcMesh.spawn), the notebook's fault hook hears its
     failures; without (`Mesh.spawn`), failed broadcasts are shown with the mesh's output and
     dead ranks in the mesh's own notices.
+
+    A constructor that raises fails the spawn, unless `supervise_constructor` (Monarch's way): then the
+    spawn returns, each rank where it raised is reported to the owner (`__supervise__` or the fault hook)
+    as a MeshFailure, and calls to those actors raise SupervisionError with the constructor's traceback.
     """
     if not (isinstance(actor_class, type) and issubclass(actor_class, Actor)):
         raise MeshUsageError(f"spawn() needs a subclass of monarch_kernel.Actor, got {actor_class!r}")
@@ -46,8 +52,8 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
     key = f"{name}#{sender.caller_id}.{next(_spawns)}"
     sealed = seal((actor_class, args, kwargs), shm_dir=sender.shm_dir_for(shape.ranks), shared=True)
     try:
-        run(SpawnActors(name, key, sealed, shape, class_sources(actor_class), current_identity()),
-            f"spawn({name!r}, {actor_class.__name__})")
+        answers = run(SpawnActors(name, key, sealed, shape, class_sources(actor_class), current_identity(),
+                                  supervise_constructor), f"spawn({name!r}, {actor_class.__name__})")
     finally:
         release(sealed)
     actors = ActorMesh(mesh_name, name, actor_class.__name__, actor_class._endpoints, shape, key,
@@ -60,4 +66,20 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
                                  mesh_name if sender.other_mesh(mesh_name) else ""))
     elif sender.own_rank is None and notebook_hook:  # the notebook owns it
         actors.supervise_from_notebook()
+    for failed in _constructor_failures(answers):
+        failure = MeshFailure(name, actor_class.__name__, failed.rank, FailureKind.EXCEPTION,
+                              f"its constructor raised {failed.error_type}: {failed.message}", failed.traceback)
+        if actors._supervised == Owner.ACTOR:
+            sender.send_up(BroadcastFailed(sender.caller_id, str(owner), owner_label(str(owner), sender.caller_id),
+                                           failure))
+        else:
+            report_unhandled(failure)
     return actors
+
+
+def _constructor_failures(answers: object) -> list[ConstructorFailed]:
+    """The ranks' ConstructorFailed answers to a SpawnActors (a ValueMesh of them, or a list)."""
+    values = answers.values() if hasattr(answers, "values") else answers
+    if not isinstance(values, (list, tuple)) and not hasattr(values, "__iter__"):
+        return []
+    return sorted((v for v in values if isinstance(v, ConstructorFailed)), key=lambda v: v.rank)

@@ -43,6 +43,7 @@ from monarch_kernel.rank.user_threads import OWN_THREAD_PREFIX, MainThreadJobs, 
 from monarch_kernel.wire.actor_messages import CONTROLLER
 from monarch_kernel.wire.calls import CallKey, PendingCall, set_default_sender
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, FailureCause
+from monarch_kernel.wire.ops import ConstructorFailed
 
 WAIT_CHECK_S = 0.5  # how often a wait looks again for a deadlock, at most
 CLEANUP_S = 10.0  # how long stopping an actor waits for its cancelled tasks and its async __cleanup__
@@ -91,11 +92,14 @@ class ActorHost:
             loop.call_soon_threadsafe(fn, *args)
 
     def spawn(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
-              sources: dict[str, list[str]], creator: ActorIdentity | None = None) -> str:
+              sources: dict[str, list[str]], creator: ActorIdentity | None = None,
+              supervise_constructor: bool = False) -> str | ConstructorFailed:
         """Create this rank's instance of actor mesh `name` (in user-code context); `key` names this spawn.
 
         An earlier actor mesh of that name here is replaced, as re-running a notebook cell expects: its
-        queued calls fail, and calls through its old handle say that it was spawned again."""
+        queued calls fail, and calls through its old handle say that it was spawned again. With
+        `supervise_constructor` (Monarch's ProcMesh.spawn) a constructor that raises an Exception leaves a
+        failed actor here, which answers every call with that failure, and the answer says what it raised."""
         for filename, lines in sources.items():
             linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
         point = shape.numbered_point(self.rank) or Point((), 0)
@@ -104,20 +108,34 @@ class ActorHost:
         token, owner = current_point.set(point), current_actor.set(key)
         try:
             instance = cls(*args, **kwargs)
+        except Exception as exc:
+            forget_identity(key)
+            if not supervise_constructor:
+                raise
+            shown = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__
+                                                                else None))  # (from the constructor down)
+            failure = ConstructorFailed(self.rank, type(exc).__name__, str(exc), shown)
+            self._add(Mailbox(name, key, None, shape, point, failed=Failure.of(
+                FailureCause.ACTOR_FAILED, f"actor {name!r} ({cls.__name__}) on rank {self.rank} failed: its "
+                f"constructor raised {failure.error_type}: {failure.message}\n{failure.traceback.rstrip()}")))
+            return failure
         except BaseException:
             forget_identity(key)
             raise
         finally:
             current_point.reset(token)
             current_actor.reset(owner)
-        self.stop(name, replaced=True)
-        with self._lock:
-            self._mailboxes.add(Mailbox(name, key, instance, shape, point))
+        self._add(Mailbox(name, key, instance, shape, point))
         return f"{cls.__name__} on rank {self.rank}"
+
+    def _add(self, box: Mailbox) -> None:
+        self.stop(box.name, replaced=True)
+        with self._lock:
+            self._mailboxes.add(box)
 
     def meshes(self) -> list[tuple[str, str, Any, Shape]]:
         """The actor meshes here: (name, spawn key, this rank's instance, shape)."""
-        return [(box.name, box.key, box.instance, box.shape) for box in self._mailboxes.current()]
+        return [(box.name, box.key, box.instance, box.shape) for box in self._mailboxes.current() if box.failed is None]
 
     def stop_key(self, key: str) -> bool:
         """Stop the actors of one spawn (by key) on this rank; False if it is not (or no longer) here."""
@@ -298,8 +316,11 @@ class ActorHost:
             self.replies.came_by(msg, reply_via)
         with self._lock:
             box = self._mailboxes.get(msg.actor)
-            if box is not None and not box.stopped:
+            if box is not None and not box.stopped and box.failed is None:
                 box.queue.append(msg)
+        if box is not None and box.failed is not None:
+            self.replies.reply(msg, None, box.failed)
+            return
         if box is None or box.stopped:
             self.replies.reply(msg, None, self._mailboxes.not_here(self.rank, msg.actor))
             return

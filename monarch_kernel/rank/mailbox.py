@@ -35,6 +35,7 @@ class Mailbox:
     stopped: bool = False  # stopped or replaced: calls that come now are told so
     endpoints: dict = field(default_factory=dict)  # name -> (bound method, is async, label, takes a port, concurrent)
     tasks: set = field(default_factory=set)  # its concurrent endpoints' running tasks (cancelled when it stops)
+    failed: Failure | None = None  # its constructor raised (no instance): every call is answered with this
 
     def endpoint(self, name: str) -> tuple[Any, bool, str, bool, bool] | None:
         """The endpoint called `name` (looked up once per name), or None."""

@@ -34,8 +34,9 @@ class Actors(Protocol):
     """The rank's actors, as the operations use them (rank/actor_host.ActorHost)."""
 
     def spawn(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
-              sources: dict[str, list[str]], creator: ActorIdentity | None = None) -> str:
-        """Create this rank's instance of an actor mesh; its key."""
+              sources: dict[str, list[str]], creator: ActorIdentity | None = None,
+              supervise_constructor: bool = False) -> str | ops.ConstructorFailed:
+        """Create this rank's instance of an actor mesh (see ActorHost.spawn)."""
 
     def stop_key(self, key: str) -> bool:
         """Stop this rank's actor of a spawn; whether it was there."""
@@ -95,9 +96,10 @@ class RankOps:
         return handler(op)
 
     # ------------------------------------------------------------ handlers
-    def _spawn(self, op: ops.SpawnActors) -> str:
+    def _spawn(self, op: ops.SpawnActors) -> str | ops.ConstructorFailed:
         cls, args, kwargs = unseal(op.actor)
-        return self.actors.spawn(op.name, op.key, cls, args, kwargs, op.shape, op.sources, op.creator)
+        return self.actors.spawn(op.name, op.key, cls, args, kwargs, op.shape, op.sources, op.creator,
+                                 op.supervise_constructor)
 
     def _actor_meshes(self) -> dict[str, tuple[str, str, frozenset[str], dict[str, Any], Shape]]:
         return {name: (key, type(instance).__name__, type(instance)._endpoints, endpoint_parameters(type(instance)), shape)

@@ -21,6 +21,7 @@ class FailureCause(enum.Enum):
     ACTOR_STOPPED = "ActorStopped"  # the actor mesh was stopped
     ACTOR_REPLACED = "ActorReplaced"  # the actor mesh was spawned again
     NO_SUCH_ENDPOINT = "AttributeError"  # the actor has no endpoint (or __supervise__) of that name
+    ACTOR_FAILED = "ActorFailed"  # the actor failed (its constructor raised): it serves no calls
 
 
 @dataclass(frozen=True)

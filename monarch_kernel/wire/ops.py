@@ -36,6 +36,19 @@ class SpawnActors:
     shape: Shape
     sources: dict[str, list[str]]
     creator: ActorIdentity | None = None  # who spawns it (its `context().actor_instance.creator`)
+    # Monarch's way (ProcMesh.spawn): a constructor that raises fails this rank's actor, which then answers every
+    # call with that failure, and the answer is a ConstructorFailed (else the spawn fails with the exception)
+    supervise_constructor: bool = False
+
+
+@dataclass(frozen=True)
+class ConstructorFailed:
+    """SpawnActors' answer on a rank where the actor's constructor raised (with supervise_constructor)."""
+
+    rank: int
+    error_type: str
+    message: str
+    traceback: str
 
 
 @dataclass(frozen=True)
