@@ -10,6 +10,7 @@ import contextvars
 import functools
 import inspect
 import linecache
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -99,6 +100,14 @@ class Actor:
         for klass in cls.__mro__:
             names.update(n for n, v in vars(klass).items() if getattr(v, ENDPOINT_MARK, False))
         cls._endpoints = frozenset(names)
+
+    @functools.cached_property
+    def logger(self) -> logging.Logger:
+        """A logger named after the actor's class (level DEBUG), as Monarch's actors have; what it logs on a
+        rank shows with the rank's output."""
+        found = logging.getLogger(type(self).__name__)
+        found.setLevel(logging.DEBUG)
+        return found
 
 
 def check_endpoint_kinds(cls: type) -> None:

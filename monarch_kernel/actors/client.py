@@ -28,6 +28,7 @@ from monarch_kernel.core.errors import (
 )
 from monarch_kernel.core.failures import FailureKind, RankFailure
 from monarch_kernel.core.future import DoneFuture, Future
+from monarch_kernel.core.identity import ActorOrigin
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import MeshShaped, Shape
 from monarch_kernel.core.supervision import MeshFailure, Owner, report_unhandled
@@ -112,7 +113,8 @@ class ActorMesh(MeshShaped):
     _choices = itertools.count()
 
     def __init__(self, mesh_name: str, actor: str, class_name: str, endpoints: frozenset[str], shape: Shape,
-                 key: str | None = None, parameters: dict[str, Parameters] | None = None):
+                 key: str | None = None, parameters: dict[str, Parameters] | None = None,
+                 origin: ActorOrigin | None = None):
         clash = endpoints & _handle_names()
         if clash:
             raise MeshUsageError(f"{class_name} has endpoints named {sorted(clash)}, which actor mesh handles use "
@@ -125,6 +127,7 @@ class ActorMesh(MeshShaped):
         self.shape = shape
         self._parameters = parameters or {}  # what each endpoint takes: calls are checked before they are sent
         self._through: Through | None = None  # a slice's (dims, ranks), which its calls carry (see _with)
+        self._origin = origin  # who spawned it, its module-qualified class and spawn shape (Monarch's actor names)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -140,7 +143,7 @@ class ActorMesh(MeshShaped):
 
     def _with(self, shape: Shape) -> ActorMesh:
         sliced = ActorMesh(self.mesh_name, self.name, self.class_name, self.endpoints, shape, self.key,
-                           self._parameters)
+                           self._parameters, self.__dict__.get("_origin"))
         sliced._through = (shape.dims, shape.ranks)  # current_rank() counts in the slice, as in Monarch
         sliced._supervised = self.__dict__.get("_supervised", Owner.NOBODY)
         return sliced
@@ -165,7 +168,8 @@ class ActorMesh(MeshShaped):
 
         def died(rank: int, why: str) -> None:
             if newest.get((self.mesh_name, self.name, rank)) == self.key:
-                report_unhandled(MeshFailure(self.name, self.class_name, rank, FailureKind.DIED, why))
+                report_unhandled(MeshFailure(self.name, self.class_name, rank, FailureKind.DIED, why,
+                                             actor=actor_name_of(self, rank)))
 
         self._sender().watch_failures(self.ranks, died)
 
@@ -175,7 +179,7 @@ class ActorMesh(MeshShaped):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ActorMesh, (self.mesh_name, self.name, self.class_name, self.endpoints, self.shape, self.key,
-                            self._parameters), {"_through": self._through})
+                            self._parameters), {"_through": self._through, "_origin": self.__dict__.get("_origin")})
 
     def __repr__(self) -> str:
         return f"<ActorMesh {self.name!r} of {self.class_name} on {self.shape} (ranks {format_ranks(self.ranks)})>"
@@ -294,7 +298,7 @@ class EndpointHandle:
             if supervised and f.cause in _KIND_OF_ERROR:
                 return  # a death reaches the owner as such; a mesh shut down is nobody's failure
             failure = MeshFailure(mesh.name, mesh.class_name, reply.rank, FailureKind.EXCEPTION,
-                                  f"broadcast {label} raised {f.message}", f.traceback)
+                                  f"broadcast {label} raised {f.message}", f.traceback, actor=actor_name_of(mesh, reply.rank))
             if sending_actor is not None and sender.own_rank is not None:  # Monarch: the sender's __supervise__
                 sender.send_up(BroadcastFailed(sender.own_rank, sending_actor,
                                                owner_label(sending_actor, sender.own_rank), failure))
@@ -354,6 +358,12 @@ class ReplyFuture(DoneFuture[Any]):
 # ------------------------------------------------------------------ results
 
 
+def actor_name_of(mesh: ActorMesh, rank: int) -> str:
+    """Monarch's qualified name of the actor of `mesh` on global `rank` ("" when not known here)."""
+    origin: ActorOrigin | None = mesh.__dict__.get("_origin")
+    return "" if origin is None else origin.actor_name(mesh.name, rank)
+
+
 def _failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...] | None = None) -> list[RankFailure]:
     found = []
     for rank in ranks if ranks is not None else pending.ranks:
@@ -379,8 +389,19 @@ def raise_failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...]
     gone = any(reply.failure is not None and reply.failure.cause in _GONE
                for rank in ranks if (reply := pending.replies.get(rank)) is not None)
     if gone:  # its actors are gone, rather than it failed
-        raise SupervisionError(summary, failures, partial)
+        raise SupervisionError(_supervision_summary(pending, mesh, failures, summary), failures, partial)
+    if any(f.kind == FailureKind.DIED for f in failures):
+        summary = _supervision_summary(pending, mesh, failures, summary)
     raise_for(failures, summary, partial, ActorError, SupervisionError)
+
+
+def _supervision_summary(pending: PendingCall, mesh: ActorMesh, failures: list[RankFailure], summary: str) -> str:
+    """Monarch's words for a call whose actors are gone: "Endpoint call name.endpoint() failed, The actor
+    <...> and all its descendants have failed: ..." (ours goes on with which ranks and why)."""
+    first = failures[0].rank
+    actor = actor_name_of(mesh, first) or f"<{mesh.class_name} {mesh.name}> on rank {first}"
+    endpoint = pending.label.rsplit(".", 1)[-1]
+    return f"Endpoint call {mesh.name}.{endpoint}() failed, The actor {actor} and all its descendants have failed: {summary}"
 
 
 def reply_value(reply: ActorReply) -> Any:

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.actors.base import Actor, class_sources, current_actor, endpoint_parameters, owner_label
-from monarch_kernel.actors.client import ActorMesh
+from monarch_kernel.actors.client import ActorMesh, actor_name_of
 from monarch_kernel.actors.identities import current_identity
 from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
 from monarch_kernel.core.failures import FailureKind
+from monarch_kernel.core.identity import ActorOrigin
 from monarch_kernel.core.shape import Shape
 from monarch_kernel.core.supervision import MeshFailure, Owner, report_unhandled
 from monarch_kernel.wire.calls import find_sender
@@ -50,25 +51,28 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
     if sender is None:
         raise MeshNotRunningError(f"the processes of mesh {mesh_name!r} are gone (it was stopped or lost)")
     key = f"{name}#{sender.caller_id}.{next(_spawns)}"
+    creator = current_identity()
     sealed = seal((actor_class, args, kwargs), shm_dir=sender.shm_dir_for(shape.ranks), shared=True)
     try:
-        answers = run(SpawnActors(name, key, sealed, shape, class_sources(actor_class), current_identity(),
+        answers = run(SpawnActors(name, key, sealed, shape, class_sources(actor_class), creator,
                                   supervise_constructor), f"spawn({name!r}, {actor_class.__name__})")
     finally:
         release(sealed)
+    origin = ActorOrigin(creator.qualified_name(), f"{actor_class.__module__}.{actor_class.__qualname__}", shape)
     actors = ActorMesh(mesh_name, name, actor_class.__name__, actor_class._endpoints, shape, key,
-                       endpoint_parameters(actor_class))
+                       endpoint_parameters(actor_class), origin)
     owner = current_actor.get()
     if owner is not None and sender.own_rank is not None:  # an actor spawned it: the controller routes its failures
         actors._supervised = Owner.ACTOR
         sender.send_up(OwnActors(sender.caller_id, owner, owner_label(owner, sender.caller_id), key, name,
                                  actor_class.__name__, shape.ranks,
-                                 mesh_name if sender.other_mesh(mesh_name) else ""))
+                                 mesh_name if sender.other_mesh(mesh_name) else "", origin))
     elif sender.own_rank is None and notebook_hook:  # the notebook owns it
         actors.supervise_from_notebook()
     for failed in _constructor_failures(answers):
         failure = MeshFailure(name, actor_class.__name__, failed.rank, FailureKind.EXCEPTION,
-                              f"its constructor raised {failed.error_type}: {failed.message}", failed.traceback)
+                              f"its constructor raised {failed.error_type}: {failed.message}", failed.traceback,
+                              actor=actor_name_of(actors, failed.rank))
         if actors._supervised == Owner.ACTOR:
             sender.send_up(BroadcastFailed(sender.caller_id, str(owner), owner_label(str(owner), sender.caller_id),
                                            failure))

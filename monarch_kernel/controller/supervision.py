@@ -48,7 +48,8 @@ class Supervisors:
                 continue
             if rank in owned.ranks and (owned.key, rank) not in self._told:
                 self._told.add((owned.key, rank))
-                self._tell(owned, MeshFailure(owned.name, owned.class_name, rank, FailureKind.DIED, why))
+                actor = owned.origin.actor_name(owned.name, rank) if owned.origin is not None else ""
+                self._tell(owned, MeshFailure(owned.name, owned.class_name, rank, FailureKind.DIED, why, actor=actor))
 
     def broadcast_failed(self, msg: m.BroadcastFailed) -> None:
         """A broadcast sent by an actor failed: ask the sender, as an owner is asked (and up from there)."""

@@ -35,6 +35,22 @@ class ActorIdentity:
         return ".".join(reversed(names))
 
 
+@dataclass(frozen=True)
+class ActorOrigin:
+    """What names the actors of one spawn as Monarch does, without them: who spawned it, the module-qualified
+    class, and the proc mesh shape it was spawned on (kept by handles, for reports of dead ranks)."""
+
+    creator: str  # the spawner's qualified name ("<root>" for the client)
+    class_name: str  # module-qualified
+    shape: Shape
+
+    def actor_name(self, name: str, rank: int) -> str:
+        """The qualified name of actor mesh `name`'s actor on global `rank`: `<root>.<mod.Class name{'gpus': 1/2}>`."""
+        point = self.shape.numbered_point(rank) if rank in self.shape.ranks else None
+        where = str(point) if point is not None and len(point) else ""
+        return f"{self.creator}.<{self.class_name} {name}{where}>"
+
+
 def root_identity() -> ActorIdentity:
     """The root client's identity."""
     return ActorIdentity(ROOT_NAME, None, Point((), 0), "", None, None)

@@ -43,15 +43,28 @@ class MeshFailure:
     traceback: str = ""
     cause: MeshFailure | None = None  # the failure a supervisor was handling when it failed in turn
     unhandled_by: tuple[str, ...] = ()  # supervisors that returned a false value for it, innermost first
+    actor: str = ""  # the failed actor's qualified name, as Monarch's: "<root>.<mod.Class name{'gpus': 1/2}>"
+
+    @property
+    def crashed_ranks(self) -> list[int]:
+        """The failed ranks (Monarch's field): this one."""
+        return [] if self.rank is None else [self.rank]
+
+    def actor_label(self) -> str:
+        """The failed actor's qualified name (or, unknown, its mesh, class and rank)."""
+        where = f" on rank {self.rank}" if self.rank is not None else ""
+        return self.actor or f"<{self.actor_class} {self.mesh_name}>{where}"
 
     def report(self) -> str:
-        """A readable report: what failed where, why, and who saw it unhandled."""
-        where = f" on rank {self.rank}" if self.rank is not None else ""
-        lines = [f"actor mesh {self.mesh_name!r} ({self.actor_class}){where} failed: {self.message}"]
+        """A readable report in Monarch's words: which actor failed, why, and who saw it unhandled."""
+        return f"The actor {self.actor_label()} and all its descendants have failed:\n{self._details()}"
+
+    def _details(self) -> str:
+        lines = [f"  {self.message}"]
         if self.unhandled_by:
             lines.append(f"  not handled by: {', '.join(self.unhandled_by)}")
         if self.traceback:
-            lines.append(self.traceback.rstrip())
+            lines.append("  " + self.traceback.rstrip().replace("\n", "\n  "))
         if self.cause is not None:
             lines.append("while handling:\n  " + self.cause.report().replace("\n", "\n  "))
         return "\n".join(lines)
@@ -59,10 +72,11 @@ class MeshFailure:
     def passed_over(self, supervisor: str) -> MeshFailure:
         """The same failure, noted as not handled by `supervisor`."""
         return MeshFailure(self.mesh_name, self.actor_class, self.rank, self.kind, self.message, self.traceback,
-                           self.cause, (*self.unhandled_by, supervisor))
+                           self.cause, (*self.unhandled_by, supervisor), self.actor)
 
     def __str__(self) -> str:
-        return self.report()
+        return (f"MeshFailure(mesh_name={self.mesh_name}, crashed_ranks={self.crashed_ranks}, event=Supervision event: "
+                f"actor {self.actor_label()} failed:\n{self._details()})")
 
 
 def default_fault_hook(failure: MeshFailure) -> None:

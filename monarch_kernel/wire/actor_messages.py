@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from monarch_kernel.core.identity import ActorOrigin
 from monarch_kernel.core.supervision import MeshFailure
 from monarch_kernel.wire.message_pickling import fast_pickling
 from monarch_kernel.wire.serialization import Sealed
@@ -138,6 +139,7 @@ class OwnActors:
     class_name: str
     ranks: tuple[int, ...]
     mesh: str = ""  # the owned actors' mesh when it is another than the owner's
+    origin: ActorOrigin | None = None  # what names its actors in reports, as Monarch does
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ deadline = time.monotonic() + 20
 while not manager.seen.call_one().get() and time.monotonic() < deadline:
     time.sleep(0.05)
 seen = manager.seen.call_one().get()
-assert len(seen) == 1 and "'workers'" in seen[0] and "rank 2" in seen[0], seen
+assert len(seen) == 1 and "<__main__.Manager manager>.<__main__.Worker workers{'gpus': 1/3}>" in seen[0], seen
 assert not unhandled, [f.report() for f in unhandled]
 
 careless_procs = this_host().spawn_procs(per_host={"gpus": 2})
@@ -73,7 +73,8 @@ while not unhandled and time.monotonic() < deadline:
     time.sleep(0.05)
 assert len(unhandled) == 1, unhandled
 report = unhandled[0].report()
-assert "'careless_workers'" in report and "not handled by: actor mesh 'careless' on rank 1" in report, report
+assert "Worker careless_workers{'gpus': 0/1}> and all its descendants have failed" in report, report
+assert "not handled by: actor mesh 'careless' on rank 1" in report, report
 print(report)
 careless_procs.stop().get()
 procs.stop().get()
