@@ -365,3 +365,20 @@ def test_after_a_first_call_an_actor_calls_another_local_proc_mesh_on_its_lanes_
     finally:
         procs_a.stop()
         procs_b.stop()
+
+
+def test_monarch_config_acts_on_what_ours_has_and_refuses_unknown_names():
+    from monarch_kernel.actors import procs
+    from monarch_kernel.monarch import config
+
+    before = procs.STOP_ACTORS_S
+    with config.configured(stop_actor_timeout="1m 30s", enable_log_forwarding=True) as settings:
+        assert procs.STOP_ACTORS_S == 90.0  # ProcMesh.stop() waits this long for the actors' clean-up
+        assert settings["enable_log_forwarding"] is True and config.get_runtime_config()["stop_actor_timeout"] == "1m 30s"
+    assert procs.STOP_ACTORS_S == before and config.get_runtime_config() == {}
+    with pytest.raises(ValueError, match="invalid configuration key: `no_such_setting`"):
+        config.configure(no_such_setting=1)
+    with pytest.raises(ValueError, match="not a duration"):
+        config.configure(stop_actor_timeout="soon")
+    assert procs.STOP_ACTORS_S == before
+    assert config.duration_seconds("500ms") == 0.5 and config.duration_seconds("1h 30m") == 5400.0
