@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -128,6 +129,10 @@ class ActorMesh(MeshShaped):
         self._parameters = parameters or {}  # what each endpoint takes: calls are checked before they are sent
         self._through: Through | None = None  # a slice's (dims, ranks), which its calls carry (see _with)
         self._origin = origin  # who spawned it, its module-qualified class and spawn shape (Monarch's actor names)
+
+    def __class_getitem__(cls, actor_class: Any) -> Any:
+        """`ActorMesh[Trainer]` in annotations, as Monarch's programs write them."""
+        return types.GenericAlias(cls, actor_class)
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -38,7 +38,7 @@ from monarch_kernel.actors.procs import (
     this_host_of_rank,
     this_proc_of_rank,
 )
-from monarch_kernel.core.errors import ActorError
+from monarch_kernel.core.errors import ActorError, SupervisionError
 from monarch_kernel.core.future import DoneFuture, Future
 from monarch_kernel.core.shape import Point
 from monarch_kernel.core.supervision import MeshFailure, default_fault_hook, read_fault_hook_from
@@ -60,6 +60,7 @@ __all__ = [
     "Port",
     "PortReceiver",
     "ProcMesh",
+    "SupervisionError",
     "ValueMesh",
     "concurrent_endpoint",
     "context",

@@ -103,8 +103,10 @@ class ActorHost:
         for filename, lines in sources.items():
             linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
         point = shape.numbered_point(self.rank) or Point((), 0)
+        spawner = creator or root_identity()
+        slot = name if spawner.creator is None else f"{spawner.qualified_name()}\n{name}"  # (no name holds a newline)
         register_identity(key, ActorIdentity(name, f"{cls.__module__}.{cls.__qualname__}", point, self.mesh_name,
-                                             shape, creator or root_identity()))
+                                             shape, spawner))
         token, owner = current_point.set(point), current_actor.set(key)
         try:
             instance = cls(*args, **kwargs)
@@ -115,7 +117,7 @@ class ActorHost:
             shown = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__
                                                                 else None))  # (from the constructor down)
             failure = ConstructorFailed(self.rank, type(exc).__name__, str(exc), shown)
-            self._add(Mailbox(name, key, None, shape, point, failed=Failure.of(
+            self._add(Mailbox(name, key, None, shape, point, slot=slot, failed=Failure.of(
                 FailureCause.ACTOR_FAILED, f"actor {name!r} ({cls.__name__}) on rank {self.rank} failed: its "
                 f"constructor raised {failure.error_type}: {failure.message}\n{failure.traceback.rstrip()}")))
             return failure
@@ -125,11 +127,11 @@ class ActorHost:
         finally:
             current_point.reset(token)
             current_actor.reset(owner)
-        self._add(Mailbox(name, key, instance, shape, point))
+        self._add(Mailbox(name, key, instance, shape, point, slot=slot))
         return f"{cls.__name__} on rank {self.rank}"
 
     def _add(self, box: Mailbox) -> None:
-        self.stop(box.name, replaced=True)
+        self.stop(box.slot, replaced=True)
         with self._lock:
             self._mailboxes.add(box)
 
@@ -139,19 +141,21 @@ class ActorHost:
 
     def stop_key(self, key: str) -> bool:
         """Stop the actors of one spawn (by key) on this rank; False if it is not (or no longer) here."""
-        name = self._mailboxes.is_current(key)
-        if name is not None:
-            self.stop(name)
-        return name is not None
+        slot = self._mailboxes.is_current(key)
+        if slot is not None:
+            self.stop(slot)
+        return slot is not None
 
-    def stop(self, name: str, *, replaced: bool = False) -> None:
-        """Forget actor mesh `name` on this rank (its queued calls fail), then end its instance: its
-        concurrent endpoints' tasks are cancelled, then its `__cleanup__(None)` runs, as in Monarch."""
+    def stop(self, slot: str, *, replaced: bool = False) -> None:
+        """Forget the current actor mesh of `slot` (its name, for the notebook's) on this rank (its queued
+        calls fail), then end its instance: its concurrent endpoints' tasks are cancelled, then its
+        `__cleanup__(None)` runs, as in Monarch."""
         with self._lock:
-            removed = self._mailboxes.remove(name, replaced)
+            removed = self._mailboxes.remove(slot, replaced)
         if removed is None:
             return
         box, queued = removed
+        name = box.name
         self.own_threads.end(box.key)
         why = Failure.of(FailureCause.ACTOR_REPLACED, f"actor mesh {name!r} was spawned again") if replaced else \
             Failure.of(FailureCause.ACTOR_STOPPED, f"actor mesh {name!r} was stopped")
@@ -162,10 +166,10 @@ class ActorHost:
 
     def stop_all(self) -> int:
         """Stop every actor mesh on this rank (its processes are about to end): how many there were."""
-        names = [box.name for box in self._mailboxes.current()]
-        for name in names:
-            self.stop(name)
-        return len(names)
+        slots = [box.slot or box.name for box in self._mailboxes.current()]
+        for slot in slots:
+            self.stop(slot)
+        return len(slots)
 
     def _end_instance(self, box: Mailbox) -> None:
         """Cancel the tasks of a stopped actor's concurrent endpoints (waiting for them, up to CLEANUP_S),

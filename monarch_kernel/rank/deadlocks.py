@@ -26,7 +26,7 @@ def not_here(rank: int, key: str, retired: tuple[str, bool] | None, keys: dict[s
     if name:
         return Failure.of(FailureCause.ACTOR_REPLACED, f"actor mesh {name!r} was spawned again on rank {rank}; this "
                           "handle still points at the old actors: use the one the new spawn() returned")
-    known = ", ".join(sorted(keys)) or "none"
+    known = ", ".join(sorted({slot.rsplit("\n", 1)[-1] for slot in keys})) or "none"
     return Failure("ActorNotFound", f"no actor mesh {key.split('#')[0]!r} on rank {rank} (actor meshes here: "
                    f"{known}); it was never spawned here, or the mesh restarted", "")
 

@@ -36,6 +36,7 @@ class Mailbox:
     endpoints: dict = field(default_factory=dict)  # name -> (bound method, is async, label, takes a port, concurrent)
     tasks: set = field(default_factory=set)  # its concurrent endpoints' running tasks (cancelled when it stops)
     failed: Failure | None = None  # its constructor raised (no instance): every call is answered with this
+    slot: str = ""  # what a later spawn replaces it by: its name, qualified by who spawned it (see Mailboxes)
 
     def endpoint(self, name: str) -> tuple[Any, bool, str, bool, bool] | None:
         """The endpoint called `name` (looked up once per name), or None."""
@@ -51,14 +52,18 @@ class Mailbox:
 
 
 class Mailboxes:
-    """A rank's actors by spawn key ("name#N"), which spawn of each name is current, and the spawns
-    that ended (so that a late call hears why). Guarded by the rank's actor lock, given."""
+    """A rank's actors by spawn key ("name#N"), which spawn of each slot is current, and the spawns
+    that ended (so that a late call hears why). Guarded by the rank's actor lock, given.
+
+    A slot is an actor mesh's name as spawned by one spawner (the notebook, or one actor): a spawn
+    replaces the earlier spawn of its slot (re-running a cell), while actor meshes of one name that
+    different actors spawned live side by side, as in Monarch."""
 
     def __init__(self, lock: threading.Lock) -> None:
         self._lock = lock
         self.instances: dict[str, Any] = {}  # what `actors[...]` shows in %%mesh cells
         self._by_key: dict[str, Mailbox] = {}
-        self._keys: dict[str, str] = {}  # actor mesh name -> key of its current spawn
+        self._keys: dict[str, str] = {}  # slot -> key of its current spawn
         self._retired: dict[str, tuple[str, bool]] = {}  # keys of ended spawns -> (their name, replaced?)
 
     def get(self, key: str) -> Mailbox | None:
@@ -68,7 +73,7 @@ class Mailboxes:
     def add(self, box: Mailbox) -> None:
         """A new spawn (lock held)."""
         self.instances[box.name] = box.instance
-        self._keys[box.name] = box.key
+        self._keys[box.slot or box.name] = box.key
         self._by_key[box.key] = box
 
     def add_system(self, box: Mailbox) -> None:
@@ -80,16 +85,20 @@ class Mailboxes:
         return [box for box in map(self._by_key.get, self._keys.values()) if box]
 
     def is_current(self, key: str) -> str | None:
-        """The name of spawn `key` if it is the current one of its name here, else None."""
+        """The slot of spawn `key` if it is the current one of its slot here, else None."""
         box = self._by_key.get(key)
-        return box.name if box is not None and self._keys.get(box.name) == key else None
+        slot = None if box is None else box.slot or box.name
+        return slot if slot is not None and self._keys.get(slot) == key else None
 
-    def remove(self, name: str, replaced: bool) -> tuple[Mailbox, list[ActorCall]] | None:
-        """Retire actor mesh `name` (lock held): its mailbox and the calls that were queued for it."""
-        key, _ = self._keys.pop(name, None), self.instances.pop(name, None)
+    def remove(self, slot: str, replaced: bool) -> tuple[Mailbox, list[ActorCall]] | None:
+        """Retire the current spawn of `slot` (lock held): its mailbox and the calls that were queued for it."""
+        key = self._keys.pop(slot, None)
         box = self._by_key.pop(key, None) if key is not None else None
         if key is None or box is None:
             return None
+        name = box.name
+        if self.instances.get(name) is box.instance:
+            del self.instances[name]
         box.stopped = True
         queued = list(box.queue)
         box.queue.clear()
