@@ -55,9 +55,14 @@ import importlib.machinery
 import sys
 import types
 
-import monarch_kernel.monarch.actor as _ours
+import monarch_kernel.monarch.actor as _actor
+import monarch_kernel.monarch.config as _config
+import monarch_kernel.monarch.job as _job
 
-_MAPPED = {"monarch.actor": "monarch_kernel.monarch.actor", "monarch.config": "monarch_kernel.monarch.config"}
+_OURS = (_actor, _job, _config)  # where a name of Monarch's internal modules is looked for
+
+_MAPPED = {"monarch.actor": "monarch_kernel.monarch.actor", "monarch.config": "monarch_kernel.monarch.config",
+           "monarch.job": "monarch_kernel.monarch.job"}
 
 
 class _Internal:
@@ -90,8 +95,11 @@ class _Lenient(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        found = getattr(_ours, name, None)
-        return found if found is not None else _Internal(f"{self.__name__}.{name}")
+        for module in _OURS:
+            found = getattr(module, name, None)
+            if found is not None and not isinstance(found, _Internal):
+                return found
+        return _Internal(f"{self.__name__}.{name}")
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

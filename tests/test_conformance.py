@@ -40,8 +40,8 @@ def monarch_missing() -> str | None:
 
 
 def on_our_api(source: str) -> str:
-    """The program with its imports of Monarch's actor API changed to ours (and nothing else)."""
-    return re.sub(r"\bmonarch\.actor\b", "monarch_kernel.monarch.actor", source)
+    """The program with its imports of Monarch's actor, job and config modules changed to ours (and nothing else)."""
+    return re.sub(r"\bmonarch\.(actor|job|config)\b", r"monarch_kernel.monarch.\1", source)
 
 
 def run(python: str, program: Path, cwd: Path) -> subprocess.CompletedProcess[str]:

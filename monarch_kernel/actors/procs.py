@@ -174,15 +174,16 @@ class HostMesh(MeshShaped):
         """Always False: spawn_procs starts real OS processes (Monarch's fake in-process hosts are for its tests)."""
         return False
 
-    def shutdown(self) -> None:
-        """Stop every process that spawn_procs started on these hosts."""
+    def shutdown(self) -> Future[None]:
+        """Stop every process that spawn_procs started on these hosts (their actors' clean-up first)."""
         for mesh in self._spawned:
-            mesh.shutdown()
+            stop_actors_then_processes(mesh)
         self._spawned.clear()
+        return DoneFuture(None)
 
-    def stop(self) -> None:
+    def stop(self) -> Future[None]:
         """Alias of shutdown()."""
-        self.shutdown()
+        return self.shutdown()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # elsewhere it can be looked at, not spawned on; its hosts travel as names (a rank must not load the

@@ -12,6 +12,7 @@ from typing import Any
 
 from monarch_kernel.actors.procs import HostMesh, ProcMesh, mesh_started, stop_actors_then_processes
 from monarch_kernel.api.mesh import Mesh
+from monarch_kernel.api.mesh_start import start_runtime
 from monarch_kernel.api.session import Session
 from monarch_kernel.api.starting import local_mesh
 from monarch_kernel.controller.hostspec import DEFAULT_PYTHON, HostSpec
@@ -32,6 +33,28 @@ def _start_local(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, optio
     mesh = local_mesh(gpus, name=name, python=python, **options)
     _started_here.append(mesh)
     return mesh
+
+
+def _start_on_local_hosts(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, options: dict[str, Any]) -> Mesh:
+    allowed = {"dist", "env", "preload", "timeout", "health"}
+    if set(options) - allowed:
+        raise MeshUsageError(f"spawn_procs() on these hosts takes {', '.join(sorted(allowed))}; "
+                             f"not {', '.join(sorted(set(options) - allowed))}")
+    env = {**(hosts[0].options.get("env") or {}), **(options.get("env") or {})}
+    mesh = Mesh.started(start_runtime(list(hosts), gpus, options.get("dist", "gloo"), name, env or None,
+                                      options.get("timeout", 120.0), None, options.get("health"),
+                                      preload=options.get("preload")))
+    _started_here.append(mesh)
+    return mesh
+
+
+def local_hosts(count: int, label: str, env: dict[str, str] | None = None) -> HostMesh:
+    """`count` hosts on this machine, shape {hosts: count}: each of them runs its own host agent (as a
+    separate machine's would), and `spawn_procs` starts processes on every one (Monarch's ProcessJob)."""
+    if not isinstance(count, int) or count < 1:
+        raise MeshUsageError(f"{label}: {count!r} hosts; give a positive number")
+    hosts = [HostSpec(f"{label}-{i}", options={"env": dict(env or {})}) for i in range(count)]
+    return HostMesh(hosts, Shape((("hosts", count),), tuple(range(count))), _start_on_local_hosts)
 
 
 def this_host() -> HostMesh:

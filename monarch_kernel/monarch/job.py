@@ -1,0 +1,86 @@
+"""What a Monarch program imports from `monarch.job` to get hosts: `ProcessJob`, hosts on this machine.
+
+>>> from monarch_kernel.monarch.job import ProcessJob
+>>> job = ProcessJob({"trainers": 2, "dataloaders": 1})
+>>> state = job.state(cached_path=None)
+>>> procs = state.trainers.spawn_procs(per_host={"gpus": 4})   # {hosts: 2, gpus: 4}
+>>> job.kill()
+
+Each host of a ProcessJob runs its own host agent on this machine, as a separate machine's would, so
+a program written for several hosts runs here unchanged. Jobs run from the notebook. For SSH hosts
+and Slurm allocations use `%mesh up ssh|slurm` (or `monarch_kernel.ssh_mesh`, `slurm_mesh`) and
+`mesh.host_mesh()`: Monarch's `SlurmJob` and batch-mode scripts are not provided.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from monarch_kernel.actors.procs import HostMesh
+
+
+class JobState:
+    """A job's host meshes, by the names it was given: `state.trainers`."""
+
+    def __init__(self, hosts: dict[str, HostMesh]):
+        self._hosts = hosts
+
+    def __getattr__(self, name: str) -> HostMesh:
+        hosts = self.__dict__.get("_hosts", {})
+        if name not in hosts:
+            raise AttributeError(f"the job has no host mesh {name!r} (it has: {', '.join(sorted(hosts)) or 'none'})")
+        return hosts[name]
+
+    def __repr__(self) -> str:
+        return f"<JobState {', '.join(f'{k}: {len(v.shape.ranks)} hosts' for k, v in self._hosts.items())}>"
+
+
+class JobTrait:
+    """What every job offers: `state()` (its host meshes, made on first use) and `kill()`."""
+
+    def __init__(self) -> None:
+        self._state: JobState | None = None
+
+    def state(self, cached_path: str | None = None) -> JobState:
+        """The job's host meshes (made on the first call; `cached_path` is Monarch's on-disk cache, which a
+        notebook kernel has no use for: the job lives as long as the kernel)."""
+        if self._state is None:
+            self._state = JobState(self._create())
+        return self._state
+
+    def _create(self) -> dict[str, HostMesh]:
+        raise NotImplementedError(f"{type(self).__name__} must say how its hosts are made")
+
+    def kill(self) -> None:
+        """Stop every process started on the job's hosts; a later `state()` makes new hosts."""
+        if self._state is not None:
+            for hosts in self._state._hosts.values():
+                hosts.shutdown()
+        self._state = None
+
+
+class ProcessJob(JobTrait):
+    """Hosts on this machine: {name: number of hosts}, each host with its own agent (see the module's note)."""
+
+    def __init__(self, meshes: dict[str, int], env: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self._meshes = dict(meshes)
+        self._env = dict(env or {})
+
+    def _create(self) -> dict[str, HostMesh]:
+        from monarch_kernel.api.this_host import local_hosts  # noqa: PLC0415 - notebook side only
+
+        return {name: local_hosts(count, name, self._env) for name, count in self._meshes.items()}
+
+    def __repr__(self) -> str:
+        return f"ProcessJob({self._meshes!r})"
+
+
+__all__ = ["JobState", "JobTrait", "ProcessJob"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("SlurmJob", "LoginJob", "LocalJob"):
+        raise AttributeError(f"monarch_kernel.monarch.job has no {name}: start SSH or Slurm meshes with %mesh up "
+                             "(or monarch_kernel.ssh_mesh / slurm_mesh) and use mesh.host_mesh()")
+    raise AttributeError(name)
