@@ -29,6 +29,7 @@ from monarch_kernel.actors.base import SYSTEM_ACTOR, current_actor, current_poin
 from monarch_kernel.actors.identities import forget_identity, register_identity
 from monarch_kernel.core.identity import ActorIdentity, root_identity
 from monarch_kernel.core.shape import Point, Shape
+from monarch_kernel.core.supervision import SUPERVISE
 from monarch_kernel.rank.activity import EndpointActivity
 from monarch_kernel.rank.call_order import BehindRequests
 from monarch_kernel.rank.call_replies import CallReplies
@@ -320,8 +321,15 @@ class ActorHost:
             self.replies.came_by(msg, reply_via)
         with self._lock:
             box = self._mailboxes.get(msg.actor)
-            if box is not None and not box.stopped and box.failed is None:
+            beside = box is not None and msg.endpoint == SUPERVISE and not box.stopped and box.failed is None and \
+                (found := box.endpoint(SUPERVISE)) is not None and found[4]
+            if box is not None and not box.stopped and box.failed is None and not beside:
                 box.queue.append(msg)
+        if beside and box is not None:  # an async actor's __supervise__ runs at once, beside its endpoints
+            started = self._start(box, msg)
+            if started is not None:
+                self._launch_async(box, msg, started, beside=True)
+            return
         if box is not None and box.failed is not None:
             self.replies.reply(msg, None, box.failed)
             return
@@ -353,23 +361,26 @@ class ActorHost:
                 if self.main_jobs is None or not self.main_jobs.submit_if_idle(job):
                     self.own_threads.run(box.key, job)
 
-    def _launch_async(self, box: Mailbox, msg: ActorCall, started: tuple) -> None:
+    def _launch_async(self, box: Mailbox, msg: ActorCall, started: tuple, beside: bool = False) -> None:
         """Run an async endpoint as a task on the loop (from any thread); `box` is busy until it ends,
-        except for a concurrent endpoint's call: the mailbox goes on to its next call once it started."""
+        except for a concurrent endpoint's call: the mailbox goes on to its next call once it started.
+        `beside`: a call that never took the mailbox (an async actor's __supervise__), which it leaves as is."""
         assert self.loop is not None, "async endpoints need the rank's event loop"
         concurrent = box.endpoints[msg.endpoint][4]
-        box.in_async = not concurrent
+        if not beside:
+            box.in_async = not concurrent
         if threading.get_ident() != self._loop_thread:
-            self.on_loop(self._launch_async, box, msg, started)
+            self.on_loop(self._launch_async, box, msg, started, beside)
             return
-        task = self.loop.create_task(self._serve_async(box, msg, *started[1:], concurrent=concurrent),
+        task = self.loop.create_task(self._serve_async(box, msg, *started[1:], concurrent=concurrent or beside),
                                      context=context_at(point_of(box, msg), box.key))
         with self._lock:
             self._tasks[(msg.caller, msg.call_id)] = task
-            if concurrent:
+            if concurrent or beside:
                 box.tasks.add(task)
+            if concurrent and not beside:
                 box.busy = False
-        if concurrent:
+        if concurrent and not beside:
             self.on_loop(self._drain, box)  # (the calls queued behind it go on now)
 
     def _start(self, box: Mailbox, msg: ActorCall) -> tuple[bool, Any, str, tuple, dict] | None:

@@ -45,10 +45,31 @@ class Mailbox:
             method = getattr(self.instance, name, None)
             if method is None or not (is_endpoint(method) or name == SUPERVISE):
                 return None  # only @endpoint methods answer calls (and __supervise__, asked by the controller)
-            found = self.endpoints[name] = (method, inspect.iscoroutinefunction(method),
-                                            f"{type(self.instance).__name__}.{name}", takes_port(method),
-                                            is_concurrent(method))
+            label = f"{type(self.instance).__name__}.{name}"
+            if name == SUPERVISE and _serves_async(type(self.instance)):
+                # as in Monarch, an async actor hears of a failure while its endpoints run (one of them may
+                # be waiting for exactly that): its __supervise__ runs on the loop beside them
+                found = (_on_loop(method), True, label, False, True)
+            else:
+                found = (method, inspect.iscoroutinefunction(method), label, takes_port(method), is_concurrent(method))
+            self.endpoints[name] = found
         return found
+
+
+def _serves_async(cls: type) -> bool:
+    """Whether an actor class's endpoints are async (it then serves them on the rank's event loop)."""
+    return any(inspect.iscoroutinefunction(getattr(cls, n, None)) for n in getattr(cls, "_endpoints", ()))
+
+
+def _on_loop(method: Any) -> Any:
+    """`method` as a coroutine function (a sync __supervise__ of an async actor runs on its loop too)."""
+    if inspect.iscoroutinefunction(method):
+        return method
+
+    async def run(*args: Any, **kwargs: Any) -> Any:
+        return method(*args, **kwargs)
+
+    return run
 
 
 class Mailboxes:
