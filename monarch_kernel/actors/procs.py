@@ -87,6 +87,13 @@ class ProcMesh(MeshShaped):
         self._stop()
         return DoneFuture(None)
 
+    async def __aenter__(self) -> ProcMesh:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._stop is not None:  # (as Monarch's: the processes end with the block)
+            self.stop()
+
     @property
     def initialized(self) -> Future[bool]:
         """Done: spawn_procs returns once the processes are up."""
@@ -115,6 +122,7 @@ class HostMesh(MeshShaped):
         self._start = start  # starts a mesh on some of these hosts
         self._for_actor = for_actor  # a rank's own host: the notebook starts processes for its actor
         self._spawned: list[Any] = []  # the meshes spawn_procs started
+        self._shut_down = False
 
     def _with(self, shape: Shape) -> HostMesh:
         picked = [self._hosts[i] for i in shape.ranks]
@@ -129,6 +137,8 @@ class HostMesh(MeshShaped):
         is started as `%mesh up local` starts one, and processes on another mesh's hosts
         copy that mesh's settings.
         """
+        if self._shut_down:
+            raise RuntimeError("HostMesh has already been shut down: spawn on a new one (this_host(), or a new job's)")
         if self._start is None and not self._for_actor:
             raise MeshUsageError("spawn_procs() starts processes on the hosts of a HostMesh made in the notebook or "
                                  "by this_host(); a HostMesh passed to an actor only names its hosts")
@@ -175,7 +185,11 @@ class HostMesh(MeshShaped):
         return False
 
     def shutdown(self) -> Future[None]:
-        """Stop every process that spawn_procs started on these hosts (their actors' clean-up first)."""
+        """Stop every process that spawn_procs started on these hosts (their actors' clean-up first); the
+        HostMesh takes no more spawns. As in Monarch, a second shutdown raises RuntimeError."""
+        if self._shut_down:
+            raise RuntimeError("HostMesh has already been shut down")
+        self._shut_down = True
         for mesh in self._spawned:
             stop_actors_then_processes(mesh)
         self._spawned.clear()
@@ -184,6 +198,19 @@ class HostMesh(MeshShaped):
     def stop(self) -> Future[None]:
         """Alias of shutdown()."""
         return self.shutdown()
+
+    def __enter__(self) -> HostMesh:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._shut_down:
+            self.shutdown()
+
+    async def __aenter__(self) -> HostMesh:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__(*exc)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # elsewhere it can be looked at, not spawned on; its hosts travel as names (a rank must not load the
@@ -197,7 +224,9 @@ class HostMesh(MeshShaped):
 
 def stop_actors_then_processes(mesh: Any) -> None:
     """ProcMesh.stop(): every actor is stopped first (its concurrent tasks cancelled, its `__cleanup__`
-    run, as Monarch does), for at most STOP_ACTORS_S, then the processes end."""
+    run, as Monarch does), for at most STOP_ACTORS_S, then the processes end (once: a later stop does nothing)."""
+    if getattr(mesh, "closed", False):
+        return
     try:
         ask = getattr(mesh, "_ask", None)  # (the notebook's Mesh; one started for an actor just ends)
         if ask is not None:

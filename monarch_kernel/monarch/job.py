@@ -14,6 +14,7 @@ and Slurm allocations use `%mesh up ssh|slurm` (or `monarch_kernel.ssh_mesh`, `s
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from monarch_kernel.actors.procs import HostMesh
@@ -55,7 +56,8 @@ class JobTrait:
         """Stop every process started on the job's hosts; a later `state()` makes new hosts."""
         if self._state is not None:
             for hosts in self._state._hosts.values():
-                hosts.shutdown()
+                with contextlib.suppress(RuntimeError):  # (a program may have shut them down itself)
+                    hosts.shutdown()
         self._state = None
 
 
