@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +31,7 @@ OUR_PYTHON = ROOT / ".venv" / "bin" / "python"
 PLUGINS = ROOT / ".cache" / "own-tests-plugins"  # pytest-asyncio for our side (not in the main environment)
 TEST_TIMEOUT_S = 90
 PARALLEL = 2  # tests run at a time
+RUN_MARKER = "MONARCH_OWN_TESTS_RUN"  # in the environment of every process of one test
 
 # Monarch's tests of its actor API (calls, meshes, concurrency, supervision, lifecycle, ports, logging)
 ACTOR_API_FILES = (
@@ -142,8 +144,9 @@ def run_one(python: Path, tests_dir: Path, test: str, env: dict[str, str]) -> tu
     group of its own that is killed after (a hang inside native code cannot stop pytest-timeout's signal)."""
     cmd = [str(python), "-m", "pytest", test, "-q", "-p", "no:cacheprovider", "-o", "asyncio_mode=auto",
            f"--timeout={TEST_TIMEOUT_S}", "--tb=no", "-rN"]
-    proc = subprocess.Popen(cmd, cwd=tests_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
+    marker = uuid.uuid4().hex  # every process the test starts inherits it (some start sessions of their own)
+    proc = subprocess.Popen(cmd, cwd=tests_dir, env=dict(env, **{RUN_MARKER: marker}), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=TEST_TIMEOUT_S + 30)
     except subprocess.TimeoutExpired:
@@ -154,10 +157,24 @@ def run_one(python: Path, tests_dir: Path, test: str, env: dict[str, str]) -> tu
         except ProcessLookupError:
             pass
         proc.wait()
+        kill_marked(marker)
     tail = (out.strip().splitlines() or [""])[-1]
     if proc.returncode == 0 and "passed" in tail:
         return test, "passed"
     return test, "skipped" if "skipped" in tail and "failed" not in tail else "failed"
+
+
+def kill_marked(marker: str) -> None:
+    """Kill every process whose environment carries this test's marker (what it left running)."""
+    wanted = f"{RUN_MARKER}={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if wanted in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
 
 
 def run_all(python: Path, tests_dir: Path, tests: list[str], env: dict[str, str]) -> dict[str, str]:
