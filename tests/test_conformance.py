@@ -44,10 +44,22 @@ def on_our_api(source: str) -> str:
     return re.sub(r"\bmonarch\.(actor|job|config)\b", r"monarch_kernel.monarch.\1", source)
 
 
-def run(python: str, program: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_both(runs: list[tuple[str, Path]], cwd: Path) -> list[subprocess.CompletedProcess[str]]:
+    """Run each (python, program) at the same time (they wait on their processes more than they compute)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MONARCH", "HYPERACTOR"))}
-    return subprocess.run([python, str(program)], cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                          env=env)
+    started = [subprocess.Popen([python, str(program)], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env) for python, program in runs]
+    done = []
+    try:
+        for proc in started:
+            out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done
 
 
 def printed(result: subprocess.CompletedProcess[str], unordered: bool) -> list[str]:
@@ -74,11 +86,10 @@ def test_the_suite_has_at_least_fifteen_programs():
 def test_a_monarch_program_prints_the_same_on_ours(program: Path, monarch_python: str, tmp_path: Path):
     source = program.read_text()
     unordered = "# unordered" in source
-    theirs = run(monarch_python, program, tmp_path)
-    assert theirs.returncode == 0, f"the real Monarch failed on {program.name}:\n{theirs.stderr[-3000:]}"
     ours_program = tmp_path / program.name
     ours_program.write_text(on_our_api(source))
-    ours = run(sys.executable, ours_program, tmp_path)
+    theirs, ours = run_both([(monarch_python, program), (sys.executable, ours_program)], tmp_path)
+    assert theirs.returncode == 0, f"the real Monarch failed on {program.name}:\n{theirs.stderr[-3000:]}"
     assert ours.returncode == 0, f"ours failed on {program.name}:\n{ours.stdout[-2000:]}\n{ours.stderr[-3000:]}"
     assert printed(ours, unordered) == printed(theirs, unordered), (
         f"{program.name}: ours printed\n{ours.stdout}\nMonarch printed\n{theirs.stdout}")

@@ -43,7 +43,7 @@ def _classes():
             return n + 1, os.getpid()
 
         @endpoint
-        def crash(self) -> None:
+        async def crash(self) -> None:
             os._exit(3)
 
     class Ping(Actor):
@@ -57,10 +57,6 @@ def _classes():
         @endpoint
         async def rally_pid(self) -> int:
             return (await self.pong.hit.call_one(0))[1]
-
-        @endpoint
-        def sync_rally(self, count: int) -> list:
-            return [self.pong.hit.call_one(i).get()[0] for i in range(count)]
 
         @endpoint
         async def hits_on(self, other, count: int) -> list:
@@ -87,6 +83,21 @@ def _classes():
     return Pong, Ping
 
 
+def _sync_ping():
+    """An actor with sync endpoints only (Monarch refuses a class that mixes them with async ones)."""
+    from monarch_kernel.monarch.actor import Actor, endpoint
+
+    class SyncPing(Actor):
+        def __init__(self, pong):
+            self.pong = pong.slice(gpus=0)
+
+        @endpoint
+        def sync_rally(self, count: int) -> list:
+            return [self.pong.hit.call_one(i).get()[0] for i in range(count)]
+
+    return SyncPing
+
+
 @pytest.fixture()
 def pair(host_mesh):
     from monarch_kernel.controller.bridge import BRIDGE
@@ -97,7 +108,8 @@ def pair(host_mesh):
     try:
         pong = procs_1.spawn("pong", Pong)
         ping = procs_0.spawn("ping", Ping, pong).slice(gpus=0)
-        yield ping, pong, BRIDGE
+        sync_ping = procs_0.spawn("sync_ping", _sync_ping(), pong).slice(gpus=0)
+        yield ping, pong, BRIDGE, sync_ping
     finally:
         procs_0.stop()
         procs_1.stop()
@@ -110,13 +122,13 @@ def _through_the_controller(bridge, run) -> int:
 
 
 def test_after_the_first_call_calls_between_hosts_skip_the_controller_in_order(pair, hosts):
-    ping, pong, bridge = pair
+    ping, pong, bridge, sync_ping = pair
     assert _through_the_controller(bridge, lambda: ping.rally.call_one(1).get(timeout=60)) == 1
     # the link opens in the background: calls go the long way until it is up
     assert wait_until(lambda: _through_the_controller(bridge, lambda: ping.rally.call_one(1).get(timeout=60)) == 0, 30)
     assert _through_the_controller(bridge, lambda: ping.rally.call_one(200).get(timeout=60)) == 0
     assert ping.rally.call_one(50).get(timeout=60) == list(range(1, 51))  # each reply to its own call, in order
-    assert ping.sync_rally.call_one(20).get(timeout=60) == list(range(1, 21))  # from a sync endpoint's thread too
+    assert sync_ping.sync_rally.call_one(20).get(timeout=60) == list(range(1, 21))  # from a sync endpoint's thread
     # the called rank listens on its host's address (the one the controller reached it at), not on every interface
     routes = bridge._meshes["far-pong"].far
     [(address, port)] = routes._where.values()
@@ -126,7 +138,7 @@ def test_after_the_first_call_calls_between_hosts_skip_the_controller_in_order(p
 def test_a_peer_without_the_mesh_key_is_refused_and_the_link_goes_on(pair, capfd):
     from monarch_kernel.wire.relay_link import RelayRefused, handshake_as_child, new_key
 
-    ping, _, bridge = pair
+    ping, _, bridge, _ = pair
     assert wait_until(lambda: _through_the_controller(bridge, lambda: ping.rally.call_one(1).get(timeout=60)) == 0, 30)
     [(address, port)] = bridge._meshes["far-pong"].far._where.values()
 
@@ -155,7 +167,7 @@ def test_a_peer_without_the_mesh_key_is_refused_and_the_link_goes_on(pair, capfd
 
 def test_a_called_process_that_dies_fails_the_call_on_the_link_as_the_long_way_does(pair, host_mesh):
     """The same crash, once on the first call (through the controller) and once on the link: the same error."""
-    ping, _, bridge = pair
+    ping, _, bridge, _ = pair
     Pong, _ = _classes()
     procs_a = host_mesh.slice(hosts=1).spawn_procs(per_host={"gpus": 1}, name="far-crash-a", dist="none")
     procs_b = host_mesh.slice(hosts=1).spawn_procs(per_host={"gpus": 1}, name="far-crash-b", dist="none")
@@ -209,7 +221,7 @@ def test_a_crowd_of_silent_connections_from_another_machine_costs_the_called_ran
     import socket
     import threading
 
-    ping, _, bridge = pair
+    ping, _, bridge, _ = pair
     assert wait_until(lambda: _through_the_controller(bridge, lambda: ping.rally.call_one(1).get(timeout=60)) == 0, 30)
     [(address, port)] = bridge._meshes["far-pong"].far._where.values()
     called_pid = _called_pid(ping)

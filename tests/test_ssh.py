@@ -138,10 +138,10 @@ def test_actors_of_proc_meshes_on_two_hosts_call_each_other_and_start_processes_
             return [await self.pong.hit.call_one(i) for i in range(count)]
 
         @endpoint
-        def helpers(self) -> tuple:
+        async def helpers(self) -> tuple:
             extra = this_host().spawn_procs(per_host={"gpus": 1})
             try:
-                return extra.spawn("helper", Pong).hit.call_one(41).get(timeout=60), dict(current_rank())
+                return await extra.spawn("helper", Pong).hit.call_one(41), dict(current_rank())
             finally:
                 extra.stop()
 
