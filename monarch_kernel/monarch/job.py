@@ -14,6 +14,7 @@ and Slurm allocations use `%mesh up ssh|slurm` (or `monarch_kernel.ssh_mesh`, `s
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from typing import Any
 
@@ -36,7 +37,7 @@ class JobState:
         return f"<JobState {', '.join(f'{k}: {len(v.shape.ranks)} hosts' for k, v in self._hosts.items())}>"
 
 
-class JobTrait:
+class JobTrait(abc.ABC):
     """What every job offers: `state()` (its host meshes, made on first use) and `kill()`."""
 
     def __init__(self) -> None:
@@ -49,8 +50,9 @@ class JobTrait:
             self._state = JobState(self._create())
         return self._state
 
+    @abc.abstractmethod
     def _create(self) -> dict[str, HostMesh]:
-        raise NotImplementedError(f"{type(self).__name__} must say how its hosts are made")
+        """The job's host meshes, by name (made once, by `state()`)."""
 
     def kill(self) -> None:
         """Stop every process started on the job's hosts; a later `state()` makes new hosts."""
