@@ -24,11 +24,17 @@ _started_here: list[Mesh] = []  # the meshes this_host().spawn_procs started (sh
 
 
 
+_LOCAL_OPTIONS = {"dist", "env", "preload", "timeout", "health"}  # what spawn_procs on this machine takes
+
+
+def _check_options(options: dict[str, Any], where: str) -> None:
+    if set(options) - _LOCAL_OPTIONS:
+        raise MeshUsageError(f"spawn_procs() on {where} takes {', '.join(sorted(_LOCAL_OPTIONS))}; "
+                             f"not {', '.join(sorted(set(options) - _LOCAL_OPTIONS))}")
+
+
 def _start_local(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, options: dict[str, Any]) -> Mesh:
-    allowed = {"dist", "env", "preload", "timeout", "health"}
-    if set(options) - allowed:
-        raise MeshUsageError(f"spawn_procs() on this host takes {', '.join(sorted(allowed))}; "
-                             f"not {', '.join(sorted(set(options) - allowed))}")
+    _check_options(options, "this host")
     python = hosts[0].python if hosts and hosts[0].python != DEFAULT_PYTHON else None
     mesh = local_mesh(gpus, name=name, python=python, **options)
     _started_here.append(mesh)
@@ -36,10 +42,7 @@ def _start_local(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, optio
 
 
 def _start_on_local_hosts(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, options: dict[str, Any]) -> Mesh:
-    allowed = {"dist", "env", "preload", "timeout", "health"}
-    if set(options) - allowed:
-        raise MeshUsageError(f"spawn_procs() on these hosts takes {', '.join(sorted(allowed))}; "
-                             f"not {', '.join(sorted(set(options) - allowed))}")
+    _check_options(options, "these hosts")
     env = {**(hosts[0].options.get("env") or {}), **(options.get("env") or {})}
     mesh = Mesh.started(start_runtime(list(hosts), gpus, options.get("dist", "gloo"), name, env or None,
                                       options.get("timeout", 120.0), None, options.get("health"),
