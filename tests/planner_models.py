@@ -232,6 +232,17 @@ def build_recommender():
     return Recommender()
 
 
+def build_large_recommender():
+    """6.5B parameters, nearly all in two tables (one of 48M rows): more than one H100 holds with AdamW's state."""
+    return Recommender(tables=(48_000_000, 2_750_000), dim=128, dense=13)
+
+
+def large_recommender_batch():
+    g = torch.Generator().manual_seed(5)
+    return ({"sparse": torch.randint(0, 2_750_000, (256, 2, 8), generator=g), "dense": torch.randn(256, 13, generator=g)},
+            torch.rand(256, generator=g))
+
+
 def recommender_batch():
     g = torch.Generator().manual_seed(4)
     sparse = torch.randint(0, 1024, (16, 3, 4), generator=g)  # 3 features, 4 ids each

@@ -502,15 +502,17 @@ def test_a_gpt2_script_carries_its_conv1d_styles_and_runs_under_torchrun(tmp_pat
                                          pm.hf_token_batch)
 
 
-@pytest.mark.parametrize("layout", ["fsdp=2,tp=2"])
+@pytest.mark.parametrize("layout", ["tp=4", "fsdp=2,tp=2"])
 def test_a_mixture_of_experts_plans_on_cpu_ranks_and_trains_as_one_process(mesh, plan_once, layout):
     """Issue 38 item 4: Mixtral got no layout (the experts' grouped matmul has a bf16-only fake kernel, where the
-    CPU kernel takes fp32; its FLOPs were not counted at all)."""
+    CPU kernel takes fp32; its FLOPs were not counted at all), and its experts were never split. Under TP they
+    are split by experts (expert parallelism), where the degree divides them."""
     pytest.importorskip("transformers")
     from monarch_kernel.planner.structure import tp_plan
 
-    assert any("mlp.experts (MixtralExperts: 4 experts, all kept on every rank; expert parallelism is not planned)"
-               in entry for entry in tp_plan(pm.build_hf_mixtral(), 2).replicated)
+    assert tp_plan(pm.build_hf_mixtral(), 2).experts == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert any("mlp.experts (MixtralExperts: 4 experts, all kept on every rank: 8 does not divide its 4 experts)"
+               in entry for entry in tp_plan(pm.build_hf_mixtral(), 8).replicated)
     plan = plan_once(pm.build_hf_mixtral, pm.hf_batch, loss=pm.hf_lm_loss, lr=3e-3, memory="1GiB",
                      strategies=("ddp", "fsdp", "tp"))
     assert all(c.applicable for c in plan.candidates), [(c.layout, c.reason) for c in plan.candidates]
@@ -520,10 +522,25 @@ def test_a_mixture_of_experts_plans_on_cpu_ranks_and_trains_as_one_process(mesh,
                                     pm.hf_batch)
 
 
-@pytest.mark.parametrize("layout", ["fsdp=4"])
+def test_a_mixture_of_experts_script_carries_its_expert_parallel_style_and_runs_under_torchrun(plan_once, tmp_path):
+    pytest.importorskip("transformers")
+    plan = plan_once(pm.build_hf_mixtral, pm.hf_batch, loss=pm.hf_lm_loss, lr=3e-3, memory="1GiB",
+                     strategies=("ddp", "fsdp", "tp"))  # (planned for the CPU ranks: fp32 experts on CPU)
+    code = plan.code(steps=3, candidate="tp=4")
+    assert '"model.layers.0.mlp.experts": ExpertsSharded()' in code and "monarch_kernel" not in code.split('"""', 2)[2]
+    _assert_script_trains_as_one_process(tmp_path, code, TrainingSpec(pm.build_hf_mixtral, pm.hf_lm_loss, "adamw",
+                                                                      3e-3, 0), pm.hf_batch)
+
+
+@pytest.mark.parametrize("layout", ["fsdp=4", "fsdp=2,tp=2"])
 def test_a_recommender_with_embedding_bags_trains_as_one_process(mesh, plan_once, layout):
+    """Issue 38 item 5: embedding tables were never split. Under TP each EmbeddingBag's table is split by columns."""
+    from monarch_kernel.planner.structure import tp_plan
+
+    assert tp_plan(pm.build_recommender(), 2).embeddings == ["tables.0", "tables.1", "tables.2"]
     plan = plan_once(pm.build_recommender, pm.recommender_batch, loss=pm.click_loss, lr=3e-3, memory="1GiB",
-                     strategies=("ddp", "fsdp"))
+                     strategies=("ddp", "fsdp", "tp"))
+    assert {"tp=4", "fsdp=2,tp=2"} <= {c.layout for c in plan.candidates if c.applicable}, plan.candidates
     plan.apply(layout, seed=0)
     _assert_trains_like_one_process(mesh, layout, TrainingSpec(pm.build_recommender, pm.click_loss, "adamw", 3e-3, 0),
                                     pm.recommender_batch)
@@ -657,6 +674,31 @@ def test_a_mixture_of_experts_for_gpus_says_what_to_do_and_plans_in_bf16_with_it
     experts = sum(v for k, v in counted.by_module.items() if k.endswith("mlp.experts"))
     # by hand: each of 128 tokens meets 2 experts, each three 64 x 128 matmuls, in 2 layers
     assert experts == 2 * (3 * 64 * 128) * 2 * 128 * 2
+
+
+def test_a_recommender_larger_than_a_gpu_fits_with_its_tables_split():
+    """Issue 38 item 5: a 6.5B-parameter recommender fitted no layout on 8 x H100: its tables were never split,
+    and the estimate counted the whole-size shapes DTensor works out for each operator (an AdamW step on a table
+    split 8 ways held three whole copies of it: 71.5 GiB of "temporary")."""
+    plan = plan_world(pm.build_large_recommender, pm.large_recommender_batch, loss=pm.click_loss,
+                      world={"hosts": 1, "gpus": 8}, memory="80GiB", device="H100", strategies=("ddp", "fsdp", "tp"))
+    by_layout = {c.layout: c for c in plan.candidates}
+    table = 48_000_000 * 128 * 4
+    assert not by_layout["ddp=8"].fits and "over 80 GiB" in by_layout["ddp=8"].reason
+    tp8 = by_layout["tp=8"]
+    assert tp8.fits and plan.best is not None and plan.best.fits
+    # its share of the tables: parameters, gradients and AdamW's two moments, each an eighth of a table and more
+    assert 4 * table / 8 <= tp8.peak_bytes < 4 * table / 8 + table, tp8.memory
+    assert tp8.memory["temporary"] < table / 2, tp8.memory
+
+
+def test_a_recommender_script_carries_its_embedding_bag_style_and_runs_under_torchrun(tmp_path):
+    plan = plan_world(pm.build_recommender, pm.recommender_batch, loss=pm.click_loss, lr=3e-3,
+                      world={"hosts": 1, "gpus": 4}, device="H100", strategies=("ddp", "tp"))
+    code = plan.code(steps=3, candidate="ddp=2,tp=2")
+    assert '"tables.0": EmbeddingBagColwise()' in code and "monarch_kernel" not in code.split('"""', 2)[2]
+    _assert_script_trains_as_one_process(tmp_path, code, TrainingSpec(pm.build_recommender, pm.click_loss, "adamw",
+                                                                      3e-3, 0), pm.recommender_batch)
 
 
 def test_the_optimizers_step_temporaries_are_not_counted_as_its_state():

@@ -59,6 +59,7 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
         lines.append("from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard" if layout.mp
                      else "from torch.distributed.fsdp import fully_shard")
     if layout.tp > 1:
+        lines.append("from torch.distributed.tensor import Replicate")
         lines.append("from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module")
     if layout.ddp > 1 and layout.tp == 1 and layout.pp == 1:
         lines.append("from torch.nn.parallel import DistributedDataParallel")
@@ -80,7 +81,8 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
     lr = 1e-3 if spec.lr is None else spec.lr
     split = tp_plan(model, layout.tp) if layout.tp > 1 else None
     conv1d = {p for p in (split.colwise + split.rowwise if split else []) if is_conv1d(model.get_submodule(p))}
-    if conv1d:  # GPT-2's Conv1D layers: torch's styles take nn.Linear only, so the script carries its own
+    bags = {p for p in (split.embeddings if split else []) if isinstance(model.get_submodule(p), torch.nn.EmbeddingBag)}
+    if conv1d or bags or (split and split.experts):  # layers torch's styles refuse: the script carries its own styles
         from monarch_kernel.planner.tp_styles import STYLES_IMPORTS, styles_source
 
         lines += ["", *STYLES_IMPORTS, "", "", styles_source()]
@@ -105,7 +107,10 @@ def torchrun_script(spec: TrainingSpec, batch: Callable[[], Any], layout: Layout
                   '        print("note: on CPU each rank normalises over its own share of the batch", flush=True)']
     if split is not None:
         styles = ([f'"{p}": {"Conv1DColwise" if p in conv1d else "ColwiseParallel"}()' for p in split.colwise]
-                  + [f'"{p}": {"Conv1DRowwise" if p in conv1d else "RowwiseParallel"}()' for p in split.rowwise])
+                  + [f'"{p}": {"Conv1DRowwise" if p in conv1d else "RowwiseParallel"}()' for p in split.rowwise]
+                  + [f'"{p}": {"EmbeddingBagColwise()" if p in bags else "RowwiseParallel(input_layouts=Replicate())"}'
+                     for p in split.embeddings]
+                  + [f'"{p}": ExpertsSharded()' for p in split.experts])
         lines += ['    parallelize_module(model, mesh["tp"], {', *(f"        {s}," for s in styles), "    })"]
         lines += [f'    model.get_submodule("{path}").{attr} //= TP' if path else f"    model.{attr} //= TP"
                   for path, attr in split.heads]

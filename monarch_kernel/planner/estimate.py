@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from monarch_kernel.planner.apply import TrainingSpec
 from monarch_kernel.planner.batches import each, forward
 from monarch_kernel.planner.fake_build import build_fake, lenient_grouped_mm
-from monarch_kernel.planner.layout import Layout
+from monarch_kernel.planner.layout import TP, Layout
 from monarch_kernel.planner.parallelize import (
     Batch,
     autocast,
@@ -90,7 +90,8 @@ def module_peaks(tracker: Any, depth: int) -> dict[str, dict[str, int]]:
     return dict(sorted(found.items()))
 
 
-def _collective_recorder() -> Any:
+def _collective_recorder(tp_group: str | None = None) -> Any:
+    """A dispatch mode counting collectives; those on the group named `tp_group` are filed as `kind + TP`."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CollectiveBytes(TorchDispatchMode):
@@ -114,11 +115,27 @@ def _collective_recorder() -> Any:
                 leaves = torch.utils._pytree.tree_leaves((args, kwargs))
                 size = max((t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)), default=0)
                 kind = _collective_kind(func._opname)
+                if tp_group is not None and any(_group_name(leaf) == tp_group for leaf in leaves):
+                    kind += TP
                 self.bytes[kind] = self.bytes.get(kind, 0) + size
                 self.calls_by_kind[kind] = self.calls_by_kind.get(kind, 0) + 1
             return out
 
     return CollectiveBytes()
+
+
+def _group_name(value: Any) -> str | None:
+    """The process group an argument of a collective names: functional collectives pass its name, c10d's own
+    ops the group."""
+    if isinstance(value, str):
+        return value
+    name = getattr(value, "group_name", None)
+    return name if isinstance(name, str) else None
+
+
+def tp_group_name(layout: Layout, mesh: Any) -> str | None:
+    """The name of a layout's tensor-parallel process group (None without TP)."""
+    return mesh["tp"].get_group().group_name if layout.tp > 1 else None
 
 
 def _collective_kind(opname: str) -> str:
@@ -147,6 +164,23 @@ def _fake_friendly_device_mesh() -> None:
     DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign,assignment]
 
 
+@contextlib.contextmanager
+def _sharding_propagation_apart() -> Iterator[None]:
+    """DTensor works out each operator's output shapes on fake tensors of the whole (unsharded) shapes, in the
+    fake mode it finds active: in an estimate, ours, where torch's memory tracker takes those whole-size results
+    for this rank's memory (an AdamW step on a table split 8 ways counted three whole copies of the table). Give
+    that propagation a fake mode of its own, which the tracker leaves out, as it does when ranks run for real."""
+    from torch.distributed.tensor import _sharding_prop
+
+    own = FakeTensorMode()
+    found = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: own
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = found
+
+
 def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_module: bool = False,
                     depth: int = 2, device_type: str = "cuda") -> LayoutEstimate:
     """Estimate `layout` in this process (which must have no process group of its own: see `estimate_job`).
@@ -155,7 +189,7 @@ def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_mod
     most `depth` levels below the model. device_type: the ranks' ("cpu": the CPU kernels' dtypes are
     taken where torch's fake kernels follow the GPU's, `fake_build.lenient_grouped_mm`).
     """
-    with lenient_grouped_mm() if device_type == "cpu" else contextlib.nullcontext():
+    with lenient_grouped_mm() if device_type == "cpu" else contextlib.nullcontext(), _sharding_propagation_apart():
         return _estimate_layout(spec, batch, layout, per_module, depth)
 
 
@@ -166,7 +200,7 @@ def _estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, per_modul
     result = LayoutEstimate(layout.text)
     with _fake_group(layout, rank=0):
         mesh = device_mesh(layout, "cpu")
-        recorder = _collective_recorder()
+        recorder = _collective_recorder(tp_group_name(layout, mesh))
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             model = build_fake(spec.make, fake)
             if layout.fsdp > 1 or layout.tp > 1:  # (DDP alone: the plain model, its gradients held as its buckets)
@@ -277,7 +311,7 @@ def _estimate_pipeline(spec: TrainingSpec, local: Batch, layout: Layout, per_mod
             with _fake_group(layout, rank=index * layout.data_parallel):
                 with unset_fake_temporarily():
                     mesh = device_mesh(layout, "cpu")
-                recorder = _collective_recorder()
+                recorder = _collective_recorder(tp_group_name(layout, mesh))
                 placed = place(traced, layout, mesh, torch.device("cpu"), spec.loss)
                 assert isinstance(placed, PipelineStage)
                 module = module_of(placed)

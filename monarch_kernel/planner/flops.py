@@ -109,7 +109,7 @@ def _without_recompute(flops: ModelFlops, structure: nn.Module, layout: Layout) 
         return total
     plan = tp_plan(structure, layout.tp)
     root = flops.root
-    split = {f"{root}.{path}" for path in plan.colwise + plan.rowwise}
+    split = {f"{root}.{path}" for path in plan.colwise + plan.rowwise + plan.experts}
     split |= {f"{root}.{path}" if path else root for path, _ in plan.heads}  # the attention between the pairs
     shared = sum(flops.by_module.get(name, 0.0) for name in split if not _inside(name, split))
     fraction = min(1.0, shared / flops.forward) if flops.forward > 0 else 0.0  # of the whole step's work

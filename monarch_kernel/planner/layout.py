@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 STRATEGIES = ("ddp", "fsdp", "tp", "pp")
 POLICIES = ("ac",)  # asked for as strategies too: `strategies=(..., "ac")` plans each layout also with ac=1
 PRECISIONS = ("fp32", "bf16")  # what a plan's `precision=` takes: as built, or bf16 mixed precision (mp=bf16)
+TP = " (tp)"  # an estimate's collective kinds run on the tensor-parallel group end so ("all_gather (tp)")
 
 
 @dataclass(frozen=True)

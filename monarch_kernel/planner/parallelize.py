@@ -6,7 +6,8 @@ when a layout is estimated: what is estimated is what is applied.
 - DDP alone: torch's DistributedDataParallel, its buckets holding the gradients (`gradient_as_bucket_view`).
 - FSDP: `fully_shard` on each repeated block, then on the whole model.
 - TP: `parallelize_module` with the plan `structure.tp_plan` finds; the head counts of split
-  attention modules are divided by the degree.
+  attention modules are divided by the degree; embedding tables split by rows (Embedding) or
+  columns (EmbeddingBag); mixtures of experts split by experts.
 - DDP with TP: the tensor-parallel model, its gradients averaged over the data-parallel ranks
   after each backward (DistributedDataParallel does not take DTensor parameters).
 - ac=K: every K-th block recomputes its activations in the backward (after TP, before FSDP).
@@ -124,13 +125,18 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any) -> nn.Module:
         plan = tp_plan(model, layout.tp)
         if not plan.applicable:
             raise ValueError(f"tensor parallelism does not apply to this model: {plan.reason}")
-        from monarch_kernel.planner.tp_styles import Conv1DColwise, Conv1DRowwise
+        from monarch_kernel.planner.tp_styles import Conv1DColwise, Conv1DRowwise, EmbeddingBagColwise, ExpertsSharded
 
         def style(path: str, linear: type, conv1d: type) -> Any:
             return conv1d() if is_conv1d(model.get_submodule(path)) else linear()
 
         styles: dict[str, Any] = {path: style(path, ColwiseParallel, Conv1DColwise) for path in plan.colwise}
         styles.update({path: style(path, RowwiseParallel, Conv1DRowwise) for path in plan.rowwise})
+        from torch.distributed.tensor import Replicate
+
+        styles.update({path: EmbeddingBagColwise() if isinstance(model.get_submodule(path), nn.EmbeddingBag)
+                       else RowwiseParallel(input_layouts=Replicate()) for path in plan.embeddings})  # (ids whole)
+        styles.update({path: ExpertsSharded() for path in plan.experts})
         parallelize_module(model, mesh["tp"], styles)
         for path, attr in plan.heads:
             owner = model.get_submodule(path) if path else model

@@ -5,10 +5,10 @@ per-operator costs, communication per kind of collective from the links it runs 
   DTensors). Through a pipeline, the slowest stage's micro-batches plus the 1F1B schedule's fill
   and drain: (micro-batches + stages - 1) / micro-batches of it.
 - Communication: every collective pays its link's latency per call (per step of its ring, so
-  more in larger groups), and its bytes at the link's bus bandwidth. Tensor-parallel
-  all-reduces run inside a host; data-parallel collectives cross hosts when the data-parallel
-  group spans them; activations between pipeline stages cross hosts when the mesh has
-  several. Nothing is assumed to overlap with compute.
+  more in larger groups), and its bytes at the link's bus bandwidth. Collectives of the
+  tensor-parallel group (filed with the suffix `layout.TP`) run inside a host; data-parallel
+  collectives cross hosts when the data-parallel group spans them; activations between pipeline
+  stages cross hosts when the mesh has several. Nothing is assumed to overlap with compute.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from monarch_kernel.planner.hardware import Figures, collective_seconds
-from monarch_kernel.planner.layout import Layout
+from monarch_kernel.planner.layout import TP, Layout
 
 
 def compute_seconds(estimate: Any, layout: Layout, figures: Figures, flops_per_second: float) -> float:
@@ -40,8 +40,9 @@ def comm_seconds(estimate: Any, layout: Layout, figures: Figures, hosts: int, gp
             latency, bandwidth = figures.link("send_recv", hosts > 1, 2)
             total += calls * latency + collective_seconds("send_recv", size, 2, bandwidth)
             continue
-        on_tp = kind == "all_reduce" and layout.tp > 1 and layout.ddp == 1
+        on_tp = kind.endswith(TP)
+        base = kind.removesuffix(TP)
         group = layout.tp if on_tp else layout.data_parallel
-        latency, bandwidth = figures.link(kind, dp_across_hosts and not on_tp, group)
-        total += calls * latency + collective_seconds(kind, size, group, bandwidth)
+        latency, bandwidth = figures.link(base, dp_across_hosts and not on_tp, group)
+        total += calls * latency + collective_seconds(base, size, group, bandwidth)
     return total

@@ -6,7 +6,18 @@ projection by output features (colwise), and the projection after each by input 
 them (`q_proj`, `c_attn`, `w1`, `up`, `fc1`, ...): a module with such a pair gets it split,
 and the number of heads it keeps (`n_head`, `num_heads`, ...) is divided by the degree. Layers
 no pair covers (embeddings, norms, convolutions, the output head, custom modules with
-parameters) stay replicated and are named; a model without any pair cannot use tensor
+parameters) stay replicated and are named.
+
+Embedding tables are split too, where they hold a weight of their own: an `nn.Embedding` by rows
+(torch's RowwiseParallel: each rank looks up the ids in its rows, one all-reduce joins them), an
+`nn.EmbeddingBag` by columns (`tp_styles.EmbeddingBagColwise`: each rank pools its columns, one
+all-gather joins them). A table tied to another layer's weight (a language model's head), one
+whose rows (or columns) the degree does not divide, or one that renormalises rows (`max_norm`),
+takes sparse gradients or scales them by frequency stays replicated, with that reason.
+
+A mixture of experts (Hugging Face's experts modules, weights stacked one slice per expert) is split
+by experts: expert parallelism over the tensor-parallel ranks (`tp_styles.ExpertsSharded`), where the
+degree divides the experts. A model with no pairs, tables or experts to split cannot use tensor
 parallelism, and the reason says why.
 """
 
@@ -38,6 +49,8 @@ class TPPlan:
     colwise: list[str] = field(default_factory=list)  # module paths
     rowwise: list[str] = field(default_factory=list)
     heads: list[tuple[str, str]] = field(default_factory=list)  # (module path, attribute) divided by the degree
+    embeddings: list[str] = field(default_factory=list)  # tables split: Embedding by rows, EmbeddingBag by columns
+    experts: list[str] = field(default_factory=list)  # mixtures of experts split by experts (expert parallelism)
     replicated: list[str] = field(default_factory=list)  # "name (Type)" of layers with parameters it does not split
     reason: str = ""  # why tensor parallelism cannot be used here ("" if it can)
 
@@ -143,6 +156,58 @@ def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"{prefix}.{key}" if prefix else key, child) for key, child in found.named_children()]
 
 
+def _tied(model: nn.Module) -> dict[int, list[str]]:
+    """The parameters the model holds under more than one name (tied weights), by id: their names."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {key: found for key, found in names.items() if len(found) > 1}
+
+
+def _add_table(plan: TPPlan, path: str, table: nn.Embedding | nn.EmbeddingBag, degree: int,
+               tied: dict[int, list[str]]) -> None:
+    """Split an embedding table (see the module docstring), or name why it stays whole."""
+    kind = type(table).__name__
+    rows, dim = table.weight.shape
+    bag = isinstance(table, nn.EmbeddingBag)
+    others = [name for name in tied.get(id(table.weight), []) if name != f"{path}.weight"]
+    why = ""
+    if others:
+        why = f"its weight is tied to {others[0]}; splitting one would untie them"
+    elif table.max_norm is not None:
+        why = "max_norm renormalises whole rows"
+    elif table.sparse:
+        why = "sparse gradients"
+    elif table.scale_grad_by_freq and not bag:
+        why = "scale_grad_by_freq counts ids over the whole table"
+    elif bag and dim % degree:
+        why = f"{degree} does not divide its {dim} columns"
+    elif not bag and rows % degree:
+        why = f"{degree} does not divide its {rows} rows"
+    if why:
+        plan.replicated.append(f"{path} ({kind}: {why})")
+    else:
+        plan.embeddings.append(path)
+
+
+def _add_experts(plan: TPPlan, path: str, module: nn.Module, count: int, degree: int) -> None:
+    """Split a mixture of experts by experts (`tp_styles.ExpertsSharded`), or name why its experts stay whole."""
+    kind = type(module).__name__
+    own = list(module.parameters(recurse=False))
+    why = ""
+    if not hasattr(module, "_is_expert_parallel") or getattr(module, "num_experts", None) != count:
+        why = ("its forward is not one of transformers' experts implementations, which skip the experts of other "
+               "ranks")
+    elif any(p.dim() != 3 or p.shape[0] != count for p in own):
+        why = "not all of its weights are stacked by expert"
+    elif count % degree:
+        why = f"{degree} does not divide its {count} experts"
+    if why:
+        plan.replicated.append(f"{path} ({kind}: {count} experts, all kept on every rank: {why})")
+    else:
+        plan.experts.append(path)
+
+
 def tp_plan(model: nn.Module, degree: int) -> TPPlan:
     """The tensor-parallel plan of a model at a degree (see the module docstring)."""
     plan = TPPlan()
@@ -159,17 +224,22 @@ def tp_plan(model: nn.Module, degree: int) -> TPPlan:
         for cols, rows, owner_name, owner in _sibling_pairs(parent_name, parent):
             if not covered & {path for path, _ in cols + rows}:
                 _add_pair(plan, covered, cols, rows, owner_name, owner, degree)
+    tied = _tied(model)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding | nn.EmbeddingBag) and name:
+            _add_table(plan, name, module, degree, tied)
+            covered.add(name)
     for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
         if own and name not in covered and not any(name.startswith(c + ".") for c in covered):
             stacked = [p for p in own if p.dim() == 3]  # a mixture of experts' weights, one slice per expert
             if stacked:
-                plan.replicated.append(f"{name} ({type(module).__name__}: {stacked[0].shape[0]} experts, all kept on "
-                                       "every rank; expert parallelism is not planned)")
+                _add_experts(plan, name, module, stacked[0].shape[0], degree)
             else:
                 plan.replicated.append(f"{name} ({type(module).__name__})")
-    if not plan.colwise:
+    if not plan.colwise and not plan.embeddings and not plan.experts:
         kinds = sorted({entry.split("(")[-1].rstrip(")") for entry in plan.replicated})
-        plan.reason = ("no attention or MLP projection pairs (a colwise layer followed by a rowwise one) were found; "
+        plan.reason = ("no attention or MLP projection pairs (a colwise layer followed by a rowwise one) and no "
+                       "embedding tables it can split were found; "
                        f"layers it cannot split: {', '.join(kinds) or 'none with parameters'}")
     return plan
