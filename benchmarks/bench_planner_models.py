@@ -34,7 +34,7 @@ SUITE = {  # name: (build, batch, loss, strategies, optimizer, lr)
     "gpt2 (HF)": (pm.build_hf_gpt2, pm.hf_token_batch, pm.hf_lm_loss, ("ddp", "fsdp", "tp", "pp"), "adamw", 3e-3),
     "bert (HF)": (pm.build_hf_bert, pm.hf_batch, pm.hf_lm_loss, ("ddp", "fsdp", "tp"), "adamw", 3e-3),
     "mixtral (HF)": (pm.build_hf_mixtral, pm.hf_batch, pm.hf_lm_loss, ("ddp", "fsdp", "tp"), "adamw", 3e-3),
-    "recommender": (pm.build_recommender, pm.recommender_batch, pm.click_loss, ("ddp", "fsdp"), "adamw", 3e-3),
+    "recommender": (pm.build_recommender, pm.recommender_batch, pm.click_loss, ("ddp", "fsdp", "tp"), "adamw", 3e-3),
     "resnet-style (BatchNorm)": (pm.build_batchnorm, pm.conv_batch, pm.class_loss, ("ddp", "fsdp"), "sgd", 0.1),
     "torchtitan-style": (pm.build_titan, pm.titan_batch, pm.lm_loss, ("ddp", "fsdp", "tp", "pp"), "adamw", 3e-3),
 }

@@ -52,7 +52,7 @@ def test_an_interrupted_put_leaves_a_private_partial_and_a_planted_one_is_not_re
     other = tmp_path / "elsewhere"
     other.write_bytes(b"x" * 50)
     os.symlink(other, partial)
-    assert files.put_begin(dst, 100)["partial"] == 0  # a link is nothing to resume from
+    assert files.put_begin(dst, 100).partial == 0  # a link is nothing to resume from
     with pytest.raises(OSError):
         files.put_chunk(dst, 50, b"y" * 50)  # nor to write through
     assert other.read_bytes() == b"x" * 50
@@ -100,7 +100,7 @@ def test_a_workspace_copy_another_user_made_first_is_refused(tmp_path, monkeypat
     assert not (planted / "mod.py").exists()
     planted.rmdir()
     result = agent_ws.write_files(key, [("mod.py", 0o644, 0, 0, 3, b"x=1")], deletes=[])  # our own: fine
-    assert result["written"] == 1 and stat.S_IMODE(os.lstat(planted).st_mode) == 0o700
+    assert result.written == 1 and stat.S_IMODE(os.lstat(planted).st_mode) == 0o700
 
 
 def test_a_world_writable_root_that_is_not_sticky_is_refused(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ from typing import Any
 
 from monarch_kernel.core.partial_files import finish_partial, open_partial, resumable_size
 from monarch_kernel.core.workspace import file_sha256, prefix_digest, safe_relative
+from monarch_kernel.wire import ops
 
 PARTIAL = ".monarch-partial"
 # puts in progress: destination -> (bytes hashed so far, sha256 of them), so that the end
@@ -44,22 +45,22 @@ def prefix_sha256(path: str, length: int) -> str:
     return digest.hexdigest() if digest is not None else ""
 
 
-def put_begin(path: str, size: int) -> dict[str, Any]:
+def put_begin(path: str, size: int) -> ops.PutStarted:
     """What an earlier, interrupted put left: the partial file's length and its sha256 (0, "" if none)."""
     dest = _path(path)
     os.makedirs(os.path.dirname(dest) or "/", exist_ok=True)
     partial = _partial(dest)
     have = resumable_size(partial)  # (only a regular file of ours: never a planted link)
     if not 0 < have <= size:
-        return {"partial": 0, "sha256": "", "path": dest}
+        return ops.PutStarted(0, "", dest)
     digest = prefix_digest(partial, have)
     if digest is None:
-        return {"partial": 0, "sha256": "", "path": dest}
+        return ops.PutStarted(0, "", dest)
     _hashing[dest] = (have, digest.copy())
-    return {"partial": have, "sha256": digest.hexdigest(), "path": dest}
+    return ops.PutStarted(have, digest.hexdigest(), dest)
 
 
-def put_chunk(path: str, offset: int, data: Any) -> dict[str, Any]:
+def put_chunk(path: str, offset: int, data: Any) -> ops.ChunkWritten:
     """Write a chunk of the partial file at offset (private, and never through a link)."""
     dest = _path(path)
     fd = open_partial(_partial(dest), resume=offset > 0)
@@ -73,10 +74,10 @@ def put_chunk(path: str, offset: int, data: Any) -> dict[str, Any]:
         _hashing[dest] = (end, hashed[1])
     else:
         _hashing.pop(dest, None)  # out of order: put_end reads the file back instead
-    return {"end": end}
+    return ops.ChunkWritten(end)
 
 
-def put_end(path: str, size: int, sha256: str, mode: int, mtime_ns: int) -> dict[str, Any]:
+def put_end(path: str, size: int, sha256: str, mode: int, mtime_ns: int) -> ops.PutFinished:
     """Check the whole file's sha256 and put it in place (the partial stays if it does not match)."""
     dest = _path(path)
     partial = _partial(dest)
@@ -89,10 +90,10 @@ def put_end(path: str, size: int, sha256: str, mode: int, mtime_ns: int) -> dict
             os.unlink(partial)
             raise OSError(f"{dest}: checksum mismatch after writing (sha256 {got[:12]}..., expected {sha256[:12]}...)")
         finish_partial(fd, partial, dest, mode, mtime_ns)
-    return {"path": dest}
+    return ops.PutFinished(dest)
 
 
-def describe(path: str) -> dict[str, Any]:
+def describe(path: str) -> ops.PathListing:
     """What a get will fetch: one file (size) or a folder's files (relative path -> size), with modes."""
     src = _path(path)
     info = os.stat(src)
@@ -105,26 +106,26 @@ def describe(path: str) -> dict[str, Any]:
                     rel = safe_relative(os.path.relpath(full, src).replace(os.sep, "/"))
                     found = os.stat(full)
                     files[rel], modes[rel] = found.st_size, stat.S_IMODE(found.st_mode)
-        return {"path": src, "folder": True, "files": files, "modes": modes}
-    return {"path": src, "folder": False, "files": {"": info.st_size}, "modes": {"": stat.S_IMODE(info.st_mode)}}
+        return ops.PathListing(src, True, files, modes)
+    return ops.PathListing(src, False, {"": info.st_size}, {"": stat.S_IMODE(info.st_mode)})
 
 
-def read_chunk(path: str, offset: int, size: int) -> dict[str, Any]:
+def read_chunk(path: str, offset: int, size: int) -> ops.ChunkRead:
     """Bytes of a file from offset (fewer at its end)."""
     import pickle
 
     with open(_path(path), "rb") as f:
         f.seek(offset)
         data = f.read(size)
-    return {"data": pickle.PickleBuffer(data)}
+    return ops.ChunkRead(pickle.PickleBuffer(data))
 
 
-def checksum(path: str) -> dict[str, Any]:
+def checksum(path: str) -> ops.FileChecksum:
     """A file's sha256 and size."""
     src = _path(path)
-    return {"sha256": file_sha256(src), "size": os.path.getsize(src)}
+    return ops.FileChecksum(file_sha256(src), os.path.getsize(src))
 
 
-def prefix(path: str, length: int) -> dict[str, Any]:
+def prefix(path: str, length: int) -> ops.PrefixChecksum:
     """The sha256 of a file's first `length` bytes ("" if it is shorter or unreadable)."""
-    return {"sha256": prefix_sha256(_path(path), length)}
+    return ops.PrefixChecksum(prefix_sha256(_path(path), length))

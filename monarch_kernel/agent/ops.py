@@ -17,7 +17,7 @@ from monarch_kernel.agent import files, workspace
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import ops
 
-HANDLERS: dict[type, Callable[[Any], dict[str, Any]]] = {
+HANDLERS: dict[type, Callable[[Any], ops.HostOperationResult]] = {
     ops.PutBegin: lambda op: files.put_begin(op.path, op.size),
     ops.PutChunk: lambda op: files.put_chunk(op.path, op.offset, op.data),
     ops.PutEnd: lambda op: files.put_end(op.path, op.size, op.sha256, op.mode, op.mtime_ns),
@@ -33,13 +33,13 @@ HANDLERS: dict[type, Callable[[Any], dict[str, Any]]] = {
 assert set(HANDLERS) == set(ops.HOST_OPERATIONS), "every host operation has a handler"
 
 
-def native_stacks(pids: tuple[int, ...], timeout: float = 20.0) -> dict[str, Any]:
-    """py-spy's dump of each process, native frames included: {"stacks": {pid: text}} or {"missing": why}."""
+def native_stacks(pids: tuple[int, ...], timeout: float = 20.0) -> ops.NativeStacksFound:
+    """py-spy's dump of each process, native frames included (or why there is none)."""
     found = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
     if found is None:
-        return {"missing": f"py-spy is not installed on host {socket.gethostname()}: pip install py-spy "
-                           f"(into {sys.prefix}), then ask again"}
-    stacks = {}
+        return ops.NativeStacksFound({}, f"py-spy is not installed on host {socket.gethostname()}: pip install py-spy "
+                                         f"(into {sys.prefix}), then ask again")
+    stacks: dict[int, str] = {}
     for pid in pids:
         try:
             done = subprocess.run([found, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
@@ -47,10 +47,10 @@ def native_stacks(pids: tuple[int, ...], timeout: float = 20.0) -> dict[str, Any
             stacks[pid] = done.stdout if done.returncode == 0 else f"py-spy failed: {done.stderr.strip()}"
         except subprocess.TimeoutExpired:
             stacks[pid] = f"py-spy did not finish within {timeout:.0f} s"
-    return {"stacks": stacks}
+    return ops.NativeStacksFound(stacks)
 
 
-def run_host_operation(op: Any) -> dict[str, Any]:
+def run_host_operation(op: Any) -> ops.HostOperationResult:
     """Carry out one host operation here; its result."""
     handler = HANDLERS.get(type(op))
     if handler is None:

@@ -26,11 +26,12 @@ from monarch_kernel.core.workspace import (
     safe_relative,
     workspaces_root,
 )
+from monarch_kernel.wire import ops
 
 PARTIAL = ".monarch-partial"  # a file still arriving
 
 
-def list_files(key: str) -> dict[str, Any]:
+def list_files(key: str) -> ops.WorkspaceListing:
     """Every file of the copy: relative path -> (size, mtime_ns, mode)."""
     root = host_path(key)
     if os.path.lexists(root):
@@ -53,7 +54,7 @@ def list_files(key: str) -> dict[str, Any]:
                         files[prefix + entry.name] = (info.st_size, info.st_mtime_ns, stat.S_IMODE(info.st_mode))
                 except OSError:
                     continue
-    return {"root": root, "files": files, "fsid": filesystem_id()}
+    return ops.WorkspaceListing(root, files, filesystem_id())
 
 
 def filesystem_id() -> str:
@@ -91,7 +92,7 @@ def _read_marker(marker: str) -> str:
         return f.read().strip()
 
 
-def hash_files(key: str, paths: list[str]) -> dict[str, Any]:
+def hash_files(key: str, paths: list[str]) -> ops.WorkspaceHashes:
     """sha256 of each named file of the copy ("" if it cannot be read)."""
     root = host_path(key)
     out = {}
@@ -100,7 +101,7 @@ def hash_files(key: str, paths: list[str]) -> dict[str, Any]:
             out[rel] = file_sha256(os.path.join(root, safe_relative(rel)))
         except OSError:
             out[rel] = ""
-    return {"hashes": out}
+    return ops.WorkspaceHashes(out)
 
 
 def _inside(root: str, path: str) -> str:
@@ -113,7 +114,7 @@ def _inside(root: str, path: str) -> str:
 
 
 def write_files(key: str, files: list[tuple[str, int, int, int, int, Any]], deletes: list[str],
-                touches: dict[str, int] | None = None) -> dict[str, Any]:
+                touches: dict[str, int] | None = None) -> ops.WorkspaceWritten:
     """Apply chunks (rel, mode, mtime_ns, offset, total size, data), deletions and mtime fixes."""
     root = private_host_path(key, create=True)  # ours alone, or refused (PermissionError, to the notebook)
     errors: list[str] = []
@@ -154,7 +155,7 @@ def write_files(key: str, files: list[tuple[str, int, int, int, int, Any]], dele
             os.utime(_inside(root, os.path.join(root, safe_relative(rel))), ns=(mtime_ns, mtime_ns))
         except (OSError, ValueError) as exc:
             errors.append(f"{rel}: {getattr(exc, 'strerror', None) or exc}")
-    return {"root": root, "written": written, "bytes": done_bytes, "deleted": len(deletes), "errors": errors}
+    return ops.WorkspaceWritten(root, written, done_bytes, len(deletes), errors)
 
 
 def _discard(root: str, rel: str) -> None:

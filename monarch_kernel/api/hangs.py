@@ -153,11 +153,11 @@ def native_stacks(runtime: MeshRuntime, ranks: tuple[int, ...], timeout: float =
     for (link, _), answer in zip(links, answers):
         if isinstance(answer, BaseException):
             blocks.append(f"host {link.name}: {answer}")
-        elif "missing" in answer:
-            blocks.append(answer["missing"])
+        elif answer.missing:
+            blocks.append(answer.missing)
         else:
             blocks += [f"rank {by_pid[pid]} (pid {pid}, host {link.name})\n{text.rstrip()}"
-                       for pid, text in sorted(answer["stacks"].items())]
+                       for pid, text in sorted(answer.stacks.items())]
     return NativeStackText("\n\n".join(blocks) or "no live rank to look at")
 
 

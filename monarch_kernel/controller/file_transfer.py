@@ -104,10 +104,10 @@ async def _put_file(ops: HostOps, link: HostLink, path: str, target: str, progre
     size = info.st_size
     begin = await ops.send(link, PutBegin(target, size))
     digest, offset = hashlib.sha256(), 0
-    if begin["partial"]:
-        ours = await asyncio.to_thread(prefix_digest, path, begin["partial"])
-        if ours is not None and ours.hexdigest() == begin["sha256"]:
-            digest, offset = ours, begin["partial"]
+    if begin.partial:
+        ours = await asyncio.to_thread(prefix_digest, path, begin.partial)
+        if ours is not None and ours.hexdigest() == begin.sha256:
+            digest, offset = ours, begin.partial
             result.bytes_resumed += offset
             progress.bytes_done += offset
     offsets = list(range(offset, size, CHUNK)) or [0]
@@ -141,9 +141,8 @@ async def get_host(ops: HostOps, link: HostLink, src: str, dst: str, progress: P
     """Copy path `src` of one host (a file, or a folder's files) to the local path `dst`."""
     result = TransferResult(link.name)
     described = await ops.send(link, DescribePath(src))
-    remote = described["path"]
-    files: dict[str, int] = described["files"]
-    modes: dict[str, int] = described.get("modes", {})
+    remote = described.path
+    files, modes = described.files, described.modes
     progress.files_total = len(files)
     progress.bytes_total = sum(files.values())
     for rel, size in files.items():
@@ -169,7 +168,7 @@ async def _get_file(ops: HostOps, link: HostLink, remote: str, local: str, size:
     if 0 < have <= size:
         theirs = await ops.send(link, PrefixDigest(remote, have))
         ours = await asyncio.to_thread(prefix_digest, partial, have)
-        if ours is not None and ours.hexdigest() == theirs["sha256"]:
+        if ours is not None and ours.hexdigest() == theirs.sha256:
             digest, offset = ours, have
             result.bytes_resumed += have
             progress.bytes_done += have
@@ -180,7 +179,7 @@ async def _get_file(ops: HostOps, link: HostLink, remote: str, local: str, size:
             return ops.send(link, ReadChunk(remote, at, min(CHUNK, size - at)))
 
         async def finish(_at: int, answer: Any) -> None:
-            data = answer["data"]
+            data = answer.data
             def take() -> None:
                 digest.update(data)
                 out.write(data)
@@ -193,7 +192,7 @@ async def _get_file(ops: HostOps, link: HostLink, remote: str, local: str, size:
         out.truncate(size)
         out.flush()
         check = await ops.send(link, Checksum(remote))
-        if check["size"] != size or check["sha256"] != digest.hexdigest():
+        if check.size != size or check.sha256 != digest.hexdigest():
             os.unlink(partial)
             raise RuntimeError("the file changed on the host while it was read (checksums differ); get it again")
         finish_partial(out.fileno(), partial, local, mode)

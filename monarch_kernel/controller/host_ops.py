@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from monarch_kernel.controller.state import HostLink
 from monarch_kernel.wire import messages as m
-from monarch_kernel.wire.ops import HostOperation
+from monarch_kernel.wire.ops import Answering, is_host_operation
+
+Answer = TypeVar("Answer")
 
 
 @dataclass
@@ -35,13 +37,15 @@ class HostOps:
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
-        self._waiting: dict[int, tuple[HostLink, asyncio.Future[Any]]] = {}
+        self._waiting: dict[int, tuple[HostLink, asyncio.Future[Any], type]] = {}
 
-    def send(self, link: HostLink, op: HostOperation) -> asyncio.Future[Any]:
-        """Send an operation (`wire/ops.py`) to link's agent; the future holds its result (loop thread only)."""
+    def send(self, link: HostLink, op: Answering[Answer]) -> asyncio.Future[Answer]:
+        """Send an operation (`wire/ops.py`) to link's agent; the future holds its typed answer (loop thread only)."""
+        if not is_host_operation(op):
+            raise TypeError(f"{type(op).__name__} is not a host operation (wire/ops.py)")
         op_id = next(self._ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[op_id] = (link, future)
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._waiting[op_id] = (link, future, type(op).answer)
         if not link.send(m.HostOp(op_id, op)):
             self._waiting.pop(op_id)
             future.set_exception(HostOpFailed(f"host {link.name} is not connected"))
@@ -52,14 +56,18 @@ class HostOps:
         entry = self._waiting.pop(msg.op_id, None)
         if entry is None or entry[1].done():
             return
+        _, future, answer = entry
         if msg.error:
-            entry[1].set_exception(HostOpFailed(f"host {link.name}: {msg.error}"))
+            future.set_exception(HostOpFailed(f"host {link.name}: {msg.error}"))
+        elif not isinstance(msg.result, answer):
+            future.set_exception(HostOpFailed(f"host {link.name} answered {type(msg.result).__name__} where "
+                                              f"{answer.__name__} was due (another monarch_kernel version?)"))
         else:
-            entry[1].set_result(msg.result)
+            future.set_result(msg.result)
 
     def lost(self, link: HostLink, why: str) -> None:
         """Every operation waiting on link fails."""
-        for op_id, (waiting_on, future) in list(self._waiting.items()):
+        for op_id, (waiting_on, future, _) in list(self._waiting.items()):
             if waiting_on is link:
                 del self._waiting[op_id]
                 if not future.done():

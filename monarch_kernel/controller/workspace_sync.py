@@ -22,7 +22,7 @@ from typing import Any
 from monarch_kernel.controller.host_ops import HostOps, Progress
 from monarch_kernel.controller.state import HostLink
 from monarch_kernel.core.workspace import file_sha256
-from monarch_kernel.wire.ops import HashFiles, ListFiles, WriteFiles
+from monarch_kernel.wire.ops import HashFiles, ListFiles, WorkspaceListing, WriteFiles
 
 CHUNK = 8 << 20  # bytes per write operation (small files share one)
 BATCH_FILES = 1024  # files per write operation at most (a frame holds 4096 buffers)
@@ -284,10 +284,10 @@ async def sync_hosts(ops: HostOps, links: list[HostLink], key: str, found: Scan,
     listings = await asyncio.gather(*(ops.send(link, ListFiles(key)) for link in links),
                                     return_exceptions=True)
     writer: dict[str, HostLink] = {}
-    listed: dict[str, dict[str, Any]] = {}
+    listed: dict[str, WorkspaceListing] = {}
     for link, listing in zip(links, listings):
-        if isinstance(listing, dict):
-            writer.setdefault(listing["fsid"], link)
+        if isinstance(listing, WorkspaceListing):
+            writer.setdefault(listing.fsid, link)
             listed[link.name] = listing
     writers = list(writer.values())
     written = await asyncio.gather(*(sync_host(ops, link, key, found, progress[link.name], listed[link.name])
@@ -298,22 +298,22 @@ async def sync_hosts(ops: HostOps, links: list[HostLink], key: str, found: Scan,
         if isinstance(listing, BaseException):
             results.append(listing)
             continue
-        leader = writer[listing["fsid"]]
+        leader = writer[listing.fsid]
         outcome = by_writer[leader.name]
         if leader is link or isinstance(outcome, BaseException):
             results.append(outcome)
         else:
-            results.append(HostResult(link.name, root=listing["root"], unchanged=len(found.files),
+            results.append(HostResult(link.name, root=listing.root, unchanged=len(found.files),
                                       state=outcome.state, shared_with=leader.name))
     return results
 
 
 async def sync_host(ops: HostOps, link: HostLink, key: str, found: Scan, progress: Progress,
-                    listing: dict[str, Any]) -> HostResult:
+                    listing: WorkspaceListing) -> HostResult:
     """Bring one host's copy of workspace `key` (as `listing` shows it) level with `found`."""
     result = HostResult(link.name)
-    result.root = listing["root"]
-    remote: dict[str, tuple[int, int, int]] = listing["files"]
+    result.root = listing.root
+    remote = listing.files
     sends, maybe_same = [], []
     for rel, local in found.files.items():
         there = remote.get(rel)
@@ -325,7 +325,7 @@ async def sync_host(ops: HostOps, link: HostLink, key: str, found: Scan, progres
             result.unchanged += 1
     touches: dict[str, int] = {}
     if maybe_same:  # same size, another mtime: compare contents before sending
-        theirs = (await ops.send(link, HashFiles(key, maybe_same)))["hashes"]
+        theirs = (await ops.send(link, HashFiles(key, maybe_same))).hashes
         ours = await asyncio.to_thread(lambda: {rel: local_sha256(found.files[rel].path) for rel in maybe_same})
         for rel in maybe_same:
             if ours[rel] and ours[rel] == theirs.get(rel):
@@ -344,7 +344,7 @@ async def sync_host(ops: HostOps, link: HostLink, key: str, found: Scan, progres
     async def settle(limit: int) -> None:
         while len(in_flight) > limit:
             done = await in_flight.pop(0)
-            for line in done["errors"]:  # one line per file (its later chunks fail the same way)
+            for line in done.errors:  # one line per file (its later chunks fail the same way)
                 rel = line.split(":", 1)[0]
                 if rel not in failed:
                     failed.add(rel)

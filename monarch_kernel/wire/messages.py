@@ -62,7 +62,7 @@ from monarch_kernel.wire.actor_messages import (
     Through as Through,
 )
 from monarch_kernel.wire.message_pickling import fast_pickling
-from monarch_kernel.wire.ops import HostOperation, RankOperation
+from monarch_kernel.wire.ops import HostOperation, HostOperationResult, RankOperation
 from monarch_kernel.wire.serialization import Sealed
 
 # ---------------------------------------------------------------- controller -> rank
@@ -374,9 +374,9 @@ class HostOpDone:
     """The agent's answer to a HostOp: its result, or what went wrong."""
 
     op_id: int
-    result: Any
+    result: HostOperationResult | None
     error: str = ""
 
 
 fast_pickling(vars().values(), __name__)
-fast_pickling(ops.RANK_OPERATIONS + ops.HOST_OPERATIONS, ops.__name__)
+fast_pickling(ops.RANK_OPERATIONS + ops.HOST_OPERATIONS + ops.HOST_OPERATION_RESULTS, ops.__name__)

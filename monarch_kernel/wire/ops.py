@@ -14,11 +14,13 @@ are `Sealed`, so whoever routes the operation never unpickles them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, ClassVar, Generic, TypeGuard, TypeVar, get_args, get_origin
 
 from monarch_kernel.core.identity import ActorIdentity
 from monarch_kernel.core.shape import Shape
 from monarch_kernel.wire.serialization import Sealed
+
+Answer = TypeVar("Answer")
 
 # ---------------------------------------------------------------- rank operations
 
@@ -170,20 +172,132 @@ RankOperation = (SpawnActors | StopActors | StopAllActors | Describe | PostMorte
 RANK_OPERATIONS: tuple[type, ...] = get_args(RankOperation)  # (the list is written once, as the union)
 ACTOR_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors)  # what a rank's system actor takes from others
 
-# ---------------------------------------------------------------- host operations (the agent's own files)
+# ---------------------------------------------------------------- what the agent answers to host operations
 
 
 @dataclass(frozen=True)
-class PutBegin:
-    """A put of one file begins: what an earlier, interrupted put left (its length and sha256)."""
+class PutStarted:
+    """What an earlier, interrupted put of the file left: `partial` bytes whose sha256 is `sha256` (0, "": none),
+    and the path the file will have."""
+
+    partial: int
+    sha256: str
+    path: str
+
+
+@dataclass(frozen=True)
+class ChunkWritten:
+    """A put's chunk is written; the partial file now ends at `end`."""
+
+    end: int
+
+
+@dataclass(frozen=True)
+class PutFinished:
+    """The put's file is in place at `path`."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class PathListing:
+    """A path to get: its files (relative path -> size; "" for the path itself when it is a file) and their modes."""
+
+    path: str
+    folder: bool
+    files: dict[str, int]
+    modes: dict[str, int]
+
+
+@dataclass(frozen=True)
+class ChunkRead:
+    """Bytes of a file (a PickleBuffer: they travel out of band)."""
+
+    data: Any
+
+
+@dataclass(frozen=True)
+class FileChecksum:
+    """A file's sha256 and size."""
+
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class PrefixChecksum:
+    """The sha256 of a file's first bytes."""
+
+    sha256: str
+
+
+@dataclass(frozen=True)
+class WorkspaceListing:
+    """A host's copy of a workspace: its folder, its files (path -> (size, mtime_ns, mode)) and the id of the
+    filesystem it lies on (hosts that share one are written once)."""
+
+    root: str
+    files: dict[str, tuple[int, int, int]]
+    fsid: str
+
+
+@dataclass(frozen=True)
+class WorkspaceHashes:
+    """The sha256 of each file asked for (path -> hex digest)."""
+
+    hashes: dict[str, str]
+
+
+@dataclass(frozen=True)
+class WorkspaceWritten:
+    """What a WriteFiles did: files completed, bytes written, files deleted, and a line per file that failed."""
+
+    root: str
+    written: int
+    bytes: int
+    deleted: int
+    errors: list[str]
+
+
+@dataclass(frozen=True)
+class NativeStacksFound:
+    """py-spy's dump per pid, or (`missing`) why there is none on this host."""
+
+    stacks: dict[int, str]
+    missing: str = ""
+
+
+HostOperationResult = (PutStarted | ChunkWritten | PutFinished | PathListing | ChunkRead | FileChecksum
+                       | PrefixChecksum | WorkspaceListing | WorkspaceHashes | WorkspaceWritten | NativeStacksFound)
+HOST_OPERATION_RESULTS: tuple[type, ...] = get_args(HostOperationResult)
+
+
+# ---------------------------------------------------------------- host operations (the agent's own files)
+
+
+class Answering(Generic[Answer]):
+    """A host operation whose answer is an `Answer` (the agent's handler returns one; `HostOps.send`'s future
+    holds it, and refuses anything else)."""
+
+    answer: ClassVar[type]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in getattr(cls, "__orig_bases__", ()):
+            if get_origin(base) is Answering:
+                cls.answer = get_args(base)[0]
+
+@dataclass(frozen=True)
+class PutBegin(Answering[PutStarted]):
+    """A put of one file begins. Answer: `PutStarted` (what an earlier, interrupted put left)."""
 
     path: str
     size: int
 
 
 @dataclass(frozen=True)
-class PutChunk:
-    """Bytes of a put at `offset` (`data` travels out of band)."""
+class PutChunk(Answering[ChunkWritten]):
+    """Bytes of a put at `offset` (`data` travels out of band). Answer: `ChunkWritten`."""
 
     path: str
     offset: int
@@ -191,8 +305,9 @@ class PutChunk:
 
 
 @dataclass(frozen=True)
-class PutEnd:
-    """A put is complete: check the whole file's sha256, then put it in place with its mode and time."""
+class PutEnd(Answering[PutFinished]):
+    """A put is complete: check the whole file's sha256, then put it in place with its mode and time.
+    Answer: `PutFinished`."""
 
     path: str
     size: int
@@ -202,15 +317,15 @@ class PutEnd:
 
 
 @dataclass(frozen=True)
-class DescribePath:
-    """What a get will fetch: one file, or a folder's files, with sizes and modes."""
+class DescribePath(Answering[PathListing]):
+    """What a get will fetch: one file, or a folder's files, with sizes and modes. Answer: `PathListing`."""
 
     path: str
 
 
 @dataclass(frozen=True)
-class ReadChunk:
-    """Bytes of a file from `offset`."""
+class ReadChunk(Answering[ChunkRead]):
+    """Bytes of a file from `offset`. Answer: `ChunkRead`."""
 
     path: str
     offset: int
@@ -218,38 +333,39 @@ class ReadChunk:
 
 
 @dataclass(frozen=True)
-class Checksum:
-    """A file's sha256 and size."""
+class Checksum(Answering[FileChecksum]):
+    """A file's sha256 and size. Answer: `FileChecksum`."""
 
     path: str
 
 
 @dataclass(frozen=True)
-class PrefixDigest:
-    """The sha256 of a file's first `length` bytes (to resume a get)."""
+class PrefixDigest(Answering[PrefixChecksum]):
+    """The sha256 of a file's first `length` bytes (to resume a get). Answer: `PrefixChecksum`."""
 
     path: str
     length: int
 
 
 @dataclass(frozen=True)
-class ListFiles:
-    """Every file of the host's copy of workspace `key`: path -> (size, mtime_ns, mode)."""
+class ListFiles(Answering[WorkspaceListing]):
+    """Every file of the host's copy of workspace `key`. Answer: `WorkspaceListing`."""
 
     key: str
 
 
 @dataclass(frozen=True)
-class HashFiles:
-    """The sha256 of each named file of workspace `key`'s copy."""
+class HashFiles(Answering[WorkspaceHashes]):
+    """The sha256 of each named file of workspace `key`'s copy. Answer: `WorkspaceHashes`."""
 
     key: str
     paths: list[str]
 
 
 @dataclass(frozen=True)
-class WriteFiles:
-    """Apply chunks (rel, mode, mtime_ns, offset, total size, data), deletions and mtime fixes to a copy."""
+class WriteFiles(Answering[WorkspaceWritten]):
+    """Apply chunks (rel, mode, mtime_ns, offset, total size, data), deletions and mtime fixes to a copy.
+    Answer: `WorkspaceWritten`."""
 
     key: str
     files: list[tuple[str, int, int, int, int, Any]]
@@ -258,8 +374,9 @@ class WriteFiles:
 
 
 @dataclass(frozen=True)
-class NativeStacks:
-    """Native and Python stacks of these processes of the host, from py-spy (`%mesh stacks --native`)."""
+class NativeStacks(Answering[NativeStacksFound]):
+    """Native and Python stacks of these processes of the host, from py-spy (`%mesh stacks --native`).
+    Answer: `NativeStacksFound`."""
 
     pids: tuple[int, ...]
 
@@ -267,3 +384,8 @@ class NativeStacks:
 HostOperation = (PutBegin | PutChunk | PutEnd | DescribePath | ReadChunk | Checksum | PrefixDigest | ListFiles
                  | HashFiles | WriteFiles | NativeStacks)
 HOST_OPERATIONS: tuple[type, ...] = get_args(HostOperation)
+
+
+def is_host_operation(op: object) -> TypeGuard[HostOperation]:
+    """Whether `op` is one of the host operations an agent carries out."""
+    return isinstance(op, HOST_OPERATIONS)
