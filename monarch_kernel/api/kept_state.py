@@ -10,9 +10,8 @@ from typing import Any
 from monarch_kernel.actors.client import ActorMesh
 from monarch_kernel.controller.persistence import DetachedResult, PersistentRuntime
 from monarch_kernel.core.errors import MeshUsageError
-from monarch_kernel.core.shape import Shape
 from monarch_kernel.core.values import ValueMesh
-from monarch_kernel.wire.ops import ListActorMeshes, RankOperation
+from monarch_kernel.wire.ops import ActorMeshEntry, ListActorMeshes, RankOperation
 
 
 class KeptState:
@@ -31,11 +30,12 @@ class KeptState:
         if name not in found:
             raise MeshUsageError(f"no actor mesh named {name!r} on mesh {self._runtime.name!r} "
                                  f"(actor meshes: {', '.join(sorted(found)) or 'none'})")
-        key, class_name, endpoints, parameters, shape = found[name]
-        return ActorMesh(self._runtime.name, name, class_name, frozenset(endpoints), shape, key, parameters)
+        entry = found[name]
+        return ActorMesh(self._runtime.name, name, entry.class_name, frozenset(entry.endpoints), entry.shape, entry.key,
+                         entry.parameters)
 
-    def _found_actor_meshes(self) -> dict[str, tuple[str, str, frozenset[str], dict[str, Any], Shape]]:
-        found: dict[str, tuple[str, str, frozenset[str], dict[str, Any], Shape]] = {}
+    def _found_actor_meshes(self) -> dict[str, ActorMeshEntry]:
+        found: dict[str, ActorMeshEntry] = {}
         for per_rank in self._ask(ListActorMeshes(), "actor_meshes()").values():
             for name, entry in (per_rank or {}).items():
                 found.setdefault(name, entry)

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.texttable import text_table
-from monarch_kernel.wire.ops import ReadClock, StartProfile, StopProfile
+from monarch_kernel.wire.ops import ProfileTrace, ReadClock, StartProfile, StopProfile
 
 T = TypeVar("T")
 CLOCK_ROUNDS = 5
@@ -68,17 +68,17 @@ def profiled(ask: Callable[[Any], dict[int, Any]], run: Callable[[], T], folder:
         show(report.text())
 
 
-def write_trace(answers: dict[int, dict[str, Any]], offsets: dict[int, float], folder: str,
+def write_trace(answers: dict[int, ProfileTrace], offsets: dict[int, float], folder: str,
                 label: str) -> ProfileReport:
     """Merge the ranks' traces into one file (gzip JSON) in `folder`; its report."""
-    starts = {rank: a["base_us"] - offsets.get(rank, 0.0) for rank, a in answers.items()}
+    starts = {rank: a.base_us - offsets.get(rank, 0.0) for rank, a in answers.items()}
     origin = min(starts.values(), default=0.0)
     events: list[dict[str, Any]] = []
     for rank, answer in sorted(answers.items()):
         shift = starts[rank] - origin
         events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
-        for event in answer["events"]:
+        for event in answer.events:
             if event.get("ph") == "M" and event.get("name") in ("process_name", "process_sort_index", "process_labels"):
                 continue  # (the rank's own: "python"; ours name it by rank)
             event = dict(event, pid=rank)
@@ -94,11 +94,11 @@ def write_trace(answers: dict[int, dict[str, Any]], offsets: dict[int, float], f
     return ProfileReport(path, tuple(sorted(answers)), offsets, top_operations(answers))
 
 
-def top_operations(answers: dict[int, dict[str, Any]]) -> list[tuple[str, int, float, int, float]]:
+def top_operations(answers: dict[int, ProfileTrace]) -> list[tuple[str, int, float, int, float]]:
     """The operations that took most self time over all ranks, each with the rank it took longest on."""
     total: dict[str, list[Any]] = {}
     for rank, answer in answers.items():
-        for name, calls, self_us in answer["ops"]:
+        for name, calls, self_us in answer.ops:
             entry = total.setdefault(name, [0, 0.0, rank, -1.0])
             entry[0] += calls
             entry[1] += self_us

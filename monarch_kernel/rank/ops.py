@@ -101,8 +101,9 @@ class RankOps:
         return self.actors.spawn(op.name, op.key, cls, args, kwargs, op.shape, op.sources, op.creator,
                                  op.supervise_constructor)
 
-    def _actor_meshes(self) -> dict[str, tuple[str, str, frozenset[str], dict[str, Any], Shape]]:
-        return {name: (key, type(instance).__name__, type(instance)._endpoints, endpoint_parameters(type(instance)), shape)
+    def _actor_meshes(self) -> dict[str, ops.ActorMeshEntry]:
+        return {name: ops.ActorMeshEntry(key, type(instance).__name__, type(instance)._endpoints,
+                                         endpoint_parameters(type(instance)), shape)
                 for name, key, instance, shape in self.actors.meshes()}
 
     def _describe(self, op: ops.Describe) -> Any:

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from monarch_kernel.wire.ops import ProfileTrace
+
 TOP_OPERATIONS = 30
 _running: list[Any] = []  # the profiler of the cell being profiled on this rank
 
@@ -31,9 +33,8 @@ def start() -> bool:
     return True
 
 
-def stop() -> dict[str, Any]:
-    """Stop it; this rank's chrome trace (its events and its time base) and its top operations by
-    self time: {"events", "base_us", "ops": [(name, calls, self_us)]}."""
+def stop() -> ProfileTrace:
+    """Stop it; this rank's chrome trace (its events and its time base) and its top operations by self time."""
     if not _running:
         raise RuntimeError("no profile is running on this rank")
     profiler = _running.pop()
@@ -48,8 +49,8 @@ def stop() -> dict[str, Any]:
     finally:
         os.unlink(path)
     averages = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)[:TOP_OPERATIONS]
-    return {"events": trace.get("traceEvents", []), "base_us": int(trace.get("baseTimeNanoseconds", 0)) / 1000,
-            "ops": [(e.key, int(e.count), float(e.self_cpu_time_total)) for e in averages]}
+    return ProfileTrace(trace.get("traceEvents", []), int(trace.get("baseTimeNanoseconds", 0)) / 1000,
+                        [(e.key, int(e.count), float(e.self_cpu_time_total)) for e in averages])
 
 
 def stop_quietly() -> None:

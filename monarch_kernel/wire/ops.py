@@ -152,7 +152,17 @@ class StartProfile:
 
 @dataclass(frozen=True)
 class StopProfile:
-    """Stop it. Answer: {"events": the chrome trace's events, "base_us": their time base, "ops": top operations}."""
+    """Stop it. Answer: `ProfileTrace`."""
+
+
+@dataclass(frozen=True)
+class ProfileTrace:
+    """A rank's profile: its chrome trace's events, their time base (microseconds of its wall clock), and its
+    top operations by self time, (name, calls, self microseconds)."""
+
+    events: list[dict[str, Any]]
+    base_us: float
+    ops: list[tuple[str, int, float]]
 
 
 @dataclass(frozen=True)
@@ -163,7 +173,18 @@ class ReadClock:
 @dataclass(frozen=True)
 class ListActorMeshes:
     """The actor meshes on the rank (for a kernel that attached to a mesh it did not start).
-    Answer: name -> (spawn key, class name, endpoints, their parameters, shape)."""
+    Answer: name -> `ActorMeshEntry`."""
+
+
+@dataclass(frozen=True)
+class ActorMeshEntry:
+    """One actor mesh a rank serves: its spawn key, class name, endpoints with their parameters, and shape."""
+
+    key: str
+    class_name: str
+    endpoints: frozenset[str]
+    parameters: dict[str, Any]
+    shape: Shape
 
 
 RankOperation = (SpawnActors | StopActors | StopAllActors | Describe | PostMortem | UseWorkspace | SetAutoreload | Versions
