@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,7 @@ from monarch_kernel.rank.call_stops import SyncCallStops
 from monarch_kernel.rank.cell import describe_failure
 from monarch_kernel.rank.deadlocks import WaitGraph
 from monarch_kernel.rank.interrupts import MainThreadInterrupts
-from monarch_kernel.rank.mailbox import Mailbox, Mailboxes, context_at, point_of, prepare_call
+from monarch_kernel.rank.mailbox import Mailbox, Mailboxes, context_at, point_of, prepare_call, serves_async
 from monarch_kernel.rank.ops import RankOps, SystemActor
 from monarch_kernel.rank.rank_sender import RankSender
 from monarch_kernel.rank.user_threads import OWN_THREAD_PREFIX, MainThreadJobs, OwnThreads
@@ -110,13 +111,12 @@ class ActorHost:
                                              shape, spawner))
         token, owner = current_point.set(point), current_actor.set(key)
         try:
-            instance = cls(*args, **kwargs)
+            instance = self._construct(cls, args, kwargs)
         except Exception as exc:
             forget_identity(key)
             if not supervise_constructor:
                 raise
-            shown = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__
-                                                                else None))  # (from the constructor down)
+            shown = "".join(traceback.format_exception(type(exc), exc, _from_constructor(exc.__traceback__)))
             failure = ConstructorFailed(self.rank, type(exc).__name__, str(exc), shown)
             self._add(Mailbox(name, key, None, shape, point, slot=slot, failed=Failure.of(
                 FailureCause.ACTOR_FAILED, f"actor {name!r} ({cls.__name__}) on rank {self.rank} failed: its "
@@ -130,6 +130,26 @@ class ActorHost:
             current_actor.reset(owner)
         self._add(Mailbox(name, key, instance, shape, point, slot=slot))
         return f"{cls.__name__} on rank {self.rank}"
+
+    def _construct(self, cls: type, args: tuple, kwargs: dict) -> Any:
+        """cls(*args, **kwargs). An actor that serves async endpoints is made on the rank's event loop, the
+        thread its endpoints run on, as Monarch makes it: thread-local state its `__init__` sets is theirs."""
+        loop = self.loop
+        if not serves_async(cls) or loop is None or loop.is_closed() or threading.get_ident() == self._loop_thread:
+            return cls(*args, **kwargs)
+        made: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        context = contextvars.copy_context()  # (the actor's point and key, set by spawn)
+
+        def construct() -> None:
+            if not made.set_running_or_notify_cancel():
+                return
+            try:
+                made.set_result(context.run(cls, *args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - raised again in the spawning thread
+                made.set_exception(exc)
+
+        loop.call_soon_threadsafe(construct)
+        return made.result()  # (a stop of the spawn interrupts this wait; the constructor then ends on the loop)
 
     def _add(self, box: Mailbox) -> None:
         self.stop(box.slot, replaced=True)
@@ -511,3 +531,12 @@ class ActorHost:
         with self._lock:
             box.busy = box.in_async = False
         self._drain(box)
+
+
+def _from_constructor(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """A failed constructor's traceback from the constructor down (without spawn's own frames and the wait for
+    a constructor that ran on the event loop)."""
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                              or tb.tb_frame.f_code.co_filename == concurrent.futures._base.__file__):
+        tb = tb.tb_next
+    return tb

@@ -46,7 +46,7 @@ class Mailbox:
             if method is None or not (is_endpoint(method) or name == SUPERVISE):
                 return None  # only @endpoint methods answer calls (and __supervise__, asked by the controller)
             label = f"{type(self.instance).__name__}.{name}"
-            if name == SUPERVISE and _serves_async(type(self.instance)):
+            if name == SUPERVISE and serves_async(type(self.instance)):
                 # as in Monarch, an async actor hears of a failure while its endpoints run (one of them may
                 # be waiting for exactly that): its __supervise__ runs on the loop beside them
                 found = (_on_loop(method), True, label, False, True)
@@ -56,7 +56,7 @@ class Mailbox:
         return found
 
 
-def _serves_async(cls: type) -> bool:
+def serves_async(cls: type) -> bool:
     """Whether an actor class's endpoints are async (it then serves them on the rank's event loop)."""
     return any(inspect.iscoroutinefunction(getattr(cls, n, None)) for n in getattr(cls, "_endpoints", ()))
 
