@@ -15,14 +15,16 @@ there (`this_host()`, `mesh.host_mesh()`) carries how to start a mesh on its hos
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from monarch_kernel.actors.base import Actor, check_endpoint_kinds
 from monarch_kernel.actors.client import ActorMesh, system_actors
 from monarch_kernel.actors.ports import Channel, Port, PortReceiver
+from monarch_kernel.actors.rank_loop import run_on_rank_loop
 from monarch_kernel.actors.spawning import spawn_actor_mesh
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.future import DoneFuture, Future
@@ -128,11 +130,13 @@ class HostMesh(MeshShaped):
         picked = [self._hosts[i] for i in shape.ranks]
         return HostMesh(picked, Shape(shape.dims, tuple(range(len(picked)))), self._start)
 
-    def spawn_procs(self, per_host: dict[str, int] | None = None, bootstrap: Callable[[], None] | None = None,
+    def spawn_procs(self, per_host: dict[str, int] | None = None,
+                    bootstrap: Callable[[], None] | Callable[[], Awaitable[None]] | None = None,
                     name: str | None = None, **mesh_options: Any) -> ProcMesh:
         """Start `per_host` processes on each host (e.g. {"gpus": 4}); returns their ProcMesh.
 
-        `bootstrap` runs once in each new process before it is handed out. `mesh_options`
+        `bootstrap` runs once in each new process before it is handed out (an `async def` one on the
+        process's actor event loop, as an async endpoint would run). `mesh_options`
         go to the mesh (`dist`, `env`, `preload`, `timeout`, ...): by default a local mesh
         is started as `%mesh up local` starts one, and processes on another mesh's hosts
         copy that mesh's settings.
@@ -158,7 +162,7 @@ class HostMesh(MeshShaped):
             mesh = self._start(self._hosts, count, name, mesh_options)
         try:
             if bootstrap is not None:
-                mesh.call(lambda: bootstrap())
+                mesh.call(_run_bootstrap, bootstrap)
         except BaseException:
             mesh.shutdown()
             raise
@@ -291,3 +295,10 @@ def this_proc_of_rank() -> ProcMesh:
     if sender is None or sender.own_rank is None:
         raise MeshUsageError("this_proc_of_rank() runs on ranks")
     return ProcMesh("", Shape((), (sender.own_rank,)))
+
+
+def _run_bootstrap(bootstrap: Callable[[], Any]) -> None:
+    """On a new process: run `bootstrap`, and a coroutine it returns on the process's actor loop."""
+    result = bootstrap()
+    if inspect.iscoroutine(result):
+        run_on_rank_loop(result)

@@ -28,6 +28,7 @@ from typing import Any
 
 from monarch_kernel.actors.base import SYSTEM_ACTOR, current_actor, current_point
 from monarch_kernel.actors.identities import forget_identity, register_identity
+from monarch_kernel.actors.rank_loop import set_rank_loop
 from monarch_kernel.core.identity import ActorIdentity, root_identity
 from monarch_kernel.core.shape import Point, Shape
 from monarch_kernel.core.supervision import SUPERVISE
@@ -85,6 +86,7 @@ class ActorHost:
         """Deliver calls and run async endpoints on `loop`, in the calling thread (the rank's loop thread)."""
         self.loop, self._loop_thread = loop, threading.get_ident()
         asyncio.set_event_loop(loop)
+        set_rank_loop(loop)
         loop.run_forever()
 
     def on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
