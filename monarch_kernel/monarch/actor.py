@@ -26,10 +26,12 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+from monarch_kernel.actors import log_prefix as config  # Monarch's monarch.actor.config
 from monarch_kernel.actors.base import Actor, concurrent_endpoint, current_rank, current_size, endpoint
 from monarch_kernel.actors.client import ActorMesh
 from monarch_kernel.actors.context import Context, Instance, client_proc_from, context, current_actor_name
 from monarch_kernel.actors.helpers import Accumulator, send
+from monarch_kernel.actors.log_prefix import install as install_log_prefix
 from monarch_kernel.actors.ports import Channel, Port, PortReceiver
 from monarch_kernel.actors.procs import (
     HostMesh,
@@ -46,6 +48,7 @@ from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire.calls import find_sender
 
 __all__ = [
+    "config",
     "Accumulator",
     "Actor",
     "ActorError",
@@ -108,6 +111,7 @@ def this_proc() -> ProcMesh:
 
 
 client_proc_from(this_proc)
+install_log_prefix(client=not _on_rank())  # Monarch's "[actor=...] " before log messages (in the client: <root>)
 
 A = TypeVar("A", bound=Actor)
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from monarch_kernel.actors.base import SYSTEM_ACTOR, current_actor, current_point
 from monarch_kernel.actors.identities import forget_identity, register_identity
+from monarch_kernel.actors.log_prefix import install as install_log_prefix
 from monarch_kernel.actors.rank_loop import set_rank_loop
 from monarch_kernel.core.identity import ActorIdentity, root_identity
 from monarch_kernel.core.shape import Point, Shape
@@ -111,6 +112,7 @@ class ActorHost:
         slot = name if spawner.creator is None else f"{spawner.qualified_name()}\n{name}"  # (no name holds a newline)
         register_identity(key, ActorIdentity(name, f"{cls.__module__}.{cls.__qualname__}", point, self.mesh_name,
                                              shape, spawner))
+        install_log_prefix()  # (with the rank's first actor: records its actors log name them, as Monarch's)
         token, owner = current_point.set(point), current_actor.set(key)
         try:
             instance = self._construct(cls, args, kwargs)
