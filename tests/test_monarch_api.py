@@ -159,6 +159,18 @@ def test_a_receive_times_out_and_a_closed_receiver_drops_later_messages(procs):
     answerers.slice(gpus=1).send_through.call_one(port).get()  # nobody listens: no error, nothing kept
 
 
+@pytest.mark.timeout(60)
+def test_a_pending_receive_keeps_its_port_open_after_the_receiver_is_dropped(procs):
+    """A future from recv() outlived its receiver: the port closed and the message sent to it was lost (the
+    future never finished); get_or_spawn_controller on a rank hands such a future back."""
+    answerers = procs.spawn("keepers", Answerer)
+    port, receiver = Channel.open()
+    pending = receiver.recv()
+    del receiver
+    answerers.slice(gpus=1).send_through.call_one(port).get()
+    assert pending.get(timeout=10) == "from elsewhere"
+
+
 def test_endpoint_names_that_handles_use_are_refused(procs):
     class Clashing(Actor):
         @endpoint

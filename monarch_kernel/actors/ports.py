@@ -99,9 +99,9 @@ class PortReceiver(Generic[R]):
         self._ranked = ranked
         self._held = held or _Held(port)  # the port closes when no receiver of it is left
 
-    def recv(self) -> Future[R]:
-        """The next message (in arrival order); `.get(timeout)` or await it."""
-        return _Received(self._port, self._ranked)
+    def recv(self, timeout: float | None = None) -> Future[R]:
+        """The next message (in arrival order); `.get(timeout)` or await it (`timeout`: get()'s default)."""
+        return _Received(self._port, self._ranked, timeout, self._held)
 
     def ranked(self) -> PortReceiver[tuple[int, R]]:
         """A receiver of (sender's rank, value) pairs from the same port (the notebook's rank is -1)."""
@@ -139,9 +139,10 @@ class Channel(Generic[R]):
 class _Received(Future[Any]):
     """The next message of an open port."""
 
-    def __init__(self, port: OpenPort, ranked: bool):
-        super().__init__()
+    def __init__(self, port: OpenPort, ranked: bool, timeout: float | None = None, held: _Held | None = None):
+        super().__init__(timeout)
         self._port = port
+        self._held = held  # the port stays open while this future waits, even if its receiver is dropped
         self._ranked = ranked
         self._taken: ActorReply | None = None
         self._take_lock = threading.Lock()

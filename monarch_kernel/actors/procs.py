@@ -259,7 +259,12 @@ class _StartedForActor:
 def _ask_notebook(op: StartProcs | StopProcs | GetController, what: str) -> Any:
     """Have the notebook start or stop processes for this rank's actor (or give it a controller); waits for its
     answer (serving)."""
+    return _asked_notebook(op, what).get()
 
+
+def _asked_notebook(op: StartProcs | StopProcs | GetController, what: str) -> Future[Any]:
+    """Ask the notebook as `_ask_notebook` does; the future of its answer (get() waits START_TIMEOUT_S at most;
+    an async endpoint awaits it without holding the rank's event loop)."""
     sender = find_sender("")
     if sender is None or sender.own_rank is None:
         raise MeshUsageError(f"{what} for an actor happens on a rank")
@@ -267,7 +272,7 @@ def _ask_notebook(op: StartProcs | StopProcs | GetController, what: str) -> Any:
     receiver: PortReceiver[Any]
     port, receiver = Channel.open(once=True)
     sender.send_up(ProcsRequest(sender.own_rank, (port._owner, port._port_id), op))
-    return receiver.recv().get(timeout=START_TIMEOUT_S)
+    return receiver.recv(timeout=START_TIMEOUT_S)
 
 
 def _start_from_rank(hosts: tuple[Any, ...], count: int, name: str | None, options: dict[str, Any],
@@ -277,11 +282,12 @@ def _start_from_rank(hosts: tuple[Any, ...], count: int, name: str | None, optio
     return _StartedForActor(mesh_name, shape)
 
 
-def controller_from_rank(name: str, actor_class: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ActorMesh:
+def controller_from_rank(name: str, actor_class: type, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Future[ActorMesh]:
     """get_or_spawn_controller in an endpoint: the notebook keeps the one actor of that name (spawning it now
-    if there is none) and hands it back."""
-    mesh: ActorMesh = _ask_notebook(GetController(name, seal((actor_class, args, kwargs))), "getting a controller")
-    return mesh
+    if there is none) and hands it back. Awaitable: the controller may be spawned on this very process, whose
+    event loop an async endpoint must not hold while it waits."""
+    return _asked_notebook(GetController(name, seal((actor_class, args, kwargs))), "getting a controller")
 
 
 def this_host_of_rank() -> HostMesh:

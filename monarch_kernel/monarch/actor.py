@@ -121,7 +121,7 @@ def get_or_spawn_controller(name: str, actor_class: type[A], *args: Any, **kwarg
     own process the first time it is asked for, from the notebook or from any actor's endpoint; every later
     ask gets the same actor, whatever it passes. `.get()` (or await) it, as in Monarch."""
     if _on_rank():
-        return DoneFuture(controller_from_rank(name, actor_class, args, kwargs))
+        return controller_from_rank(name, actor_class, args, kwargs)
     from monarch_kernel.api.actor_procs import ACTOR_PROCESSES  # noqa: PLC0415 - notebook side only
 
     return DoneFuture(ACTOR_PROCESSES.controller(name, actor_class, args, kwargs))
