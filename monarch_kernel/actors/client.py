@@ -23,6 +23,7 @@ from monarch_kernel.actors.ports import Port
 from monarch_kernel.core.errors import (
     ActorError,
     MeshNotRunningError,
+    MeshTimeoutError,
     MeshUsageError,
     SupervisionError,
     raise_for,
@@ -31,7 +32,7 @@ from monarch_kernel.core.failures import FailureKind, RankFailure
 from monarch_kernel.core.future import DoneFuture, Future
 from monarch_kernel.core.identity import ActorOrigin
 from monarch_kernel.core.ranksets import format_ranks
-from monarch_kernel.core.shape import MeshShaped, Shape
+from monarch_kernel.core.shape import MeshShaped, Point, Shape
 from monarch_kernel.core.supervision import MeshFailure, Owner, report_unhandled
 from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.core.values import ValueMesh
@@ -334,29 +335,46 @@ class EndpointHandle:
                                    to_port=True, mesh=away, through=mesh._through))
 
     def stream(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Iterator[ReplyFuture]:
-        """Call every actor; yield each reply (a done future with .rank) as it arrives."""
+        """Call every actor; one future per reply, in arrival order: the k-th is the k-th reply to arrive
+        (`.rank` and `.point` say whose). `.get()` or await each; nothing waits before that, so an async
+        endpoint can `[await f for f in mesh.ep.stream()]` without holding its event loop."""
         mesh = self._mesh
         pending = mesh._send(self._name, mesh.ranks, args, kwargs)
-        for count in range(1, len(pending.ranks) + 1):
-            ActorFuture(mesh, pending, lambda p: None, count).get(timeout)
-            yield ReplyFuture(mesh, pending, pending.arrivals[count - 1])
+        return iter([ReplyFuture(mesh, pending, nth, timeout) for nth in range(1, len(pending.ranks) + 1)])
 
     def __repr__(self) -> str:
         return f"<endpoint {self._mesh.class_name}.{self._name} on ranks {format_ranks(self._mesh.ranks)}>"
 
 
-class ReplyFuture(DoneFuture[Any]):
-    """One rank's reply from `stream()`: already done; `.get()` returns it or raises."""
+class ReplyFuture(ActorFuture[Any]):
+    """The `nth` reply of a `stream()` to arrive: `.get()` (the default timeout is the stream's) or await it;
+    `.rank` and `.point` name whose reply it is (they wait for it to arrive)."""
 
-    def __init__(self, mesh: ActorMesh, pending: PendingCall, rank: int):
-        super().__init__(None)
-        self._mesh, self._pending, self.rank = mesh, pending, rank
-        self.point = next(p for p in mesh.shape.points() if p.rank == rank)
+    def __init__(self, mesh: ActorMesh, pending: PendingCall, nth: int, timeout: float | None = None):
+        super().__init__(mesh, pending, self._nth_value, nth)
+        self._nth = nth
+        self._default_timeout = timeout
 
-    def _finish(self) -> Any:
-        return _single(self._pending, self._mesh, self.rank)
+    def _nth_value(self, pending: PendingCall) -> Any:
+        return _single(pending, self._mesh, pending.arrivals[self._nth - 1])
+
+    @property
+    def rank(self) -> int:
+        """The rank whose reply this is."""
+        if len(self._pending.arrivals) < self._nth and not self._wait(self._default_timeout):
+            raise MeshTimeoutError(f"reply {self._nth} of {self._pending.label} did not arrive within "
+                                   f"{self._default_timeout:g} s")
+        return self._pending.arrivals[self._nth - 1]
+
+    @property
+    def point(self) -> Point:
+        """Where that rank sits in the actor mesh."""
+        rank = self.rank
+        return next(p for p in self._mesh.shape.points() if p.rank == rank)
 
     def __repr__(self) -> str:
+        if len(self._pending.arrivals) < self._nth:
+            return f"<reply {self._nth} of {self._pending.label}: not in yet>"
         return f"<reply of {self._pending.label} from rank {self.rank}>"
 
 
