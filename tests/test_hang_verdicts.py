@@ -100,14 +100,14 @@ def test_ranks_traces_are_lined_up_by_their_clock_offsets(tmp_path):
     import json
 
     from monarch_kernel.api.profiles import clock_offsets, write_trace
+    from monarch_kernel.wire.ops import ProfileTrace
 
     readings = iter([{0: 1e9, 1: 1e9 + 1e6}] * 5)  # rank 1's clock runs 1 s ahead
     offsets = clock_offsets(lambda op: next(readings))
     assert abs((offsets[1] - offsets[0]) - 1e6) < 1
-    same_moment = {0: {"base_us": 5e6, "events": [{"ph": "X", "name": "aten::mm", "ts": 10.0, "dur": 1}],
-                       "ops": [("aten::mm", 2, 30.0)]},
-                   1: {"base_us": 5e6 + 1e6, "events": [{"ph": "X", "name": "aten::mm", "ts": 10.0, "dur": 1}],
-                       "ops": [("aten::mm", 2, 50.0)]}}
+    same_moment = {0: ProfileTrace([{"ph": "X", "name": "aten::mm", "ts": 10.0, "dur": 1}], 5e6, [("aten::mm", 2, 30.0)]),
+                   1: ProfileTrace([{"ph": "X", "name": "aten::mm", "ts": 10.0, "dur": 1}], 5e6 + 1e6,
+                                   [("aten::mm", 2, 50.0)])}
     report = write_trace(same_moment, offsets, str(tmp_path), "In[3]")
     events = [e for e in json.load(gzip.open(report.path, "rt"))["traceEvents"] if e.get("ph") == "X"]
     assert abs(events[0]["ts"] - events[1]["ts"]) < 1 and {e["pid"] for e in events} == {0, 1}
