@@ -43,9 +43,12 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                "             [--connect-timeout S] [--ship] [--name NAME] [--env K=V ...]\n"
                "%mesh up slurm --nodes N --gpus G [--partition P] [--time T] [--account A] [--qos Q]\n"
                "             [--constraint C] [--sbatch-arg ARG ...] [--no-gpu-request] [--job ID | --reuse] [--keep]\n"
-               "             [--wait-timeout S] [--python P] [--setup CMD] [--dist ...] [--name NAME] [--no-direct]",
-               "start a mesh on this machine, on SSH hosts or in a Slurm allocation (the newest is the default)", (
-                   arg("kind", choices=["local", "ssh", "slurm"], help="where ranks run"),
+               "             [--wait-timeout S] [--python P] [--setup CMD] [--dist ...] [--name NAME] [--no-direct]\n"
+               "%mesh up ray [--address auto|ray://HEAD:10001|HEAD:6379] --hosts N --gpus G [--pack|--spread|\n"
+               "             --strategy S] [--resource K=V ...] [--no-gpu-request] [--wait-timeout S] [--python P]",
+               "start a mesh on this machine, on SSH hosts, in a Slurm allocation or on a Ray cluster (the newest is "
+               "the default)", (
+                   arg("kind", choices=["local", "ssh", "slurm", "ray"], help="where ranks run"),
                    arg("hosts", nargs="*", help="SSH hosts (ssh only)"),
                    arg("--gpus", type=int, default=None),
                    arg("--name", default=None),
@@ -71,6 +74,15 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
                    arg("--reuse", action="store_true", help="attach to your newest running mesh job"),
                    arg("--keep", action="store_true", help="leave the allocation running at down"),
                    arg("--wait-timeout", type=float, default=None),
+                   arg("--address", default=None, help="Ray: the cluster (default: auto)"),
+                   arg("--hosts", dest="ray_hosts", type=int, default=None, help="Ray: nodes"),
+                   arg("--pack", dest="strategy", action="store_const", const="PACK",
+                       help="Ray: pack the ranks' bundles on few nodes (the default; one host: strictly)"),
+                   arg("--spread", dest="strategy", action="store_const", const="SPREAD",
+                       help="Ray: spread them over nodes"),
+                   arg("--strategy", dest="strategy", default=None, help="Ray: any placement strategy of Ray's"),
+                   arg("--resource", action="append", default=[], metavar="K=V",
+                       help="Ray: a resource per rank besides GPUs (CPU=8, memory=..., custom)"),
                    arg("--no-direct", action="store_true",
                        help="Slurm: keep all traffic on srun's stdio (no direct TCP link to the nodes)"))),
     Subcommand("attach", "[NAME] [--take]",

@@ -11,6 +11,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from monarch_kernel.api.mesh import Mesh
+from monarch_kernel.api.ray import ray_mesh
 from monarch_kernel.api.slurm import slurm_mesh
 from monarch_kernel.api.starting import local_mesh, ssh_mesh
 from monarch_kernel.core.errors import CellSyntaxError, MeshError, RemoteError
@@ -34,6 +35,20 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
             raise UsageError(f"--env {pair!r}: expected KEY=VALUE")
         env[key] = value
     return env
+
+
+def _parse_resources(pairs: list[str]) -> dict[str, float]:
+    """`--resource K=V` pairs as Ray's resources per rank (V a number; memory in bytes)."""
+    found = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            found[key] = float(value)
+        except ValueError:
+            raise UsageError(f"--resource {pair!r}: expected NAME=NUMBER (CPU=8, memory=34359738368)") from None
+        if not sep or not key:
+            raise UsageError(f"--resource {pair!r}: expected NAME=NUMBER")
+    return found
 
 
 @magics_class
@@ -162,6 +177,15 @@ class MeshMagics(Magics):
                               wait_timeout=args.wait_timeout, timeout=args.timeout or 180.0,
                               master_addr=args.master_addr, direct=not args.no_direct, preload=args.preload,
                               persist=args.persist)
+        elif args.kind == "ray":
+            if args.hosts:
+                raise UsageError(f"%mesh up ray takes no host names (got {' '.join(args.hosts)}): Ray places the "
+                                 "ranks; use --hosts N for the number of nodes")
+            mesh = ray_mesh(args.address, args.ray_hosts or 1, args.gpus or 1, strategy=args.strategy,
+                            request_gpus=not args.no_gpu_request, resources=_parse_resources(args.resource),
+                            python=None if args.python == "python3" else args.python, dist=args.dist or "nccl",
+                            env=env, name=name, wait_timeout=args.wait_timeout, timeout=args.timeout or 180.0,
+                            master_addr=args.master_addr, preload=args.preload)
         else:
             if not args.hosts or args.gpus is None:
                 raise UsageError("%mesh up ssh HOST [HOST ...] --gpus N: give the hosts and ranks per host")

@@ -20,7 +20,7 @@ kernel -> frontend:
   {"type": "loaded"}   on a comm the kernel opens itself when the extension loads, so an open
       panel that found no monarch_kernel there links up at once (it closes that comm)
 "meshes" also carries "colours": {state: CSS colour} and "glyphs": {state: symbol}, the mesh widget's.
-MESH: {"name", "kind" ("local"|"ssh"|"slurm"), "shape": {dim: size}, "hosts": [...], "dist",
+MESH: {"name", "kind" ("local"|"ssh"|"slurm"|"ray"), "shape": {dim: size}, "hosts": [...], "dist",
        "state" ("up"|"down"), "default": bool, "allocation": str | None,
        "ranks": [{"rank", "coords", "host", "local_rank", "pid", "state", "detail", "cpu", "rss",
                   "mem_total", "gpu_used", "gpu_total", "gpu_util"}, ...]}

@@ -1,4 +1,5 @@
-"""The agent's command line: `python -m monarch_kernel.agent (--fd N | --stdio [--munge [--direct ADDR]]) --host NAME`."""
+"""The agent's command line: `python -m monarch_kernel.agent (--fd N | --stdio [--munge | --pinned KEY]
+[--direct ADDR]) --host NAME`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from functools import partial
 
 from monarch_kernel.agent import direct_link
@@ -18,6 +20,7 @@ from monarch_kernel.agent.host_agent import HostAgent
 from monarch_kernel.agent.watchers import send_heartbeats, watch_controller, watch_ranks
 from monarch_kernel.core.folders import owned_folder, remove_if_orphaned
 from monarch_kernel.wire.handshake_gate import raise_descriptor_limit
+from monarch_kernel.wire.pinned_auth import PinnedKeyRefused, PinnedOffer, parse_public
 from monarch_kernel.wire.relay_link import UP, RelayLink, pipe_streams
 from monarch_kernel.wire.transport import AsyncConnection
 
@@ -138,20 +141,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--munge", action="store_true",
                         help="with --stdio (a Slurm step): key an encrypted link with munge credentials; the "
                              "environment comes encrypted on it")
+    parser.add_argument("--pinned", default=None, metavar="KEY",
+                        help="with --stdio (a Ray node): key the encrypted link with the controller's public KEY "
+                             "(hex), carried by Ray; the agent's own goes out in its offer line")
     parser.add_argument("--direct", default=None, metavar="ADDRESS",
-                        help="with --munge: offer that link over TCP on ADDRESS (else it stays on the step's stdio)")
+                        help="with --munge or --pinned: offer that link over TCP on ADDRESS (else it stays on the "
+                             "step's stdio)")
     args = parser.parse_args(argv)
     raise_descriptor_limit()  # (the ranks fork from us and keep it)
     if args.munge and not args.stdio:
         parser.error("--munge needs --stdio")
-    if args.direct and not args.munge:
-        parser.error("--direct needs --munge")
+    if args.pinned and (not args.stdio or args.munge):
+        parser.error("--pinned needs --stdio, and not --munge")
+    if args.direct and not (args.munge or args.pinned):
+        parser.error("--direct needs --munge or --pinned")
     if args.env_stdin:
         os.environ.update(_read_env_line(0))
     stdio = _private_stdio() if args.stdio else None
     step_link = None
-    if args.munge and stdio is not None:
-        step_link = direct_link.offer(*stdio, args.direct)
+    if (args.munge or args.pinned) and stdio is not None:
+        make: Callable[[], direct_link.LinkOffer] = direct_link.Offer
+        if args.pinned:
+            try:
+                controller_key = parse_public(args.pinned)
+            except PinnedKeyRefused as exc:
+                parser.error(f"--pinned: {exc}")
+            make = lambda: PinnedOffer(controller_key)  # noqa: E731
+        step_link = direct_link.offer(*stdio, args.direct, make)
         os.environ.update(step_link.read_environment(stdio[0]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # interrupts come as messages, not signals
     from monarch_kernel.rank.entry import die_with_parent

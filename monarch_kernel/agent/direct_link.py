@@ -1,4 +1,5 @@
-"""The agent's end of a Slurm step's link: munge-authenticated keys, then a direct TCP link or the step's pipes.
+"""The agent's end of a Slurm step's or Ray node's link: keys bound by munge (Slurm) or carried by Ray
+(`wire/pinned_auth`), then a direct TCP link or the step's pipes.
 
 srun's stdio is slow for bulk data and readable by anyone who reads the cluster network, so
 nothing but public, bound values travels on it in clear (`wire/munge_auth`). The agent makes an
@@ -27,10 +28,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from monarch_kernel.core.addresses import numeric_address
 from monarch_kernel.wire.link_crypto import UP, Opener, RecordRefused, Sealer, Session, read_frame
-from monarch_kernel.wire.munge_auth import MungeFailed, Offer, read_join
+from monarch_kernel.wire.munge_auth import Offer, read_join
 
 OFFER_WAIT_S = 120.0  # the controller answers within its own connect timeout; this bounds a wedged one
 HANDSHAKE_S = 2.0  # each connection sends its join within this (checked concurrently)
@@ -80,11 +82,23 @@ class StepLink:
         return parse_environment(data)
 
 
-def offer(read_fd: int, write_fd: int, address: str | None) -> StepLink:
-    """Make the link (see the module's note): on the node's address if `address`, else on the pipes."""
+class LinkOffer(Protocol):
+    """The agent's half of a keyed exchange: munge's (`wire/munge_auth.Offer`) or pinned keys'
+    (`wire/pinned_auth.PinnedOffer`, a Ray node's agent)."""
+
+    credential: bytes  # what the offer line carries after the address
+
+    def accept(self, join: bytes) -> Session:
+        """The session of a join that checks out (raises ConnectionError otherwise)."""
+
+
+def offer(read_fd: int, write_fd: int, address: str | None, make: Callable[[], LinkOffer] = Offer) -> StepLink:
+    """Make the link (see the module's note): on the node's address if `address`, else on the pipes.
+
+    make: the exchange's agent half (munge's by default)."""
     try:
-        mine = Offer()
-    except MungeFailed as exc:
+        mine = make()
+    except ConnectionError as exc:
         os.write(write_fd, f"link refused {exc}\n".encode())
         raise SystemExit(f"monarch_kernel agent: {exc}") from None
     credential = mine.credential.decode()
@@ -103,12 +117,12 @@ def offer(read_fd: int, write_fd: int, address: str | None) -> StepLink:
         return _wait_for_join(read_fd, listener, mine)
 
 
-def _join_on_stdin(read_fd: int, mine: Offer, *, expect_line: bool) -> StepLink:
+def _join_on_stdin(read_fd: int, mine: LinkOffer, *, expect_line: bool) -> StepLink:
     if expect_line and read_line(read_fd).strip() != b"stdio":
         raise SystemExit("monarch_kernel agent: the controller went away before joining")
     try:
         session = mine.accept(read_join(lambda n: read_fd_exact(read_fd, n)))
-    except (MungeFailed, OSError, EOFError) as exc:
+    except (OSError, EOFError) as exc:  # (MungeFailed and PinnedKeyRefused are ConnectionErrors)
         raise SystemExit(f"monarch_kernel agent: the controller's join on stdin was refused ({exc})") from None
     return StepLink(None, session)
 
@@ -153,7 +167,7 @@ def _shut(conn: socket.socket) -> None:
         pass
 
 
-def _wait_for_join(read_fd: int, listener: socket.socket, mine: Offer) -> StepLink:
+def _wait_for_join(read_fd: int, listener: socket.socket, mine: LinkOffer) -> StepLink:
     wake_r, wake_w = socket.socketpair()
     joined: queue.SimpleQueue[StepLink] = queue.SimpleQueue()
     checks = _Checks()
@@ -188,13 +202,13 @@ def _wait_for_join(read_fd: int, listener: socket.socket, mine: Offer) -> StepLi
                                  name="direct-link-check", daemon=True).start()
 
 
-def _check(conn: socket.socket, peer: str, mine: Offer, checks: _Checks, joined: queue.SimpleQueue[StepLink],
+def _check(conn: socket.socket, peer: str, mine: LinkOffer, checks: _Checks, joined: queue.SimpleQueue[StepLink],
            wake: socket.socket) -> None:
     """Check one connection's join (a thread each: a silent stranger delays nobody)."""
     try:
         conn.settimeout(HANDSHAKE_S)
         session = mine.accept(read_join(lambda n: _recv_exact(conn, n)))
-    except (MungeFailed, OSError, EOFError) as exc:
+    except (OSError, EOFError) as exc:  # (MungeFailed and PinnedKeyRefused are ConnectionErrors)
         checks.refuse(peer, str(exc) or type(exc).__name__)
         conn.close()
         return

@@ -80,9 +80,9 @@ class Mesh(HostFiles, KeptState):
 
     @property
     def kind(self) -> str:
-        """Where its ranks run: "local" (this machine), "ssh" or "slurm"."""
+        """Where its ranks run: "local" (this machine), "ssh", "slurm" or "ray"."""
         kinds = {h.kind for h in self._runtime.spec.hosts}
-        return next((k for k in (HostKind.SLURM, HostKind.SSH) if k in kinds), HostKind.LOCAL)
+        return next((k for k in (HostKind.SLURM, HostKind.RAY, HostKind.SSH) if k in kinds), HostKind.LOCAL)
 
     @property
     def hosts(self) -> list[str]:

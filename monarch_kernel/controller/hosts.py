@@ -26,10 +26,11 @@ EXIT_STATUS_WAIT_S = 2.0  # how long a start that failed waits for the local age
 
 
 class AgentHandle(Protocol):
-    """The controller's hold on a remote host agent: an SSH session (`ssh.RemoteAgent`) or a Slurm job
-    step (`slurm_step.SlurmStep`). Local agents are a process and a socketpair instead."""
+    """The controller's hold on a remote host agent: an SSH session (`ssh.RemoteAgent`), a Slurm job
+    step (`slurm_step.SlurmStep`) or a Ray node's agent (`ray_agent.RayAgent`). Local agents are a process
+    and a socketpair instead."""
 
-    scheduled: bool  # a scheduler (Slurm) can say why the agent or its ranks went away: see below
+    scheduled: bool  # a scheduler (Slurm, Ray) can say why the agent or its ranks went away: see below
 
     def attach(self, on_message: Callable[[Any], None], on_close: Callable[[Exception | None], None]) -> Any:
         """The framed connection to the agent (or a coroutine that makes it)."""
@@ -204,6 +205,12 @@ async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str],
                                env=env, log_path=log_path, address=spec.options["address"],
                                direct=spec.options.get("direct", True), persist=persist)
         return HostConnection(None, spec.options["address"], remote=step)
+    if spec.kind == HostKind.RAY:
+        from monarch_kernel.controller.ray_agent import RayAgent
+
+        agent = await RayAgent.start(spec.options["node"], name=spec.name, python=spec.python,
+                                     env={**env, **spec.options.get("env", {})}, log_path=log_path)
+        return HostConnection(None, spec.options["address"], remote=agent)
     from monarch_kernel.controller import ssh
 
     remote = await ssh.start_agent(

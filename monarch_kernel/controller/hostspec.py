@@ -1,4 +1,5 @@
-"""What a host of a mesh is: this machine, an SSH target, or a node of a Slurm allocation; and what a later
+"""What a host of a mesh is: this machine, an SSH target, a node of a Slurm allocation or of a Ray placement
+group; and what a later
 kernel holds of a persistent mesh's agent it reached itself."""
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ class HostKind(enum.StrEnum):
     LOCAL = "local"  # a child process of the notebook's kernel
     SSH = "ssh"  # started over SSH
     SLURM = "slurm"  # a job step on a node of a Slurm allocation
+    RAY = "ray"  # started by a rank slot (a Ray actor) on a node of a Ray placement group
 
 
 @dataclass(frozen=True)
 class HostSpec:
-    """A host to run ranks on: this machine, an SSH target, or a Slurm node (options: job, address)."""
+    """A host to run ranks on: this machine, an SSH target, a Slurm node (options: job, address) or a Ray node
+    (options: node, address, env)."""
 
     name: str
     kind: HostKind = HostKind.LOCAL

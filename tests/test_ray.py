@@ -1,0 +1,241 @@
+"""Meshes on a real Ray cluster (`ray start` head and two worker nodes in network namespaces, token auth on).
+
+The worker nodes declare 2 logical GPUs each; the kernel (this process) is a Ray client
+(`ray://HEAD:10001`). Ray is the placement engine: the data path is our own encrypted link to each node.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import cloudpickle
+import pytest
+from conftest import RecordingSink, wait_until
+from raylab import RayTestCluster, unavailable_reason
+
+from monarch_kernel import Actor, MeshStartError, endpoint
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the nodes cannot import this file
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))]
+
+GRACE_S = "5"  # Ray keeps a vanished client's work this long for a reconnect (Ray's default: 30 s)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    lab = RayTestCluster(2, tempfile.mkdtemp(prefix="raylab-"), gpus=2)
+    saved = dict(os.environ)
+    try:
+        lab.start()
+        os.environ.update(lab.env)
+        yield lab
+    finally:
+        try:
+            import ray
+
+            ray.shutdown()
+        except ImportError:
+            pass
+        os.environ.clear()
+        os.environ.update(saved)
+        lab.stop()
+
+
+def ours_on_nodes(cluster):
+    """Our processes on each worker node: agents and ranks (Ray's own workers are not ours)."""
+    def ours(pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return b"monarch_kernel" in f.read()
+        except OSError:
+            return False
+
+    return {i: [p for p in cluster.node_pids(i) if ours(p)] for i in range(len(cluster.workers))}
+
+
+HEAD_STATE = ("import ray; ray.init(address='auto', logging_level='ERROR')\n"
+              "from ray.util import placement_group_table\nfrom ray._private import state\n"
+              "groups = [v['name'] for v in placement_group_table().values() if v['state'] != 'REMOVED']\n"
+              "slots = [a['ActorClassName'] for a in state.actors().values() if a['State'] != 'DEAD']\n"
+              "print(repr((groups, slots)))")
+
+
+def reserved(cluster):
+    """Placement groups not removed and actors not dead, as the head's GCS sees them."""
+    return eval(cluster.on_head([sys.executable, "-c", HEAD_STATE]).strip().splitlines()[-1])
+
+
+class Where(Actor):
+    @endpoint
+    def node(self):
+        import socket
+
+        return socket.gethostname()
+
+
+def test_a_ray_mesh_runs_on_the_gpus_ray_assigned_and_down_leaves_nothing(cluster):
+    from monarch_kernel import ray_mesh
+
+    sink = RecordingSink()
+    mesh = ray_mesh(cluster.address, hosts=2, gpus=2, dist="gloo", name="ray2")
+    try:
+        assert mesh.kind == "ray" and mesh.shape.sizes == {"hosts": 2, "gpus": 2}
+        assert sorted(mesh.hosts) == ["raynode0", "raynode1"]
+        groups, slots = reserved(cluster)
+        assert len(groups) == 1 and groups[0].startswith("monarch-ray2-") and slots.count("RankSlot") == 4
+        cell = ("import os, socket, torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                "print('hello')\n(socket.gethostname(), os.environ['CUDA_VISIBLE_DEVICES'], os.environ['RANK'],"
+                " os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'], t.item())")
+        values = mesh.run(cell, sink=sink).by_rank()
+        hosts = [values[r][0] for r in range(4)]
+        assert hosts[0] == hosts[1] != hosts[2] == hosts[3]
+        first_node = {name: address for name, address, _ in cluster.workers}[hosts[0]]
+        for rank, (_, gpus, rank_var, local, master, total) in values.items():
+            assert sorted(gpus.split(",")) == ["0", "1"]  # the two logical GPUs Ray gave this node's bundles
+            assert (rank_var, local, master, total) == (str(rank), str(rank % 2), first_node, 4.0)
+        assert all(text == "hello\n" for text in sink.text().values()) and len(sink.text()) == 4
+        assert sorted(mesh.spawn("where", Where).node.call().get(timeout=60).values()) == hosts
+        mesh.push(big=bytes(range(256)) * (1 << 18))  # 64 MiB through our link, not Ray's object store
+        assert list(mesh.pull("len(big), big[-1]").values()) == [(64 << 20, 255)] * 4
+        assert "Ray placement group" in (mesh.allocation or "")
+    finally:
+        mesh.shutdown()
+    assert wait_until(lambda: reserved(cluster) == ([], []), 30), reserved(cluster)
+    assert wait_until(lambda: all(not p for p in ours_on_nodes(cluster).values()), 15), ours_on_nodes(cluster)
+
+
+def test_ddp_across_two_ray_nodes_is_bit_identical_to_torchrun(cluster, tmp_path):
+    import torch
+    from test_dist import DDP_CELL
+
+    from monarch_kernel import ray_mesh
+
+    script = tmp_path / "ddp.py"
+    body = DDP_CELL.strip().rsplit("\n", 1)[0]  # (the cell's last line is its value: the script saves it)
+    script.write_text("import sys, torch, torch.distributed as dist\ndist.init_process_group('gloo')\n" + body +
+                      "\nif dist.get_rank() == 0:\n    torch.save(flat, sys.argv[1])\ndist.destroy_process_group()\n")
+    out = tmp_path / "torchrun.pt"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                    str(script), str(out)], check=True, timeout=180, capture_output=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    expected = torch.load(out)
+    with ray_mesh(cluster.address, hosts=2, gpus=2, dist="gloo", name="rayddp", env={"OMP_NUM_THREADS": "1"}) as mesh:
+        results = list(mesh.run(DDP_CELL, sink=RecordingSink(), timeout=120).values())
+    for first, last, flat in results:
+        assert last < first and torch.equal(flat, expected)
+
+
+def test_a_placement_that_is_not_a_grid_is_refused_and_removed(cluster):
+    from monarch_kernel import ray_mesh
+
+    with pytest.raises(MeshStartError, match=r"as 2 on raynode\d, not as 2 node\(s\) of 1.*--spread"):
+        ray_mesh(cluster.address, hosts=2, gpus=1, strategy="STRICT_PACK", dist="none", name="notgrid")
+    assert wait_until(lambda: reserved(cluster) == ([], []), 30), reserved(cluster)
+
+
+def test_waiting_for_ray_is_visible_bounded_and_leaves_nothing(cluster, capsys):
+    from monarch_kernel import ray_mesh
+
+    with pytest.raises(MeshStartError, match=r"did not place the 3 bundles .* within 3 s; the cluster has"):
+        ray_mesh(cluster.address, hosts=1, gpus=3, dist="none", name="toobig", wait_timeout=3)
+    assert "waiting for Ray to place 3 bundles" in capsys.readouterr().out
+    assert wait_until(lambda: reserved(cluster) == ([], []), 30), reserved(cluster)
+
+
+def test_mesh_up_ray_in_ipython(cluster):
+    from conftest import ipython_shell as get_ipython
+    from IPython.utils.capture import capture_output
+
+    ip = get_ipython()
+    ip.run_line_magic("load_ext", "monarch_kernel")
+    try:
+        with capture_output() as cap:
+            ok = ip.run_cell(f"%mesh up ray --address {cluster.address} --hosts 2 --gpus 1 --spread --dist gloo "
+                             "--name magicray")
+        shown = cap.stdout + "".join(o.data.get("text/plain", "") for o in cap.outputs)
+        assert ok.success, shown + cap.stderr
+        assert "mesh 'magicray' {hosts: 2, gpus: 1}" in shown
+        with capture_output() as cap:
+            result = ip.run_cell("%%mesh\nimport socket, torch.distributed as dist\nprint('world', dist.get_world_size())\n"
+                                 "socket.gethostname()")
+        assert "[0-1] world 2" in cap.stdout and sorted(result.result.values()) == ["raynode0", "raynode1"]
+        with capture_output() as cap:
+            bad = ip.run_cell("%mesh up ray raynode0")
+        assert not bad.success or "takes no host names" in cap.stderr + cap.stdout
+        ip.run_cell("%mesh down magicray")
+        assert wait_until(lambda: reserved(cluster) == ([], []), 30), reserved(cluster)
+    finally:
+        ip.run_line_magic("unload_ext", "monarch_kernel")
+
+
+@pytest.mark.parametrize("token", [None, "0" * 64], ids=["no-token", "wrong-token"])
+def test_a_client_without_the_clusters_token_is_refused_by_ray(cluster, tmp_path, token):
+    script = tmp_path / "kernel.py"
+    script.write_text("import monarch_kernel\n"
+                      f"monarch_kernel.ray_mesh({cluster.address!r}, hosts=1, gpus=1, dist='none')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_TOKEN")}
+    env["HOME"] = str(tmp_path)  # (no ~/.ray/auth_token either)
+    if token is not None:
+        env["RAY_AUTH_TOKEN"] = token
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode != 0
+    assert "MeshStartError: cannot connect to the Ray cluster" in done.stderr, done.stderr[-3000:]
+    assert "RAY_AUTH_TOKEN" in done.stderr.splitlines()[-1]
+    assert reserved(cluster) == ([], [])
+
+
+def test_a_killed_kernel_leaves_no_group_no_actor_and_no_process(cluster, tmp_path):
+    script = tmp_path / "kernel.py"
+    script.write_text("import time\nimport monarch_kernel\n"
+                      f"m = monarch_kernel.ray_mesh({cluster.address!r}, hosts=2, gpus=1, strategy='SPREAD', "
+                      "dist='none', name='doomed')\nprint('up', flush=True)\ntime.sleep(300)\n")
+    kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "RAY_CLIENT_RECONNECT_GRACE_PERIOD": GRACE_S})
+    try:
+        assert any(line.strip() == "up" for line in iter(kernel.stdout.readline, ""))
+        assert all(ours_on_nodes(cluster).values())
+        kernel.kill()
+        # the ranks and agents go with the kernel's link; Ray removes the group and the slots after its grace
+        assert wait_until(lambda: all(not p for p in ours_on_nodes(cluster).values()), 20), ours_on_nodes(cluster)
+        assert wait_until(lambda: reserved(cluster) == ([], []), 60), reserved(cluster)
+    finally:
+        kernel.kill()
+
+
+def test_the_ray_notebook_runs_end_to_end_on_the_test_cluster(cluster):
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks", "11_ray.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    env = dict(os.environ, **cluster.env, MONARCH_RAY_ADDRESS=cluster.address, MONARCH_RAY_HOSTS="2",
+               MONARCH_RAY_GPUS="2", MONARCH_RAY_DIST="gloo")
+    NotebookClient(nb, timeout=300, kernel_name="python3").execute(env=env)
+    texts = ["\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in c.outputs)
+             for c in nb.cells if c.cell_type == "code"]
+    assert any("[0-3] world 4" in t and "CUDA_VISIBLE_DEVICES 0,1" in t for t in texts), texts
+    assert any("'raynode0'" in t and "'raynode1'" in t for t in texts)
+    assert any("Ray placement group" in t for t in texts)  # the status names the reservation
+    assert "is down" in texts[-1]
+    assert wait_until(lambda: reserved(cluster) == ([], []), 30), reserved(cluster)
+
+
+def test_a_dead_node_is_a_lost_host_named_by_ray(cluster):
+    """Last in this module: the node stays dead."""
+    from monarch_kernel import HealthTimings, ray_mesh
+
+    health = HealthTimings(host_unreachable_after_s=1.0, host_lost_after_s=3.0)
+    with ray_mesh(cluster.address, hosts=2, gpus=1, strategy="SPREAD", dist="none", name="lost",
+                  health=health) as mesh:
+        future = mesh.run_async("import time\ntime.sleep(60)", sink=RecordingSink())
+        assert wait_until(lambda: all(s.state == "busy" for s in mesh.status()), 15)
+        victim = next(i for i, (name, _, _) in enumerate(cluster.workers) if name == mesh.hosts[1])
+        cluster.fail_node(victim)
+        with pytest.raises(Exception, match=mesh.hosts[1]) as info:
+            future.get(timeout=30)
+        assert any(f.rank == 1 for f in info.value.failures)
+        mesh.interrupt()
+    assert not cluster.node_pids(victim)
