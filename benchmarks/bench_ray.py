@@ -5,7 +5,8 @@ SSH test hosts). In one run, each row for both systems, rotated per round:
 
 1. Ready: from asking for 2 hosts x 2 ranks (gloo) to the first result from every rank, for
    `ray_mesh(ray://head, hosts=2, gpus=2)` and `ssh_mesh([host-0, host-1], gpus=2)` (issue 39's target:
-   Ray within 2x of SSH).
+   Ray within 2x of SSH), each after the machine settled (SETTLE_S); and Ray's own floor for the same
+   reservation (a placement group of 4 GPU bundles, an actor in each, a call on each).
 2. Data path of the 2 x 2 mesh (Ray is the placement engine, not the data path): no-op broadcast, a
    64 MiB pull from one rank and a 64 MiB push to all, on the Ray mesh and on the SSH mesh.
 3. Calls: an endpoint on all 4 ranks, our actor mesh on the Ray mesh, against Ray's own way of doing the
@@ -28,6 +29,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 from bench_ssh import MIB64  # noqa: E402
 from common import NullSink, timed  # noqa: E402
+
+SETTLE_S = 5.0  # before each start: the last mesh's end makes Ray start fresh idle workers (seconds of CPU here)
 
 
 def data_path(mesh, quick: bool) -> dict[str, list[float]]:
@@ -53,6 +56,32 @@ def ours_calls(mesh, quick: bool) -> list[float]:
 
     echo = mesh.spawn("echo", Echo)
     return timed(lambda: echo.ping.call(1).get(timeout=30), 100 if quick else 300, 10)
+
+
+def rays_own_ready() -> float:
+    """Ray's floor for the same reservation: a placement group of 4 GPU bundles, an actor in each, a call on each."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0, num_gpus=1)
+    class Holder:
+        def where(self):
+            import socket
+
+            return socket.gethostname()
+
+    t = time.perf_counter()
+    group = placement_group([{"GPU": 1}] * 4, strategy="PACK")
+    ray.get(group.ready(), timeout=120)
+    actors = [Holder.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=i)).remote() for i in range(4)]
+    ray.get([a.where.remote() for a in actors], timeout=120)
+    elapsed = time.perf_counter() - t
+    for actor in actors:
+        ray.kill(actor)
+    remove_placement_group(group)
+    return elapsed
 
 
 def rays_calls(quick: bool) -> list[float]:
@@ -111,7 +140,11 @@ def main() -> None:
         monarch_kernel.ray_mesh(cluster.address, hosts=2, gpus=2, dist="none", name="warmup").shutdown()
         names = list(makers)
         for i in range(rounds):
+            time.sleep(SETTLE_S)
+            ready.setdefault("Ray's own floor: placement group + 4 actors + a call on each", []).append(
+                rays_own_ready())
             for name in names[i % 2:] + names[:i % 2]:
+                time.sleep(SETTLE_S)
                 t = time.perf_counter()
                 mesh = makers[name](i)
                 try:

@@ -173,8 +173,7 @@ class RayTestCluster:
         _run("ip", "link", "set", veth, "master", self.bridge)
         _run("ip", "link", "set", veth, "up")
         for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "link", "set", veth + "p", "name", "eth0"],
-                    ["ip", "addr", "add", f"{address}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"],
-                    ["ip", "route", "add", "default", "via", "198.18.2.1"]):
+                    ["ip", "addr", "add", f"{address}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"]):  # (no default route, as for the SSH hosts: a lookup that would leave the bridge fails at once)
             _run("ip", "netns", "exec", netns, *cmd)
 
     def _start(self, who: tuple[str, str, str], args: list[str]) -> None:
