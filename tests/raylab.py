@@ -172,8 +172,10 @@ class RayTestCluster:
         _run("ip", "link", "set", veth + "p", "netns", netns)
         _run("ip", "link", "set", veth, "master", self.bridge)
         _run("ip", "link", "set", veth, "up")
+        # (no default route, as for the SSH hosts: a lookup that would leave the bridge fails at once; with
+        # one, gloo's rendezvous waited on DNS timeouts)
         for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "link", "set", veth + "p", "name", "eth0"],
-                    ["ip", "addr", "add", f"{address}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"]):  # (no default route, as for the SSH hosts: a lookup that would leave the bridge fails at once)
+                    ["ip", "addr", "add", f"{address}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"]):
             _run("ip", "netns", "exec", netns, *cmd)
 
     def _start(self, who: tuple[str, str, str], args: list[str]) -> None:
@@ -183,10 +185,12 @@ class RayTestCluster:
         hosts = os.path.join(self.workdir, "hosts")
         inner = f"hostname {name} && mount --bind {hosts} /etc/hosts && exec " + " ".join(command)
         log = open(os.path.join(self.workdir, f"{name}.out"), "ab")
+        # the head's client proxy waits this long for the server it starts per client: Ray's 30 s is too
+        # short on an oversubscribed 2-core machine (the tests also run with busy loops beside them)
+        env = {**os.environ, **self.env, "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "180"}
         proc = subprocess.Popen(["nsenter", f"--net=/run/netns/{netns}", "unshare", "--uts", "--mount",
-                                 "sh", "-c", inner],
-                                stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **self.env}, start_new_session=True)
+                                 "sh", "-c", inner], stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
         self._nodes.append(proc)
 
     def _wait(self, predicate, deadline: float, what: str) -> None:

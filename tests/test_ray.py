@@ -76,11 +76,12 @@ class Where(Actor):
         return socket.gethostname()
 
 
-def test_a_ray_mesh_runs_on_the_gpus_ray_assigned_and_down_leaves_nothing(cluster):
+def test_a_ray_mesh_runs_on_the_gpus_ray_assigned_and_down_leaves_nothing(cluster, tmp_path):
     from monarch_kernel import ray_mesh
 
     sink = RecordingSink()
-    mesh = ray_mesh(cluster.address, hosts=2, gpus=2, dist="gloo", name="ray2")
+    mesh = ray_mesh(cluster.address, hosts=2, gpus=2, dist="gloo", name="ray2",
+                    env={"MONARCH_KERNEL_WORKSPACE_ROOT": str(tmp_path / "home-cache")})
     try:
         assert mesh.kind == "ray" and mesh.shape.sizes == {"hosts": 2, "gpus": 2}
         assert sorted(mesh.hosts) == ["raynode0", "raynode1"]
@@ -97,10 +98,14 @@ def test_a_ray_mesh_runs_on_the_gpus_ray_assigned_and_down_leaves_nothing(cluste
             assert sorted(gpus.split(",")) == ["0", "1"]  # the two logical GPUs Ray gave this node's bundles
             assert (rank_var, local, master, total) == (str(rank), str(rank % 2), first_node, 4.0)
         assert all(text == "hello\n" for text in sink.text().values()) and len(sink.text()) == 4
-        assert sorted(mesh.spawn("where", Where).node.call().get(timeout=60).values()) == hosts
+        assert sorted(mesh.spawn("where", Where).node.call().get(timeout=60).values()) == sorted(hosts)
         mesh.push(big=bytes(range(256)) * (1 << 18))  # 64 MiB through our link, not Ray's object store
         assert list(mesh.pull("len(big), big[-1]").values()) == [(64 << 20, 255)] * 4
         assert "Ray placement group" in (mesh.allocation or "")
+        (tmp_path / "proj" / "ray_ws_pkg").mkdir(parents=True)  # the project follows the user to Ray nodes too
+        (tmp_path / "proj" / "ray_ws_pkg" / "__init__.py").write_text("import socket\nWHERE = socket.gethostname()\n")
+        assert not mesh.sync_workspace(str(tmp_path / "proj")).errors
+        assert sorted(mesh.run("import ray_ws_pkg\nray_ws_pkg.WHERE", sink=sink).values()) == sorted(hosts)
     finally:
         mesh.shutdown()
     assert wait_until(lambda: reserved(cluster) == ([], []), 30), reserved(cluster)
@@ -187,6 +192,7 @@ def test_a_client_without_the_clusters_token_is_refused_by_ray(cluster, tmp_path
     assert reserved(cluster) == ([], [])
 
 
+@pytest.mark.timeout(400)
 def test_a_killed_kernel_leaves_no_group_no_actor_and_no_process(cluster, tmp_path):
     script = tmp_path / "kernel.py"
     script.write_text("import time\nimport monarch_kernel\n"
@@ -205,6 +211,7 @@ def test_a_killed_kernel_leaves_no_group_no_actor_and_no_process(cluster, tmp_pa
         kernel.kill()
 
 
+@pytest.mark.timeout(600)  # (a kernel, a Ray client of its own and a mesh: minutes with busy loops beside it)
 def test_the_ray_notebook_runs_end_to_end_on_the_test_cluster(cluster):
     import nbformat
     from nbclient import NotebookClient

@@ -87,6 +87,10 @@ def connect(address: str | None) -> Any:
                  configure_logging=False)
     except Exception as exc:  # noqa: BLE001 - Ray raises many kinds here (ConnectionError, AuthenticationError, ...)
         said = str(exc).strip().split(". ")[0].splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        if "Starting Ray client server failed" in said:
+            raise MeshStartError(f"the Ray head at {address} did not start its server for this client in time (a "
+                                 "busy head node): try again, or raise RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S "
+                                 "(30 s by default) in the head's environment") from None
         raise MeshStartError(f"cannot connect to the Ray cluster at {address or 'auto'}: {said}. Check the address "
                              "(ray://HEAD:10001 for a Ray client) and, if the cluster uses token authentication, "
                              "that RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH was set in the kernel's environment "
