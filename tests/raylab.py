@@ -95,11 +95,10 @@ class RayTestCluster:
                                 f"--temp-dir={os.path.join(self.workdir, 'ray')}",
                                 f"--ray-client-server-port={CLIENT_PORT}", "--num-gpus=0"])
         deadline = time.monotonic() + timeout
-        self._wait(lambda: self.total_gpus() >= 0, deadline, "the head did not answer")
-        for joined, node in enumerate(self.workers, 1):  # one by one: starting all at once overloads 2 cores
+        self._wait(lambda: self.total_gpus() >= 0, deadline, "the head did not answer")  # (before it, workers time out)
+        for node in self.workers:
             self._start(node, [f"--address={HEAD_ADDRESS}:6379", f"--num-gpus={self.gpus}"])
-            self._wait(lambda: self.total_gpus() >= self.gpus * joined, deadline,  # noqa: B023 - used at once
-                       f"worker {node[0]} did not join")
+        self._wait(lambda: self.total_gpus() >= self.gpus * len(self.workers), deadline, "the workers did not join")
         return self
 
     def stop(self) -> None:

@@ -106,6 +106,11 @@ def test_a_ray_mesh_runs_on_the_gpus_ray_assigned_and_down_leaves_nothing(cluste
         (tmp_path / "proj" / "ray_ws_pkg" / "__init__.py").write_text("import socket\nWHERE = socket.gethostname()\n")
         assert not mesh.sync_workspace(str(tmp_path / "proj")).errors
         assert sorted(mesh.run("import ray_ws_pkg\nray_ws_pkg.WHERE", sink=sink).values()) == sorted(hosts)
+        mesh.restart()  # fresh agents and ranks in the same reservation
+        again = mesh.run(cell, sink=sink).by_rank()
+        assert [v[0] for _, v in sorted(again.items())] == hosts and all(v[5] == 4.0 for v in again.values())
+        groups, slots = reserved(cluster)
+        assert len(groups) == 1 and slots.count("RankSlot") == 4
     finally:
         mesh.shutdown()
     assert wait_until(lambda: reserved(cluster) == ([], []), 30), reserved(cluster)

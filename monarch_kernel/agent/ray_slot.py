@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from monarch_kernel.wire.ray_messages import AgentLaunch, SlotPlace
+from monarch_kernel.wire.ray_messages import AgentLaunch, AgentStarted, SlotPlace
 
 OFFER_WAIT_S = 120.0  # python's start and the agent's imports, until it offers its link
 OFFER_LINE_MAX = 4096
@@ -49,8 +49,8 @@ class RankSlot:
         return SlotPlace(context.get_node_id(), ray.util.get_node_ip_address(), socket.gethostname(),
                          tuple(str(i) for i in ids), sys.executable)
 
-    def start_agent(self, launch: AgentLaunch) -> str:
-        """Start the node's agent; its offer line (`direct IP PORT KEY`, `stdio KEY` or `link refused WHY`).
+    def start_agent(self, launch: AgentLaunch) -> AgentStarted:
+        """Start the node's agent; its offer line and pid.
 
         Raises RuntimeError, with the end of the agent's log, if it ends or stays silent instead."""
         if self._agent is not None and self._agent.poll() is None:
@@ -70,7 +70,7 @@ class RankSlot:
         if not line:
             raise RuntimeError(f"the agent on {socket.gethostname()} ended before offering its link "
                                f"(status {self._agent.poll()}):\n{self.log_tail()}")
-        return line
+        return AgentStarted(line, self._agent.pid)
 
     @property
     def log_path(self) -> str:
@@ -105,10 +105,14 @@ class RankSlot:
         except OSError:
             return ""
 
-    def stop_agent(self, grace_s: float = 5.0) -> int | None:
-        """End the agent (its stdin closes and it gets SIGTERM; SIGKILL after grace_s); its exit status."""
+    def stop_agent(self, pid: int, grace_s: float = 5.0) -> int | None:
+        """End agent `pid` (its stdin closes and it gets SIGTERM; SIGKILL after grace_s); its exit status.
+
+        A stop for an agent this slot no longer runs (a restart started the next one) does nothing."""
         agent = self._agent
-        if agent is not None and agent.poll() is None:
+        if agent is None or agent.pid != pid:
+            return None
+        if agent.poll() is None:
             if agent.stdin is not None:
                 agent.stdin.close()
             agent.send_signal(signal.SIGTERM)

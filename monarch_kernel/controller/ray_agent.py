@@ -18,7 +18,7 @@ from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.core.package import PACKAGE_PARENT
 from monarch_kernel.wire.link_crypto import DOWN, Opener, Sealer
 from monarch_kernel.wire.pinned_auth import PinnedJoin, PinnedKeyRefused, parse_public
-from monarch_kernel.wire.ray_messages import AgentLaunch
+from monarch_kernel.wire.ray_messages import AgentLaunch, AgentStarted
 from monarch_kernel.wire.relay_link import RelayLink
 
 START_TIMEOUT_S = 180.0  # the slot's call: python's start and the agent's imports on a busy node
@@ -49,8 +49,9 @@ class RayAgent:
 
     scheduled = True  # Ray can say whether the node is alive when the link goes
 
-    def __init__(self, node: RayNode, join: PinnedJoin, offer: str, env: dict[str, str], log_path: str):
-        self.node, self._join, self.offer, self.env, self.log_path = node, join, offer, env, log_path
+    def __init__(self, node: RayNode, join: PinnedJoin, started: AgentStarted, env: dict[str, str], log_path: str):
+        self.node, self._join, self.env, self.log_path = node, join, env, log_path
+        self.offer, self.pid = started.offer, started.pid
         self._closed = False
 
     @classmethod
@@ -61,15 +62,15 @@ class RayAgent:
         join = PinnedJoin()
         launch = AgentLaunch(name, join.public_hex, node.address, python, PACKAGE_PARENT)
         try:
-            offer = await asyncio.to_thread(ray.get, node.slots[0].start_agent.remote(launch),
-                                            timeout=START_TIMEOUT_S)
+            started = await asyncio.to_thread(ray.get, node.slots[0].start_agent.remote(launch),
+                                              timeout=START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             raise MeshStartError(f"the agent on Ray node {node.hostname} ({node.address}) did not start within "
                                  f"{START_TIMEOUT_S:.0f} s") from None
         except ray.exceptions.RayError as exc:
             raise MeshStartError(f"the agent on Ray node {node.hostname} ({node.address}) did not start: "
                                  f"{_cause(exc)}") from None
-        return cls(node, join, offer, env, log_path)
+        return cls(node, join, started, env, log_path)
 
     async def attach(self, on_message: Callable[[Any], None],
                      on_close: Callable[[Exception | None], None]) -> RelayLink:
@@ -151,7 +152,7 @@ class RayAgent:
         if not self._closed:
             self._closed = True
             try:
-                self.node.slots[0].stop_agent.remote()
+                self.node.slots[0].stop_agent.remote(self.pid)
             except Exception:  # noqa: BLE001 - Ray gone: the slots (and agents) go with the job
                 pass
 

@@ -26,3 +26,11 @@ class AgentLaunch:
     address: str
     python: str | None = None  # None: the interpreter this Ray worker runs
     extra_path: str | None = None  # prepended to PYTHONPATH (the package's parent, when it is not installed)
+
+
+@dataclass(frozen=True)
+class AgentStarted:
+    """A node's agent, started: its offer line (`direct IP PORT KEY`, `stdio KEY` or `link refused WHY`) and pid."""
+
+    offer: str
+    pid: int
