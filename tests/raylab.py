@@ -5,8 +5,8 @@ The head runs the GCS and Ray's client server (`ray://198.18.2.2:10001`); each w
 Ray's accelerator ids work on a CPU machine. The notebook's side (the kernel, in the root namespace)
 reaches the cluster as a Ray client, as a laptop or a login node would. Token authentication is on
 (`RAY_AUTH_MODE=token`, the token in a private file named by `RAY_AUTH_TOKEN_PATH`: never on a command
-line). Addresses come from 198.18.2.0/24 (the SSH hosts use 198.18.0.0/24, Slurm 198.19.0.0/24).
-`stop()` kills every process in the namespaces and removes them, also after a partial start.
+line). Addresses come from 198.18.2.0/24 (the SSH hosts use 198.18.0.0/24, Slurm 198.19.0.0/24); the namespaces
+are `netlab`'s. `stop()` kills every process in them and removes them, also after a partial start.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
+
+from netlab import BridgedNamespaces, kill_all, namespace_pids
 
 HEAD_ADDRESS = "198.18.2.2"
 CLIENT_PORT = 10001
@@ -39,12 +40,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _run(*cmd: str) -> None:
-    done = subprocess.run(list(cmd), capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
-
-
 def ray_command() -> str:
     """The `ray` launcher of this interpreter's environment."""
     return os.path.join(os.path.dirname(sys.executable), "ray")
@@ -57,13 +52,11 @@ class RayTestCluster:
         self.tag = f"{os.getpid() % 100000}"
         self.workdir = workdir
         self.gpus, self.cpus = gpus, cpus
-        self.bridge = f"mrb{self.tag}"
+        self.network = BridgedNamespaces(f"mrb{self.tag}", "198.18.2.1/24")
         self.head = ("rayhead", HEAD_ADDRESS, f"mry{self.tag}h")
         self.workers = [(f"raynode{i}", f"198.18.2.{10 + i}", f"mry{self.tag}n{i}") for i in range(workers)]
         self.token_path = os.path.join(workdir, "auth_token")
         self._nodes: list[subprocess.Popen] = []
-        self._made_links: list[str] = []
-        self._made_netns: list[str] = []
 
     @property
     def address(self) -> str:
@@ -85,12 +78,9 @@ class RayTestCluster:
         with open(os.path.join(self.workdir, "hosts"), "w") as f:  # each node's own /etc/hosts (a mount namespace)
             f.write("127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a, _ in [self.head, *self.workers]))
         os.chmod(self.workdir, 0o755)  # (ray's workers read it; the token file stays 0600)
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
-        self._made_links.append(self.bridge)
-        _run("ip", "addr", "add", "198.18.2.1/24", "dev", self.bridge)
-        _run("ip", "link", "set", self.bridge, "up")
+        self.network.create()
         for _, address, netns in [self.head, *self.workers]:
-            self._make_namespace(netns, address)
+            self.network.add(netns, address)
         self._start(self.head, ["--head", "--port=6379", "--include-dashboard=false",
                                 f"--temp-dir={os.path.join(self.workdir, 'ray')}",
                                 f"--ray-client-server-port={CLIENT_PORT}", "--num-gpus=0"])
@@ -103,32 +93,19 @@ class RayTestCluster:
 
     def stop(self) -> None:
         """Kill every process of every node, remove the network and the files."""
-        for netns in self._made_netns:
-            for pid in self.pids(netns):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        self.network.remove()
         for proc in self._nodes:
             try:
                 proc.wait(5)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        for netns in self._made_netns:
-            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
-        for link in self._made_links:
-            subprocess.run(["ip", "link", "del", link], capture_output=True)
+                proc.wait()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     # ------------------------------------------------------------ inspection
-    def pids(self, netns: str) -> list[int]:
-        """Processes in a namespace."""
-        done = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
-        return [int(p) for p in done.stdout.split()]
-
     def node_pids(self, index: int) -> list[int]:
         """Processes of worker node `index` (Ray's, and whatever runs there)."""
-        return self.pids(self.workers[index][2])
+        return namespace_pids(self.workers[index][2])
 
     def state(self, what: str) -> str:
         """`ray list WHAT` (actors, placement-groups, nodes) as the head sees it."""
@@ -154,29 +131,10 @@ class RayTestCluster:
     # ------------------------------------------------------------ faults
     def fail_node(self, index: int) -> None:
         """A power loss: the node's link goes and every process on it (Ray's, the agent, the ranks) dies at once."""
-        _run("ip", "link", "set", f"{self.workers[index][2]}v", "down")
-        for pid in self.node_pids(index):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self.network.cut(self.workers[index][2])
+        kill_all(self.node_pids(index))
 
     # ------------------------------------------------------------ making it
-    def _make_namespace(self, netns: str, address: str) -> None:
-        veth = f"{netns}v"
-        _run("ip", "netns", "add", netns)
-        self._made_netns.append(netns)
-        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", veth + "p")
-        self._made_links.append(veth)
-        _run("ip", "link", "set", veth + "p", "netns", netns)
-        _run("ip", "link", "set", veth, "master", self.bridge)
-        _run("ip", "link", "set", veth, "up")
-        # (no default route, as for the SSH hosts: a lookup that would leave the bridge fails at once; with
-        # one, gloo's rendezvous waited on DNS timeouts)
-        for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "link", "set", veth + "p", "name", "eth0"],
-                    ["ip", "addr", "add", f"{address}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"]):
-            _run("ip", "netns", "exec", netns, *cmd)
-
     def _start(self, who: tuple[str, str, str], args: list[str]) -> None:
         name, address, netns = who
         command = [ray_command(), "start", "--block", f"--node-ip-address={address}", f"--num-cpus={self.cpus}",

@@ -18,6 +18,7 @@ import time
 
 from mungelab import PrivateMunged
 from mungelab import unavailable_reason as munge_unavailable
+from netlab import BridgedNamespaces, kill_all, namespace_pids
 
 DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged", "/usr/bin/sbatch")
 
@@ -32,12 +33,6 @@ def unavailable_reason() -> str | None:
     return munge_unavailable()
 
 
-def _run(*cmd: str) -> None:
-    done = subprocess.run(list(cmd), capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()}")
-
-
 class SlurmTestCluster:
     """A controller and `count` compute nodes (node0, node1, ...), 2 CPUs each."""
 
@@ -45,14 +40,12 @@ class SlurmTestCluster:
         self.tag = f"{os.getpid() % 100000}"
         self.workdir = workdir
         self.cpus = cpus
-        self.bridge = f"msb{self.tag}"
+        self.network = BridgedNamespaces(f"msb{self.tag}", "198.19.0.1/24")
         self.controller = ("ctl", "198.19.0.2", f"msl{self.tag}c")
         self.nodes = [(f"node{i}", f"198.19.0.{10 + i}", f"msl{self.tag}n{i}") for i in range(count)]
         self.conf = os.path.join(workdir, "slurm.conf")
         self.munge_socket = os.path.join(workdir, "munge", "munge.sock")
         self._daemons: list[subprocess.Popen] = []
-        self._made_links: list[str] = []
-        self._made_netns: list[str] = []
         self._munged: PrivateMunged | None = None
 
     @property
@@ -63,12 +56,9 @@ class SlurmTestCluster:
     # ------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 30.0) -> SlurmTestCluster:
         """Network, munge, slurmctld and every slurmd; returns when every node is idle."""
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
-        self._made_links.append(self.bridge)
-        _run("ip", "addr", "add", "198.19.0.1/24", "dev", self.bridge)
-        _run("ip", "link", "set", self.bridge, "up")
+        self.network.create()
         for _, address, netns in [self.controller, *self.nodes]:
-            self._make_namespace(netns, address)
+            self.network.add(netns, address)
         self._write_files()
         self._start_munge()
         self._start(self.controller, ["/usr/sbin/slurmctld", "-D", "-f", self.conf])
@@ -92,26 +82,17 @@ class SlurmTestCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for netns in self._made_netns:
-            for pid in self.pids(netns):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
-        for link in self._made_links:
-            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        self.network.remove()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     # ------------------------------------------------------------ inspection
     def pids(self, netns: str) -> list[int]:
         """Processes in a namespace."""
-        done = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
-        return [int(p) for p in done.stdout.split()]
+        return namespace_pids(netns)
 
     def node_pids(self, index: int) -> list[int]:
         """Processes of a compute node (its slurmd, and whatever runs there)."""
-        return self.pids(self.nodes[index][2])
+        return namespace_pids(self.nodes[index][2])
 
     def squeue(self) -> str:
         """Jobs in the queue, as `squeue -h -o '%i %T %r %N'` shows them."""
@@ -121,35 +102,18 @@ class SlurmTestCluster:
     # ------------------------------------------------------------ faults
     def veth(self, index: int) -> str:
         """The bridge's end of a node's link."""
-        return f"{self.nodes[index][2]}v"
+        return self.network.veth(self.nodes[index][2])
 
     def cut_link(self, index: int) -> None:
         """The node drops off the network (its processes keep running)."""
-        _run("ip", "link", "set", self.veth(index), "down")
+        self.network.cut(self.nodes[index][2])
 
     def fail_node(self, index: int) -> None:
         """A power loss: the node's link goes and every process on it (slurmd, steps, ours) dies at once."""
         self.cut_link(index)
-        for pid in self.node_pids(index):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(self.node_pids(index))
 
     # ------------------------------------------------------------ making it
-    def _make_namespace(self, netns: str, address: str) -> None:
-        veth = f"{netns}v"
-        _run("ip", "netns", "add", netns)
-        self._made_netns.append(netns)
-        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", veth + "p")
-        self._made_links.append(veth)
-        _run("ip", "link", "set", veth + "p", "netns", netns)
-        _run("ip", "link", "set", veth, "master", self.bridge)
-        _run("ip", "link", "set", veth, "up")
-        for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "link", "set", veth + "p", "name", "eth0"],
-                    ["ip", "addr", "add", f"{address}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"]):
-            _run("ip", "netns", "exec", netns, *cmd)
-
     def _write_files(self) -> None:
         hosts = "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a, _ in [self.controller, *self.nodes])
         with open(os.path.join(self.workdir, "hosts"), "w") as f:

@@ -17,6 +17,7 @@ import time
 
 import pytest
 from mungelab import PrivateMunged, unavailable_reason
+from offer_thread import OfferThread, closed_by_peer, connect
 
 from monarch_kernel.agent import direct_link
 from monarch_kernel.wire.link_crypto import DOWN, UP, Opener, RecordRefused, Sealer
@@ -47,47 +48,12 @@ def credential_as(uid: int, payload: bytes) -> bytes:
     return done.stdout.strip()
 
 
-class Offer:
-    """An agent's offer running in a thread, with the pipes a job step would give it."""
+class Offer(OfferThread):
+    """A munge offer in a thread; `credential` is what its line carries."""
 
     def __init__(self, address: str | None = "127.0.0.1"):
-        self.to_agent_r, self.to_agent_w = os.pipe()
-        self.from_agent_r, self.from_agent_w = os.pipe()
-        self.result: list = []
-        self.thread = threading.Thread(target=self._run, args=(address,), daemon=True)
-        self.thread.start()
-        self.line = direct_link.read_line(self.from_agent_r).decode().split()
+        super().__init__(address)
         self.credential = self.line[-1].encode()
-        if self.line[0] == "direct":
-            self.address, self.port = self.line[1], int(self.line[2])
-
-    def _run(self, address: str | None) -> None:
-        try:
-            link = direct_link.offer(self.to_agent_r, self.from_agent_w, address)
-            self.result.append((link, link.read_environment(self.to_agent_r)))
-        except BaseException as exc:  # noqa: BLE001 - the test looks at it
-            self.result.append(exc)
-
-    def outcome(self):
-        self.thread.join(15)
-        assert not self.thread.is_alive()
-        return self.result[0]
-
-    def close(self) -> None:
-        for fd in (self.to_agent_r, self.to_agent_w, self.from_agent_r, self.from_agent_w):
-            os.close(fd)
-
-
-def connect(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=5)
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    """Whether the peer closed (or reset: it closed with our bytes unread) without a word."""
-    try:
-        return sock.recv(64) == b""
-    except ConnectionResetError:
-        return True
 
 
 def first_bytes(join: Join, env: dict) -> tuple[bytes, Sealer, Opener]:

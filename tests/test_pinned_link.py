@@ -8,58 +8,23 @@ offer) and must still neither get into the agent nor stop the controller from ge
 import io
 import json
 import os
-import socket
-import threading
 
 import pytest
+from offer_thread import OfferThread, closed_by_peer, connect
 
-from monarch_kernel.agent import direct_link
 from monarch_kernel.wire.link_crypto import DOWN, UP, Opener, RecordRefused, Sealer, read_frame
 from monarch_kernel.wire.pinned_auth import PinnedJoin, PinnedKeyRefused, PinnedOffer, parse_public
 
 ENV = {"HF_TOKEN": "not-for-the-network-" + os.urandom(8).hex()}
 
 
-class AgentOffer:
+class AgentOffer(OfferThread):
     """An agent's pinned offer in a thread, on the pipes a Ray slot gives it."""
 
     def __init__(self, controller_public: bytes):
-        self.to_agent_r, self.to_agent_w = os.pipe()
-        self.from_agent_r, self.from_agent_w = os.pipe()
-        self.result: list = []
-        self.thread = threading.Thread(target=self._run, args=(controller_public,), daemon=True)
-        self.thread.start()
-        self.line = direct_link.read_line(self.from_agent_r).decode().split()
+        super().__init__("127.0.0.1", lambda: PinnedOffer(controller_public))
         assert self.line[0] == "direct"
-        self.port, self.agent_public = int(self.line[2]), parse_public(self.line[3])
-
-    def _run(self, controller_public: bytes) -> None:
-        try:
-            link = direct_link.offer(self.to_agent_r, self.from_agent_w, "127.0.0.1",
-                                     lambda: PinnedOffer(controller_public))
-            self.result.append((link, link.read_environment(self.to_agent_r)))
-        except BaseException as exc:  # noqa: BLE001 - the test looks at it
-            self.result.append(exc)
-
-    def outcome(self):
-        self.thread.join(15)
-        assert not self.thread.is_alive()
-        return self.result[0]
-
-    def close(self) -> None:
-        for fd in (self.to_agent_r, self.to_agent_w, self.from_agent_r, self.from_agent_w):
-            os.close(fd)
-
-
-def connect(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=5)
-
-
-def closed_by_peer(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(64) == b""
-    except ConnectionResetError:
-        return True
+        self.agent_public = parse_public(self.line[3])
 
 
 def first_bytes(join: PinnedJoin, agent_public: bytes) -> bytes:

@@ -12,6 +12,7 @@ import tempfile
 import cloudpickle
 import pytest
 from conftest import RecordingSink, wait_until
+from netlab import ours
 from raylab import RayTestCluster, unavailable_reason
 
 from monarch_kernel import Actor, MeshStartError, endpoint
@@ -46,14 +47,7 @@ def cluster():
 
 def ours_on_nodes(cluster):
     """Our processes on each worker node: agents and ranks (Ray's own workers are not ours)."""
-    def ours(pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return b"monarch_kernel" in f.read()
-        except OSError:
-            return False
-
-    return {i: [p for p in cluster.node_pids(i) if ours(p)] for i in range(len(cluster.workers))}
+    return {i: ours(cluster.node_pids(i)) for i in range(len(cluster.workers))}
 
 
 HEAD_STATE = ("import ray; ray.init(address='auto', logging_level='ERROR')\n"

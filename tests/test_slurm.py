@@ -15,6 +15,7 @@ import time
 import cloudpickle
 import pytest
 from conftest import RecordingSink, pids_alive, wait_until
+from netlab import ours
 from slurmlab import SlurmTestCluster, unavailable_reason
 
 from monarch_kernel import Actor, MeshInterrupted, MeshStartError, MeshTimeoutError, endpoint, slurm_mesh
@@ -49,14 +50,7 @@ def ours_in_queue(cluster):
 
 def node_processes(cluster):
     """Our processes on each node: agents and ranks (Slurm's own, like a kept job's script, are not ours)."""
-    def ours(pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return b"monarch_kernel" in f.read()
-        except OSError:
-            return False
-
-    return {i: [p for p in cluster.node_pids(i) if ours(p)] for i in range(len(cluster.nodes))}
+    return {i: ours(cluster.node_pids(i)) for i in range(len(cluster.nodes))}
 
 
 class Where(Actor):
@@ -383,7 +377,7 @@ def test_a_reader_of_the_cluster_network_learns_nothing_it_could_use(cluster, tm
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     token = "token-" + os.urandom(12).hex()
     marker = os.urandom(64)
-    with WireTap(cluster.bridge) as tap:
+    with WireTap(cluster.network.bridge) as tap:
         mesh = slurm_mesh(nodes=2, gpus=1, dist="none", request_gpus=False, name="tapped", persist="5m",
                           env={"MY_API_TOKEN": token})
         try:

@@ -66,7 +66,7 @@ def test_internal_operations_are_typed_and_answered_by_their_handlers(rank):
     worker, peer = rank
     request(worker, peer, Push(1, seal({"t": __import__("torch").zeros(2, 3)})))
     assert unseal(request(worker, peer, RunOp(2, Versions()))[-1].value)["python"] == platform.python_version()
-    assert unseal(request(worker, peer, RunOp(3, Describe("t")))[-1].value)["global_shape"] == (2, 3)
+    assert unseal(request(worker, peer, RunOp(3, Describe("t")))[-1].value).global_shape == (2, 3)
     assert unseal(request(worker, peer, RunOp(4, SetAutoreload(False)))[-1].value) is False
     result = request(worker, peer, RunOp(5, ListFiles("k")))[-1]  # a host operation is not a rank's
     assert result.failure.error_type == "TypeError" and "no operation ListFiles" in result.failure.message

@@ -10,7 +10,6 @@ way. No tensor data ever leaves a rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -139,17 +138,37 @@ def _covers(extent: tuple[int, int], start: int, stop: int) -> bool:
     return extent[0] <= start and stop <= extent[1]
 
 
-def layout_from(name: str, described: list[dict[str, Any]], labels: dict[int, str]) -> TensorLayout:
+@dataclass(frozen=True)
+class TensorDescription:
+    """What a rank says of one tensor or DTensor, without its data (the answer to `wire.ops.Describe`).
+
+    kind: "tensor" (a plain tensor; `checksum` is the sum of its values) or "dtensor" (then `placements`
+    as `Placement`'s fields, the device mesh's shape and dim names, and this rank's coordinate in it)."""
+
+    kind: str
+    rank: int
+    global_shape: tuple[int, ...]
+    dtype: str
+    local_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    nbytes: int
+    device: str
+    checksum: float | None = None
+    placements: tuple[tuple[str, int | None, str | None, int | None], ...] = ()
+    mesh_shape: tuple[int, ...] = ()
+    mesh_dim_names: tuple[str, ...] = ()
+    mesh_coord: tuple[int, ...] | None = None
+
+
+def layout_from(name: str, described: list[TensorDescription], labels: dict[int, str]) -> TensorLayout:
     """Assemble the ranks' descriptions (`rank.tensorinfo.describe_local`) into one layout."""
     if not described:
         raise ValueError("no rank described the tensor")
     first = described[0]
-    pieces = tuple(
-        LocalPiece(d["rank"], tuple(d["local_shape"]), tuple(d["offset"]), d["nbytes"], d["device"], d["dtype"],
-                   tuple(d["mesh_coord"]) if d.get("mesh_coord") is not None else None, d.get("checksum"))
-        for d in sorted(described, key=lambda d: d["rank"]))
-    if first["kind"] == "dtensor":
-        return TensorLayout(name, tuple(first["global_shape"]), first["dtype"], pieces,
-                            tuple(Placement(*p) for p in first["placements"]), tuple(first["mesh_shape"]),
-                            tuple(first["mesh_dim_names"]), labels)
-    return TensorLayout(name, tuple(first["global_shape"]), first["dtype"], pieces, labels=labels)
+    pieces = tuple(LocalPiece(d.rank, d.local_shape, d.offset, d.nbytes, d.device, d.dtype, d.mesh_coord, d.checksum)
+                   for d in sorted(described, key=lambda d: d.rank))
+    if first.kind == "dtensor":
+        return TensorLayout(name, first.global_shape, first.dtype, pieces,
+                            tuple(Placement(*p) for p in first.placements), first.mesh_shape,
+                            first.mesh_dim_names, labels)
+    return TensorLayout(name, first.global_shape, first.dtype, pieces, labels=labels)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from monarch_kernel.core.sharding import TensorDescription
 
-def describe(value: Any, rank: int) -> Any:
+
+def describe(value: Any, rank: int) -> TensorDescription | list[tuple[str, TensorDescription]]:
     """A tensor's description, or a module's as [(parameter name, description), ...]."""
     import torch
 
@@ -18,7 +20,7 @@ def describe(value: Any, rank: int) -> Any:
     return describe_local(value, rank)
 
 
-def describe_local(value: Any, rank: int) -> dict[str, Any]:
+def describe_local(value: Any, rank: int) -> TensorDescription:
     """On a rank: metadata of a DTensor or plain tensor (no data), as plain values."""
     import torch
 
@@ -29,24 +31,17 @@ def describe_local(value: Any, rank: int) -> dict[str, Any]:
 
         mesh = value.device_mesh
         local_shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
-        return {
-            "kind": "dtensor", "rank": rank, "global_shape": tuple(value.shape),
-            "dtype": str(value.dtype).removeprefix("torch."),
-            "placements": [_placement(p) for p in value.placements],
-            "mesh_shape": tuple(mesh.mesh.shape), "mesh_dim_names": tuple(mesh.mesh_dim_names or ()),
-            "mesh_coord": tuple(mesh.get_coordinate() or ()),
-            "local_shape": tuple(local_shape), "offset": tuple(offset),
-            "nbytes": value.to_local().numel() * value.element_size(), "device": str(value.device),
-        }
+        return TensorDescription(
+            "dtensor", rank, tuple(value.shape), str(value.dtype).removeprefix("torch."), tuple(local_shape),
+            tuple(offset), value.to_local().numel() * value.element_size(), str(value.device),
+            placements=tuple(_placement(p) for p in value.placements), mesh_shape=tuple(mesh.mesh.shape),
+            mesh_dim_names=tuple(mesh.mesh_dim_names or ()), mesh_coord=tuple(mesh.get_coordinate() or ()))
     if isinstance(value, torch.Tensor):
         data = value.detach()
         checksum = float(data.double().sum()) if data.numel() and not data.is_complex() else 0.0
-        return {
-            "kind": "tensor", "rank": rank, "global_shape": tuple(value.shape),
-            "dtype": str(value.dtype).removeprefix("torch."), "local_shape": tuple(value.shape),
-            "offset": (0,) * value.dim(), "nbytes": value.numel() * value.element_size(),
-            "device": str(value.device), "checksum": checksum,
-        }
+        return TensorDescription("tensor", rank, tuple(value.shape), str(value.dtype).removeprefix("torch."),
+                                 tuple(value.shape), (0,) * value.dim(), value.numel() * value.element_size(),
+                                 str(value.device), checksum=checksum)
     raise TypeError(f"expected a torch.Tensor or DTensor, got {type(value).__name__}")
 
 

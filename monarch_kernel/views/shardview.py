@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.ranksets import format_ranks, rank_label
-from monarch_kernel.core.sharding import Block, Placement, TensorLayout, layout_from
+from monarch_kernel.core.sharding import Block, Placement, TensorDescription, TensorLayout, layout_from
 from monarch_kernel.core.texttable import text_table
 from monarch_kernel.views import theme
 from monarch_kernel.views.base import TextHtmlView
@@ -335,18 +335,18 @@ def visualize_sharding(mesh: Mesh, expr: str, *, rows: int | None = None,
     return ShardingView(layout_from(expr, described, labels), rows, cols)
 
 
-def _module_view(name: str, described: list[list[tuple[str, dict]]]) -> ModuleShardingView:
+def _module_view(name: str, described: list[list[tuple[str, TensorDescription]]]) -> ModuleShardingView:
     """Parameters matched by name across ranks (a pipeline stage holds only its own), in the
     order the ranks list them; each row names the ranks that hold the parameter."""
-    by_name: dict[str, tuple[dict, dict[int, int]]] = {}
+    by_name: dict[str, tuple[TensorDescription, dict[int, int]]] = {}
     for listed in described:
         for pname, info in listed:
             first, per_rank = by_name.setdefault(pname, (info, {}))
-            per_rank[info["rank"]] = info["nbytes"]
+            per_rank[info.rank] = info.nbytes
     rows = []
     for pname, (first, per_rank) in by_name.items():
-        placements = (", ".join(str(Placement(*p)) for p in first["placements"])
-                      if first["kind"] == "dtensor" else "local tensor")
-        rows.append(ParameterRow(pname, tuple(first["global_shape"]), placements, dict(sorted(per_rank.items()))))
+        placements = (", ".join(str(Placement(*p)) for p in first.placements)
+                      if first.kind == "dtensor" else "local tensor")
+        rows.append(ParameterRow(pname, first.global_shape, placements, dict(sorted(per_rank.items()))))
     return ModuleShardingView(name, rows)
 

@@ -68,7 +68,8 @@ class StopAllActors:
 
 @dataclass(frozen=True)
 class Describe:
-    """Metadata of what `expr` is on the rank (tensor, DTensor or module). Answer: a TensorInfo-like dict."""
+    """Metadata of what `expr` is on the rank (tensor, DTensor or module). Answer: a `core.sharding.TensorDescription`,
+    or [(parameter name, TensorDescription), ...] for a module."""
 
     expr: str
 
