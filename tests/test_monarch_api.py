@@ -85,6 +85,12 @@ def test_a_value_mesh_slices_like_its_mesh():
 # ------------------------------------------------------------------ on a live mesh
 
 
+class Doubler(Actor):
+    @endpoint
+    def double(self, value):
+        return 2 * value
+
+
 class Answerer(Actor):
     def __init__(self):
         self.port: Port | None = None
@@ -394,3 +400,19 @@ def test_monarch_config_acts_on_what_ours_has_and_refuses_unknown_names():
         config.configure(stop_actor_timeout="soon")
     assert procs.STOP_ACTORS_S == before
     assert config.duration_seconds("500ms") == 0.5 and config.duration_seconds("1h 30m") == 5400.0
+
+
+@pytest.mark.timeout(60)
+def test_a_future_as_asyncio_resolves_on_the_running_loop_and_refuses_off_one(procs):
+    import asyncio
+
+    future = procs.spawn("asyncio_doublers", Doubler).slice(gpus=0).double.call_one(5)
+
+    async def both() -> tuple:
+        first, second = future.as_asyncio(), future.as_asyncio()  # each call: a fresh asyncio future
+        assert isinstance(first, asyncio.Future) and first is not second
+        return await first, await second
+
+    assert asyncio.run(both()) == (10, 10)
+    with pytest.raises(RuntimeError):
+        future.as_asyncio()

@@ -8,6 +8,7 @@ The outcome is kept: a second `get()` returns (or raises) the same thing.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Generator
@@ -72,6 +73,11 @@ class Future(ABC, Generic[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         return self._await().__await__()
+
+    def as_asyncio(self) -> asyncio.Future[T]:
+        """An `asyncio.Future` of the running loop that resolves as this one does (Monarch's `as_asyncio()`);
+        each call gives a fresh one. RuntimeError off a running loop."""
+        return asyncio.get_running_loop().create_task(self._await())
 
     async def _await(self) -> T:
         if not self.done():

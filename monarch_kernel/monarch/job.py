@@ -9,7 +9,8 @@
 Each host of a ProcessJob runs its own host agent on this machine, as a separate machine's would, so
 a program written for several hosts runs here unchanged. Jobs run from the notebook. For SSH hosts
 and Slurm allocations use `%mesh up ssh|slurm` (or `monarch_kernel.ssh_mesh`, `slurm_mesh`) and
-`mesh.host_mesh()`: Monarch's `SlurmJob` and batch-mode scripts are not provided.
+`mesh.host_mesh()`: Monarch's `SlurmJob` and batch-mode scripts are not provided. `PortForwarder`
+(TCP forwards between process meshes) is `monarch_kernel.monarch.port_forward`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import contextlib
 from typing import Any
 
 from monarch_kernel.actors.procs import HostMesh
+from monarch_kernel.monarch.port_forward import PortForwarder
 
 
 class JobState:
@@ -80,7 +82,7 @@ class ProcessJob(JobTrait):
         return f"ProcessJob({self._meshes!r})"
 
 
-__all__ = ["JobState", "JobTrait", "ProcessJob"]
+__all__ = ["JobState", "JobTrait", "PortForwarder", "ProcessJob"]
 
 
 def __getattr__(name: str) -> Any:
