@@ -12,7 +12,7 @@ PUBLIC = {
     "MeshBusyError", "MeshStartError", "MeshTimeoutError", "MeshUsageError", "MonarchWarning", "Plan", "Point",
     "RankDiedError", "RankFailure",
     "RemoteError", "SerializationError", "Shape", "SupervisionError", "ValueMesh", "load_ipython_extension", "local_mesh",
-    "plan", "slurm_mesh", "ssh_mesh", "unload_ipython_extension", "attach", "persistent_meshes", "stop_persistent"}
+    "plan", "ray_mesh", "slurm_mesh", "ssh_mesh", "unload_ipython_extension", "attach", "persistent_meshes", "stop_persistent"}
 
 
 def test_public_names():
