@@ -13,7 +13,7 @@ from monarch_kernel.views.errortext import ipython_cell_names
 from monarch_kernel.views.live import KernelPublisher, LiveOutput, TerminalOutput, WidgetPublisher
 from monarch_kernel.views.timing import run_timing_view
 
-from . import sidebar
+from . import debugger, sidebar
 from .mesh_magic import MeshMagics
 from .registry import MeshRegistry
 
@@ -54,6 +54,7 @@ def load_ipython_extension(ipython) -> None:
         adopt_mesh=registry.adopt))  # meshes a Monarch program starts show up too
     if sidebar.register(ipython, registry):  # the JupyterLab Meshes panel talks to this comm target
         sidebar.announce(ipython)  # an open panel links up now, not at its next look
+    magics.debugger = debugger.install(ipython)  # JupyterLab's debugger reaches into the ranks
     _state.update(registry=registry, magics=magics)
 
 
@@ -108,6 +109,7 @@ def unload_ipython_extension(ipython) -> None:
         ipython.display_formatter.ipython_display_formatter.pop(shown, None)
     ipython.display_formatter.ipython_display_formatter.pop(".".join(PLAN_TYPE), None)
     sidebar.unregister(ipython)
+    debugger.uninstall(ipython)
 
 
 def current_registry() -> MeshRegistry | None:

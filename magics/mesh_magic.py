@@ -24,6 +24,7 @@ from monarch_kernel.views.shardview import visualize_sharding
 
 from . import persist_commands
 from .commands import HELP, USAGE, cell_parser, line_parser
+from .debugger import MeshDebugger
 from .registry import MeshRegistry
 
 
@@ -65,6 +66,7 @@ class MeshMagics(Magics):
         self._parsed: dict[str, argparse.Namespace] = {}  # %%mesh lines already parsed (read only)
         self._auto: str | None = None  # "%mesh on": the mesh every cell goes to
         self.timing = True  # per-rank timing bars after each %%mesh cell
+        self.debugger: MeshDebugger | None = None  # JupyterLab's debugger, for the ranks (in a kernel that has one)
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
@@ -107,9 +109,14 @@ class MeshMagics(Magics):
         return self._cell_magic_run(target, args, cell, name)
 
     def _cell_magic_run(self, target: Mesh, args: argparse.Namespace, cell: str, name: str | None) -> Any:
+        code, filename = _ipython_to_python(cell), None
+        if self.debugger is not None:  # JupyterLab's debugger is on: the chosen rank stops at the cell's breakpoints
+            filename = self.debugger.prepare(target)
+            if filename is not None:
+                code = self.debugger.cell_code(code)
         try:
-            future = target.run_async(_ipython_to_python(cell), timeout=args.timeout, fail_fast=args.fail_fast,
-                                      dedupe=not args.no_dedupe, name=name, background=args.bg)
+            future = target.run_async(code, timeout=args.timeout, fail_fast=args.fail_fast,
+                                      dedupe=not args.no_dedupe, name=name, background=args.bg, filename=filename)
         except SyntaxError as exc:
             raise CellSyntaxError(exc) from None  # shown like a local SyntaxError
         if args.bg:
@@ -331,11 +338,35 @@ class MeshMagics(Magics):
                 print(("! " if stream == "stderr" else "  ") + text)
 
     def _do_debug(self, args) -> None:
-        """Post-mortem pdb on the ranks whose last cell failed (like %debug), in the notebook."""
+        """Choose the rank JupyterLab's debugger stops in (`rank N`, `off`); with neither, post-mortem
+        pdb on the ranks whose last cell failed (like %debug), in the notebook."""
+        if args.what is not None:
+            self._choose_debugged_rank(args)
+            return
         mesh = self.registry.get(args.mesh)
         target = mesh.select_ranks(_spec_ranks(args.ranks, mesh)) if args.ranks else mesh
         if not target.debug():
             print(f"no rank of mesh {mesh.name!r} has a failed cell to debug")
+
+    def _choose_debugged_rank(self, args) -> None:
+        if self.debugger is None:
+            raise UsageError("this kernel has no debugger (JupyterLab's needs ipykernel 6+ with debugpy installed)")
+        if args.what == "off":
+            self.debugger.chosen_mesh, self.debugger.chosen_rank = None, 0
+            self.debugger.detach()
+            print("JupyterLab's debugger stops in rank 0 of each cell's mesh again")
+            return
+        if args.rank is None:
+            raise UsageError("say which rank: %mesh debug rank 2")
+        mesh = self.registry.get(args.mesh)
+        if args.rank not in mesh.ranks:
+            raise UsageError(f"mesh {mesh.name!r} has no rank {args.rank} (its ranks: 0..{len(mesh.ranks) - 1})")
+        self.debugger.chosen_mesh, self.debugger.chosen_rank = mesh.name, args.rank
+        if self.debugger.link is not None and self.debugger.link.rank != args.rank:
+            self.debugger.detach()
+        state = "on" if self.debugger.is_on else "off (turn it on in JupyterLab's toolbar)"
+        print(f"JupyterLab's debugger stops in rank {args.rank} of mesh {mesh.name!r} at %%mesh cells' breakpoints; "
+              f"it is {state}")
 
     def _do_on(self, args) -> None:
         mesh = self.registry.get(args.mesh)

@@ -38,6 +38,7 @@ from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import persist_messages as pm
 from monarch_kernel.wire import relay_messages as rm
+from monarch_kernel.wire.debugging import DebugToRank
 from monarch_kernel.wire.diagnosis import InspectRanks
 from monarch_kernel.wire.relay_link import RelayLink
 from monarch_kernel.wire.routing import CallRouter, Send
@@ -78,6 +79,7 @@ class HostAgent:
             m.ToRanks: self._fan_out,
             m.InterruptRanks: self._deliver,  # each rank decides what to stop (worker.py)
             InspectRanks: self._deliver,  # each rank's reader thread answers
+            DebugToRank: self._deliver,  # (to the rank's reader thread: it flows while the rank is paused)
             m.ActorCall: lambda msg: self._call(msg, from_above=True),
             m.ActorReply: self.router.reply,
             m.CancelCall: lambda msg: self.router.cancel(msg, from_above=True),
@@ -281,7 +283,8 @@ class HostAgent:
                 del self._release_when_answered[(caller, call_id)]
                 release(entry[0])  # each rank holds its own link while it maps the arguments
 
-    def _deliver(self, msg: m.InputReply | m.InterruptRanks | InspectRanks | m.DirectRoute | m.ListenForCalls) -> None:
+    def _deliver(self, msg: m.InputReply | m.InterruptRanks | InspectRanks | DebugToRank | m.DirectRoute
+                 | m.ListenForCalls) -> None:
         """Pass a message on to the local ranks it names."""
         chunks = encode(msg)
         for rank in msg.ranks:

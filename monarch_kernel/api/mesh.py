@@ -141,17 +141,18 @@ class Mesh(HostFiles, KeptState):
 
     def run_async(self, code: str, *, timeout: float | None = None, fail_fast: bool = False,
                   sink: OutputSink | None = None, dedupe: bool = True, name: str | None = None,
-                  background: bool = False) -> MeshFuture:
+                  background: bool = False, filename: str | None = None) -> MeshFuture:
         """Start code on every rank and return at once with a MeshFuture.
 
         With background=True, live output is delivered from a helper thread (to the
-        cell that started the run) even if nobody calls get().
+        cell that started the run) even if nobody calls get(). `filename`: the name the
+        ranks compile the code under (default `<mesh NAME>`; a debugger's file for the cell).
         """
-        filename = f"<mesh {name or Session.current().cell_names.name_of(code)}>"
+        filename = filename or f"<mesh {name or Session.current().cell_names.name_of(code)}>"
         check_syntax(code, filename)
         if workspace.workspaces_of(self._runtime).auto:  # edits made since the last cell go first
             workspace.sync_changed(self._runtime)
-        label = name or filename.strip("<>")
+        label = name or (filename.strip("<>") if filename.startswith("<") else "cell")
         future = self._submit(lambda rid: m.RunCell(rid, code, filename), label=label, timeout=timeout,
                               fail_fast=fail_fast, sink=sink, dedupe=dedupe, finish=self._values,
                               background=background)

@@ -17,6 +17,7 @@ from functools import partial
 from typing import Any, ClassVar
 
 from monarch_kernel.controller import proc_requests
+from monarch_kernel.controller.debugging import RankDebugging
 from monarch_kernel.controller.heartbeat import HostHearing
 from monarch_kernel.controller.host_ops import HostOps
 from monarch_kernel.controller.hosts import HostConnection, HostSpec, open_host
@@ -35,6 +36,7 @@ from monarch_kernel.wire import handshake
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire import relay_messages as rm
 from monarch_kernel.wire.calls import register_sender, unregister_sender
+from monarch_kernel.wire.debugging import DebugFromRank
 from monarch_kernel.wire.diagnosis import CollectivesAborted, RankInspection
 from monarch_kernel.wire.serialization import carries_shm_refs, forget_mappings
 from monarch_kernel.wire.transport import FrameError
@@ -63,6 +65,7 @@ class MeshRuntime:
         self.hearing = HostHearing(self.state, spec, clock, self._on_lost, _notice)  # pings, silences
         self.host_ops = HostOps()  # work for the agents themselves (workspace files)
         self.inspections = Inspections(self.state, self.controller)  # where ranks are (hangs)
+        self.debugging = RankDebugging(self.state, self.controller)  # JupyterLab's debugger in a rank
         self._lifecycle = asyncio.Lock()  # one restart or shutdown at a time (a double click, two cells)
         self._handlers: dict[type, Handler] = {
             m.Output: lambda link, msg: self.requests.output(msg),
@@ -90,6 +93,7 @@ class MeshRuntime:
             m.RanksFailed: self._on_ranks_failed,
             m.HostOpDone: lambda link, msg: self.host_ops.done(link, msg),
             RankInspection: lambda link, msg: self.inspections.answer(msg),
+            DebugFromRank: lambda link, msg: self.debugging.arrived(msg),
             CollectivesAborted: lambda link, msg: self.requests.collectives_aborted(msg),
         }
         register_sender(spec.name, self.sender)
@@ -284,6 +288,7 @@ class MeshRuntime:
                 f"mesh {self.name!r}: ranks on host {link.name} failed to start:\n{msg.text}"))
 
     def _on_rank_exited(self, link: HostLink, msg: m.RankExited) -> None:
+        self.debugging.rank_gone(msg.rank, f"rank {msg.rank} exited")
         remote = link.host.remote if link.host is not None else None
         if remote is None or not remote.scheduled or msg.expected:
             self.requests.rank_exited(msg.rank, msg.exit_code, msg.signal, msg.stderr_tail, expected=msg.expected)
@@ -324,6 +329,8 @@ class MeshRuntime:
             return
         why = f"lost the connection to host {link.name}" + (f" ({exc})" if exc else "")
         self.host_ops.lost(link, why)
+        for rank in link.ranks:
+            self.debugging.rank_gone(rank, why)
         self._end_lost_host(link)
         for rank in link.ranks:
             if self.state.ranks[rank].alive:

@@ -18,6 +18,7 @@ from monarch_kernel.actors.base import endpoint, endpoint_parameters
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.versions import versions
 from monarch_kernel.rank import profiling
+from monarch_kernel.rank.debugging import RankDebugger
 from monarch_kernel.rank.user_process_groups import remake_default_group
 from monarch_kernel.wire import ops
 from monarch_kernel.wire.ops import ACTOR_OPERATIONS
@@ -51,7 +52,8 @@ class Actors(Protocol):
 class RankOps:
     """The table of this rank's operation handlers (keyed by the operation's type)."""
 
-    def __init__(self, rank: int, namespace: dict[str, Any], runner: CellRunner, reloader: Reloader) -> None:
+    def __init__(self, rank: int, namespace: dict[str, Any], runner: CellRunner, reloader: Reloader,
+                 debugger: RankDebugger) -> None:
         self._rank = rank
         self._namespace = namespace
         self._runner = runner
@@ -75,6 +77,8 @@ class RankOps:
             ops.StopProfile: lambda op: profiling.stop(),
             ops.ReadClock: lambda op: profiling.clock_us(),
             ops.ListActorMeshes: lambda op: self._actor_meshes(),
+            ops.StartDebugger: lambda op: debugger.start(op.session),
+            ops.StopDebugger: lambda op: debugger.stop(),
         }
         assert set(self._table) == set(ops.RANK_OPERATIONS), "every rank operation has a handler"
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import _signal
 import asyncio
 import functools
+import os
 import signal
 import sys
 import threading
@@ -34,6 +35,7 @@ from monarch_kernel.rank.actor_host import ActorHost
 from monarch_kernel.rank.autoreload import Reloader
 from monarch_kernel.rank.capture import DisplayCapture, RankStream
 from monarch_kernel.rank.cell import CellRunner, describe_failure
+from monarch_kernel.rank.debugging import RankDebugger, ensure_source_file, untraced
 from monarch_kernel.rank.far_calls import CallListener
 from monarch_kernel.rank.inspect import inspect
 from monarch_kernel.rank.interrupts import MainThreadInterrupts
@@ -43,6 +45,7 @@ from monarch_kernel.rank.rankshell import RankShell
 from monarch_kernel.rank.recent import RecentKeys
 from monarch_kernel.rank.thread_stops import install_sleep
 from monarch_kernel.rank.user_threads import MainThreadJobs
+from monarch_kernel.wire.debugging import DebugToRank
 from monarch_kernel.wire.diagnosis import CollectivesAborted, InspectRanks, RankInspection
 from monarch_kernel.wire.fd_marks import FdMarkReader, fd_mark_path
 from monarch_kernel.wire.lane_server import LaneServer, accept_lane, listen_lane
@@ -118,7 +121,8 @@ class Worker:
         self.stderr = RankStream("stderr", config.rank, self._send)
         self.displays = DisplayCapture(config.rank, self._send, lambda: self.current_req, self.flush_streams)
         self.reloader = Reloader(config.rank)  # modules of synced workspaces (`Mesh.autoreload`)
-        self.ops = RankOps(config.rank, self.namespace, self.runner, self.reloader)  # internal operations
+        self.debugger = RankDebugger(config.rank, self._send)  # JupyterLab's debugger, when it debugs this rank
+        self.ops = RankOps(config.rank, self.namespace, self.runner, self.reloader, self.debugger)  # internal operations
         self.interrupts = MainThreadInterrupts()  # SIGINT for the main thread that is not lost
         self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir, self.ops, self.interrupts,
                                 config.mesh)
@@ -172,6 +176,7 @@ class Worker:
                 self._stopped.add(req_id)
             if msg.running:
                 self.actors.stops.stop_running()
+            self.debugger.resume()  # threads paused at a breakpoint run on, into the stop
             if self.in_user_code and self.current_req is not None and (msg.running or self.current_req in msg.req_ids):
                 target = self.current_req  # the stop is this run's (never the next one's: see interrupts.py)
                 self.interrupts.interrupt(lambda: self.current_req == target, lambda: self.in_user_code)
@@ -211,7 +216,7 @@ class Worker:
         if self.lane_listener is not None:
             loop.add_reader(self.lane_listener.fileno(), self._accept_lane)
         threading.Thread(target=self.actors.run_loop, args=(loop,), name="rank-loop", daemon=True).start()
-        threading.Thread(target=self._read, args=(loop,), name="rank-reader", daemon=True).start()
+        untraced(threading.Thread(target=self._read, args=(loop,), name="rank-reader", daemon=True)).start()
         self.jobs.serve()
 
     def _read(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -246,6 +251,8 @@ class Worker:
             self._send(RankInspection(msg.inspect_id, self.config.rank,
                                       inspect(self.config.rank, self.running_label(), msg.all_threads,
                                               msg.stacks_only, msg.counters_only)))
+        elif isinstance(msg, DebugToRank):  # the notebook's debugger, also while the main thread is paused
+            self.debugger.to_debugger(msg)
         elif isinstance(msg, ActorCall):
             self.actors.arrived(msg)
         else:
@@ -337,6 +344,8 @@ class Worker:
                 self.namespace[MESH_SHELL] = self.shell  # even after a cell cleared its globals
             if self.reloader.enabled:
                 self._user(self.reloader.check, self._warn)
+            if self.debugger.active and os.path.isabs(msg.filename):  # the notebook's name for the cell
+                ensure_source_file(msg.filename, msg.code)
             try:
                 return self._user(self.runner.run, msg.code, msg.filename)
             finally:

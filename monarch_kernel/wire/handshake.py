@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from monarch_kernel.wire import actor_messages, diagnosis, flat, messages, ops, persist_messages, relay_messages
+from monarch_kernel.wire import actor_messages, debugging, diagnosis, flat, messages, ops, persist_messages, relay_messages
 
 TAG = "monarch_kernel hello"
 
@@ -20,7 +20,7 @@ def _protocol_digest() -> str:
     """A digest of every message type and internal operation with its fields, in order (what both
     ends must agree on)."""
     parts = [f"{cls.__name__}({','.join(f.name for f in fields(cls))})"
-             for module in (messages, actor_messages, relay_messages, diagnosis, ops, persist_messages)
+             for module in (messages, actor_messages, relay_messages, diagnosis, debugging, ops, persist_messages)
              for cls in vars(module).values()
              if isinstance(cls, type) and cls.__module__ == module.__name__ and is_dataclass(cls)]
     parts.append("flat:" + ",".join(cls.__name__ for cls in flat.FLAT_TYPES))

@@ -188,9 +188,31 @@ class ActorMeshEntry:
     shape: Shape
 
 
+@dataclass(frozen=True)
+class StartDebugger:
+    """Start the visual debugger (debugpy's pydevd) in the rank for DAP session `session`, on the rank's
+    main thread, linked to the rank itself only (`rank/debugging.py`). Answer: `DebuggerStarted`."""
+
+    session: int
+
+
+@dataclass(frozen=True)
+class DebuggerStarted:
+    """StartDebugger's answer: the rank's process id and the DAP session it serves."""
+
+    rank: int
+    pid: int
+    session: int
+
+
+@dataclass(frozen=True)
+class StopDebugger:
+    """End the rank's visual debugger (its threads run on untraced). Answer: whether one was running."""
+
+
 RankOperation = (SpawnActors | StopActors | StopAllActors | Describe | PostMortem | UseWorkspace | SetAutoreload | Versions
                  | ApplyLayout | MeasureRank | TrialLayout | CollectGarbage | RemakeDefaultGroup | StartProfile
-                 | StopProfile | ReadClock | ListActorMeshes)
+                 | StopProfile | ReadClock | ListActorMeshes | StartDebugger | StopDebugger)
 RANK_OPERATIONS: tuple[type, ...] = get_args(RankOperation)  # (the list is written once, as the union)
 ACTOR_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors)  # what a rank's system actor takes from others
 
