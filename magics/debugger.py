@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,8 +97,15 @@ class MeshDebugger:
         self.raw_cell = ""  # the text of the cell now running, as JupyterLab sent it
 
     def remember_cell(self, info: Any) -> None:
-        """IPython's pre_run_cell: the cell's text as JupyterLab sent it (its debugger names files by it)."""
+        """IPython's pre_run_cell: the cell's text as JupyterLab sent it (its debugger names files by it);
+        with the debugger on, the kernel's own thread traced again if the stop button untraced it."""
         self.raw_cell = getattr(info, "raw_cell", "") or ""
+        if self.is_on and sys.gettrace() is None and "debugpy" in sys.modules:
+            # A KeyboardInterrupt raised inside debugpy's trace function makes Python drop the tracer, and
+            # no later cell would stop at a breakpoint (ipykernel#821, jupyterlab#15012).
+            import debugpy
+
+            debugpy.trace_this_thread(True)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)  # the kernel uses the rest as it did

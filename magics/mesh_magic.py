@@ -362,8 +362,7 @@ class MeshMagics(Magics):
         if args.rank not in mesh.ranks:
             raise UsageError(f"mesh {mesh.name!r} has no rank {args.rank} (its ranks: 0..{len(mesh.ranks) - 1})")
         self.debugger.chosen_mesh, self.debugger.chosen_rank = mesh.name, args.rank
-        if self.debugger.link is not None and self.debugger.link.rank != args.rank:
-            self.debugger.detach()
+        self.debugger.prepare(mesh)  # (on now: breakpoints in actor endpoints hold from here on)
         state = "on" if self.debugger.is_on else "off (turn it on in JupyterLab's toolbar)"
         print(f"JupyterLab's debugger stops in rank {args.rank} of mesh {mesh.name!r} at %%mesh cells' breakpoints; "
               f"it is {state}")

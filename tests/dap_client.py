@@ -97,6 +97,10 @@ class DapSession:
         assert self.request("attach")["success"]
         assert self.request("debugInfo")["success"]
 
+    def stop_debugging(self) -> None:
+        """What JupyterLab does when its debugger is turned off."""
+        assert self.request("disconnect", restart=False, terminateDebuggee=False)["success"]
+
     def break_at(self, cell: str, lines: list[int]) -> str:
         """Dump the cell and set breakpoints on its lines; the cell's file name."""
         path = self.request("dumpCell", code=cell)["body"]["sourcePath"]

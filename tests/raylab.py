@@ -86,8 +86,10 @@ class RayTestCluster:
                                 f"--ray-client-server-port={CLIENT_PORT}", "--num-gpus=0"])
         deadline = time.monotonic() + timeout
         self._wait(lambda: self.total_gpus() >= 0, deadline, "the head did not answer")  # (before it, workers time out)
-        for node in self.workers:
-            self._start(node, [f"--address={HEAD_ADDRESS}:6379", f"--num-gpus={self.gpus}"])
+        for node in self.workers:  # each node its own temp dir, as each host of a real cluster has its own /tmp
+            # (sharing the head's, concurrent starts race for the same socket names and one `ray start` exits)
+            self._start(node, [f"--address={HEAD_ADDRESS}:6379", f"--num-gpus={self.gpus}",
+                               f"--temp-dir={os.path.join(self.workdir, 'ray-' + node[0])}"])
         self._wait(lambda: self.total_gpus() >= self.gpus * len(self.workers), deadline, "the workers did not join")
         return self
 
@@ -154,8 +156,17 @@ class RayTestCluster:
         while time.monotonic() < deadline:
             if predicate():
                 return
-            for proc in self._nodes:
+            for proc, name in zip(self._nodes, [self.head[0], *(n for n, _, _ in self.workers)]):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{what}: a node's `ray start` exited ({proc.args}); see {self.workdir}")
+                    raise RuntimeError(f"{what}: `ray start` on {name} exited ({proc.returncode}); it printed:\n"
+                                       + self._log_tail(name))
             time.sleep(0.5)
-        raise RuntimeError(f"{what} in time; see {self.workdir}")
+        raise RuntimeError(f"{what} in time; the nodes printed:\n"
+                           + "\n".join(self._log_tail(n) for n, _, _ in [self.head, *self.workers]))
+
+    def _log_tail(self, name: str, limit: int = 3000) -> str:
+        try:
+            with open(os.path.join(self.workdir, f"{name}.out"), errors="replace") as f:
+                return f"--- {name}\n" + f.read()[-limit:]
+        except OSError as error:
+            return f"--- {name}: no output ({error})"

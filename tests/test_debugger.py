@@ -3,6 +3,8 @@ over jupyter_client's control channel, events on IOPub), on a real local mesh.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from dap_client import DapSession
 from kernel_driver import kernel_with
@@ -45,4 +47,117 @@ def test_a_breakpoint_in_a_mesh_cell_stops_the_chosen_rank_and_shows_its_variabl
     assert run.status == "ok", run.text()
     for rank in range(4):
         assert f"rank {rank} y {10 * rank + 1}" in run.text()
-    assert dap.request("disconnect", restart=False, terminateDebuggee=True)["success"]
+    dap.stop_debugging()
+
+
+def _run(dap: DapSession, code: str, timeout: float = 120):
+    run = dap.finish(dap.start_cell(code), timeout)
+    assert run.status == "ok", run.text()
+    return run
+
+
+def test_the_stop_button_ends_a_paused_cell_and_a_restarted_rank_stops_again(kernel):
+    dap = DapSession(kernel)
+    dap.start_debugging()
+    _run(dap, "%mesh debug rank 1")
+    dap.break_at(CELL, [4])
+    run = dap.start_cell(CELL)
+    dap.wait_event("stopped")
+    heard = len(dap.events)
+    kernel.interrupt()
+    dap.finish(run, 30)
+    assert run.status == "error" and "KeyboardInterrupt" in run.text(), run.text()
+    dap.wait_event("continued", after=heard)
+    after = _run(dap, "%%mesh\nprint('after the stop', 7)")
+    assert "[0-3] after the stop 7" in after.text(), after.text()  # every rank ran it
+    _run(dap, "%mesh restart")
+    heard = len(dap.events)
+    run = dap.start_cell(CELL)
+    stopped = dap.wait_event("stopped", after=heard)
+    _, variables = dap.variables_of_top_frame(stopped["body"]["threadId"])
+    assert variables["x"] == "10", variables  # rank 1's value, in its new process
+    assert dap.request("continue", threadId=stopped["body"]["threadId"])["success"]
+    assert dap.finish(run).status == "ok", run.text()
+    dap.stop_debugging()
+
+
+COLLECTIVE = """%%mesh
+import os, torch, torch.distributed as dist
+t = torch.ones(1) * int(os.environ["RANK"])
+dist.all_reduce(t)
+print("sum", t.item())
+"""
+
+
+def test_ranks_waiting_for_a_paused_rank_are_said_to_wait_for_the_debugger_not_to_hang(kernel):
+    dap = DapSession(kernel)
+    dap.start_debugging()
+    _run(dap, "%mesh debug rank 3\n%mesh config hang 1")
+    try:
+        dap.break_at(COLLECTIVE, [4])
+        run = dap.start_cell(COLLECTIVE)
+        stopped = dap.wait_event("stopped")
+        deadline = time.monotonic() + 60
+        while "rank 3 paused in the debugger" not in run.text():
+            assert time.monotonic() < deadline, run.text()
+            dap.pump(0.2)
+        assert "no progress" not in run.text(), run.text()
+        assert dap.request("continue", threadId=stopped["body"]["threadId"])["success"]
+        dap.finish(run)
+        assert run.status == "ok" and "sum 6.0" in run.text(), run.text()
+    finally:
+        _run(dap, "%mesh config hang 30")
+        dap.stop_debugging()
+
+
+PLAIN = """a = 1
+b = a + 1
+print("plain", b)
+"""
+
+
+def test_a_plain_cell_is_debugged_in_the_kernel_as_before(kernel):
+    dap = DapSession(kernel)
+    dap.start_debugging()
+    path = dap.break_at(PLAIN, [2])
+    run = dap.start_cell(PLAIN)
+    stopped = dap.wait_event("stopped")
+    thread = stopped["body"]["threadId"]
+    assert thread < 1 << 32  # the kernel's own thread
+    top, variables = dap.variables_of_top_frame(thread)
+    assert top["source"]["path"] == path and top["line"] == 2, top
+    assert dap.request("continue", threadId=thread)["success"]
+    assert dap.finish(run).status == "ok" and "plain 2" in run.text(), run.text()
+    dap.stop_debugging()
+
+
+ACTOR = """from monarch_kernel import Actor, endpoint
+from monarch_kernel.magics import current_mesh
+
+class Counter(Actor):
+    def __init__(self):
+        self.n = 0
+
+    @endpoint
+    def add(self, k):
+        self.n += k
+        return self.n
+"""
+
+
+def test_a_breakpoint_in_an_actor_endpoint_stops_the_chosen_rank(kernel):
+    dap = DapSession(kernel)
+    dap.start_debugging()
+    dap.break_at(ACTOR, [10])
+    _run(dap, ACTOR)
+    _run(dap, "%mesh debug rank 2")
+    _run(dap, "counters = current_mesh().spawn('debugged_counters', Counter)")
+    run = dap.start_cell("print(sorted(counters.add.call(5).get().values()))")
+    stopped = dap.wait_event("stopped")
+    thread = stopped["body"]["threadId"]
+    assert thread >= 3 << 32, stopped  # rank 2's
+    top, variables = dap.variables_of_top_frame(thread)
+    assert top["line"] == 10 and top["name"] == "add" and variables["k"] == "5", (top, variables)
+    assert dap.request("continue", threadId=thread)["success"]
+    assert dap.finish(run).status == "ok" and "[5, 5, 5, 5]" in run.text(), run.text()
+    dap.stop_debugging()

@@ -13,6 +13,8 @@ from typing import Any
 
 from monarch_kernel.api.mesh import Mesh
 from monarch_kernel.controller.debugging import RankDebugging
+from monarch_kernel.core.errors import MeshNotRunningError
+from monarch_kernel.wire.messages import RunOp
 from monarch_kernel.wire.ops import StartDebugger, StopDebugger
 
 STOP_WITHIN_S = 30.0
@@ -52,11 +54,16 @@ class RankDebugTarget:
         self.mesh._runtime.debugging.forget(self.session, self.rank, seq)
 
     def stop(self, seq: int, wait: bool) -> None:
-        """Disconnect (paused threads run on); with `wait`, also until the rank's threads run untraced
-        (after the rank's queued work: call it where a cell may wait, never from inside a DAP request)."""
+        """Disconnect (paused threads run on) and end the rank's tracing after its queued work; with
+        `wait`, return when it has ended (where a cell may wait, never from inside a DAP request)."""
         if not self.running:
             return
         self.request({"seq": seq, "type": "request", "command": "disconnect", "arguments": {}})
+        label = f"debugger off on rank {self.rank}"
         if wait:
-            self.mesh.select_ranks([self.rank])._ask(StopDebugger(), f"debugger off on rank {self.rank}",
-                                                     timeout=STOP_WITHIN_S)
+            self.mesh.select_ranks([self.rank])._ask(StopDebugger(), label, timeout=STOP_WITHIN_S)
+            return
+        try:  # nobody waits for its answer: the request ends by itself when the rank has done it
+            self.mesh._runtime.requests.submit([self.rank], lambda req_id: RunOp(req_id, StopDebugger()), label=label)
+        except MeshNotRunningError:
+            pass

@@ -201,6 +201,15 @@ class HangWatch:
         entries: their collective, tensors and how long) only when the ranks may be stuck."""
         try:
             ranks = self._ranks
+            paused = self._runtime.debugging.paused(ranks)
+            if paused:  # not a hang: someone is stepping through a rank
+                text = (f"{'rank' if len(paused) == 1 else 'ranks'} {format_ranks(list(paused))} paused in the "
+                        "debugger; the other ranks wait where they need it (continue in the debugger's panel, "
+                        "or press stop)")
+                if text != self.shown:
+                    self.shown = text
+                    self._pending = (text, f"<div><b>{html.escape(text)}</b></div>")
+                return
             light, dead, silent = self._runtime.inspections.ask(ranks, counters_only=True)
             if self._done():
                 return

@@ -42,6 +42,8 @@ class RankDebugging:
             return answer
         with self._lock:
             self._waiting[(session, rank, int(message["seq"]))] = answer
+        if message.get("command") == "disconnect":  # (its threads run on)
+            state.paused_in_debugger = False
         text = json.dumps(message)
         self._loop.call(self._state.send_to_ranks, (rank,), lambda local: DebugToRank(local, session, text))
         return answer
@@ -60,12 +62,21 @@ class RankDebugging:
             if answer is not None and not answer.done():
                 answer.set_result(message)
             return
+        rank = self._state.ranks.get(msg.rank)
+        if rank is not None and message.get("event") in ("stopped", "continued"):
+            rank.paused_in_debugger = message["event"] == "stopped"
         listener = self.on_event
         if listener is not None:
             listener(msg.session, msg.rank, message)
 
+    def paused(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """Those of `ranks` with a thread stopped at a breakpoint now."""
+        return tuple(r for r in ranks if (state := self._state.ranks.get(r)) is not None and state.paused_in_debugger)
+
     def rank_gone(self, rank: int, why: str) -> None:
         """A rank died or its host was lost: whoever waits for its debugger hears why."""
+        if (state := self._state.ranks.get(rank)) is not None:
+            state.paused_in_debugger = False
         with self._lock:
             gone = [key for key in self._waiting if key[1] == rank]
             answers = [self._waiting.pop(key) for key in gone]

@@ -93,6 +93,7 @@ class RankState:
     cause: str = ""  # what else is known of the death (a scheduler's word: "Slurm job 12 is TIMEOUT")
     log: LineLog = field(default_factory=lambda: LineLog(RANK_LOG_LINES))
     load: Any = None  # the latest RankLoad from its host agent
+    paused_in_debugger: bool = False  # a thread of it stopped at a breakpoint of the notebook's debugger
 
     @property
     def state(self) -> RankStatus:
@@ -376,6 +377,8 @@ class MeshState:
         for s in sorted(list(self.ranks.values()), key=lambda s: s.rank):
             inflight = list(s.inflight)
             busy_with = self._label_of(inflight) or (s.load.activity if s.load is not None else None) or None
+            if s.paused_in_debugger and s.alive:
+                busy_with = f"{busy_with or 'its code'}: paused in the debugger"
             out.append(RankSnapshot(
                 s.rank, s.host, s.local_rank, s.pid, s.state,
                 (now - s.busy_since) if s.busy_since and inflight else None,

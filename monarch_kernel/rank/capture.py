@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.core.termtext import compact, progress_chars
+from monarch_kernel.rank.debugging import untraced
 from monarch_kernel.wire.messages import Display, Output
 
 FLUSH_DELAY_S = 0.003
@@ -49,7 +50,7 @@ class RankStream(io.TextIOBase):
         self._sent_by_request: dict[int | None, int] = {}
         self._dropped: dict[int | None, int] = {}
         self._idle_since = time.monotonic()
-        threading.Thread(target=self._flush_loop, name=f"rank-{name}-flusher", daemon=True).start()
+        untraced(threading.Thread(target=self._flush_loop, name=f"rank-{name}-flusher", daemon=True)).start()
 
     @property
     def encoding(self) -> str:  # type: ignore[override]  # fixed, where TextIOBase lets it be set

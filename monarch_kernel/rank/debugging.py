@@ -222,10 +222,16 @@ def ensure_source_file(path: str, code: str) -> None:
         missing.append(folder)
         folder = os.path.dirname(folder)
     for made in reversed(missing):
-        os.mkdir(made, 0o700)
+        try:
+            os.mkdir(made, 0o700)
+        except FileExistsError:
+            pass  # another rank of this host made it just now (checked below like any other)
     info = os.lstat(os.path.dirname(path))
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         raise RuntimeError(f"cannot place the cell's source at {path}: its folder is not ours")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return  # another rank of this host wrote it just now
     with os.fdopen(fd, "w", encoding="utf-8") as file:
         file.write(code)

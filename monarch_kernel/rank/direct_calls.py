@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed
+from monarch_kernel.rank.debugging import untraced
 from monarch_kernel.rank.far_calls import FarLinks
 from monarch_kernel.wire.calls import death_reply
 from monarch_kernel.wire.lane_client import connect_lane
@@ -48,7 +49,7 @@ class DirectLane:
         self._lock = threading.Lock()
         self._owed: set[int] = set()  # call ids sent and not answered
         self.closed = False
-        threading.Thread(target=self._read, name=f"direct-lane-{rank}", daemon=True).start()
+        untraced(threading.Thread(target=self._read, name=f"direct-lane-{rank}", daemon=True)).start()
 
     def send(self, msg: ActorCall | CancelCall) -> None:
         """Send a call (or its cancel); raises ConnectionClosed if the lane is gone."""

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from monarch_kernel.rank.cell import describe_failure
+from monarch_kernel.rank.debugging import untraced
 from monarch_kernel.rank.worker import READY_REQ, Worker, WorkerConfig
 from monarch_kernel.wire.handshake_gate import raise_descriptor_limit
 from monarch_kernel.wire.messages import Result
@@ -70,8 +71,8 @@ def run_rank(conn_sock: socket.socket, hb_sock: socket.socket, config: WorkerCon
     conn = BlockingConnection(conn_sock)
     worker = Worker(conn, config)
     worker.install()
-    threading.Thread(target=_heartbeat, args=(hb_sock, worker.activity), name="heartbeat",
-                     daemon=True).start()
+    untraced(threading.Thread(target=_heartbeat, args=(hb_sock, worker.activity), name="heartbeat",
+                              daemon=True)).start()
     worker.actors.doing.on_idle = lambda: None if _tell(hb_sock, worker.activity()) else None
     started = time.time()
     failure = None

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.core.interrupt_shield import main_thread_notes_stops
+from monarch_kernel.rank.debugging import untraced
 
 RESEND_EVERY_S = 0.05
 GIVE_UP_AFTER_S = 5.0
@@ -49,8 +50,8 @@ class MainThreadInterrupts:
             ticket = next(self._tickets)
             self._wanted[ticket] = (alive, current or alive)
             _sigint_main()
-        threading.Thread(target=self._follow_up, args=(ticket, alive), name="interrupt-follow-up",
-                         daemon=True).start()
+        untraced(threading.Thread(target=self._follow_up, args=(ticket, alive), name="interrupt-follow-up",
+                                  daemon=True)).start()
 
     def claim(self) -> bool:
         """For the handler: whether a stop was sent for what the main thread runs now (then it is spent);
