@@ -148,9 +148,9 @@ class KernelDriver:
                 self.km.shutdown_kernel(now=True)
 
 
-def kernel_with(setup: str):
+def kernel_with(setup: str, extra_env: dict[str, str] | None = None):
     """A started kernel that ran `setup` successfully (a generator for module fixtures)."""
-    kernel = KernelDriver()
+    kernel = KernelDriver(extra_env=extra_env)
     try:
         run = kernel.execute(setup, 120)
         assert run.status == "ok", run.text()

@@ -3,18 +3,23 @@ over jupyter_client's control channel, events on IOPub), on a real local mesh.""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
 from dap_client import DapSession
 from kernel_driver import kernel_with
+from sshhosts import SSHTestHosts
+from sshhosts import unavailable_reason as ssh_unavailable
 
 CELL = """%%mesh
-import os
+import os, torch
 x = 10 * int(os.environ["RANK"])
+t = torch.full((2, 3), float(x))
 y = x + 1
 print("rank", os.environ["RANK"], "y", y)
 """
+STOP_LINE = 5  # y = x + 1
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +32,22 @@ def test_a_breakpoint_in_a_mesh_cell_stops_the_chosen_rank_and_shows_its_variabl
     chosen = kernel.execute("%mesh debug rank 2")
     assert chosen.status == "ok" and "rank 2" in chosen.text(), chosen.text()
     dap.start_debugging()
-    path = dap.break_at(CELL, [4])
+    path = dap.break_at(CELL, [STOP_LINE])
     run = dap.start_cell(CELL)
     stopped = dap.wait_event("stopped")
     thread = stopped["body"]["threadId"]
     top, variables = dap.variables_of_top_frame(thread)
-    assert top["source"]["path"] == path and top["line"] == 4, top
+    assert top["source"]["path"] == path and top["line"] == STOP_LINE, top
     assert variables["x"] == "20", variables  # rank 2's value
+    assert variables["t"] == "float32[2, 3] on cpu", variables  # a tensor as what it is, not its values
     assert "y" not in variables
+    console = dap.request("evaluate", expression="x * 3 + t.sum().item()", frameId=top["id"], context="repl")
+    assert console["success"] and console["body"]["result"] == "180.0", console  # the debug console, on rank 2
     heard = len(dap.events)
     assert dap.request("next", threadId=thread)["success"]
     stopped = dap.wait_event("stopped", after=heard)
     top, variables = dap.variables_of_top_frame(stopped["body"]["threadId"])
-    assert top["line"] == 5 and variables["y"] == "21", (top, variables)
+    assert top["line"] == STOP_LINE + 1 and variables["y"] == "21", (top, variables)
     threads = dap.request("threads")["body"]["threads"]
     assert any(t["name"].startswith("rank 2:") for t in threads), threads
     assert dap.request("continue", threadId=thread)["success"]
@@ -60,7 +68,7 @@ def test_the_stop_button_ends_a_paused_cell_and_a_restarted_rank_stops_again(ker
     dap = DapSession(kernel)
     dap.start_debugging()
     _run(dap, "%mesh debug rank 1")
-    dap.break_at(CELL, [4])
+    dap.break_at(CELL, [STOP_LINE])
     run = dap.start_cell(CELL)
     dap.wait_event("stopped")
     heard = len(dap.events)
@@ -160,4 +168,35 @@ def test_a_breakpoint_in_an_actor_endpoint_stops_the_chosen_rank(kernel):
     assert top["line"] == 10 and top["name"] == "add" and variables["k"] == "5", (top, variables)
     assert dap.request("continue", threadId=thread)["success"]
     assert dap.finish(run).status == "ok" and "[5, 5, 5, 5]" in run.text(), run.text()
+    dap.stop_debugging()
+
+
+@pytest.fixture(scope="module")
+def ssh_kernel(tmp_path_factory):
+    reason = ssh_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with SSHTestHosts(2, str(tmp_path_factory.mktemp("ssh"))) as hosts:
+        home = hosts.install_home(str(tmp_path_factory.mktemp("home")))
+        setup = (f"%load_ext monarch_kernel\n%mesh up ssh host-0 host-1 --gpus 2 --dist gloo "
+                 f"--python {sys.executable} --name far")
+        yield from kernel_with(setup, extra_env={"HOME": home})
+
+
+def test_a_rank_on_another_host_stops_at_the_breakpoint(ssh_kernel):
+    dap = DapSession(ssh_kernel)
+    _run(dap, "%mesh debug rank 3")  # host-1's second rank
+    dap.start_debugging()
+    dap.break_at(CELL, [STOP_LINE])
+    run = dap.start_cell(CELL)
+    stopped = dap.wait_event("stopped", timeout=120)
+    thread = stopped["body"]["threadId"]
+    assert thread >= 4 << 32, stopped
+    top, variables = dap.variables_of_top_frame(thread)
+    assert top["line"] == STOP_LINE and variables["x"] == "30", (top, variables)
+    threads = dap.request("threads")["body"]["threads"]
+    assert any(t["name"].startswith("rank 3:") for t in threads), threads
+    assert dap.request("continue", threadId=thread)["success"]
+    dap.finish(run, 120)
+    assert run.status == "ok" and "rank 3 y 31" in run.text(), run.text()
     dap.stop_debugging()

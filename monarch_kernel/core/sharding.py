@@ -159,6 +159,17 @@ class TensorDescription:
     mesh_dim_names: tuple[str, ...] = ()
     mesh_coord: tuple[int, ...] | None = None
 
+    def summary(self) -> str:
+        """One line for a person: `float32[8, 4] on cuda:0`, and for a DTensor its local piece and placements."""
+        line = f"{self.dtype}[{', '.join(map(str, self.global_shape))}] on {self.device}"
+        if self.kind != "dtensor":
+            return line
+        placements = ", ".join(str(Placement(*p)) for p in self.placements)
+        names = f" ({', '.join(self.mesh_dim_names)})" if self.mesh_dim_names else ""
+        return (f"{line}, this rank's piece [{', '.join(map(str, self.local_shape))}] at "
+                f"({', '.join(map(str, self.offset))}); {placements} over mesh "
+                f"{'x'.join(map(str, self.mesh_shape))}{names}")
+
 
 def layout_from(name: str, described: list[TensorDescription], labels: dict[int, str]) -> TensorLayout:
     """Assemble the ranks' descriptions (`rank.tensorinfo.describe_local`) into one layout."""

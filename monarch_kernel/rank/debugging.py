@@ -102,6 +102,7 @@ class RankDebugger:
         except ImportError as exc:
             raise RuntimeError(f"rank {self._rank} cannot debug: debugpy is not installed in its Python "
                                f"({exc}); pip install debugpy on that host") from None
+        _show_tensors_briefly(self._rank)
         access, answer = secrets.token_hex(32), secrets.token_hex(32)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
@@ -193,6 +194,31 @@ class RankDebugger:
         pydevd.stoptrace()
         stream.close()
         return True
+
+
+def _show_tensors_briefly(rank: int) -> None:
+    """Tensors in the variables panel and the debug console as dtype, shape, device (and a DTensor's
+    piece and placements): pydevd's own rendering prints the values, slowly for a large one."""
+    from _pydevd_bundle.pydevd_extension_api import StrPresentationProvider
+    from _pydevd_bundle.pydevd_extension_utils import extensions_of_type
+
+    from monarch_kernel.rank.tensorinfo import describe_local
+
+    class TensorPresentation(StrPresentationProvider):
+        def can_provide(self, type_object: type, type_name: str) -> bool:
+            import torch
+
+            return isinstance(type_object, type) and issubclass(type_object, torch.Tensor)
+
+        def get_str(self, val: Any) -> str:
+            try:
+                return describe_local(val, rank, checksum=False).summary()
+            except (TypeError, ValueError, RuntimeError, AttributeError) as exc:  # (a subclass we cannot read)
+                return f"{type(val).__name__} ({exc})"
+
+    providers = extensions_of_type(StrPresentationProvider)  # pydevd's own (loaded now), the list it keeps
+    if not any(type(p).__name__ == "TensorPresentation" for p in providers):
+        providers.insert(0, TensorPresentation())
 
 
 def _with_our_frames_hidden(dap: str) -> str:

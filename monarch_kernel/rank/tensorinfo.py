@@ -20,8 +20,9 @@ def describe(value: Any, rank: int) -> TensorDescription | list[tuple[str, Tenso
     return describe_local(value, rank)
 
 
-def describe_local(value: Any, rank: int) -> TensorDescription:
-    """On a rank: metadata of a DTensor or plain tensor (no data), as plain values."""
+def describe_local(value: Any, rank: int, checksum: bool = True) -> TensorDescription:
+    """On a rank: metadata of a DTensor or plain tensor (no data), as plain values (a plain tensor's
+    checksum reads its values: `checksum=False` leaves it out)."""
     import torch
 
     dtensor_type = _dtensor_type()
@@ -38,10 +39,10 @@ def describe_local(value: Any, rank: int) -> TensorDescription:
             mesh_dim_names=tuple(mesh.mesh_dim_names or ()), mesh_coord=tuple(mesh.get_coordinate() or ()))
     if isinstance(value, torch.Tensor):
         data = value.detach()
-        checksum = float(data.double().sum()) if data.numel() and not data.is_complex() else 0.0
+        total = (float(data.double().sum()) if data.numel() and not data.is_complex() else 0.0) if checksum else None
         return TensorDescription("tensor", rank, tuple(value.shape), str(value.dtype).removeprefix("torch."),
                                  tuple(value.shape), (0,) * value.dim(), value.numel() * value.element_size(),
-                                 str(value.device), checksum=checksum)
+                                 str(value.device), checksum=total)
     raise TypeError(f"expected a torch.Tensor or DTensor, got {type(value).__name__}")
 
 
