@@ -122,12 +122,18 @@ class MeshDebugger:
         if command in ("initialize", "attach", "setExceptionBreakpoints"):
             self._config[command] = dict(message.get("arguments") or {})
         arguments = message.get("arguments") or {}
+        link = self.link
+        if (command == "continue" and link is not None and link.paused and from_kernel_id(arguments.get("threadId")) is None
+                and not getattr(self._inner, "stopped_threads", None)):
+            # JupyterLab's Continue forgets the paused thread before it asks, and asks for thread 1: with only
+            # the rank paused, that means the rank
+            arguments = {**arguments, "threadId": min(link.paused)}
+            message = {**message, "arguments": arguments}
         for key in MAPPED_KEYS:
             owner = from_kernel_id(arguments.get(key))
             if owner is not None:
                 return await self._to_rank(owner[0], message)
         reply = await self._inner.process_request(message)
-        link = self.link
         if link is not None and command in ("setBreakpoints", "setExceptionBreakpoints"):
             await self._ask(link, command, arguments)
         elif link is not None and command == "threads" and reply.get("success"):

@@ -6,19 +6,13 @@ from the left sidebar and its buttons are clicked. The tests run in file order a
 one server, one browser page and one notebook kernel.
 """
 
-import json
-import os
-import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
-import nbformat
 import pytest
 from chromium import artifact, browser, contrast_report, missing
+from labserver import cells, lab_server, open_lab, open_notebook, run_cell, wait_for_text, wait_kernel_idle, write_notebook
 
 PANEL = "#monarch-kernel-meshes"
 MESH = f'{PANEL} .mk-mesh[data-mesh="lab"]'
@@ -56,58 +50,17 @@ def _why_not() -> str | None:
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _notebook(path, *sources: str) -> None:
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, str(path))
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A JupyterLab server on 127.0.0.1 with a token; yields its base URL and token."""
     root = tmp_path_factory.mktemp("lab")
     home = tmp_path_factory.mktemp("lab-home")
-    _notebook(root / "mesh.ipynb", "%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist none --name lab",
-              SLEEP_CELL)
-    _notebook(root / "plain.ipynb", "1 + 1")
-    _notebook(root / "big.ipynb", BIG_CELL)
-    token, port = secrets.token_hex(16), _free_port()
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_DATA_DIR=str(home / "data"),
-               JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(home / "settings"),
-               JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"))
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--ServerApp.allow_root=True", "--LabApp.expose_app_in_browser=True",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.news_url=None"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2) as r:
-                    json.load(r)
-                break
-            except OSError as exc:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("JupyterLab did not start:\n" + (home / "server.log").read_text()[-3000:]) from exc
-                time.sleep(0.3)
-        yield base, token
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server shuts its kernels down, they their meshes
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    write_notebook(root / "mesh.ipynb", "%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist none --name lab",
+                   SLEEP_CELL)
+    write_notebook(root / "plain.ipynb", "1 + 1")
+    write_notebook(root / "big.ipynb", BIG_CELL)
+    with lab_server(root, home) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -116,53 +69,11 @@ def page(server):
     with browser() as chromium:
         tab = chromium.new_page(viewport={"width": 1400, "height": 900})
         tab.set_default_timeout(30_000)
-        tab.goto(f"{base}/lab/tree/plain.ipynb?token={token}")
-        tab.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                              " && window.jupyterapp.shell.currentWidget.sessionContext", timeout=60_000)
-        _wait_kernel_idle(tab)
+        open_lab(tab, base, token, "plain.ipynb")
         tab.click('.jp-SideBar .lm-TabBar-tab[data-id="monarch-kernel-meshes"]')
         tab.wait_for_selector(PANEL, state="visible")
         yield tab
         tab.screenshot(path=artifact("meshes_sidebar_last.png"))
-
-
-def _wait_kernel_idle(tab, timeout_ms: int = 60_000) -> None:
-    tab.wait_for_function("(() => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel;"
-                          " return k && k.status === 'idle'; })()", timeout=timeout_ms)
-
-
-def _open(tab, name: str) -> None:
-    tab.evaluate("name => window.jupyterapp.commands.execute('docmanager:open', {path: name})", name)
-    tab.wait_for_function("name => window.jupyterapp.shell.currentWidget?.context?.path === name", arg=name)
-    _wait_kernel_idle(tab)
-
-
-def _run_cell(tab, index: int) -> None:
-    """Select cell `index` of the current notebook and run it (returns once it is sent)."""
-    tab.evaluate("""i => {
-        const nb = window.jupyterapp.shell.currentWidget.content;
-        nb.activeCellIndex = i;
-        void window.jupyterapp.commands.execute('notebook:run-cell');  // resolves when the cell ends
-    }""", index)
-
-
-def _cells(tab):
-    """The cells of the notebook in focus (other notebooks' tabs stay in the page, hidden)."""
-    current = tab.evaluate("window.jupyterapp.shell.currentWidget.id")
-    return tab.locator(f"#{current} .jp-Notebook .jp-Cell")
-
-
-def _cell_text(tab, index: int) -> str:
-    return _cells(tab).nth(index).locator(".jp-Cell-outputArea").inner_text()
-
-
-def _wait_for_text(tab, index: int, text: str, timeout: float) -> str:
-    """Wait until cell `index`'s output shows `text`; returns the output."""
-    deadline = time.monotonic() + timeout
-    while text not in (shown := _cell_text(tab, index)):
-        assert time.monotonic() < deadline, f"{text!r} not shown within {timeout} s; cell shows:\n{shown}"
-        time.sleep(0.1)
-    return shown
 
 
 def _use_theme(page, theme: str) -> None:
@@ -188,9 +99,9 @@ def test_without_monarch_kernel_the_panel_says_how_to_load_it(page):
 
 
 def test_the_panel_lists_the_mesh_and_its_ranks(page):
-    _open(page, "mesh.ipynb")
+    open_notebook(page, "mesh.ipynb")
     assert page.locator(f"{PANEL} .mk-context").inner_text() == "mesh.ipynb"
-    _run_cell(page, 0)  # %load_ext + %mesh up: the extension announces itself, the panel links up
+    run_cell(page, 0)  # %load_ext + %mesh up: the extension announces itself, the panel links up
     page.wait_for_selector(f'{MESH} .mk-rank[data-rank="1"]', timeout=60_000)
     ranks = page.locator(f"{MESH} .mk-rank")
     assert ranks.count() == 2
@@ -201,11 +112,11 @@ def test_the_panel_lists_the_mesh_and_its_ranks(page):
 
 
 def test_a_rank_turns_busy_and_interrupt_ends_the_cell(page):
-    _wait_kernel_idle(page)
-    _run_cell(page, 1)  # sleeps 60 s on both ranks
+    wait_kernel_idle(page)
+    run_cell(page, 1)  # sleeps 60 s on both ranks
     page.wait_for_selector(f'{MESH} .mk-rank[data-rank="0"][data-state="busy"]', timeout=15_000)
     page.wait_for_selector(f'{MESH} .mk-rank[data-rank="1"][data-state="busy"]', timeout=15_000)
-    _wait_for_text(page, 1, "napping on rank 1", 15)
+    wait_for_text(page, 1, "napping on rank 1", 15)
     page.locator(PANEL).screenshot(path=artifact("meshes_sidebar_busy.png"))
     # live updates while busy ("for N s" moves) replace only what changed: the buttons stay
     # the same elements, so a click is never lost to a re-render
@@ -218,7 +129,7 @@ def test_a_rank_turns_busy_and_interrupt_ends_the_cell(page):
     started = time.monotonic()
     page.click(f'{MESH} button[data-action="interrupt"]')
     # the cell ends with the ranks' KeyboardInterrupt, well before its 60 s sleep would
-    assert "time.sleep(60)" in _wait_for_text(page, 1, "KeyboardInterrupt", 15)
+    assert "time.sleep(60)" in wait_for_text(page, 1, "KeyboardInterrupt", 15)
     assert time.monotonic() - started < 15
     page.wait_for_selector(f'{MESH} .mk-rank[data-rank="0"][data-state="idle"]', timeout=10_000)
     page.wait_for_selector(f'{MESH} .mk-rank[data-rank="1"][data-state="idle"]', timeout=10_000)
@@ -228,10 +139,10 @@ def test_a_ranks_logs_and_inserting_a_mesh_cell(page):
     page.click(f'{MESH} .mk-rank[data-rank="1"]')
     page.wait_for_selector(f'{MESH} .mk-logs[data-rank="1"]')
     assert "napping on rank 1" in page.locator(f"{MESH} .mk-logs pre").inner_text()
-    cells_before = _cells(page).count()
+    cells_before = cells(page).count()
     page.click(f'{MESH} button[data-action="insert"]')
     t0 = time.monotonic()
-    while _cells(page).count() != cells_before + 1:
+    while cells(page).count() != cells_before + 1:
         assert time.monotonic() - t0 < 10, "no cell was inserted"
         time.sleep(0.1)
     source = page.evaluate("window.jupyterapp.shell.currentWidget.content.activeCell.model.sharedModel.getSource()")
@@ -255,8 +166,8 @@ def test_the_panel_reads_in_the_light_and_the_dark_theme(page, theme):
 
 @pytest.mark.parametrize("theme", ["JupyterLab Dark", "JupyterLab Light"])
 def test_a_128_rank_mesh_folds_its_32_hosts_into_summary_lines(page, theme):
-    _open(page, "big.ipynb")
-    _run_cell(page, 0)
+    open_notebook(page, "big.ipynb")
+    run_cell(page, 0)
     _use_theme(page, theme)
     page.wait_for_selector(f"{BIG} .mk-host", timeout=30_000)
     hosts = page.locator(f"{BIG} .mk-host")
@@ -280,10 +191,10 @@ def test_a_128_rank_mesh_folds_its_32_hosts_into_summary_lines(page, theme):
 
 
 def test_switching_notebooks_switches_the_panel(page):
-    _open(page, "plain.ipynb")
+    open_notebook(page, "plain.ipynb")
     page.wait_for_selector(f'{PANEL} .mk-body[data-state="not-loaded"]')
     assert page.locator(f"{PANEL} .mk-context").inner_text() == "plain.ipynb"
-    _open(page, "mesh.ipynb")
+    open_notebook(page, "mesh.ipynb")
     page.wait_for_selector(f'{MESH} .mk-rank[data-rank="1"]')
 
 
@@ -293,7 +204,7 @@ def test_down_asks_first_and_a_kernel_restart_clears_the_panel(page):
     page.click('.jp-Dialog button:has-text("Bring down")')
     page.wait_for_selector(MESH, state="detached", timeout=20_000)
     assert "No mesh in this kernel yet" in page.locator(f"{PANEL} .mk-body").inner_text()
-    _run_cell(page, 0)  # a mesh again, then restart the kernel under it
+    run_cell(page, 0)  # a mesh again, then restart the kernel under it
     page.wait_for_selector(f'{MESH} .mk-rank[data-rank="1"]', timeout=60_000)
     page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
     page.wait_for_selector(f'{PANEL} .mk-body[data-state="not-loaded"]', timeout=60_000)

@@ -138,7 +138,9 @@ def brief() -> str:
     ("" otherwise). Called at every heartbeat, so it reads only the groups' counters (microseconds);
     the flight recorder's entries (hundreds of ms with a full buffer) are read once per stuck collective."""
     torch = sys.modules.get("torch")
-    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+    # (torch.distributed is missing, or half made, while a cell is still importing torch)
+    is_initialized = getattr(sys.modules.get("torch.distributed"), "is_initialized", None)
+    if torch is None or is_initialized is None or not is_initialized():
         return ""
     if os.environ.get(STATUS_SWITCH, "").lower() in ("off", "0", "false"):
         return ""

@@ -28,8 +28,15 @@ def _heartbeat(sock: socket.socket, activity) -> None:
             data = sock.recv(64)
         except OSError:
             return
-        if not data or not _tell(sock, activity()):
+        if not data or not _tell(sock, _activity_or_nothing(activity)):
             return
+
+
+def _activity_or_nothing(activity) -> str:
+    try:
+        return activity()
+    except Exception:  # noqa: BLE001 - a status phrase must never cost the rank its heartbeat
+        return ""
 
 
 def _tell(sock: socket.socket, activity: str) -> bool:
