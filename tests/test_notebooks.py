@@ -117,6 +117,8 @@ def test_debugging_notebook_shows_both_verdicts_and_frees_the_ranks():
     assert "ranks 0-3 (main thread, running In[" in texts(cell_with(nb, "%mesh stacks"))
     assert re.search(r"\d+ samples of each rank", texts(cell_with(nb, "%mesh profile --seconds")))
     assert "trace.json.gz" in texts(cell_with(nb, "%%mesh --profile"))
+    assert "stops in rank 2 of mesh 'debug'" in texts(cell_with(nb, "%mesh debug rank 2"))
+    assert "rank 2 total 120.0" in texts(cell_with(nb, "<- click this line's gutter"))  # no debugger on: it runs
     assert "is down" in texts(nb.cells[-1])
 
 

@@ -11,7 +11,10 @@ Threads of a rank, and what each runs:
 - an actor's own thread (`actor-...`): its sync calls while the main thread is busy; a stop
   reaches it as an asynchronous KeyboardInterrupt (`rank/thread_stops.py`);
 - `heartbeat`, the stdout/stderr flushers, `direct-lane-N` readers and `interrupt-follow-up`
-  threads: no user code runs on them, and no stop is sent to them.
+  threads: no user code runs on them, and no stop is sent to them;
+- with JupyterLab's debugger on this rank (`rank/debugging.py`): pydevd's own threads,
+  `rank-debug-accept` (its connection, at start) and `rank-debug-relay` (its messages to the
+  notebook). These and the ones above are marked untraced: the debugger never stops in them.
 
 The stop machinery's locks, and the order they are taken in (a lock to the right may be taken while
 one to its left is held, never the other way): `Worker._stops_lock` -> `SyncCallStops._lock` ->
