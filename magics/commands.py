@@ -121,10 +121,12 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("logs", "[HOST] [--rank R] [--lines N] [--name NAME]", "what ranks (or a host agent) printed lately", (
         arg("host", nargs="?", default=None, help="show this host agent's log"),
         arg("--rank", type=int, default=None), arg("--lines", type=int, default=30), _MESH_NAME)),
-    Subcommand("debug", "[rank R | off] [--ranks SPEC] [--name NAME]",
+    Subcommand("debug", "[rank R | post-mortem [R] | off] [--ranks SPEC] [--name NAME]",
                "rank R: JupyterLab's debugger stops in rank R at %%mesh cells' breakpoints (off: rank 0 of each\n"
-               "             cell's mesh again); alone: pdb at the error of the last failed cell, in the notebook",
-               (arg("what", nargs="?", choices=["rank", "off"], default=None), arg("rank", nargs="?", type=int),
+               "             cell's mesh again); post-mortem: the error of the last failed cell in JupyterLab's debugger\n"
+               "             (on rank R, or the first that failed); alone: pdb at that error, in the notebook",
+               (arg("what", nargs="?", choices=["rank", "post-mortem", "off"], default=None),
+                arg("rank", nargs="?", type=int),
                 _MESH_NAME, arg("--ranks", default=None))),
     Subcommand("sharding", "EXPR [--rows DIM] [--cols DIM] [--name NAME]", "how a DTensor (or module) lies on the mesh",
                (arg("expr"), arg("--rows", type=int, default=None), arg("--cols", type=int, default=None), _MESH_NAME)),

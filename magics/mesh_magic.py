@@ -351,6 +351,9 @@ class MeshMagics(Magics):
     def _choose_debugged_rank(self, args) -> None:
         if self.debugger is None:
             raise UsageError("this kernel has no debugger (JupyterLab's needs ipykernel 6+ with debugpy installed)")
+        if args.what == "post-mortem":
+            self._post_mortem_in_debugger(args)
+            return
         if args.what == "off":
             self.debugger.chosen_mesh, self.debugger.chosen_rank = None, 0
             self.debugger.detach()
@@ -366,6 +369,25 @@ class MeshMagics(Magics):
         state = "on" if self.debugger.is_on else "off (turn it on in JupyterLab's toolbar)"
         print(f"JupyterLab's debugger stops in rank {args.rank} of mesh {mesh.name!r} at %%mesh cells' breakpoints; "
               f"it is {state}")
+
+    def _post_mortem_in_debugger(self, args) -> None:
+        assert self.debugger is not None
+        if not self.debugger.is_on:
+            raise UsageError("turn on JupyterLab's debugger first (the bug icon in the notebook's toolbar); "
+                             "%mesh debug alone opens pdb in the notebook instead")
+        mesh = self.registry.get(args.mesh)
+        failed = mesh.failed_ranks()
+        if not failed:
+            print(f"no rank of mesh {mesh.name!r} has a failed cell to debug")
+            return
+        if args.rank is not None and args.rank not in failed:
+            raise UsageError(f"rank {args.rank}'s last cell did not fail; these did: {format_ranks(failed)}")
+        rank = failed[0] if args.rank is None else args.rank
+        self.debugger.chosen_mesh, self.debugger.chosen_rank = mesh.name, rank
+        self.debugger.prepare(mesh)
+        print(f"rank {rank} of mesh {mesh.name!r} stopped at its error in JupyterLab's debugger; continue there "
+              "(or press stop) to end this cell", flush=True)
+        mesh.select_ranks([rank]).debug_in_debugger()
 
     def _do_on(self, args) -> None:
         mesh = self.registry.get(args.mesh)

@@ -171,6 +171,36 @@ def test_a_breakpoint_in_an_actor_endpoint_stops_the_chosen_rank(kernel):
     dap.stop_debugging()
 
 
+FAILING = """%%mesh
+import os
+r = int(os.environ["RANK"])
+if r in (1, 3):
+    oops = {"rank": r}
+    raise ValueError(f"bad rank {r}")
+print("fine", r)
+"""
+
+
+def test_post_mortem_opens_the_first_failed_ranks_error_in_the_debugger(kernel):
+    dap = DapSession(kernel)
+    dap.start_debugging()
+    failed = dap.finish(dap.start_cell(FAILING))
+    assert failed.status == "error" and "bad rank 1" in failed.text(), failed.text()
+    heard = len(dap.events)
+    run = dap.start_cell("%mesh debug post-mortem")
+    stopped = dap.wait_event("stopped", after=heard)
+    thread = stopped["body"]["threadId"]
+    assert thread >= 2 << 32 and thread < 3 << 32, stopped  # rank 1's, the first that failed
+    top, variables = dap.variables_of_top_frame(thread)
+    assert top["line"] == 6 and variables["r"] == "1" and "oops" in variables, (top, variables)
+    assert dap.request("continue", threadId=thread)["success"]
+    dap.finish(run)
+    assert run.status == "ok" and "rank 1 of mesh" in run.text(), run.text()
+    refused = dap.finish(dap.start_cell("%mesh debug post-mortem 2"))
+    assert refused.status == "error" and "did not fail; these did: 1,3" in refused.text(), refused.text()
+    dap.stop_debugging()
+
+
 @pytest.fixture(scope="module")
 def ssh_kernel(tmp_path_factory):
     reason = ssh_unavailable()

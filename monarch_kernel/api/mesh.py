@@ -36,7 +36,7 @@ from monarch_kernel.core.source import check_syntax
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.messages import HealthTimings
-from monarch_kernel.wire.ops import Describe, PostMortem, RankOperation
+from monarch_kernel.wire.ops import Describe, HasFailedCell, PostMortem, RankOperation
 from monarch_kernel.wire.serialization import arriving_on, release, seal, unseal
 
 T = TypeVar("T")
@@ -288,6 +288,18 @@ class Mesh(HostFiles, KeptState):
         False if no rank had a failed cell.
         """
         return any(self._ask(PostMortem(), "debug").values())
+
+    def failed_ranks(self) -> list[int]:
+        """The ranks of this mesh whose last cell failed (their errors are kept for post-mortem)."""
+        return sorted(rank for rank, failed in self._ask(HasFailedCell(), "failed cells").by_rank().items() if failed)
+
+    def debug_in_debugger(self) -> bool:
+        """Open the error of the last failed cell of this mesh's one rank in the visual debugger running
+        there (JupyterLab's panels; `%mesh debug post-mortem`). Returns when the debugger continues;
+        False if that rank had no failed cell."""
+        if len(self.ranks) != 1:
+            raise MeshUsageError("post-mortem in the debugger is for one rank: select it first")
+        return any(self._ask(PostMortem(in_debugger=True), f"post-mortem on rank {self.ranks[0]}").values())
 
     # ------------------------------------------------------------ control
     def interrupt(self) -> None:

@@ -19,6 +19,7 @@ import os
 import secrets
 import socket
 import stat
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -179,6 +180,22 @@ class RankDebugger:
                 stream.send({"seq": 0, "type": "request", "command": "continue", "arguments": {"threadId": 0}})
             except OSError:
                 pass
+
+    def post_mortem(self) -> bool:
+        """Stop this (main) thread at the error of the last failed cell, in the running debugger; returns
+        when the notebook's debugger continues. False if no cell failed."""
+        tb = getattr(sys, "last_traceback", None)
+        if tb is None:
+            return False
+        if self._stream is None:
+            raise RuntimeError(f"rank {self._rank} has no debugger running (turn on JupyterLab's debugger)")
+        import pydevd
+
+        debugger = pydevd.get_global_debugger()
+        if debugger is None:
+            raise RuntimeError(f"rank {self._rank}'s debugger has gone; run the command again")
+        debugger.trigger_exception_handler((sys.last_type, sys.last_value, tb), as_uncaught=False)
+        return True
 
     def stop(self) -> bool:
         """End the debugger here: threads run on untraced. Whether one was running."""

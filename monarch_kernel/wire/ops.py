@@ -76,7 +76,15 @@ class Describe:
 
 @dataclass(frozen=True)
 class PostMortem:
-    """pdb at the error of the rank's last failed cell. Answer: False if it had none."""
+    """pdb at the error of the rank's last failed cell, or with `in_debugger` the visual debugger
+    running in the rank (JupyterLab's panels) at that frame. Answer: False if it had none."""
+
+    in_debugger: bool = False
+
+
+@dataclass(frozen=True)
+class HasFailedCell:
+    """Whether the rank's last cell failed (its error is kept for post-mortem). Answer: a bool."""
 
 
 @dataclass(frozen=True)
@@ -210,9 +218,10 @@ class StopDebugger:
     """End the rank's visual debugger (its threads run on untraced). Answer: whether one was running."""
 
 
-RankOperation = (SpawnActors | StopActors | StopAllActors | Describe | PostMortem | UseWorkspace | SetAutoreload | Versions
-                 | ApplyLayout | MeasureRank | TrialLayout | CollectGarbage | RemakeDefaultGroup | StartProfile
-                 | StopProfile | ReadClock | ListActorMeshes | StartDebugger | StopDebugger)
+RankOperation = (SpawnActors | StopActors | StopAllActors | Describe | PostMortem | HasFailedCell | UseWorkspace
+                 | SetAutoreload | Versions | ApplyLayout | MeasureRank | TrialLayout | CollectGarbage
+                 | RemakeDefaultGroup | StartProfile | StopProfile | ReadClock | ListActorMeshes | StartDebugger
+                 | StopDebugger)
 RANK_OPERATIONS: tuple[type, ...] = get_args(RankOperation)  # (the list is written once, as the union)
 ACTOR_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors)  # what a rank's system actor takes from others
 
