@@ -75,6 +75,7 @@ class RankLink:
 
     target: RankDebugTarget
     paused: set[int] = field(default_factory=set)  # JupyterLab's ids of the rank's threads stopped now
+    mappings: list[tuple[str, str]] = field(default_factory=list)  # the synced folders it was told of
 
     @property
     def rank(self) -> int:
@@ -209,7 +210,7 @@ class MeshDebugger:
         with self._lock:
             link = self.link
             current = (link is not None and link.target.mesh.name == target.name and link.rank == self.chosen_rank
-                       and link.target.running)
+                       and link.target.running and link.mappings == link.target.path_mappings())  # (a sync since?)
             if not current:
                 self.detach()
                 self.link = self._start(target, self.chosen_rank)
@@ -230,6 +231,10 @@ class MeshDebugger:
         """Tell the new rank debugger what JupyterLab told the kernel's: its settings and breakpoints."""
         attach = {**self._config.get("attach", {}), "justMyCode": True}  # steps stay in the cells (torch, ours: run through)
         attach.pop("connect", None)
+        link.mappings = link.target.path_mappings()
+        mappings = [{"localRoot": here, "remoteRoot": there} for here, there in link.mappings]
+        if mappings:  # the project's files as the notebook names them, where this rank's host has them
+            attach["pathMappings"] = [*attach.get("pathMappings", []), *mappings]
         steps: list[tuple[str, dict[str, Any]]] = [("initialize", self._config.get("initialize", {})),
                                                    ("attach", attach)]
         for path, breakpoints in dict(getattr(self._inner, "breakpoint_list", {})).items():

@@ -230,3 +230,33 @@ def test_a_rank_on_another_host_stops_at_the_breakpoint(ssh_kernel):
     dap.finish(run, 120)
     assert run.status == "ok" and "rank 3 y 31" in run.text(), run.text()
     dap.stop_debugging()
+
+
+HELPER = '''def double(v):
+    w = v * 2
+    return w
+'''
+
+
+def test_a_breakpoint_in_a_synced_project_file_stops_the_rank_in_its_hosts_copy(ssh_kernel, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "dbg_helper.py").write_text(HELPER)
+    dap = DapSession(ssh_kernel)
+    _run(dap, f"%mesh sync {project}\n%mesh debug rank 2")  # host-1's first rank: a copy elsewhere on that host
+    where = _run(dap, "%%mesh --ranks 2\nimport dbg_helper\nprint('at', dbg_helper.__file__)").text()
+    assert str(project) not in where, where  # the rank imports the host's copy, not the notebook's file
+    dap.start_debugging()
+    local = str(project / "dbg_helper.py")
+    answer = dap.request("setBreakpoints", source={"path": local}, breakpoints=[{"line": 2}], sourceModified=False)
+    assert answer["success"], answer
+    assert dap.request("configurationDone")["success"]
+    run = dap.start_cell("%%mesh\nimport dbg_helper\nprint('doubled', dbg_helper.double(21))")
+    stopped = dap.wait_event("stopped", timeout=120)
+    thread = stopped["body"]["threadId"]
+    top, variables = dap.variables_of_top_frame(thread)
+    assert top["source"]["path"] == local and top["line"] == 2 and variables["v"] == "21", (top, variables)
+    assert dap.request("continue", threadId=thread)["success"]
+    dap.finish(run, 120)
+    assert run.status == "ok" and "doubled 42" in run.text(), run.text()
+    dap.stop_debugging()

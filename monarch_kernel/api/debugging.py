@@ -11,6 +11,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
+from monarch_kernel.api import workspace
 from monarch_kernel.api.mesh import Mesh
 from monarch_kernel.controller.debugging import RankDebugging
 from monarch_kernel.core.errors import MeshNotRunningError
@@ -44,6 +45,10 @@ class RankDebugTarget:
         """Whether the rank it runs in is still the one it started in."""
         state = self.mesh._runtime.ranks.get(self.rank)
         return not self.mesh.closed and state is not None and state.alive and state.pid == self.pid
+
+    def path_mappings(self) -> list[tuple[str, str]]:
+        """(folder in the notebook, the same folder on the rank) for the synced folders the rank has elsewhere."""
+        return workspace.path_mappings(self.mesh._runtime, self.rank)
 
     def request(self, message: dict[str, Any]) -> concurrent.futures.Future[dict[str, Any]]:
         """Send one DAP request; the future holds the response (RuntimeError if the rank goes away)."""

@@ -108,6 +108,7 @@ class MeshWorkspaces:
         self.folders: dict[str, SyncedFolder] = {}
         self.autoreload = False
         self.in_use: set[tuple[str, bool]] = set()  # (folder, chdir) the current ranks have on sys.path
+        self.copies: dict[int, dict[str, str]] = {}  # rank -> {folder here: where the rank has it}
 
     @property
     def auto(self) -> list[SyncedFolder]:
@@ -168,6 +169,7 @@ def reapply(runtime: MeshRuntime, ask: AskRanks) -> None:
     ranks get the synced folders on sys.path (and autoreload) again."""
     workspaces = workspaces_of(runtime)
     workspaces.in_use.clear()  # fresh ranks
+    workspaces.copies.clear()
     for entry in workspaces.folders.values():
         report = _sync_folder(runtime, entry, force=True, show=show_stdout)
         _use_on_ranks(runtime, ask, report, entry.chdir)
@@ -182,13 +184,23 @@ def set_autoreload(runtime: MeshRuntime, ask: AskRanks, on: bool) -> None:
     ask(list(runtime.ranks), SetAutoreload(on), "autoreload")
 
 
+def path_mappings(runtime: MeshRuntime, rank: int) -> list[tuple[str, str]]:
+    """(folder here, the rank's copy of it) for each synced folder the rank has elsewhere (a debugger
+    maps the notebook's file names to the rank's with these)."""
+    copies = workspaces_of(runtime).copies.get(rank, {})
+    return [(here, there) for here, there in sorted(copies.items()) if here != there]
+
+
 def _use_on_ranks(runtime: MeshRuntime, ask: AskRanks, report: SyncReport, chdir: bool) -> None:
     failed_hosts = {h.host for h in report.hosts if h.errors and not h.root}
+    copies = workspaces_of(runtime).copies
     for link, spec in zip(runtime.state.links, runtime.spec.hosts):
         if link.name in failed_hosts:
             continue
         where = report.folder if spec.kind == HostKind.LOCAL else None
-        ask(link.ranks, UseWorkspace(where, report.key, chdir), "use_workspace")
+        used = ask(link.ranks, UseWorkspace(where, report.key, chdir), "use_workspace")
+        for rank, folder in used.by_rank().items():
+            copies.setdefault(rank, {})[report.folder] = folder
 
 
 def _sync_folder(runtime: MeshRuntime, entry: SyncedFolder, *, force: bool, show: Callable[[str], None],
