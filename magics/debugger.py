@@ -216,6 +216,21 @@ class MeshDebugger:
                 self.link = self._start(target, self.chosen_rank)
         return str(get_file_name(self.raw_cell)) if self.raw_cell else None
 
+    def choose(self, mesh: Mesh, rank: int) -> str:
+        """Make `rank` of `mesh` the rank the debugger stops in (`%mesh debug rank N`, the sidebar's
+        "Debug this rank"); with the debugger on, its debugger starts now. What to tell the user."""
+        if rank not in mesh.ranks:
+            raise ValueError(f"mesh {mesh.name!r} has no rank {rank} (its ranks: 0..{len(mesh.ranks) - 1})")
+        self.chosen_mesh, self.chosen_rank = mesh.name, rank
+        self.prepare(mesh)  # (on now: breakpoints in actor endpoints hold from here on)
+        state = "on" if self.is_on else "off (turn it on in JupyterLab's toolbar)"
+        return (f"JupyterLab's debugger stops in rank {rank} of mesh {mesh.name!r} at %%mesh cells' breakpoints; "
+                f"it is {state}")
+
+    def debugged_rank(self, mesh_name: str) -> int | None:
+        """The rank of mesh `mesh_name` the debugger stops in (None: another mesh's rank was chosen)."""
+        return self.chosen_rank if self.chosen_mesh in (None, mesh_name) else None
+
     def cell_code(self, body: str) -> str:
         """The cell's body with the lines above it in the cell (the `%%mesh` line) left blank."""
         at = self.raw_cell.find(body) if body else -1

@@ -361,14 +361,10 @@ class MeshMagics(Magics):
             return
         if args.rank is None:
             raise UsageError("say which rank: %mesh debug rank 2")
-        mesh = self.registry.get(args.mesh)
-        if args.rank not in mesh.ranks:
-            raise UsageError(f"mesh {mesh.name!r} has no rank {args.rank} (its ranks: 0..{len(mesh.ranks) - 1})")
-        self.debugger.chosen_mesh, self.debugger.chosen_rank = mesh.name, args.rank
-        self.debugger.prepare(mesh)  # (on now: breakpoints in actor endpoints hold from here on)
-        state = "on" if self.debugger.is_on else "off (turn it on in JupyterLab's toolbar)"
-        print(f"JupyterLab's debugger stops in rank {args.rank} of mesh {mesh.name!r} at %%mesh cells' breakpoints; "
-              f"it is {state}")
+        try:
+            print(self.debugger.choose(self.registry.get(args.mesh), args.rank))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
     def _post_mortem_in_debugger(self, args) -> None:
         assert self.debugger is not None

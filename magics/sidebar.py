@@ -8,6 +8,8 @@ Messages (JSON), frontend -> kernel:
   {"type": "action", "action": "interrupt"|"restart"|"down", "mesh": NAME}
   {"type": "action", "action": "logs", "mesh": NAME, "rank": R, "lines": N}
   {"type": "action", "action": "why", "mesh": NAME}   (why the ranks are where they are: %mesh why)
+  {"type": "action", "action": "debug", "mesh": NAME, "rank": R}   (JupyterLab's debugger stops in rank R:
+      %mesh debug rank R)
 kernel -> frontend:
   {"type": "meshes", "version": 1, "meshes": [MESH, ...]}   on open, on refresh, and
       whenever more than ranks changed (a mesh came or went, its state or job line)
@@ -22,6 +24,7 @@ kernel -> frontend:
 "meshes" also carries "colours": {state: CSS colour} and "glyphs": {state: symbol}, the mesh widget's.
 MESH: {"name", "kind" ("local"|"ssh"|"slurm"|"ray"), "shape": {dim: size}, "hosts": [...], "dist",
        "state" ("up"|"down"), "default": bool, "allocation": str | None,
+       "debugged": the rank JupyterLab's debugger stops in (None: another mesh's, or no debugger here),
        "ranks": [{"rank", "coords", "host", "local_rank", "pid", "state", "detail", "cpu", "rss",
                   "mem_total", "gpu_used", "gpu_total", "gpu_util"}, ...]}
 
@@ -37,6 +40,7 @@ from typing import Any
 from monarch_kernel.views.meshview import ALLOCATION_MAX_AGE_S, STATE_COLOURS, mesh_snapshot
 from monarch_kernel.views.theme import STATE_GLYPHS
 
+from .debugger import MeshDebugger
 from .registry import MeshRegistry
 
 TARGET = "monarch_kernel.meshes"
@@ -69,7 +73,7 @@ def _shown(rank: dict[str, Any], loads: bool) -> dict[str, Any]:
     return rank if loads else {k: v for k, v in rank.items() if k not in LOAD_KEYS}
 
 
-def describe_meshes(registry: MeshRegistry) -> list[dict[str, Any]]:
+def describe_meshes(registry: MeshRegistry, debugger: MeshDebugger | None = None) -> list[dict[str, Any]]:
     """Every mesh of the registry as plain JSON-ready data."""
     out = []
     for name in registry.names():
@@ -78,7 +82,7 @@ def describe_meshes(registry: MeshRegistry) -> list[dict[str, Any]]:
             "name": name, "kind": str(mesh.kind),
             "shape": mesh.shape.sizes, "hosts": mesh.hosts, "dist": mesh.backend,
             "state": "down" if mesh.closed else "up", "default": name == registry.current, "ranks": [],
-            "allocation": None,
+            "allocation": None, "debugged": debugger.debugged_rank(name) if debugger is not None else None,
         }
         if not mesh.closed:
             entry["allocation"] = mesh.allocation_line(ALLOCATION_MAX_AGE_S)
@@ -102,9 +106,10 @@ class SidebarChannel:
     _open: list[SidebarChannel] = []
     _open_lock = threading.Lock()
 
-    def __init__(self, comm: Any, registry: MeshRegistry):
+    def __init__(self, comm: Any, registry: MeshRegistry, shell: Any = None):
         self.comm = comm
         self.registry = registry
+        self.shell = shell
         self._sent: list[dict[str, Any]] | None = None  # what the panel was told (its picture of the meshes)
         self._closed = threading.Event()
         if hasattr(comm, "_reply_subshell_for"):
@@ -144,7 +149,7 @@ class SidebarChannel:
         """Send what changed since the last message (or everything, if forced): only the ranks that
         changed while the meshes are the same ones, else every mesh; with `loads`, changes of load
         and busy detail count too (they change all the time: news every LOADS_INTERVAL_S)."""
-        meshes = describe_meshes(self.registry)
+        meshes = describe_meshes(self.registry, self._debugger())
         changes = None if force else rank_changes(self._sent, meshes, loads)
         if changes == {}:
             return
@@ -200,6 +205,12 @@ class SidebarChannel:
                 diagnosis = mesh.why()
                 reply["why"] = diagnosis.text()
                 reply["message"] = str(diagnosis.verdict).splitlines()[0]
+            elif action == "debug":
+                debugger = self._debugger()
+                if debugger is None:
+                    raise ValueError("this kernel has no debugger (JupyterLab's needs ipykernel 6+ with debugpy)")
+                reply["rank"] = int(data["rank"])
+                reply["message"] = debugger.choose(mesh, reply["rank"])
             elif action == "logs":
                 rank = reply["rank"] = int(data["rank"])
                 reply["logs"] = [[stream, line] for stream, line in mesh.logs(rank, int(data.get("lines", 30)))]
@@ -210,6 +221,10 @@ class SidebarChannel:
             reply.update(ok=False, message=str(exc) or type(exc).__name__)
         self.comm.send(reply)
         self.push(force=True)
+
+    def _debugger(self) -> MeshDebugger | None:
+        debugger = getattr(getattr(self.shell, "kernel", None), "debugger", None)
+        return debugger if isinstance(debugger, MeshDebugger) else None
 
     def _follow(self) -> None:
         ticks = 0
@@ -229,7 +244,7 @@ def register(shell: Any, registry: MeshRegistry) -> bool:
     from comm import get_comm_manager
 
     def opened(comm: Any, _msg: dict[str, Any]) -> None:
-        SidebarChannel(comm, registry)  # it keeps itself alive through the comm's callbacks
+        SidebarChannel(comm, registry, shell)  # it keeps itself alive through the comm's callbacks
 
     get_comm_manager().register_target(TARGET, opened)
     return True

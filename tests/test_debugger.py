@@ -8,9 +8,11 @@ import time
 
 import pytest
 from dap_client import DapSession
+from jupyter_client.session import Session
 from kernel_driver import kernel_with
 from sshhosts import SSHTestHosts
 from sshhosts import unavailable_reason as ssh_unavailable
+from test_sidebar import Panel
 
 CELL = """%%mesh
 import os, torch
@@ -169,6 +171,45 @@ def test_a_breakpoint_in_an_actor_endpoint_stops_the_chosen_rank(kernel):
     assert dap.request("continue", threadId=thread)["success"]
     assert dap.finish(run).status == "ok" and "[5, 5, 5, 5]" in run.text(), run.text()
     dap.stop_debugging()
+
+
+class _SecondClient:
+    """Another client of the same kernel, with its own session (its own socket identity: replies to one
+    never reach the other), reading all of IOPub as each client does."""
+
+    def __init__(self, kernel):
+        ours = kernel.km.session
+        self.kc = kernel.km.client()
+        self.kc.session = Session(key=ours.key, signature_scheme=ours.signature_scheme, username="sidebar")
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=30)
+
+
+def test_the_meshes_sidebar_chooses_the_rank_the_debugger_stops_in(kernel):
+    sidebar = _SecondClient(kernel)
+    panel = Panel(sidebar)
+    dap = DapSession(kernel)
+    try:
+        dap.start_debugging()
+        name = panel.wait_for(lambda d: d.get("type") == "meshes" and d["meshes"])["meshes"][0]["name"]
+        panel.request({"type": "action", "action": "debug", "mesh": name, "rank": 3})
+        chosen = panel.wait_for(lambda d: d.get("action") == "debug", 60)
+        assert chosen["ok"] and "rank 3" in chosen["message"] and "it is on" in chosen["message"], chosen
+        panel.wait_for(lambda d: d.get("type") == "meshes" and d["meshes"][0]["debugged"] == 3, 10)
+        dap.break_at(CELL, [STOP_LINE])
+        run = dap.start_cell(CELL)
+        stopped = dap.wait_event("stopped")
+        _, variables = dap.variables_of_top_frame(stopped["body"]["threadId"])
+        assert variables["x"] == "30", variables
+        assert dap.request("continue", threadId=stopped["body"]["threadId"])["success"]
+        assert dap.finish(run).status == "ok", run.text()
+        panel.request({"type": "action", "action": "debug", "mesh": name, "rank": 9})
+        refused = panel.wait_for(lambda d: d.get("action") == "debug" and not d["ok"], 10)
+        assert "no rank 9" in refused["message"], refused
+    finally:
+        panel.close()
+        dap.stop_debugging()
+        sidebar.kc.stop_channels()
 
 
 FAILING = """%%mesh

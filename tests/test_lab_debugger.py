@@ -1,6 +1,7 @@
 """JupyterLab's own debugger on a rank, in a real JupyterLab driven in Debian's chromium: the user
-turns the debugger on in the notebook's toolbar, clicks the gutter of a `%%mesh` cell, runs it, and
-reads the rank's values in the Variables panel; the call stack names the cell. A screenshot of the
+picks the rank in the Meshes sidebar, turns the debugger on in the notebook's toolbar, clicks the
+gutter of a `%%mesh` cell, runs it, and reads the rank's values in the Variables panel; the call
+stack names the cell. A screenshot of the
 panels is kept (artifacts/debugger_on_a_rank.png)."""
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ import pytest
 from chromium import artifact, browser, missing
 from labserver import cells, lab_server, open_lab, run_cell, wait_for_text, write_notebook
 
-SETUP = "%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist none --name dbg\n%mesh debug rank 1"
+SETUP = "%load_ext monarch_kernel\n%mesh up local --gpus 2 --dist none --name dbg"
+PANEL = "#monarch-kernel-meshes"
+MESH = f'{PANEL} .mk-mesh[data-mesh="dbg"]'
 CELL = """%%mesh
 import os, torch
 x = 10 * int(os.environ["RANK"]) + 7
@@ -46,7 +49,12 @@ def _variables(tab) -> dict[str, str]:
 
 def test_a_gutter_breakpoint_stops_the_rank_and_the_variables_panel_shows_its_values(page):
     run_cell(page, 0)
-    wait_for_text(page, 0, "rank 1", 120)  # the mesh is up, rank 1 chosen
+    wait_for_text(page, 0, "mesh 'dbg'", 120)
+    page.click('.jp-SideBar .lm-TabBar-tab[data-id="monarch-kernel-meshes"]')
+    page.locator(f'{MESH} .mk-rank[data-rank="1"]').click(timeout=60_000)  # its recent output, and a choice
+    page.locator(f'{MESH} button[data-action="debug"][data-rank="1"]').click()
+    page.wait_for_selector(f'{MESH} .mk-rank[data-rank="1"] .mk-rank-debugged', timeout=30_000)
+    assert page.locator(f"{MESH} .mk-rank-debugged").count() == 1  # the one rank the debugger stops in
     page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-DebuggerBugButton").click()
     page.wait_for_selector(".jp-DebuggerBugButton.lm-mod-toggled, .jp-DebuggerBugButton [aria-pressed=true]",
                            timeout=30_000)

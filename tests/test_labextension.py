@@ -23,7 +23,7 @@ BIG_CELL = """%load_ext monarch_kernel
 from monarch_kernel.magics import sidebar
 STATES = ["idle", "busy", "dead", "unresponsive", "starting"]
 HOSTS = [f"node{h:02d}" for h in range(32)]
-def synthetic(registry):
+def synthetic(registry, *_):
     ranks = [{"rank": r, "coords": {"hosts": r // 4, "gpus": r % 4}, "host": HOSTS[r // 4], "local_rank": r % 4,
               "pid": 1000 + r, "state": STATES[r % 5], "detail": "cell 3 for 1.2 s" if r % 5 == 1 else "",
               "cpu": float(r % 90), "rss": (200 + r) << 20, "mem_total": 64 << 30,

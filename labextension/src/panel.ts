@@ -1,12 +1,13 @@
 /**
  * The Meshes sidebar: for the notebook in focus, every mesh its kernel holds, live, with
- * actions (interrupt, restart, down, why the ranks are where they are, a rank's logs, insert a
- * `%%mesh` cell).
+ * actions (interrupt, restart, down, why the ranks are where they are, a rank's logs, the rank
+ * JupyterLab's debugger stops in, insert a `%%mesh` cell).
  */
 import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import {
   addIcon,
+  bugIcon,
   caretDownIcon,
   caretRightIcon,
   closeIcon,
@@ -19,7 +20,7 @@ import { Widget } from '@lumino/widgets';
 
 import { LinkState, MeshLink } from './connection';
 import { IContainer, IPart, patchChildren } from './patch';
-import { IMesh, IRank, IResultMessage } from './protocol';
+import { Action, IMesh, IRank, IResultMessage } from './protocol';
 
 const LOG_LINES = 40;
 /** Past this many hosts, each host starts folded into its summary line (as in the mesh widget). */
@@ -290,6 +291,13 @@ export class MeshesPanel extends Widget {
         html:
           `<div class="mk-logs" data-rank="${logs.rank}"><div class="mk-logs-head">rank ${logs.rank}: last lines ` +
           '<button class="mk-button" data-action="close-logs">Close</button></div>' +
+          '<div class="mk-debug-choice">' +
+          (mesh.debugged === logs.rank
+            ? `${bugIcon.svgstr}<span>JupyterLab's debugger stops in this rank</span>`
+            : `<button class="mk-button" data-action="debug" data-mesh="${esc(mesh.name)}" data-rank="${logs.rank}" ` +
+              'title="JupyterLab\'s debugger (when on) stops in this rank at %%mesh cells\' breakpoints">' +
+              `${bugIcon.svgstr} Debug this rank</button>`) +
+          '</div>' +
           `<pre>${lines}</pre></div>`
       });
     }
@@ -351,7 +359,11 @@ export class MeshesPanel extends Widget {
       `<div class="mk-rank mk-state-${esc(r.state)}" data-action="logs" data-mesh="${esc(mesh.name)}" ` +
       `data-rank="${r.rank}" data-state="${esc(r.state)}" title="${esc(title)}"` +
       `${colour ? ` style="border-left-color:${esc(colour)}"` : ''}>` +
-      `<div class="mk-rank-top"><span class="mk-rank-id">GPU ${r.local_rank ?? '?'} \u00b7 r${r.rank}</span>` +
+      `<div class="mk-rank-top"><span class="mk-rank-id">GPU ${r.local_rank ?? '?'} \u00b7 r${r.rank}` +
+      (mesh.debugged === r.rank
+        ? `<span class="mk-rank-debugged" title="JupyterLab's debugger stops in this rank">${bugIcon.svgstr}</span>`
+        : '') +
+      '</span>' +
       `<span class="mk-rank-state"${colour ? ` style="background:${esc(colour)}"` : ''}>` +
       `${esc(glyphs[r.state] ?? '?')} ${esc(r.state)}</span></div>` +
       `<div class="mk-rank-detail">${esc(r.detail || `pid ${r.pid ?? '-'}`)}</div>` +
@@ -409,6 +421,11 @@ export class MeshesPanel extends Widget {
           lines: LOG_LINES
         });
         break;
+      case 'debug':
+        this._ask('debug', mesh, `Choosing rank ${target.dataset.rank} for JupyterLab's debugger\u2026`, {
+          rank: Number(target.dataset.rank)
+        });
+        break;
       case 'insert':
         this._insertCell(mesh);
         break;
@@ -416,7 +433,7 @@ export class MeshesPanel extends Widget {
   }
 
   /** Send an action; say so when the kernel is busy and cannot hear it before the cell ends. */
-  private _ask(action: 'interrupt' | 'restart' | 'down' | 'logs' | 'why', mesh: string, pending: string,
+  private _ask(action: Action, mesh: string, pending: string,
                extra: Record<string, number> = {}): void {
     const link = this._link;
     if (!link || !link.act(action, mesh, extra)) {

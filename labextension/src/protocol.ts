@@ -39,6 +39,8 @@ export interface IMesh {
   dist: string;
   state: 'up' | 'down';
   default: boolean;
+  /** The rank JupyterLab's debugger stops in (null: another mesh's rank, or no debugger in the kernel). */
+  debugged?: number | null;
   ranks: IRank[];
 }
 
@@ -79,4 +81,4 @@ export interface ILoadedMessage {
 export type KernelMessage = IMeshesMessage | IRanksMessage | IResultMessage | ILoadedMessage;
 
 /** The actions the panel can ask for. */
-export type Action = 'interrupt' | 'restart' | 'down' | 'logs' | 'why';
+export type Action = 'interrupt' | 'restart' | 'down' | 'logs' | 'why' | 'debug';
