@@ -58,6 +58,18 @@ def test_a_breakpoint_in_a_mesh_cell_stops_the_chosen_rank_and_shows_its_variabl
     for rank in range(4):
         assert f"rank {rank} y {10 * rank + 1}" in run.text()
     dap.stop_debugging()
+    after = _run(dap, UNTRACED)  # the debugger off: rank 2 runs untraced again, pydevd's relay gone
+    assert "[2] traced False relay False" in after.text(), after.text()
+
+
+UNTRACED = """%%mesh --ranks 2
+import sys, threading, time
+relay = lambda: any(t.name == "rank-debug-relay" for t in threading.enumerate())
+deadline = time.monotonic() + 10
+while relay() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("traced", sys.gettrace() is not None, "relay", relay())
+"""
 
 
 def _run(dap: DapSession, code: str, timeout: float = 120):

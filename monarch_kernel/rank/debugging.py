@@ -69,7 +69,11 @@ class DapStream:
         return body.decode() if len(body) == length else None
 
     def close(self) -> None:
-        """Close the socket (a reader waiting on it sees the end)."""
+        """Close the socket (a reader waiting on it sees the end: shutdown wakes it, close alone does not)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:
