@@ -148,3 +148,22 @@ def test_each_block_says_its_global_slice_holders_and_bytes_on_hover():
     view = ShardingView(TensorLayout("w", (6, 8), "float32", pieces, (Placement("shard", 0),), (2,), ("x",)))
     page = view.html()
     assert "title='w[3:6, 0:8]: rank 1, 96 B per holder'" in page
+
+
+def test_a_description_reads_as_one_line_for_the_debuggers_variables():
+    from monarch_kernel.core.sharding import TensorDescription
+
+    plain = TensorDescription("tensor", 0, (2, 3), "float32", (2, 3), (0, 0), 24, "cpu")
+    assert plain.summary() == "float32[2, 3] on cpu"
+    piece = TensorDescription("dtensor", 1, (8, 4), "bfloat16", (4, 4), (4, 0), 32, "cuda:1",
+                              placements=(("shard", 0, None, None), ("replicate", None, None, None)),
+                              mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"), mesh_coord=(1, 0))
+    assert piece.summary() == ("bfloat16[8, 4] on cuda:1, this rank's piece [4, 4] at (4, 0); "
+                               "Shard(0), Replicate() over mesh 2x2 (dp, tp)")
+
+
+def test_a_real_dtensor_reads_as_one_line_on_its_rank(mesh):
+    got = mesh.run("from monarch_kernel.rank.tensorinfo import describe_local\n"
+                   "describe_local(rows_cols, int(os.environ['RANK']), checksum=False).summary()")
+    assert got.by_rank()[3] == ("float32[5, 6] on cpu, this rank's piece [2, 3] at (3, 3); "
+                                "Shard(0), Shard(1) over mesh 2x2 (dp, tp)"), got.by_rank()
