@@ -78,6 +78,18 @@ def _run(dap: DapSession, code: str, timeout: float = 120):
     return run
 
 
+class _SecondClient:
+    """Another client of the same kernel, with its own session (its own socket identity: replies to one
+    never reach the other), reading all of IOPub as each client does."""
+
+    def __init__(self, kernel):
+        ours = kernel.km.session
+        self.kc = kernel.km.client()
+        self.kc.session = Session(key=ours.key, signature_scheme=ours.signature_scheme, username="sidebar")
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=30)
+
+
 def test_the_stop_button_ends_a_paused_cell_and_a_restarted_rank_stops_again(kernel):
     dap = DapSession(kernel)
     dap.start_debugging()
@@ -113,6 +125,7 @@ print("sum", t.item())
 
 def test_ranks_waiting_for_a_paused_rank_are_said_to_wait_for_the_debugger_not_to_hang(kernel):
     dap = DapSession(kernel)
+    sidebar = _SecondClient(kernel)  # (ready before the cell: a busy kernel answers no kernel_info)
     dap.start_debugging()
     _run(dap, "%mesh debug rank 3\n%mesh config hang 1")
     try:
@@ -124,10 +137,20 @@ def test_ranks_waiting_for_a_paused_rank_are_said_to_wait_for_the_debugger_not_t
             assert time.monotonic() < deadline, run.text()
             dap.pump(0.2)
         assert "no progress" not in run.text(), run.text()
+        panel = Panel(sidebar, subshell=True)  # the sidebar's Why? while rank 3 is paused (the cell runs)
+        try:
+            name = panel.wait_for(lambda d: d.get("type") == "meshes" and d["meshes"])["meshes"][0]["name"]
+            panel.request({"type": "action", "action": "why", "mesh": name})
+            why = panel.wait_for(lambda d: d.get("action") == "why", 60)
+            assert why["ok"] and why["why"].startswith("rank 3 paused in the debugger"), why
+            assert "ranks 0-2 wait in all_reduce" in why["why"], why  # and the verdict as it stands
+        finally:
+            panel.close()
         assert dap.request("continue", threadId=stopped["body"]["threadId"])["success"]
         dap.finish(run)
         assert run.status == "ok" and "sum 6.0" in run.text(), run.text()
     finally:
+        sidebar.kc.stop_channels()
         _run(dap, "%mesh config hang 30")
         dap.stop_debugging()
 
@@ -183,18 +206,6 @@ def test_a_breakpoint_in_an_actor_endpoint_stops_the_chosen_rank(kernel):
     assert dap.request("continue", threadId=thread)["success"]
     assert dap.finish(run).status == "ok" and "[5, 5, 5, 5]" in run.text(), run.text()
     dap.stop_debugging()
-
-
-class _SecondClient:
-    """Another client of the same kernel, with its own session (its own socket identity: replies to one
-    never reach the other), reading all of IOPub as each client does."""
-
-    def __init__(self, kernel):
-        ours = kernel.km.session
-        self.kc = kernel.km.client()
-        self.kc.session = Session(key=ours.key, signature_scheme=ours.signature_scheme, username="sidebar")
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=30)
 
 
 def test_the_meshes_sidebar_chooses_the_rank_the_debugger_stops_in(kernel):

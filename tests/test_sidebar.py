@@ -14,17 +14,32 @@ TARGET = "monarch_kernel.meshes"
 class Panel:
     """A frontend end of the comm: opens it, sends requests, collects what the kernel says."""
 
-    def __init__(self, kernel: KernelDriver):
+    def __init__(self, kernel: KernelDriver, subshell: bool = False):
         self.kernel = kernel
         self.comm_id = uuid.uuid4().hex
         self.inbox: list[dict] = []
         self.raw: list[dict] = []  # every message as sent
         self.meshes: list[dict] = []
+        # JupyterLab 4.4+ sends comm messages on a subshell of their own (commsOverSubshells): heard
+        # while a cell runs on the main shell
+        self.subshell_id = self._create_subshell() if subshell else None
         self._send("comm_open", {"comm_id": self.comm_id, "target_name": TARGET, "data": {}})
+
+    def _create_subshell(self) -> str:
+        kc = self.kernel.kc
+        msg = kc.session.msg("create_subshell_request", {})
+        kc.control_channel.send(msg)
+        while True:
+            reply = kc.get_control_msg(timeout=30)
+            if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                return reply["content"]["subshell_id"]
 
     def _send(self, msg_type: str, content: dict) -> None:
         kc = self.kernel.kc
-        kc.shell_channel.send(kc.session.msg(msg_type, content))
+        msg = kc.session.msg(msg_type, content)
+        if self.subshell_id is not None:
+            msg["header"]["subshell_id"] = self.subshell_id
+        kc.shell_channel.send(msg)
 
     def request(self, data: dict) -> None:
         self._send("comm_msg", {"comm_id": self.comm_id, "data": data})

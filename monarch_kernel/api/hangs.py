@@ -74,7 +74,18 @@ def why(runtime: MeshRuntime, ranks: tuple[int, ...], *, all_threads: bool = Fal
     """The verdict over `ranks` now, with their grouped stacks (ranks that do not answer within
     `timeout` are named as silent)."""
     reports, dead, silent = runtime.inspections.ask(ranks, all_threads=all_threads, timeout=timeout)
-    return Diagnosis(diagnose(reports, ranks, dead, silent), reports, all_threads=all_threads)
+    return Diagnosis(diagnose(reports, ranks, dead, silent), reports, all_threads=all_threads,
+                     title=paused_note(runtime, ranks))
+
+
+def paused_note(runtime: MeshRuntime, ranks: tuple[int, ...]) -> str:
+    """What to say of the ranks paused in JupyterLab's debugger ("" if none is): ranks waiting for them
+    wait for the person at the debugger, not on a hang."""
+    paused = runtime.debugging.paused(ranks)
+    if not paused:
+        return ""
+    return (f"{'rank' if len(paused) == 1 else 'ranks'} {format_ranks(list(paused))} paused in the debugger; the "
+            "other ranks wait where they need it (continue in the debugger's panel, or press stop)")
 
 
 def stacks_text(reports: dict[int, RankReport], *, all_threads: bool = False) -> str:
@@ -201,11 +212,8 @@ class HangWatch:
         entries: their collective, tensors and how long) only when the ranks may be stuck."""
         try:
             ranks = self._ranks
-            paused = self._runtime.debugging.paused(ranks)
-            if paused:  # not a hang: someone is stepping through a rank
-                text = (f"{'rank' if len(paused) == 1 else 'ranks'} {format_ranks(list(paused))} paused in the "
-                        "debugger; the other ranks wait where they need it (continue in the debugger's panel, "
-                        "or press stop)")
+            text = paused_note(self._runtime, ranks)
+            if text:  # not a hang: someone is stepping through a rank
                 if text != self.shown:
                     self.shown = text
                     self._pending = (text, f"<div><b>{html.escape(text)}</b></div>")
