@@ -11,7 +11,11 @@ over the mesh's own authenticated links. The rank's ids are told apart by their 
 A `%%mesh` cell that runs while JupyterLab's debugger is on starts the rank's debugger first (once;
 it stays until the debugger is turned off or another rank is chosen) and runs under the file name
 JupyterLab gives the cell (ipykernel's `get_file_name` of the cell's text), its lines where they are
-in the cell, so the gutter's breakpoints are the rank's.
+in the cell, so the gutter's breakpoints are the rank's. The rank's debugger is told where the
+project's synced folders lie on its host (path mappings), so breakpoints in those files hold there.
+
+The rank is chosen with `%mesh debug rank N` or the Meshes sidebar (`choose`); `%mesh debug
+post-mortem` stops the rank at its last error instead (`Mesh.debug_in_debugger`).
 """
 
 from __future__ import annotations
