@@ -89,6 +89,10 @@ def test_a_monarch_program_prints_the_same_on_ours(program: Path, monarch_python
     ours_program = tmp_path / program.name
     ours_program.write_text(on_our_api(source))
     theirs, ours = run_both([(monarch_python, program), (sys.executable, ours_program)], tmp_path)
+    if program.stem not in DIFFERENT and printed(ours, unordered) != printed(theirs, unordered):
+        # The real Monarch is the reference, with timing flakes of its own on a loaded machine (once, in CI,
+        # program 30's fault hook did not fire within 30 s): ask it once more, alone. Ours is never re-run.
+        (theirs,) = run_both([(monarch_python, program)], tmp_path)
     assert theirs.returncode == 0, f"the real Monarch failed on {program.name}:\n{theirs.stderr[-3000:]}"
     assert ours.returncode == 0, f"ours failed on {program.name}:\n{ours.stdout[-2000:]}\n{ours.stderr[-3000:]}"
     assert printed(ours, unordered) == printed(theirs, unordered), (
