@@ -148,7 +148,7 @@ class MeshDebugger:
         elif link is not None and command == "debugInfo":
             reply.setdefault("body", {}).setdefault("stoppedThreads", []).extend(sorted(link.paused))
         elif command == "disconnect":
-            self.detach(stop_tracing=False)  # (the rank's tracing ends when its next debugger starts)
+            self.detach(stop_tracing=False)  # (the rank ends its tracing after its queued work; nothing waits here)
         return reply
 
     async def _to_rank(self, rank: int, message: dict[str, Any]) -> dict[str, Any]:
