@@ -279,3 +279,4 @@ def _late_actor_verdict(module, capfd) -> None:
         assert re.search(r"ranks 0-2 wait in all_reduce #\d+ \(4 floats, default group\)", text), text
         assert re.search(r"rank 3 has not entered #\d+: it is at .*late_actor\.py:7 in reduce +time\.sleep\(seconds\)",
                          text), text
+

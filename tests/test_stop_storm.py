@@ -2,7 +2,8 @@
 
 Two busy-loop processes per core run beside a 4-rank gloo mesh, as dataloader workers do on a
 GPU node. Each round starts one kind of work that does not end by itself (a sleep, a busy loop,
-a collective that rank 3 never joins, an actor endpoint, a background cell), stops it at a random
+a collective that rank 3 never joins, an actor endpoint, an endpoint waiting on a call to an actor of
+its own rank, which its wait serves on the same thread, a background cell), stops it at a random
 moment (the stop button's SIGINT on the waiting thread, or `mesh.interrupt()` for the background
 cell), and checks: the stop ends it within STOP_WITHIN_S as an interrupt; the next cell is "ok",
 prints what it should on every rank and runs a collective; and every piece of work ran at most
@@ -23,7 +24,7 @@ import time
 import cloudpickle
 import pytest
 
-from monarch_kernel import Actor, MeshInterrupted, endpoint, local_mesh
+from monarch_kernel import Actor, MeshInterrupted, current_rank, endpoint, local_mesh
 from monarch_kernel.api.sinks import PlainSink
 
 pytestmark = pytest.mark.slow
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.slow
 ROUNDS = int(os.environ.get("MONARCH_STOP_STORM_ROUNDS", "20"))
 SEED = int(os.environ.get("MONARCH_STOP_STORM_SEED", "20261203"))
 STOP_WITHIN_S = 5.0
-KINDS = ("sleep", "busy", "collective", "actor", "background")
+KINDS = ("sleep", "busy", "collective", "actor", "background", "relay")
 
 COUNT = "ran.setdefault({token!r}, 0)\nran[{token!r}] += 1\n"  # first thing each piece of work does
 WORK = {
@@ -61,6 +62,17 @@ class Sleeper(Actor):
     @endpoint
     def runs(self) -> dict[str, int]:
         return dict(self.ran)
+
+
+class Relay(Actor):
+    """An endpoint that waits on its own rank's Sleeper (its wait serves that call itself, on its thread)."""
+
+    def __init__(self, sleepers) -> None:
+        self.mine = sleepers.slice(gpus=current_rank()["gpus"])
+
+    @endpoint
+    def through(self, token: str) -> None:
+        self.mine.hang.call_one(token).get()
 
 
 def _spin() -> None:
@@ -99,6 +111,7 @@ def test_stops_at_random_moments_on_a_busy_machine_each_end_their_own_work_and_o
         mesh.hang_after_s = None  # (the verdicts are another test's: here only the stops)
         mesh.run("ran = {}", sink=PlainSink(out))
         sleepers = mesh.spawn("sleepers", Sleeper)
+        relays = mesh.spawn("relays", Relay, sleepers)
         followups = []
         for n in range(ROUNDS):
             kind = KINDS[n % len(KINDS)] if n < len(KINDS) else rng.choice(KINDS)
@@ -117,6 +130,8 @@ def test_stops_at_random_moments_on_a_busy_machine_each_end_their_own_work_and_o
                     try:
                         if kind == "actor":
                             sleepers.hang.call(token).get()
+                        elif kind == "relay":
+                            relays.through.call(token).get()
                         else:
                             mesh.run(COUNT.format(token=token) + WORK[kind], sink=PlainSink(out))
                     finally:

@@ -242,9 +242,16 @@ def collect_failures(req: Request, runtime: MeshRuntime) -> list[RankFailure]:
         if f is None:
             continue
         state = runtime.ranks[rank]
-        kind = FailureKind.INTERRUPTED if f.interrupted else FailureKind.EXCEPTION
-        failures[rank] = RankFailure(rank, state.host, kind, f.error_type, f.message, f.traceback, pid=state.pid)
+        failures[rank] = RankFailure(rank, state.host, failure_kind(req, rank, f), f.error_type, f.message,
+                                     f.traceback, pid=state.pid)
     return [failures[r] for r in sorted(failures)]
+
+
+def failure_kind(req: Request, rank: int, failure: m.Failure) -> FailureKind:
+    """Interrupted (a KeyboardInterrupt; or, in a request that was being stopped, a collective that a stop
+    ended: a peer's stop may break a rank's collective before its own stop comes) or an exception."""
+    stopped = failure.interrupted or (req.stopping and rank in req.aborted)
+    return FailureKind.INTERRUPTED if stopped else FailureKind.EXCEPTION
 
 
 def raise_failures(req: Request, runtime: MeshRuntime, partial: object = None) -> None:

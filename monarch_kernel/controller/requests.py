@@ -175,6 +175,9 @@ class RequestBook:
     def _interrupt(self, ranks: frozenset[int]) -> None:
         with self._lock:
             inflight = {rank: tuple(self._state.ranks[rank].inflight) for rank in ranks if rank in self._state.ranks}
+            for req_id in {req_id for ids in inflight.values() for req_id in ids}:
+                if (req := self._state.requests.get(req_id)) is not None:
+                    req.stopping = True
         for link, local in self._state.by_link(ranks):
             req_ids = sorted({req_id for rank in local for req_id in inflight.get(rank, ())})
             link.send(m.InterruptRanks(local, tuple(req_ids), running=True))

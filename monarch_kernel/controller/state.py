@@ -149,7 +149,7 @@ class Request:
     failures: dict[int, RankFailure] = field(default_factory=dict)
     on_done: Callable[[], None] | None = None
     done: bool = False  # every rank answered or failed (see finish)
-    stopping: bool = False  # its ranks were told to stop it (fail fast, a lost host, a cancel)
+    stopping: bool = False  # its ranks were told to stop it (fail fast, a lost host, a cancel, an interrupt)
     on_lanes: bool = False  # sent on the direct lanes: its output and results come back on them
     fd_shown: dict[int, int] = field(default_factory=dict)  # characters of fd output shown, by rank
     fd_dropped: dict[int, int] = field(default_factory=dict)  # and past the cap (see core/output_caps)

@@ -16,14 +16,23 @@ Threads of a rank, and what each runs:
   `rank-debug-accept` (its connection, at start) and `rank-debug-relay` (its messages to the
   notebook). These and the ones above are marked untraced: the debugger never stops in them.
 
-The stop machinery's locks, and the order they are taken in (a lock to the right may be taken while
-one to its left is held, never the other way): `Worker._stops_lock` -> `SyncCallStops._lock` ->
-`MainThreadInterrupts._lock` -> `core.interrupt_shield._lock` (a leaf: nothing is taken under it).
-Under the first two, a stop also wakes the actors' waits (`ActorHost._wake`), ends a collective
-(`collectives._lock`) and sends a message (the connection's and the lane's write locks); none of
-those takes a stop lock but the leaf. The main thread's SIGINT handler
-may run at any line, so it takes only `MainThreadInterrupts._lock` (re-entrant), and the run
-predicates it calls take no lock. A socket write or read and the count of what it did are never
-split by a stop (`core/interrupt_shield.py`). The other locks (the actors' state, replies, lanes,
-calls, capture) are listed in their classes; their order is not yet written here (issue 41).
+Every piece of work (a request, an actor call) is a run (`rank/runs.py`): a stop names runs, never
+threads, reaches a run only while its user code runs, and is dropped once it has ended.
+
+Locks, and the order they are taken in (a lock to the right may be taken while one to its left is
+held, never the other way; a lock not listed under another takes nothing while held):
+
+- stops: `Runs._lock` -> `MainThreadInterrupts._lock` -> `core.interrupt_shield._lock`; under
+  `Runs._lock` a stop also wakes the actors' waits (`ActorHost._wake`) and ends a collective
+  (`collectives._lock`). The main thread's SIGINT handler may run at any line, so it takes only
+  `MainThreadInterrupts._lock` (re-entrant) and the lock-free `Runs.current`;
+- actors: `ActorHost._lock` (mailboxes, their queues, tasks) -> `MainThreadJobs._lock` (whether the
+  main thread is free); replies are sent with no actor lock held;
+- output: `RankStream._send_lock` (held from taking a stream's chunks until sent) -> the way out
+  (`LaneServer._lock` or `BlockingConnection._send_lock`) -> `core.interrupt_shield._lock` (a write
+  and its count are one step: `core/interrupt_shield.py`);
+- leaves (nothing is taken under them): `MainThreadJobs._lock`, `OwnThreads._lock`, `CallReplies._lock`,
+  `BehindRequests._lock`, `NotebookInput._lock`, the far and direct links' tables
+  (`rank/far_calls.py`, `rank/direct_calls.py`), `wire/calls.py`'s calls and ports, the debugger's
+  `DapStream._write_lock`, `ActorHost._wake`, `collectives._lock` and `core.interrupt_shield._lock`.
 """

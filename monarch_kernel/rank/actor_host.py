@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import dataclasses
 import functools
 import inspect
 import linecache
@@ -36,13 +37,13 @@ from monarch_kernel.core.supervision import SUPERVISE
 from monarch_kernel.rank.activity import EndpointActivity
 from monarch_kernel.rank.call_order import BehindRequests
 from monarch_kernel.rank.call_replies import CallReplies
-from monarch_kernel.rank.call_stops import SyncCallStops
 from monarch_kernel.rank.cell import describe_failure
 from monarch_kernel.rank.deadlocks import WaitGraph
 from monarch_kernel.rank.interrupts import MainThreadInterrupts
 from monarch_kernel.rank.mailbox import Mailbox, Mailboxes, context_at, point_of, prepare_call, serves_async
 from monarch_kernel.rank.ops import RankOps, SystemActor
 from monarch_kernel.rank.rank_sender import RankSender
+from monarch_kernel.rank.runs import RunKind, Runs, ThreadStopDelivery
 from monarch_kernel.rank.user_threads import OWN_THREAD_PREFIX, MainThreadJobs, OwnThreads
 from monarch_kernel.wire.actor_messages import CONTROLLER
 from monarch_kernel.wire.calls import CallKey, PendingCall, set_default_sender
@@ -56,19 +57,18 @@ CLEANUP_S = 10.0  # how long stopping an actor waits for its cancelled tasks and
 class ActorHost:
     """Instances and mailboxes of the actors on one rank."""
 
-    def __init__(self, rank: int, send: Callable[[Any], None], run_user: Callable[..., Any],
-                 shm_dir: str | None, ops: RankOps, interrupts: MainThreadInterrupts, mesh: str = ""):
+    def __init__(self, rank: int, send: Callable[[Any], None], shm_dir: str | None, ops: RankOps,
+                 interrupts: MainThreadInterrupts, mesh: str = ""):
         self.rank = rank
         self.mesh_name = mesh
-        self._run_user = run_user  # runs a function on the main thread with interrupts enabled
         self._lock = threading.Lock()  # guards the mailboxes and their queues, and the calls' state below
         self._mailboxes = Mailboxes(self._lock)
         self.instances = self._mailboxes.instances  # what `actors[...]` shows in %%mesh cells
         self._tasks: dict[CallKey, asyncio.Task] = {}
         self.doing = EndpointActivity()  # what the heartbeat tells the agent (its on_idle: set by the rank)
         self.order = BehindRequests()  # the notebook's calls wait for its requests before them
-        self.stops = SyncCallStops(interrupts, self.notify)  # (its free_collectives: set by the worker)
-        self.replies = CallReplies(rank, send, shm_dir, self.stops)
+        self.runs = Runs(ThreadStopDelivery(interrupts, self.notify))  # the rank's work and its stops (rank/runs.py)
+        self.replies = CallReplies(rank, send, shm_dir, self.runs)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the thread that runs the loop
         self.main_jobs: MainThreadJobs | None = None  # the main thread's work (runs sync endpoints when free)
@@ -250,7 +250,7 @@ class ActorHost:
     def cancel(self, msg: CancelCall) -> None:
         """Called by the reader thread: stop a call wherever it is."""
         key = (msg.caller, msg.call_id)
-        self.stops.cancel(key)
+        self.runs.stop([key])
         with self._lock:
             task = self._tasks.get(key)
         if task is not None:
@@ -303,12 +303,15 @@ class ActorHost:
             while True:
                 if ready():
                     return True
-                if box is not None and not box.busy and box.queue and (msg := self._claim(box)) is not None:
-                    self._serve_claimed(box, msg)  # (this thread would only wait: it serves the call itself)
+                if box is not None and not box.busy and box.queue:
+                    with self.runs.rank_code():  # (a stop of the run that waits is raised in the call's code, not here)
+                        if (msg := self._claim(box)) is not None:
+                            self._serve_claimed(box, msg)  # (this thread would only wait: it serves the call itself)
                     continue
                 if box is not None and pending is not None and box.busy:
                     if box.key == SYSTEM_ACTOR and self._graph.runs_here(box):
-                        self._serve_inline(box)  # a spawn inside a spawn (an actor's constructor spawns)
+                        with self.runs.rank_code():
+                            self._serve_inline(box)  # a spawn inside a spawn (an actor's constructor spawns)
                         continue
                     self._graph.check(self.rank, box, pending.label, on_loop)
                 if on_loop and self._inbox:  # (the loop waits here: it delivers meanwhile)
@@ -410,7 +413,7 @@ class ActorHost:
     def _start(self, box: Mailbox, msg: ActorCall) -> tuple[bool, Any, str, tuple, dict] | None:
         """(is async, method, label, args, kwargs) of a call to run; None if it was answered already."""
         key = (msg.caller, msg.call_id)
-        if self.stops.cancelled(key):
+        if self.runs.stopped(key):
             self.replies.reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "", interrupted=True))
             return None
         prepared = prepare_call(box, msg, self.rank)
@@ -483,34 +486,28 @@ class ActorHost:
     def _serve_sync(self, box: Mailbox, msg: ActorCall, method, label: str, args, kwargs, job: bool = False) -> None:
         """Run a sync call on this thread and answer it; `job`: as a job of its own (not inside a wait)."""
         key = (msg.caller, msg.call_id)
-        if not self.stops.starts(key):  # the stop came after the mailbox's check, before this
+        if self.runs.stopped(key):  # the stop came after the mailbox's check, before this
             self.replies.reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "", interrupted=True))
             return
         token, owner = current_point.set(point_of(box, msg)), current_actor.set(box.key)
         self._graph.runs(box, label)
         started = time.perf_counter()
         self.doing.started(key, label)
-
-        def run() -> Any:
-            # inside the `try` below, so a stop from here on always reaches the clean-up in its `finally`
-            # (one sent between `starts` and the `try` would have skipped it: the mailbox stayed busy);
-            # a stop that came before is raised by `enter`
-            self.stops.enter(key)
-            return method(*args, **kwargs)
-
-        on_main = threading.get_ident() == self._main
+        run = self.runs.begin(key, RunKind.ENDPOINT, label)
         try:
-            value, failure = (self._run_user(run) if on_main else self.stops.run_stoppable(key, run)), None
+            value, failure = self.runs.user_code(run, method, *args, **kwargs), None
         except BaseException as exc:  # noqa: BLE001 - every endpoint error goes to its caller
             value, failure = None, describe_failure(exc)
-            self.stops.failed(key, exc)
+            self.runs.failed(run, exc)
+            if not failure.interrupted and self.runs.ended_by_its_stop(run):
+                failure = dataclasses.replace(failure, interrupted=True)  # (the stop's doing, not the endpoint's)
         finally:
+            self.runs.end(run)
             self._graph.ran()
-            self.stops.ended(key)
             self.doing.ended(key)
             current_point.reset(token)
             current_actor.reset(owner)
-        if job and on_main and self.main_jobs is not None:
+        if job and threading.get_ident() == self._main and self.main_jobs is not None:
             self.main_jobs.release()  # (the caller may call again as soon as it has the reply: main is free)
         self.replies.answer(box, msg, value, failure, time.perf_counter() - started)
 

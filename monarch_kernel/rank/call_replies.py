@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed, SerializationError
-from monarch_kernel.rank.call_stops import SyncCallStops
 from monarch_kernel.rank.mailbox import Mailbox
+from monarch_kernel.rank.runs import Runs
 from monarch_kernel.wire.calls import CallKey
 from monarch_kernel.wire.messages import ActorCall, ActorReply, Failure
 from monarch_kernel.wire.serialization import seal
@@ -19,11 +19,11 @@ from monarch_kernel.wire.serialization import seal
 class CallReplies:
     """The replies of one rank's actors."""
 
-    def __init__(self, rank: int, send: Callable[[Any], None], shm_dir: str | None, stops: SyncCallStops) -> None:
+    def __init__(self, rank: int, send: Callable[[Any], None], shm_dir: str | None, runs: Runs) -> None:
         self._rank = rank
         self._send = send  # to the agent: the way a call came unless it came another
         self._shm_dir = shm_dir
-        self._stops = stops
+        self._runs = runs
         self._lock = threading.Lock()
         self._via: dict[CallKey, Callable[[Any], None]] = {}  # calls that came another way -> its send
         self._answering: dict[CallKey, ActorCall] = {}  # calls whose endpoint took a Port and has not answered
@@ -61,7 +61,7 @@ class CallReplies:
     def reply(self, msg: ActorCall, value: Any, failure: Failure | None, seconds: float | None = None) -> None:
         """Send call `msg` its reply (any thread)."""
         key = (msg.caller, msg.call_id)
-        aborted = self._stops.answered(key)
+        aborted = self._runs.answered(key)
         with self._lock:
             send = self._via.pop(key, self._send)
         sealed = None

@@ -14,6 +14,7 @@ from typing import Any
 
 from monarch_kernel.rank.cell import describe_failure
 from monarch_kernel.rank.debugging import untraced
+from monarch_kernel.rank.runs import RunKind
 from monarch_kernel.rank.worker import READY_REQ, Worker, WorkerConfig
 from monarch_kernel.wire.handshake_gate import raise_descriptor_limit
 from monarch_kernel.wire.messages import Result
@@ -83,14 +84,14 @@ def run_rank(conn_sock: socket.socket, hb_sock: socket.socket, config: WorkerCon
     worker.actors.doing.on_idle = lambda: None if _tell(hb_sock, worker.activity()) else None
     started = time.time()
     failure = None
+    run = worker.runs.begin(READY_REQ, RunKind.REQUEST, "set-up")  # (torch.distributed's rendezvous, say)
     try:
-        worker.in_user_code = True
-        summary = setup()
+        summary = worker.runs.user_code(run, setup)
     except BaseException as exc:  # noqa: BLE001
         failure = describe_failure(exc)
         summary = None
     finally:
-        worker.in_user_code = False
+        worker.runs.end(run)
     worker.flush_streams()
     conn.send(Result(READY_REQ, config.rank, seal(summary), failure, started, time.time()))
     if failure is None:

@@ -36,7 +36,9 @@ class MainThreadInterrupts:
     main thread; `_lock` guards `_wanted` and `_seen` and a send with the check before it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, send: Callable[[], None] | None = None, follow_up: bool = True) -> None:
+        self._send = send or _sigint_main  # (tests: a fake main thread's signal)
+        self._follow = follow_up  # a thread sends it again until claimed (tests call `resend` instead)
         self._seen = 0  # stops claimed by the handler
         self._wanted: dict[int, tuple[Callable[[], bool], Callable[[], bool]]] = {}  # ticket -> (alive, current)
         self._tickets = itertools.count(1)
@@ -49,7 +51,9 @@ class MainThreadInterrupts:
         with self._lock:
             ticket = next(self._tickets)
             self._wanted[ticket] = (alive, current or alive)
-            _sigint_main()
+            self._send()
+        if not self._follow:
+            return
         untraced(threading.Thread(target=self._follow_up, args=(ticket, alive), name="interrupt-follow-up",
                                   daemon=True)).start()
 
@@ -64,6 +68,17 @@ class MainThreadInterrupts:
                 self._seen += 1
             return bool(hits)
 
+    def resend(self) -> int:
+        """One round of what the follow-ups do: SIGINT again if a stop is still wanted for a run not ended
+        (those of ended runs are forgotten); how many are wanted."""
+        with self._lock:
+            for ticket, (alive, _) in list(self._wanted.items()):
+                if not alive():
+                    del self._wanted[ticket]
+            if self._wanted:
+                self._send()
+            return len(self._wanted)
+
     def _follow_up(self, ticket: int, alive: Callable[[], bool]) -> None:
         waited = threading.Event()
         try:
@@ -77,7 +92,7 @@ class MainThreadInterrupts:
                 with self._lock:
                     if ticket not in self._wanted:
                         return  # claimed
-                    _sigint_main()
+                    self._send()
         finally:
             with self._lock:
                 self._wanted.pop(ticket, None)

@@ -24,7 +24,7 @@ import time
 import traceback
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed, SerializationError
@@ -42,7 +42,7 @@ from monarch_kernel.rank.interrupts import MainThreadInterrupts
 from monarch_kernel.rank.notebook_input import NotebookInput, breakpoint_in_the_notebook
 from monarch_kernel.rank.ops import RankOps
 from monarch_kernel.rank.rankshell import RankShell
-from monarch_kernel.rank.recent import RecentKeys
+from monarch_kernel.rank.runs import Run, RunKind
 from monarch_kernel.rank.thread_stops import install_sleep
 from monarch_kernel.rank.user_threads import MainThreadJobs
 from monarch_kernel.wire.debugging import DebugToRank
@@ -104,11 +104,7 @@ class Worker:
         self.config = config
         self.current_req: int | None = None
         self.current_label = ""  # what the request running now is called ("In[7]", "pull")
-        self.in_user_code = False
-        # requests told to stop (may come before the request: see _interrupt), and the lock that
-        # makes "is it in user code?" and "was it stopped?" one question for both threads
-        self._stopped = RecentKeys()
-        self._stops_lock = threading.RLock()
+        self.interrupts = MainThreadInterrupts()  # SIGINT for the main thread that is not lost
         self._lane_routes: dict[int, Callable[[Any], None]] = {}  # req_id -> the lane it came by
         self._fd_marks = _fd_mark_reader(config)
         # cells run in `__main__`, as in a notebook or a script (`if __name__ == "__main__":` runs)
@@ -123,11 +119,9 @@ class Worker:
         self.reloader = Reloader(config.rank)  # modules of synced workspaces (`Mesh.autoreload`)
         self.debugger = RankDebugger(config.rank, self._send)  # JupyterLab's debugger, when it debugs this rank
         self.ops = RankOps(config.rank, self.namespace, self.runner, self.reloader, self.debugger)  # internal operations
-        self.interrupts = MainThreadInterrupts()  # SIGINT for the main thread that is not lost
-        self.actors = ActorHost(config.rank, self._send, self._user, config.shm_dir, self.ops, self.interrupts,
-                                config.mesh)
-        self.actors.stops.free_collectives = collectives.free_thread
-        self.actors.stops.broken_by_peer = collectives.broken_by_peer
+        self.actors = ActorHost(config.rank, self._send, config.shm_dir, self.ops, self.interrupts, config.mesh)
+        self.runs = self.actors.runs  # every request and actor call, and the stops addressed to them
+        self.runs.broken_by_peer = collectives.broken_by_peer
         self.jobs = MainThreadJobs()  # requests, and sync endpoints when it is free: the main thread's work
         self.actors.main_jobs = self.jobs
         self.stdout.outside_requests = self.stderr.outside_requests = self.actors.own_threads.idents
@@ -137,6 +131,8 @@ class Worker:
         self.input = NotebookInput(config.rank, self._send, lambda: self.current_req, self.flush_streams)
         self._sigint_handler = self._on_sigint  # the one installed (bound once: checked after every request)
         self.interrupts.handler = self._sigint_handler
+        self._main_thread = threading.main_thread().ident or 0
+        self._run: Run | None = None  # the request running now on the main thread
 
     def _send(self, msg: Any) -> None:
         """To the agent; a request's output and result go back the lane it came by, if it did."""
@@ -168,21 +164,16 @@ class Worker:
         install_sleep()  # a stop wakes an endpoint asleep on its actor's own thread
 
     def _interrupt(self, msg: InterruptRanks) -> None:
-        """Reader thread: stop these requests, now if one runs user code on the main thread, else as
-        it starts (a stop can overtake its request, and a signal before the user's code is ignored);
-        with `running`, also whatever user code runs now (a cell or a sync endpoint)."""
-        with self._stops_lock:
-            for req_id in msg.req_ids:
-                self._stopped.add(req_id)
-            if msg.running:
-                self.actors.stops.stop_running()
-            self.debugger.resume()  # threads paused at a breakpoint run on, into the stop
-            if self.in_user_code and self.current_req is not None and (msg.running or self.current_req in msg.req_ids):
-                target = self.current_req  # the stop is this run's (never the next one's: see interrupts.py)
-                self.interrupts.interrupt(lambda: self.current_req == target, lambda: self.in_user_code)
-                # (said before the request's result, which the ending lets through)
-                collectives.free_main_thread(lambda text: self._send(
-                    CollectivesAborted(self.current_req or 0, self.config.rank, text)))
+        """Reader thread: stop these requests, now if one runs user code, else as its user code starts (a
+        stop can overtake its request); with `running`, also whatever user code runs now (a cell or a sync
+        endpoint). See `rank/runs.py`."""
+        self.debugger.resume()  # threads paused at a breakpoint run on, into the stop
+        self.runs.stop(msg.req_ids, running=msg.running)
+
+    @property
+    def in_user_code(self) -> bool:
+        """Whether user code runs on the main thread now (a request's or an endpoint's)."""
+        return self.runs.user_code_on(self._main_thread)
 
     def running_label(self) -> str:
         """What runs on this rank now: the cell ("In[7]"), an endpoint, or "" when idle."""
@@ -308,18 +299,22 @@ class Worker:
     def handle(self, msg: Any) -> None:
         """Run one request and send its Result ((1): on a lane, the fd output to show before it)."""
         self._set_request(msg.req_id, _label_of(msg))
+        self._run = run = self.runs.begin(msg.req_id, RunKind.REQUEST, self.current_label)
         started = time.time()
         value, failure = None, None
         try:
             value = self._dispatch(msg)
         except BaseException as exc:  # noqa: BLE001 - every user error is reported
             failure = describe_failure(exc)
-            if broken := collectives.broken_by_peer(exc):  # (a peer's stop ended it first: the stop is told so)
-                self._send(CollectivesAborted(msg.req_id, self.config.rank, broken))
+            self.runs.failed(run, exc)  # (a peer's stop ended its collective first: the stop is told so)
+            if not failure.interrupted and self.runs.ended_by_its_stop(run):
+                failure = replace(failure, interrupted=True)  # (the stop's doing, not the cell's)
             if not isinstance(exc, SystemExit):  # for post-mortem debugging (%mesh debug), as IPython keeps it
                 sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, _user_frames(exc.__traceback__)
         finally:
-            self.in_user_code = False
+            self.runs.end(run)  # (a stop that comes from now on is dropped: never raised in the next request)
+        if aborted := self.runs.answered(msg.req_id):  # its collective was ended: said before its result
+            self._send(CollectivesAborted(msg.req_id, self.config.rank, aborted))
         sealed = None
         if failure is None:
             sealed, failure = self._seal_value(msg, value)
@@ -363,17 +358,10 @@ class Worker:
             return self._user(fn)
         raise TypeError(f"unknown request {type(msg).__name__}")
 
-    def _user(self, fn, *args, **kwargs) -> Any:
-        outer = self.in_user_code  # (an endpoint served inside another's wait)
-        try:  # (a KeyboardInterrupt as soon as in_user_code is set must still restore it)
-            with self._stops_lock:
-                self.in_user_code = True
-                stopped = not outer and self.current_req is not None and self.current_req in self._stopped
-            if stopped:
-                raise KeyboardInterrupt("stopped before it started on this rank")
-            return fn(*args, **kwargs)
-        finally:
-            self.in_user_code = outer
+    def _user(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) as the request's user code: its stop raises KeyboardInterrupt there (`rank/runs.py`)."""
+        assert self._run is not None, "user code of a request runs inside handle()"
+        return self.runs.user_code(self._run, fn, *args)
 
     def _warn(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
