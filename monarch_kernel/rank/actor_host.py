@@ -65,9 +65,9 @@ class ActorHost:
         self._mailboxes = Mailboxes(self._lock)
         self.instances = self._mailboxes.instances  # what `actors[...]` shows in %%mesh cells
         self._tasks: dict[CallKey, asyncio.Task] = {}
-        self.doing = EndpointActivity()  # what the heartbeat tells the agent (its on_idle: set by the rank)
         self.order = BehindRequests()  # the notebook's calls wait for its requests before them
         self.runs = Runs(ThreadStopDelivery(interrupts, self.notify))  # the rank's work and its stops (rank/runs.py)
+        self.doing = EndpointActivity(self.runs)  # what the heartbeat tells the agent (its on_idle: set by the rank)
         self.replies = CallReplies(rank, send, shm_dir, self.runs)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the thread that runs the loop
@@ -75,7 +75,7 @@ class ActorHost:
         self.own_threads = OwnThreads(OWN_THREAD_PREFIX)  # the actors' own threads (sync endpoints while main is busy)
         self._inbox: deque[tuple[ActorCall, Any]] = deque()  # (call, reply route) in arrival order, for the loop
         self._wake = threading.Condition()  # a call or a reply arrived (for the waits)
-        self._graph = WaitGraph()
+        self._graph = WaitGraph(self.runs)
         self._main = threading.main_thread().ident or 0
         self.sender = RankSender(rank, send, shm_dir, self.wait_for, self.notify, self.replies.through_port, mesh)
         self.sender._post_local = self.post_local
@@ -490,10 +490,8 @@ class ActorHost:
             self.replies.reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "", interrupted=True))
             return
         token, owner = current_point.set(point_of(box, msg)), current_actor.set(box.key)
-        self._graph.runs(box, label)
         started = time.perf_counter()
-        self.doing.started(key, label)
-        run = self.runs.begin(key, RunKind.ENDPOINT, label)
+        run = self.runs.begin(key, RunKind.ENDPOINT, label, actor=box)
         try:
             value, failure = self.runs.user_code(run, method, *args, **kwargs), None
         except BaseException as exc:  # noqa: BLE001 - every endpoint error goes to its caller
@@ -503,8 +501,6 @@ class ActorHost:
                 failure = dataclasses.replace(failure, interrupted=True)  # (the stop's doing, not the endpoint's)
         finally:
             self.runs.end(run)
-            self._graph.ran()
-            self.doing.ended(key)
             current_point.reset(token)
             current_actor.reset(owner)
         if job and threading.get_ident() == self._main and self.main_jobs is not None:
@@ -515,7 +511,7 @@ class ActorHost:
                            concurrent: bool = False) -> None:
         started = time.perf_counter()
         key = (msg.caller, msg.call_id)
-        self.doing.started(key, label)
+        run = self.runs.begin(key, RunKind.ENDPOINT, label, actor=box, task=True)
         try:
             value, failure = await method(*args, **kwargs), None
         except asyncio.CancelledError:
@@ -525,7 +521,7 @@ class ActorHost:
         with self._lock:
             task = self._tasks.pop(key, None)
             box.tasks.discard(task)
-        self.doing.ended(key)
+        self.runs.end(run)
         self.replies.answer(box, msg, value, failure, time.perf_counter() - started)
         if concurrent:
             return  # (it never held the mailbox)

@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 from monarch_kernel.core.errors import ActorDeadlockError
+from monarch_kernel.rank.runs import Runs
 from monarch_kernel.wire.messages import Failure, FailureCause
 
 
@@ -32,29 +33,16 @@ def not_here(rank: int, key: str, retired: tuple[str, bool] | None, keys: dict[s
 
 
 class WaitGraph:
-    """Which sync calls each thread runs (nested when a thread serves a call inside its own wait), and
-    which actor of this rank each thread waits on."""
+    """Which actor of this rank each thread waits on; with the sync calls each thread runs (`Runs`: nested
+    when a thread serves a call inside its own wait), whether a wait could never end."""
 
-    def __init__(self) -> None:
-        self._running: dict[int, list[tuple[Any, str]]] = {}  # thread -> its (mailbox, endpoint label), outermost first
+    def __init__(self, runs: Runs) -> None:
+        self._runs = runs
         self._waiting: dict[int, Any] = {}  # thread -> the mailbox it waits on
-
-    def runs(self, box: Any, label: str) -> None:
-        """The calling thread starts a sync call of `box` (inside whatever it runs already)."""
-        self._running.setdefault(threading.get_ident(), []).append((box, label))
-
-    def ran(self) -> None:
-        """The calling thread's innermost sync call ended."""
-        me = threading.get_ident()
-        stack = self._running.get(me)
-        if stack:
-            stack.pop()
-            if not stack:
-                del self._running[me]
 
     def runs_here(self, box: Any) -> bool:
         """Whether the calling thread runs a call of `box` (at any depth)."""
-        return any(running is box for running, _ in self._running.get(threading.get_ident(), ()))
+        return any(run.actor is box for run in self._runs.calls_by_thread().get(threading.get_ident(), ()))
 
     def waits_on(self, box: Any | None) -> Any | None:
         """The calling thread waits on a call to `box` (None: on nothing of this rank); returns what it
@@ -68,13 +56,13 @@ class WaitGraph:
     def check(self, rank: int, box: Any, waited_label: str, on_loop: bool) -> None:
         """Raise ActorDeadlockError if the calling thread's wait on `box` (busy) could never end."""
         me = threading.get_ident()
-        mine = self._running.get(me, [])
-        waiter = mine[-1][1] if mine else ("an async endpoint" if on_loop else "this %%mesh cell")
+        running = self._runs.calls_by_thread()
+        mine = running.get(me, [])
+        waiter = mine[-1].label if mine else ("an async endpoint" if on_loop else "this %%mesh cell")
         labels = [waiter]
         target = box
-        for _ in range(len(self._running) + 1):
-            found = next(((t, stack) for t, stack in list(self._running.items())
-                          if any(running is target for running, _ in stack)), None)
+        for _ in range(len(running) + 1):
+            found = next(((t, stack) for t, stack in running.items() if any(run.actor is target for run in stack)), None)
             if found is None:  # async, or a sync call about to start: only a wait on the loop keeps an
                 if on_loop and target is box and getattr(target, "in_async", False):  # async one from running
                     raise ActorDeadlockError(
@@ -84,18 +72,18 @@ class WaitGraph:
                 return
             thread, stack = found
             if thread == me:
-                depth = next(i for i, (running, _) in enumerate(stack) if running is target)
+                depth = next(i for i, run in enumerate(stack) if run.actor is target)
                 if len(labels) == 1 and depth == len(stack) - 1:
                     raise ActorDeadlockError(
                         f"{waiter} on rank {rank} waits on {waited_label} of its own actor, which serves "
                         f"one message at a time and is busy in {waiter}: an actor cannot wait on itself. Call "
                         "the method directly (self.method(...)), or make the endpoint async def and await the call.")
-                cycle = " -> ".join(labels + [label for _, label in stack[depth:]])
+                cycle = " -> ".join(labels + [run.label for run in stack[depth:]])
                 raise ActorDeadlockError(
                     f"deadlock on rank {rank}: {waiter} waits on {waited_label}, whose actor is busy in a call "
                     f"that waits in turn on {waiter} ({cycle}); actors that wait on each other in a cycle never "
                     "finish. Break the cycle: do not call back, or make one of the endpoints async def and await the call.")
-            labels.append(stack[-1][1])
+            labels.append(stack[-1].label)
             target = self._waiting.get(thread)
             if target is None:
                 return

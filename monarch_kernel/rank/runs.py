@@ -16,11 +16,14 @@ an autoreload check, then the cell), and ends. A stop names runs, never threads:
   no user code runs, it does nothing.
 
 Nested runs: a run's user code may wait on an actor of its own rank, and that wait may serve the call
-itself on the same thread (`ActorHost.wait_for`). Each thread keeps a stack of its runs, innermost
-last; the wait's serving is *rank code* (`Runs.rank_code`) and the call served a run of its own on top.
-A stop of the outer run reaches whatever user code is on top of its thread's stack, the inner call's
-included (the outer run waits on it, or cannot go on until it ends), but never the rank's code between
-them: there it is owed, and delivered as user code resumes. A stop of the inner run reaches only it.
+itself on the same thread (`ActorHost.wait_for`). Each thread keeps a stack of its runs, innermost last:
+the call served is a run of its own on top, and the rank's code that serves it holds the run below
+(`Runs.rank_code`). A stop of the outer run reaches whatever user code is on top of its thread's stack,
+the inner call's included (the outer run waits on it, or cannot go on until it ends), but never the
+rank's code between them: there it is owed, and delivered as user code resumes. A stop of the inner run
+reaches only it. Async endpoints are runs too (tasks of the rank's loop, on no stack: a stop cancels
+their task); with the sync calls on the stacks, they are what the heartbeat reports
+(`rank/activity.py`) and what the deadlock check follows (`rank/deadlocks.py`).
 
 Threads and locks (the rank's whole stop machinery; `rank/__init__.py` lists the rank's threads):
 `Runs._lock` guards the runs begun, their stacks and fields, the keys stopped and the collectives'
@@ -33,10 +36,10 @@ stack without it (`Runs.current`, one list read per run). Under `Runs._lock` a s
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import threading
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
 from monarch_kernel.rank import collectives
@@ -50,25 +53,27 @@ RunKey = int | CallKey  # a request's req_id, or an actor call's (caller, call_i
 
 
 class RunKind(enum.Enum):
-    """What a run is: a request of the notebook (on the main thread, in order), an actor call, or the
-    rank's own code inside a run's user code (a wait serving a call on its thread: never stopped)."""
+    """What a run is: a request of the notebook (on the main thread, in order) or an actor call."""
 
     REQUEST = "request"
     ENDPOINT = "endpoint"
-    RANK_CODE = "rank code"
 
 
 class Run:
     """One piece of work on this rank, from `Runs.begin` to `Runs.end`."""
 
-    __slots__ = ("key", "kind", "label", "thread", "depth", "entered", "ended", "owed", "sent", "reached")
+    __slots__ = ("key", "kind", "label", "thread", "actor", "started", "depth", "held", "entered", "ended", "owed",
+                 "sent", "reached")
 
-    def __init__(self, key: RunKey, kind: RunKind, label: str, thread: int) -> None:
+    def __init__(self, key: RunKey, kind: RunKind, label: str, thread: int, actor: Any = None) -> None:
         self.key = key
         self.kind = kind
         self.label = label  # how a hang report names it ("In[7]", "Trainer.step")
-        self.thread = thread  # the thread that runs it
+        self.thread = thread  # the thread that runs it (an async endpoint's: the rank's loop)
+        self.actor = actor  # the mailbox of the actor whose call it is (None: a request)
+        self.started = time.monotonic()
         self.depth = 0  # its user-code sections open now (0: the rank's own code runs for it)
+        self.held = 0  # rank code running inside its user code now (`Runs.rank_code`): not to be stopped there
         self.entered = False  # its user code has started at least once
         self.ended = False
         self.owed = False  # stopped when no user code of its ran on top: raised as its user code runs again
@@ -108,20 +113,23 @@ class Runs:
         self._delivery = delivery
         self._lock = threading.Lock()
         self._begun: dict[RunKey, Run] = {}
-        self._stacks: dict[int, list[Run]] = {}  # thread -> its runs, innermost last (rank code included)
+        self._stacks: dict[int, list[Run]] = {}  # thread -> its runs, innermost last
         self._stopped = RecentKeys()  # (a stop may come before its run; the oldest are forgotten)
         self._aborted: dict[RunKey, str] = {}  # runs whose collective a stop ended (or a peer's), and how
-        self._rank_code = 0  # (keys of the rank-code entries: never a run's)
         self.broken_by_peer: Callable[[BaseException], str] = lambda exc: ""  # a collective's error: how it broke
+        self.on_ended: Callable[[Run], None] | None = None  # told of each run that ended (after the lock)
 
     # ------------------------------------------------------------ the threads that run the work
-    def begin(self, key: RunKey, kind: RunKind, label: str = "", thread: int | None = None) -> Run:
-        """Run `key` starts on the calling thread (tests: `thread`); its user code runs in `user_code`."""
-        run = Run(key, kind, label, threading.get_ident() if thread is None else thread)
+    def begin(self, key: RunKey, kind: RunKind, label: str = "", thread: int | None = None, actor: Any = None,
+              *, task: bool = False) -> Run:
+        """Run `key` starts on the calling thread (tests: `thread`); its user code runs in `user_code`.
+        `actor`: the mailbox whose call it is; `task`: an async endpoint, a task of the rank's loop (it
+        takes no thread's stack: tasks interleave; a stop cancels it, see `ActorHost.cancel`)."""
+        run = Run(key, kind, label, threading.get_ident() if thread is None else thread, actor)
         with self._lock:
-            if kind is not RunKind.RANK_CODE:
-                self._begun[key] = run
-            self._stacks.setdefault(run.thread, []).append(run)
+            self._begun[key] = run
+            if not task:
+                self._stacks.setdefault(run.thread, []).append(run)
         return run
 
     def end(self, run: Run) -> None:
@@ -131,21 +139,23 @@ class Runs:
             if self._begun.get(run.key) is run:
                 del self._begun[run.key]
             stack = self._stacks.get(run.thread)
-            if stack is not None:
-                if run in stack:
-                    stack.remove(run)
+            if stack is not None and run in stack:
+                stack.remove(run)
                 if not stack:
                     del self._stacks[run.thread]
                 else:
                     self._deliver_owed(stack)  # (back in the user code of the run below it, if any)
+        if self.on_ended is not None:
+            self.on_ended(run)
 
     def user_code(self, run: Run, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn(*args, **kwargs) as the run's user code: a stop of the run raises KeyboardInterrupt in it
         (one that came before raises as it starts), and never once it has returned."""
         entered = False
         try:
-            entered = self._enter(run)
-            self._deliver_below(run)  # (a stop owed to a run whose wait this serves: raised here, now)
+            entered, owed_below = self._enter(run)
+            if owed_below:  # (a stop owed to a run whose wait this serves: raised here, now)
+                self._deliver_below(run)
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
             if entered:
@@ -155,18 +165,26 @@ class Runs:
             if entered:
                 self._surely(self._leave, run)
 
-    @contextlib.contextmanager
-    def rank_code(self, thread: int | None = None) -> Iterator[None]:
-        """The rank's own code inside a run's user code on this thread (a wait serving a call itself): a
-        stop of that run is not raised here; it is owed, and raised as user code runs again."""
+    def rank_code(self, thread: int | None = None) -> _RankCode:
+        """The rank's own code inside a run's user code on this thread (a wait serving a call itself), as a
+        `with` block: a stop of that run is not raised in it; it is owed, and raised as user code runs again."""
+        return _RankCode(self, thread)
+
+    def _hold(self, thread: int) -> Run | None:
         with self._lock:
-            self._rank_code += 1
-            key = -self._rank_code
-        marker = self.begin(key, RunKind.RANK_CODE, "rank code", thread)
-        try:
-            yield
-        finally:
-            self._surely(self.end, marker)
+            stack = self._stacks.get(thread)
+            if not stack:
+                return None  # (no run's user code below: nothing to hold)
+            top = stack[-1]
+            top.held += 1
+            return top
+
+    def _release(self, run: Run) -> None:
+        with self._lock:
+            if run.held > 0:
+                run.held -= 1
+                if run.held == 0:
+                    self._deliver_owed(self._stacks.get(run.thread, []))
 
     def _surely(self, bookkeeping: Callable[[Run], object], run: Run) -> None:
         """bookkeeping(run), whole even if a stop lands in it (it is idempotent); such a stop came as the code
@@ -182,14 +200,15 @@ class Runs:
             self._raised(run.thread)
             raise KeyboardInterrupt
 
-    def _enter(self, run: Run) -> bool:
+    def _enter(self, run: Run) -> tuple[bool, bool]:
+        """(entered, whether a run below it on its thread is owed a stop)."""
         with self._lock:
             if run.owed or (not run.entered and run.key in self._stopped):
                 run.owed = False
                 raise KeyboardInterrupt("stopped before it started on this rank")
             run.depth += 1
             run.entered = True
-        return True
+            return True, any(below.owed for below in self._stacks.get(run.thread, ()))
 
     def _deliver_below(self, run: Run) -> None:
         with self._lock:
@@ -265,7 +284,7 @@ class Runs:
         if not stack or run.ended:
             return False
         top = stack[-1]
-        return top.depth > 0 and not top.ended and run in stack
+        return top.depth > 0 and not top.held and not top.ended and run in stack
 
     def _reach(self, run: Run) -> None:
         run.reached = True
@@ -286,11 +305,38 @@ class Runs:
                 self._reach(run)
 
     # ------------------------------------------------------------ what runs now
+    def calls(self) -> list[Run]:
+        """The actor calls running now (sync and async), oldest first."""
+        with self._lock:
+            return sorted((run for run in self._begun.values() if run.actor is not None), key=lambda run: run.started)
+
+    def calls_by_thread(self) -> dict[int, list[Run]]:
+        """The sync actor calls each thread runs, outermost first (a thread may serve a call inside its wait)."""
+        with self._lock:
+            found = {thread: [run for run in stack if run.actor is not None] for thread, stack in self._stacks.items()}
+        return {thread: calls for thread, calls in found.items() if calls}
+
     def user_code_on(self, thread: int) -> bool:
         """Whether user code of some run executes on `thread` now."""
         with self._lock:
             stack = self._stacks.get(thread)
-            return bool(stack) and stack[-1].depth > 0  # type: ignore[index]
+            return bool(stack) and stack[-1].depth > 0 and not stack[-1].held  # type: ignore[index]
+
+
+class _RankCode:
+    """`Runs.rank_code`'s block: the run on top of the thread's stack is held (not stopped) while it lasts."""
+
+    __slots__ = ("_runs", "_thread", "_held")
+
+    def __init__(self, runs: Runs, thread: int | None) -> None:
+        self._runs, self._thread = runs, thread
+
+    def __enter__(self) -> None:
+        self._held = self._runs._hold(threading.get_ident() if self._thread is None else self._thread)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._held is not None:
+            self._runs._surely(self._runs._release, self._held)
 
 
 class ThreadStopDelivery:
