@@ -485,10 +485,7 @@ class ActorHost:
 
     def _serve_sync(self, box: Mailbox, msg: ActorCall, method, label: str, args, kwargs, job: bool = False) -> None:
         """Run a sync call on this thread and answer it; `job`: as a job of its own (not inside a wait)."""
-        key = (msg.caller, msg.call_id)
-        if self.runs.stopped(key):  # the stop came after the mailbox's check, before this
-            self.replies.reply(msg, None, Failure("KeyboardInterrupt", "cancelled before it started", "", interrupted=True))
-            return
+        key = (msg.caller, msg.call_id)  # (a stop that came after the mailbox's check raises as its user code starts)
         token, owner = current_point.set(point_of(box, msg)), current_actor.set(box.key)
         started = time.perf_counter()
         run = self.runs.begin(key, RunKind.ENDPOINT, label, actor=box)

@@ -163,7 +163,10 @@ class Runs:
             raise
         finally:
             if entered:
-                self._surely(self._leave, run)
+                try:
+                    self._leave(run)
+                except KeyboardInterrupt:  # (it came as fn ended: raised again once the books are right)
+                    self._surely(self._leave, run, stopped=True)
 
     def rank_code(self, thread: int | None = None) -> _RankCode:
         """The rank's own code inside a run's user code on this thread (a wait serving a call itself), as a
@@ -186,10 +189,9 @@ class Runs:
                 if run.held == 0:
                     self._deliver_owed(self._stacks.get(run.thread, []))
 
-    def _surely(self, bookkeeping: Callable[[Run], object], run: Run) -> None:
+    def _surely(self, bookkeeping: Callable[[Run], object], run: Run, stopped: bool = False) -> None:
         """bookkeeping(run), whole even if a stop lands in it (it is idempotent); such a stop came as the code
         before it ended, and is raised once the books are right (never lost, never raised twice)."""
-        stopped = False
         while True:
             try:
                 bookkeeping(run)
