@@ -20,7 +20,9 @@ def _full_disk(path, **_):
     raise OSError(errno.ENOSPC, "No space left on device", os.path.join(path, ".owner"))
 
 
-async def _agent_after(messages, patch):
+async def _agent_after(messages, patch, answered: int):
+    """The agent's answers to `messages` and a ping, once both the pong and request `answered`'s Gathered came
+    (a push is copied on a thread of its own: the pong may come first, on a loaded machine by far)."""
     received = []
     ours, theirs = socket.socketpair()
     agent = host_agent.HostAgent("host-x")
@@ -32,7 +34,8 @@ async def _agent_after(messages, patch):
     controller.send(m.Ping(1))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
-    while not any(isinstance(r, m.Pong) and r.seq == 1 for r in received) and loop.time() < deadline:
+    while loop.time() < deadline and not (any(isinstance(r, m.Pong) and r.seq == 1 for r in received)
+                                          and any(isinstance(r, m.Gathered) and r.req_id == answered for r in received)):
         await asyncio.sleep(0.01)
     alive = not agent.done.done()
     await agent.shutdown("test over", asked=True)
@@ -46,7 +49,7 @@ def test_a_full_dev_shm_during_a_push_to_several_ranks_leaves_the_agent_running(
     def patch():
         monkeypatch.setattr(host_shm, "owned_folder", _full_disk)
 
-    alive, received = asyncio.run(_agent_after([m.ToRanks((0, 1), push)], patch))
+    alive, received = asyncio.run(_agent_after([m.ToRanks((0, 1), push)], patch, answered=7))
     assert alive  # it answered the ping after the push: the link and the ranks stayed
     problems = [r.text for r in received if isinstance(r, m.AgentProblem)]
     assert problems and "No space left on device" in problems[0]
@@ -62,7 +65,7 @@ def test_a_handler_that_raises_is_reported_and_the_request_ends(monkeypatch):
         self._from_controller[m.ToRanks] = lambda msg: (_ for _ in ()).throw(RuntimeError("a bug in our own handling"))
 
     monkeypatch.setattr(agent_cls, "__init__", init)
-    alive, received = asyncio.run(_agent_after([m.ToRanks((0,), m.RunCell(5, "1", "<x>"))], lambda: None))
+    alive, received = asyncio.run(_agent_after([m.ToRanks((0,), m.RunCell(5, "1", "<x>"))], lambda: None, answered=5))
     assert alive
     assert any("a bug in our own handling" in r.text for r in received if isinstance(r, m.AgentProblem))
     (gathered,) = [r for r in received if isinstance(r, m.Gathered) and r.req_id == 5]

@@ -4,6 +4,7 @@ The worker nodes declare 2 logical GPUs each; the kernel (this process) is a Ray
 (`ray://HEAD:10001`). Ray is the placement engine: the data path is our own encrypted link to each node.
 """
 
+import glob
 import os
 import subprocess
 import sys
@@ -199,13 +200,18 @@ def test_a_killed_kernel_leaves_no_group_no_actor_and_no_process(cluster, tmp_pa
                       "dist='none', name='doomed')\nprint('up', flush=True)\ntime.sleep(300)\n")
     kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "RAY_CLIENT_RECONNECT_GRACE_PERIOD": GRACE_S})
+    logs_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "monarch-ray-agent-*")))
     try:
         assert any(line.strip() == "up" for line in iter(kernel.stdout.readline, ""))
         assert all(ours_on_nodes(cluster).values())
+        kernels_logs = set(glob.glob(os.path.join(tempfile.gettempdir(), "monarch-ray-agent-*"))) - logs_before
+        assert len(kernels_logs) == 2  # (each node's agent keeps its log in a private folder of its own)
         kernel.kill()
         # the ranks and agents go with the kernel's link; Ray removes the group and the slots after its grace
         assert wait_until(lambda: all(not p for p in ours_on_nodes(cluster).values()), 20), ours_on_nodes(cluster)
         assert wait_until(lambda: reserved(cluster) == ([], []), 60), reserved(cluster)
+        # the slots were killed with the group: each agent removed its own log folder as it ended
+        assert wait_until(lambda: not any(os.path.exists(folder) for folder in kernels_logs), 15), kernels_logs
     finally:
         kernel.kill()
 

@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument("--stdio", action="store_true", help="talk to the controller on stdin/stdout (SSH)")
     parser.add_argument("--host", default=socket.gethostname())
     parser.add_argument("--cleanup", default=None, help="a folder to remove when the agent exits")
+    parser.add_argument("--log-folder", default=None, metavar="PATH",
+                        help="the folder of this agent's log (a Ray slot's): removed when the agent ends after serving "
+                             "its controller, kept when it fails before (its starter shows the log's end)")
     parser.add_argument("--mesh-folder", action="append", default=[], metavar="PATH",
                         help="a folder of the kernel's mesh: removed as the agent exits if the kernel is gone")
     parser.add_argument("--persist", action="store_true",
@@ -178,13 +181,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.cleanup:  # whoever ships the next copy removes this one if we die without cleaning up
         owned_folder(args.cleanup, remove_on_failure=False)
     _warm_imports()
+    served = False
     try:
         asyncio.run(_amain(args, stdio, step_link))
+        served = True
     finally:
-        if args.cleanup:
-            import shutil
+        import shutil
 
+        if args.cleanup:
             shutil.rmtree(args.cleanup, ignore_errors=True)
+        if args.log_folder and served:  # (a Ray slot killed with its placement group cannot remove it)
+            shutil.rmtree(args.log_folder, ignore_errors=True)
         for folder in args.mesh_folder:  # the kernel was killed: nobody else will remove them
             remove_if_orphaned(folder)
     sys.exit(0)

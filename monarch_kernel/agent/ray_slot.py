@@ -61,7 +61,7 @@ class RankSlot:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (launch.extra_path, env.get("PYTHONPATH")) if p)
         env.setdefault("MPLBACKEND", "Agg")
         command = [launch.python or sys.executable, "-m", "monarch_kernel.agent", "--stdio", "--host", launch.host,
-                   "--pinned", launch.controller_key, "--direct", launch.address]
+                   "--pinned", launch.controller_key, "--direct", launch.address, "--log-folder", self._folder]
         with open(self.log_path, "ab") as log:
             self._agent = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                            env=env, close_fds=True, start_new_session=True)
