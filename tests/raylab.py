@@ -11,6 +11,7 @@ are `netlab`'s. `stop()` kills every process in them and removes them, also afte
 
 from __future__ import annotations
 
+import glob
 import os
 import secrets
 import shutil
@@ -163,6 +164,15 @@ class RayTestCluster:
             time.sleep(0.5)
         raise RuntimeError(f"{what} in time; the nodes printed:\n"
                            + "\n".join(self._log_tail(n) for n, _, _ in [self.head, *self.workers]))
+
+    def client_server_logs(self, limit: int = 3000) -> str:
+        """The tails of the head's client-server logs (the proxy's and each per-client server's errors)."""
+        pattern = os.path.join(self.workdir, "ray", "session_latest", "logs", "ray_client_server*.err")
+        parts = []
+        for path in sorted(glob.glob(pattern)):
+            with open(path, errors="replace") as f:
+                parts.append(f"--- {os.path.basename(path)}\n" + f.read()[-limit:])
+        return "\n".join(parts) or f"no client-server logs ({pattern})"
 
     def _log_tail(self, name: str, limit: int = 3000) -> str:
         try:

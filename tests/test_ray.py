@@ -13,7 +13,7 @@ import tempfile
 import cloudpickle
 import pytest
 from conftest import RecordingSink, wait_until
-from netlab import ours
+from netlab import kill_all, namespace_pids, ours
 from raylab import RayTestCluster, unavailable_reason
 
 from monarch_kernel import Actor, MeshStartError, endpoint
@@ -27,9 +27,10 @@ GRACE_S = "5"  # Ray keeps a vanished client's work this long for a reconnect (R
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(request):
     lab = RayTestCluster(2, tempfile.mkdtemp(prefix="raylab-"), gpus=2)
     saved = dict(os.environ)
+    failed_before = request.session.testsfailed
     try:
         lab.start()
         os.environ.update(lab.env)
@@ -43,6 +44,8 @@ def cluster():
             pass
         os.environ.clear()
         os.environ.update(saved)
+        if request.session.testsfailed > failed_before:  # what the head said about its clients, for the report
+            print(lab.client_server_logs(), file=sys.stderr)
         lab.stop()
 
 
@@ -233,6 +236,32 @@ def test_the_ray_notebook_runs_end_to_end_on_the_test_cluster(cluster):
     assert any("Ray placement group" in t for t in texts)  # the status names the reservation
     assert "is down" in texts[-1]
     assert wait_until(lambda: reserved(cluster) == ([], []), 30), reserved(cluster)
+
+
+def test_a_lost_client_connection_is_dropped_and_made_anew(cluster, monkeypatch):
+    """Ray refuses every later ray.init once a client's connection is gone ("already connected"): connect drops it."""
+    import ray
+
+    from monarch_kernel.controller.ray_cluster import client_lost, connect
+
+    ray.shutdown()
+    monkeypatch.setenv("RAY_CLIENT_RECONNECT_GRACE_PERIOD", "2")  # (read as the client is made)
+    connect(cluster.address)
+    assert ray.is_initialized()
+    server = [pid for pid in namespace_pids(cluster.head[2]) if b"specific-server" in _cmdline(pid)]
+    assert server, "the head runs no server for this client"
+    kill_all(server)  # the head's server for this client goes: the client cannot reconnect and gives up
+    assert wait_until(client_lost, 60)  # (Ray itself still says initialized; its calls would wait forever)
+    connect(cluster.address)
+    assert ray.is_initialized() and ray.cluster_resources().get("GPU") == 4
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def test_a_dead_node_is_a_lost_host_named_by_ray(cluster):

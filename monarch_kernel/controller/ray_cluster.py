@@ -77,25 +77,63 @@ class RayRequest:
             raise MeshUsageError(f"resources {bad}: give each as a non-negative number per rank")
 
 
+SERVER_START_TRIES = 2  # the head starts a server process per client; one that exits at start is tried again
+
+
 def connect(address: str | None) -> Any:
-    """Ray, connected (ray.init) unless this process already is; MeshStartError if the cluster cannot be reached."""
+    """Ray, connected (ray.init) unless this process already is; MeshStartError if the cluster cannot be reached.
+
+    A client left behind by a lost connection (Ray gives up after its reconnect grace) or by a connect
+    that was interrupted is dropped first: Ray would otherwise refuse every later `ray.init` with
+    "ray client is already connected"."""
     ray = import_ray()
-    if ray.is_initialized():
+    if ray.is_initialized() and not client_lost():
         return ray
+    _drop_client(ray)
+    for _ in range(SERVER_START_TRIES):
+        try:
+            ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR",
+                     configure_logging=False)
+            return ray
+        except BaseException as exc:  # noqa: BLE001 - Ray raises many kinds here; an interrupt leaves a half client
+            _drop_client(ray)
+            if not isinstance(exc, Exception):
+                raise
+            said = str(exc).strip().split(". ")[0].splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            if "Starting Ray client server failed" not in said:
+                raise MeshStartError(
+                    f"cannot connect to the Ray cluster at {address or 'auto'}: {said}. Check the address "
+                    "(ray://HEAD:10001 for a Ray client) and, if the cluster uses token authentication, that "
+                    "RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH was set in the kernel's environment before Ray was "
+                    "first imported") from None
+    raise MeshStartError(f"the Ray head at {address} could not start its server for this client ({SERVER_START_TRIES} "
+                         "tries: the process exited as it started): see ray_client_server_*.err in the head's Ray "
+                         "logs (/tmp/ray/session_latest/logs by default), then try again")
+
+
+def client_lost() -> bool:
+    """Whether this process holds a Ray client whose connection is gone (Ray still counts it as initialized
+    when its data channel ended with an error it does not retry)."""
     try:
-        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR",
-                 configure_logging=False)
-    except Exception as exc:  # noqa: BLE001 - Ray raises many kinds here (ConnectionError, AuthenticationError, ...)
-        said = str(exc).strip().split(". ")[0].splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        if "Starting Ray client server failed" in said:
-            raise MeshStartError(f"the Ray head at {address} did not start its server for this client in time (a "
-                                 "busy head node): try again, or raise RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S "
-                                 "(30 s by default) in the head's environment") from None
-        raise MeshStartError(f"cannot connect to the Ray cluster at {address or 'auto'}: {said}. Check the address "
-                             "(ray://HEAD:10001 for a Ray client) and, if the cluster uses token authentication, "
-                             "that RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH was set in the kernel's environment "
-                             "before Ray was first imported") from None
-    return ray
+        from ray.util.client import ray as client
+    except ImportError:
+        return False
+    worker = client.get_context().client_worker
+    return worker is not None and (not worker.is_connected() or bool(getattr(worker.data_client, "_in_shutdown", False)))
+
+
+def _drop_client(ray: Any) -> None:
+    """Forget a Ray client that is not connected (a no-op when there is none)."""
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 - a client whose channel is gone may fail to close it; it is dropped anyway
+        pass
+    try:
+        from ray.util.client import ray as client
+    except ImportError:
+        return
+    if client_lost():
+        client.disconnect()
 
 
 @dataclass
