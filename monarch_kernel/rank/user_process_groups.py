@@ -13,7 +13,8 @@ the same script may run many times. So, on every rank:
 Calls with their own `store=` or `init_method=` after a destroy go to torch unchanged.
 `destroy_process_group()` of a gloo default group first waits for every rank (a barrier):
 without it a rank still finishing its last collective could wait forever on a peer that
-had already torn its connections down (seen about once in ten runs of a DDP script).
+had already torn its connections down (seen about once in ten runs of a DDP script); and the
+destroyed groups stay referenced here until the next destroy (see `_retire`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def install(backend: str, world_size: int, rank: int, store: Any, timeout: timed
             # rank tears its connections down; that rank then waits forever. Under torchrun the
             # processes exit right after; on a mesh they live on, so every rank first meets here.
             c10d.barrier()
+        _retire(list(c10d._world.pg_names) if group is None else [group])
         destroy(group)
         if group is None:
             from monarch_kernel.rank.collectives import forget_group_sockets
@@ -71,6 +73,18 @@ def install(backend: str, world_size: int, rank: int, store: Any, timeout: timed
             forget_group_sockets()
 
     _replace_everywhere(destroy, destroy_process_group, "destroy_process_group")
+
+
+def _retire(groups: list[Any]) -> None:
+    """Hold the groups being destroyed until the next destroy, so that their last reference is ours.
+
+    A DDP model's reducer holds its group too, and frees it with the GIL held when the model goes
+    (at the end of a script's `main`). Freeing a gloo group joins its work threads; one of them may
+    still be releasing the barrier's work, which needs the GIL: the rank then hangs for good (seen
+    about once in a thousand DDP runs under load). Python's reference to a group frees it with the
+    GIL released, so the group held here, dropped later, is freed safely whoever lets go first.
+    """
+    _state["retired"] = groups  # (the groups of the destroy before this one go now, long after their barrier)
 
 
 def remake_default_group(key: str) -> list[str]:
@@ -92,6 +106,7 @@ def remake_default_group(key: str) -> list[str]:
                 desc = str(getattr(pg, "group_desc", "") or "")
                 ranks = ",".join(str(r) for r in tdist.get_process_group_ranks(pg))
                 gone.append(f"{desc!r} (ranks {ranks})" if desc and desc != "undefined" else f"ranks {ranks}")
+        _retire(list(c10d._world.pg_names))
         _state["original_destroy"](None)  # (not the wrapper: its barrier would wait on the broken group)
     forget_group_sockets()
     kwargs: dict[str, Any] = {}
