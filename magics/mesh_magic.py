@@ -192,7 +192,7 @@ class MeshMagics(Magics):
                             request_gpus=not args.no_gpu_request, resources=_parse_resources(args.resource),
                             python=None if args.python == "python3" else args.python, dist=args.dist or "nccl",
                             env=env, name=name, wait_timeout=args.wait_timeout, timeout=args.timeout or 180.0,
-                            master_addr=args.master_addr, preload=args.preload)
+                            master_addr=args.master_addr, preload=args.preload, persist=args.persist)
         else:
             if not args.hosts or args.gpus is None:
                 raise UsageError("%mesh up ssh HOST [HOST ...] --gpus N: give the hosts and ranks per host")

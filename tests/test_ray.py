@@ -153,19 +153,20 @@ def test_waiting_for_ray_is_visible_bounded_and_leaves_nothing(cluster, capsys):
     assert wait_until(lambda: reserved(cluster) == ([], []), 30), reserved(cluster)
 
 
-def test_mesh_up_ray_in_ipython(cluster):
+def test_mesh_up_ray_in_ipython(cluster, tmp_path, monkeypatch):
     from conftest import ipython_shell as get_ipython
     from IPython.utils.capture import capture_output
 
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # (--persist writes the mesh's record there)
     ip = get_ipython()
     ip.run_line_magic("load_ext", "monarch_kernel")
     try:
         with capture_output() as cap:
             ok = ip.run_cell(f"%mesh up ray --address {cluster.address} --hosts 2 --gpus 1 --spread --dist gloo "
-                             "--name magicray")
+                             "--name magicray --persist 10m")
         shown = cap.stdout + "".join(o.data.get("text/plain", "") for o in cap.outputs)
         assert ok.success, shown + cap.stderr
-        assert "mesh 'magicray' {hosts: 2, gpus: 1}" in shown
+        assert "mesh 'magicray' {hosts: 2, gpus: 1}" in shown and "detached" in shown, shown
         with capture_output() as cap:
             result = ip.run_cell("%%mesh\nimport socket, torch.distributed as dist\nprint('world', dist.get_world_size())\n"
                                  "socket.gethostname()")
@@ -173,8 +174,11 @@ def test_mesh_up_ray_in_ipython(cluster):
         with capture_output() as cap:
             bad = ip.run_cell("%mesh up ray raynode0")
         assert not bad.success or "takes no host names" in cap.stderr + cap.stdout
-        ip.run_cell("%mesh down magicray")
+        ip.run_cell("%mesh down magicray")  # (a persistent mesh too: down ends it for good)
         assert wait_until(lambda: reserved(cluster) == ([], []), 30), reserved(cluster)
+        from monarch_kernel import persistent_meshes
+
+        assert not persistent_meshes()
     finally:
         ip.run_line_magic("unload_ext", "monarch_kernel")
 
@@ -236,6 +240,79 @@ def test_the_ray_notebook_runs_end_to_end_on_the_test_cluster(cluster):
     assert any("Ray placement group" in t for t in texts)  # the status names the reservation
     assert "is down" in texts[-1]
     assert wait_until(lambda: reserved(cluster) == ([], []), 30), reserved(cluster)
+
+
+JOB_DEAD = ("import ray, sys; ray.init(address='auto', logging_level='ERROR')\nfrom ray._private import state\n"
+            "print(any(j['JobID'] == sys.argv[1] and j['IsDead'] for j in state.jobs()))")
+
+
+def _persistent_kernel(cluster, tmp_path, persist):
+    """A kernel (a process) with a persistent Ray mesh 'keptray' that has run a cell; it, its ranks' pids and its
+    Ray job's id."""
+    import json
+
+    script = tmp_path / "kernel.py"
+    script.write_text("import json, time\nimport ray\nimport monarch_kernel\n"
+                      f"m = monarch_kernel.ray_mesh({cluster.address!r}, hosts=2, gpus=1, strategy='SPREAD', "
+                      f"dist='gloo', name='keptray', persist={persist!r})\n"
+                      "m.run('import torch, torch.distributed as dist\\nw = 7 + dist.get_rank()')\n"
+                      "print('UP', json.dumps([[s.pid for s in m.status()], ray.get_runtime_context().get_job_id()]),"
+                      " flush=True)\ntime.sleep(300)\n")
+    kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "RAY_CLIENT_RECONNECT_GRACE_PERIOD": GRACE_S})
+    line = next((line for line in iter(kernel.stdout.readline, "") if line.startswith("UP")), "")
+    assert line, "the kernel ended before its mesh was up"
+    pids, job = json.loads(line[3:])
+    return kernel, pids, job
+
+
+def test_a_persistent_ray_mesh_outlives_its_kernel_is_attached_and_down_leaves_nothing(cluster, tmp_path,
+                                                                                      monkeypatch):
+    """Its group and slots are detached: past the end of the killed kernel's Ray job they (and the ranks) stay; a
+    new kernel attaches on the nodes' ports (the secret proved) with the ranks' state and process group; down
+    removes the group, the slots and every process."""
+    from monarch_kernel import attach, persistent_meshes
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    kernel, pids, job = _persistent_kernel(cluster, tmp_path, "5m")
+    mesh = None
+    try:
+        kernel.kill()
+        kernel.wait(10)
+        # Ray ends a vanished client's job after its grace period, and with it the job's own actors and groups
+        assert wait_until(lambda: cluster.on_head([sys.executable, "-c", JOB_DEAD, job]).strip() == "True", 60)
+        groups, slots = reserved(cluster)
+        assert len(groups) == 1 and groups[0].startswith("monarch-keptray-") and slots.count("RankSlot") == 2
+        assert sorted(p for ps in ours_on_nodes(cluster).values() for p in ps if p in pids) == sorted(pids)
+        assert [m.kind for m in persistent_meshes() if m.running] == ["ray"]
+        mesh = attach("keptray")
+        assert [s.pid for s in mesh.status()] == pids and mesh.kind == "ray"
+        assert "detached" in (mesh.allocation or ""), mesh.allocation
+        assert sorted(mesh.pull("w").values()) == [7, 8]
+        reduced = mesh.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()", sink=RecordingSink())
+        assert list(reduced.values()) == [2.0, 2.0]
+        mesh.restart()  # the agents it reached start fresh ranks (still in the detached group)
+        assert [s.pid for s in mesh.status()] != pids and len(reserved(cluster)[0]) == 1
+    finally:
+        kernel.kill()
+        if mesh is not None:
+            mesh.shutdown()
+    assert wait_until(lambda: reserved(cluster) == ([], []), 30), reserved(cluster)
+    assert wait_until(lambda: all(not p for p in ours_on_nodes(cluster).values()), 15), ours_on_nodes(cluster)
+    assert not persistent_meshes()
+
+
+def test_a_persistent_ray_mesh_without_a_kernel_for_its_time_removes_its_group(cluster, tmp_path, monkeypatch):
+    """Nothing of Ray's would end a detached group: the slots remove it when their agents stop without a kernel."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    kernel, pids, _ = _persistent_kernel(cluster, tmp_path, 4)
+    try:
+        assert len(reserved(cluster)[0]) == 1
+        kernel.kill()
+        assert wait_until(lambda: reserved(cluster) == ([], []), 60), reserved(cluster)
+        assert wait_until(lambda: all(not p for p in ours_on_nodes(cluster).values()), 15), ours_on_nodes(cluster)
+    finally:
+        kernel.kill()
 
 
 def test_a_lost_client_connection_is_dropped_and_made_anew(cluster, monkeypatch):

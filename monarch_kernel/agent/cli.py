@@ -20,6 +20,7 @@ from monarch_kernel.agent.host_agent import HostAgent
 from monarch_kernel.agent.watchers import send_heartbeats, watch_controller, watch_ranks
 from monarch_kernel.core.folders import owned_folder, remove_if_orphaned
 from monarch_kernel.wire.handshake_gate import raise_descriptor_limit
+from monarch_kernel.wire.persist_messages import ENDED_WITHOUT_KERNEL
 from monarch_kernel.wire.pinned_auth import PinnedKeyRefused, PinnedOffer, parse_public
 from monarch_kernel.wire.relay_link import UP, RelayLink, pipe_streams
 from monarch_kernel.wire.transport import AsyncConnection
@@ -90,7 +91,8 @@ def _watch_step_input(agent: HostAgent, read_fd: int) -> None:
 
 
 async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None,
-                 step_link: direct_link.StepLink | None) -> None:
+                 step_link: direct_link.StepLink | None) -> bool:
+    """Serve until the agent ends; whether it ended with no kernel holding its (persistent) mesh."""
     agent = HostAgent(args.host, tuple(args.mesh_folder) if args.persist else ())
     loop = asyncio.get_running_loop()
     if step_link is not None and stdio is not None:
@@ -123,6 +125,7 @@ async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None,
     await agent.done
     for task in watchers:
         task.cancel()
+    return agent.ended_without_kernel
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -181,9 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.cleanup:  # whoever ships the next copy removes this one if we die without cleaning up
         owned_folder(args.cleanup, remove_on_failure=False)
     _warm_imports()
-    served = False
+    served = alone = False
     try:
-        asyncio.run(_amain(args, stdio, step_link))
+        alone = asyncio.run(_amain(args, stdio, step_link))
         served = True
     finally:
         import shutil
@@ -194,4 +197,4 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(args.log_folder, ignore_errors=True)
         for folder in args.mesh_folder:  # the kernel was killed: nobody else will remove them
             remove_if_orphaned(folder)
-    sys.exit(0)
+    sys.exit(ENDED_WITHOUT_KERNEL if alone else 0)

@@ -55,6 +55,7 @@ class HostAgent:
         self.host = host
         self.mesh_folders = mesh_folders  # the kernel's folders of the mesh (a persistent mesh keeps them)
         self.persistence: Persistence | None = None  # the mesh outlives its kernel (`Persist`)
+        self.ended_without_kernel = False  # a persistent mesh stopped with no kernel holding it (its exit status says)
         self.preloader = Preloader()
         self.ranks = RankSet(host, self, self.preloader)
         self.pending: dict[int, tuple[set[int], list[m.Result]]] = {}  # req_id -> (waiting ranks, results)

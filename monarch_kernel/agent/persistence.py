@@ -55,6 +55,7 @@ class PersistentHost(Protocol):
     """What the agent offers its persistence (`host_agent.HostAgent`)."""
 
     last_heard: float  # when the controller last said something
+    ended_without_kernel: bool  # the mesh stops with no kernel to release what holds it (the exit status says)
 
     def connected(self, conn: Any) -> None:
         """A new controller link: say hello, then the rest."""
@@ -137,6 +138,7 @@ class Persistence:
         while self.detached_since is not None:
             left = self.detached_since + self.seconds - time.monotonic()
             if left <= 0:
+                self.host.ended_without_kernel = True
                 await self.host.shutdown(f"no kernel attached for {self.seconds:.0f} s", asked=True)
                 return
             await asyncio.sleep(min(left, 1.0))
@@ -228,6 +230,7 @@ class Persistence:
             link.send(self.info())
         elif isinstance(request, pm.StopMesh):
             link.send(pm.MeshInfo(None, 0.0, None, ()))
+            self.host.ended_without_kernel = True
             await self.host.shutdown(f"stopped by pid {pid} (meshes stop)", asked=True)
         elif isinstance(request, pm.AttachRequest):
             await self._fresh_heartbeats()  # (which requests still run: the next kernel follows them)

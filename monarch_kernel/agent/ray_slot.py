@@ -10,6 +10,13 @@ which GPUs it holds; the first slot of each node then starts that node's host ag
 killed its actors, or the mesh's placement group was removed), the agent sees it close and stops
 its ranks, and its parent-death signal says the same.
 
+A persistent mesh's group and slots are detached (they outlive the kernel's Ray job), so nothing of
+Ray's ends them: the slot that started an agent removes the mesh's placement group when that agent
+ends with no kernel to do it (exit status `persist_messages.ENDED_WITHOUT_KERNEL`: its persist time ran out, or
+`meshes stop`) or dies (any other status but 0), and Ray then ends every slot of the mesh. An end a
+kernel asked for (status 0 after its `Shutdown`, or `stop_agent`: a restart, or `down`, after which
+that kernel removes the group itself) leaves the group.
+
 Runs inside a Ray worker on a node: the standard library and our wire types only (Ray itself is
 imported by Ray), never the notebook's side of the package. The controller names this class when it
 asks Ray for the slots (the one import of agent code by the controller: tests/test_architecture.py).
@@ -25,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from monarch_kernel.wire.ray_messages import AgentLaunch, AgentStarted, SlotPlace
@@ -36,9 +44,11 @@ OFFER_LINE_MAX = 4096
 class RankSlot:
     """A Ray actor holding one bundle of a mesh's placement group (see the module's note)."""
 
-    def __init__(self) -> None:
+    def __init__(self, release_group_at_end: bool = False) -> None:
         self._agent: subprocess.Popen | None = None
         self._folder: str | None = None
+        self._release_group_at_end = release_group_at_end  # a persistent mesh's (detached) slot
+        self._asked_to_stop: set[int] = set()  # agents the controller ended (their end releases nothing)
 
     def where(self) -> SlotPlace:
         """The node this slot runs on and the GPUs Ray gave it."""
@@ -70,7 +80,24 @@ class RankSlot:
         if not line:
             raise RuntimeError(f"the agent on {socket.gethostname()} ended before offering its link "
                                f"(status {self._agent.poll()}):\n{self.log_tail()}")
+        if self._release_group_at_end:
+            threading.Thread(target=self._release_when_ended, args=(self._agent,), name="agent-watch",
+                             daemon=True).start()
         return AgentStarted(line, self._agent.pid)
+
+    def _release_when_ended(self, agent: subprocess.Popen) -> None:
+        """A detached slot: once `agent` ends on its own, remove the mesh's placement group (see the module's note)."""
+        status = agent.wait()
+        if agent.pid in self._asked_to_stop or status == 0:  # (0: a kernel's Shutdown; that kernel releases the group)
+            return
+        if self._folder is not None and self._agent is agent:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+        from ray.util import get_current_placement_group, remove_placement_group
+
+        group = get_current_placement_group()
+        if group is not None:
+            remove_placement_group(group)  # (Ray ends this slot and the mesh's others with it)
 
     @property
     def log_path(self) -> str:
@@ -112,6 +139,7 @@ class RankSlot:
         agent = self._agent
         if agent is None or agent.pid != pid:
             return None
+        self._asked_to_stop.add(pid)
         if agent.poll() is None:
             if agent.stdin is not None:
                 agent.stdin.close()

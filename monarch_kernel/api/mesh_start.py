@@ -87,7 +87,7 @@ def check_persist(persist: str | float, name: str, hosts: list[HostSpec]) -> flo
                              f"the next kernel, and {', '.join(secrets)} would be stored there: use a key file "
                              "(client_keys=...) or your SSH agent instead")
     try:
-        json.dumps([h.options for h in hosts])
+        json.dumps([h.options for h in hosts if h.kind == HostKind.SSH])  # (the options a record keeps whole)
     except (TypeError, ValueError):
         raise MeshUsageError("persist keeps the SSH connect options in the mesh's record for the next kernel: give "
                              "them as paths, names and numbers (not objects)") from None

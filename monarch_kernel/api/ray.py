@@ -19,7 +19,8 @@ def ray_mesh(address: str | None = None, hosts: int = 1, gpus: int = 1, *, strat
              python: str | None = None, dist: str = "nccl", env: dict[str, str] | None = None,
              name: str | None = None, wait_timeout: float | None = None, timeout: float = 180.0,
              master_addr: str | None = None, health: HealthTimings | None = None,
-             preload: Sequence[str] | None = None, relay_branching: int = RELAY_BRANCHING) -> Mesh:
+             preload: Sequence[str] | None = None, relay_branching: int = RELAY_BRANCHING,
+             persist: str | float | None = None) -> Mesh:
     """Start `gpus` ranks on each of `hosts` nodes of a Ray cluster.
 
     `address`: "auto" (this machine is a node of the cluster), "ray://HEAD:10001" (a Ray client,
@@ -35,7 +36,10 @@ def ray_mesh(address: str | None = None, hosts: int = 1, gpus: int = 1, *, strat
     directly (encrypted, keyed through Ray); ranks see the GPUs Ray assigned as CUDA_VISIBLE_DEVICES,
     and torchrun's variables. `request_gpus=False` asks for no GPUs (CPU nodes: `gpus` is then only
     the number of ranks per node). `down` removes the group; if the kernel dies, Ray removes it and
-    the ranks stop. Other arguments: as for `ssh_mesh`.
+    the ranks stop. `persist` ("8h", "30m", seconds): the mesh outlives the kernel that long without
+    one, its group and slots detached from the kernel's Ray job (`monarch_kernel.attach(name)` takes
+    it back; when its time runs out, or `python -m monarch_kernel meshes stop NAME`, the group is
+    removed). Other arguments: as for `ssh_mesh`.
     """
     name = name or f"mesh{next(Session.current().mesh_numbers)}"
     if not MESH_NAME.fullmatch(name):
@@ -43,7 +47,8 @@ def ray_mesh(address: str | None = None, hosts: int = 1, gpus: int = 1, *, strat
     placement = (strategy or ("STRICT_PACK" if hosts == 1 else "PACK")).upper()
     request = ray_cluster.RayRequest(address=address, hosts=hosts, gpus=gpus, gpus_per_rank=gpus_per_rank,
                                      request_gpus=request_gpus, resources=dict(resources or {}),
-                                     strategy=placement, name=name, wait_timeout=wait_timeout, python=python)
+                                     strategy=placement, name=name, wait_timeout=wait_timeout, python=python,
+                                     detached=persist is not None)
     try:
         reservation = ray_cluster.reserve(request, _show)
     except KeyboardInterrupt:
@@ -52,7 +57,7 @@ def ray_mesh(address: str | None = None, hosts: int = 1, gpus: int = 1, *, strat
     try:
         return Mesh.started(start_runtime(list(reservation.host_specs()), gpus, dist, name, env, timeout,
                                           master_addr, health, allocation=reservation, preload=preload,
-                                          relay_branching=relay_branching))
+                                          relay_branching=relay_branching, persist=persist))
     except BaseException:
         reservation.release()  # a mesh that did not start leaves nothing reserved
         raise

@@ -20,6 +20,7 @@ from typing import Any
 
 from monarch_kernel.controller.hostspec import HostKind, HostSpec, ReachedAgentHandle
 from monarch_kernel.controller.loop import ControllerLoop
+from monarch_kernel.controller.ray_detached import DetachedRayGroup
 from monarch_kernel.controller.runtime import settle
 from monarch_kernel.controller.slurm import SlurmJob
 from monarch_kernel.controller.state import MeshSpec
@@ -49,7 +50,7 @@ class HostUnreachable(MeshGone):
 
 @dataclass
 class DirectAgent(ReachedAgentHandle):
-    """A persistent mesh's agent on a Slurm node, reached by a new kernel on the TCP port it listens on (as the
+    """A persistent mesh's agent on a Slurm or Ray node, reached by a new kernel on the TCP port it listens on (as the
     direct link: the mutual proof of the secret and sealed frames make it ours)."""
 
     node: str
@@ -108,7 +109,7 @@ async def reach_agent(record: MeshRecord, index: int, local_dir: str) -> Reached
                 timeout=float(agent.get("connect_timeout_s", 30.0)), remote_path=agent["socket"], local_path=path)
         except MeshStartError as exc:
             raise HostUnreachable(f"mesh {record.name!r}: cannot reach {agent['host']}: {exc}") from None
-    elif agent["kind"] == HostKind.SLURM:
+    elif agent["kind"] in (HostKind.SLURM, HostKind.RAY):
         return await _reach_node(record, agent, gone)
     else:
         path, expected_pid = agent["socket"], agent["pid"]
@@ -225,10 +226,13 @@ def spec_of(record: MeshRecord) -> MeshSpec:
         saved = record.spec
         hosts = tuple(HostSpec(a["host"], HostKind(a["kind"]), target=a.get("target"),
                                options=dict(a.get("options") or {}) if a["kind"] == HostKind.SSH
-                               else {"job": a["job"], "address": a["address"]} if a["kind"] == HostKind.SLURM else {},
+                               else {"job": a["job"], "address": a["address"]} if a["kind"] == HostKind.SLURM
+                               else {"address": a["address"]} if a["kind"] == HostKind.RAY else {},
                                connect_timeout_s=float(a.get("connect_timeout_s", 30.0))) for a in agents_of(record))
         job = saved.get("slurm")
-        allocation = None
+        allocation: Any = None
+        if record.kind == HostKind.RAY:  # the detached group, so that down removes it
+            allocation = DetachedRayGroup.from_agents(agents_of(record), hosts)
         if job:  # the same job, so that down ends it if the mesh made it (and status shows its time left)
             allocation = SlurmJob(job["job"], [h.name for h in hosts], {h.name: h.options["address"] for h in hosts},
                                   owned=bool(job["owned"]), keep=bool(job["keep"]))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from monarch_kernel.controller.hostspec import DEFAULT_PYTHON, HostKind, HostSpec
+from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.core.package import PACKAGE_PARENT
 from monarch_kernel.wire.transport import AsyncConnection
 
@@ -208,6 +209,9 @@ async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str],
     if spec.kind == HostKind.RAY:
         from monarch_kernel.controller.ray_agent import RayAgent
 
+        if "node" not in spec.options:
+            raise MeshStartError(f"host {spec.name}: this Ray mesh was taken back by attach, and its agent there is "
+                                 "gone; a new one needs a new reservation: %mesh down, then %mesh up ray again")
         agent = await RayAgent.start(spec.options["node"], name=spec.name, python=spec.python,
                                      env={**env, **spec.options.get("env", {})}, log_path=log_path)
         return HostConnection(None, spec.options["address"], remote=agent)

@@ -3,8 +3,8 @@
 A `PersistentRuntime` starts like any mesh, then tells its agent to outlive the kernel (`Persist`)
 and writes the mesh's record (`core/mesh_records`). When the kernel ends, the mesh is left, not shut
 down: the link closes and the agent keeps the ranks. A later kernel attaches: it reaches the agent's
-Unix socket (served by the recorded agent pid, as our own user), proves the mesh's secret, and gets
-the ranks' state and what they said meanwhile (`Attached`). Only local meshes persist for now.
+Unix socket (served by the recorded agent pid, as our own user), or its port on a Slurm or Ray node,
+proves the mesh's secret, and gets the ranks' state and what they said meanwhile (`Attached`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from monarch_kernel.controller.agent_reach import (
 )
 from monarch_kernel.controller.hosts import HostConnection, HostKind, HostSpec
 from monarch_kernel.controller.rank_start import quiet_future
+from monarch_kernel.controller.ray_detached import ray_names
 from monarch_kernel.controller.runtime import MeshRuntime, settle
 from monarch_kernel.controller.slurm_step import SlurmStep, StepLink
 from monarch_kernel.controller.state import HostLink, MeshSpec, RankState
@@ -149,13 +150,16 @@ class PersistentRuntime(MeshRuntime):
         except TimeoutError:
             raise MeshStartError(f"mesh {self.name!r}: its agents did not say they would outlive the kernel; "
                                  f"see the agent logs in {self.state.run_dir}") from None
+        ray_held = ray_names(self.spec.allocation)
         agents = [{"host": spec.name, "kind": str(spec.kind), "socket": answer.socket, "pid": answer.pid}
                   | ({"target": spec.target or spec.name, "options": spec.options,
                       "connect_timeout_s": spec.connect_timeout_s} if spec.kind == HostKind.SSH else {})
                   | ({"target": spec.target or spec.name, "job": spec.options["job"],
                       "address": spec.options["address"]} if spec.kind == HostKind.SLURM else {})
-                  for spec, answer in zip(self.spec.hosts, ready)]
-        kind = next((k for k in (HostKind.SLURM, HostKind.SSH) if any(h.kind == k for h in self.spec.hosts)),
+                  | ({"target": spec.target or spec.name, "address": spec.options["address"]} | ray_held[index]
+                     if spec.kind == HostKind.RAY else {})
+                  for index, (spec, answer) in enumerate(zip(self.spec.hosts, ready))]
+        kind = next((k for k in (HostKind.SLURM, HostKind.RAY, HostKind.SSH) if any(h.kind == k for h in self.spec.hosts)),
                     HostKind.LOCAL)
         record = MeshRecord(self.name, str(kind), [h.name for h in self.spec.hosts], self.spec.gpus, self.spec.backend,
                             self.spec.persist_s or 0.0, time.time(), ready[0].pid, ready[0].socket, secret.hex(),
@@ -165,9 +169,11 @@ class PersistentRuntime(MeshRuntime):
 
     def _listen_at(self, link: HostLink, spec: HostSpec) -> str:
         """Where a host's agent waits for the next kernel: the mesh's folder here, a folder of its own on an
-        SSH host, a TCP port on a Slurm node's address (the direct link's kind: the secret's proof decides)."""
+        SSH host, a TCP port on a Slurm or Ray node's address (the direct link's kind: the secret's proof decides)."""
         if link.host is not None and link.host.is_local:
             return os.path.join(self.state.run_dir, SOCKET_NAME)
+        if spec.kind == HostKind.RAY:  # (its link is already a direct one to the node's address)
+            return f"tcp:{spec.options['address']}"
         if spec.kind != HostKind.SLURM:
             return ""
         step = link.host.remote if link.host is not None else None

@@ -157,8 +157,8 @@ class RayAgent:
                 pass
 
     def let_go(self) -> None:
-        """Ray meshes do not persist: as close."""
-        self.close()
+        """A persistent mesh is left (or taken over): the agent goes on in its detached slot, for the next kernel."""
+        self._closed = True
 
 
 def _cause(exc: BaseException) -> str:

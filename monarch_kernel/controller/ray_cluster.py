@@ -12,11 +12,17 @@ Both the group and the slots belong to the kernel's Ray job: if the kernel dies,
 (a Ray client's job ends after Ray's reconnect grace period), the slots' end closes the agents'
 stdin and the agents stop their ranks. `release()` does the same at once for `down`.
 
+A persistent mesh's group and slots are detached instead, and named (the group `monarch-NAME-PID-N`,
+its slots `...-slot-I`, in our namespace): they outlive the kernel, a later kernel finds them by
+those names (`DetachedRayGroup`), and the slots remove the group when their agents end on their own
+(`agent/ray_slot.py`), so that a mesh whose persist time ran out holds nothing in Ray either.
+
 `ray` is imported here only (an optional extra: `pip install monarch-kernel[ray]`).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -32,6 +38,7 @@ from monarch_kernel.core.errors import MeshStartError, MeshUsageError
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 SLOT_TIMEOUT_S = 120.0  # the slots' start (a Ray worker process each) on a busy cluster
 NAMESPACE = "monarch_kernel"
+_RESERVATIONS = itertools.count()
 
 
 def import_ray() -> Any:
@@ -58,6 +65,7 @@ class RayRequest:
     name: str = "mesh"
     wait_timeout: float | None = None
     python: str | None = None  # the agents' interpreter; None: the one the nodes' Ray workers run
+    detached: bool = False  # a persistent mesh: the group and slots outlive the kernel's Ray job
 
     def bundle(self) -> dict[str, float]:
         """One rank's bundle."""
@@ -143,6 +151,9 @@ class RayReservation:
     request: RayRequest
     group: Any  # ray.util.placement_group.PlacementGroup
     nodes: list[RayNode]
+    group_name: str = ""
+    slot_names: list[str] = field(default_factory=list)  # in bundle order (named only when detached)
+    slots_in_order: list[Any] = field(default_factory=list)
     _released: bool = False
     abandoned: threading.Event = field(default_factory=threading.Event)
 
@@ -157,8 +168,14 @@ class RayReservation:
 
     def status_line(self, max_age_s: float = 0.0) -> str:
         """One line: the placement group and its nodes."""
-        return (f"Ray placement group {self.group.id.hex()[:12]} ({self.request.strategy}), "
+        return (f"Ray placement group {self.group.id.hex()[:12]} ({self.request.strategy}"
+                f"{', detached' if self.request.detached else ''}), "
                 f"{len(self.nodes)} node(s) x {self.request.gpus} bundle(s) of {self.request.bundle()}")
+
+    def names(self) -> tuple[str, list[list[str]]]:
+        """The group's name and each node's slot names (a persistent mesh's record keeps them)."""
+        by_slot = {id(slot): name for slot, name in zip(self.slots_in_order, self.slot_names)}
+        return self.group_name, [[by_slot[id(slot)] for slot in node.slots] for node in self.nodes]
 
     def renew(self) -> tuple[HostSpec, ...]:
         """Hosts for a restart: the same slots while Ray holds them all, else a new reservation."""
@@ -169,6 +186,7 @@ class RayReservation:
         self.release()
         fresh = reserve(self.request, print, stop=self.abandoned.is_set)
         self.group, self.nodes, self._released = fresh.group, fresh.nodes, False
+        self.group_name, self.slot_names, self.slots_in_order = fresh.group_name, fresh.slot_names, fresh.slots_in_order
         return self.host_specs()
 
     def _slots_answer(self) -> bool:
@@ -224,17 +242,21 @@ def reserve(request: RayRequest, show: Callable[[str], None], *,
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     count = request.hosts * request.gpus
-    group = placement_group([request.bundle()] * count, strategy=request.strategy,
-                            name=f"monarch-{request.name}-{os.getpid()}")
+    group_name = f"monarch-{request.name}-{os.getpid()}-{next(_RESERVATIONS)}"  # (a restart's names are new)
+    detached: dict[str, Any] = {"lifetime": "detached"} if request.detached else {}
+    group = placement_group([request.bundle()] * count, strategy=request.strategy, name=group_name, **detached)
     slots: list[Any] = []
+    names = [f"{group_name}-slot-{index}" for index in range(count)]
     try:
         _wait_placed(ray, group, request, count, show, stop)
         slot_class = ray.remote(RankSlot)
         for index in range(count):
+            named = {"name": names[index], "namespace": NAMESPACE, **detached} if request.detached else {}
             slots.append(slot_class.options(
                 num_cpus=0, num_gpus=request.gpus_per_rank if request.request_gpus else 0, max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-            ).remote())
+                **named,
+            ).remote(request.detached))
         try:
             places = ray.get([slot.where.remote() for slot in slots], timeout=SLOT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
@@ -243,7 +265,7 @@ def reserve(request: RayRequest, show: Callable[[str], None], *,
     except BaseException:
         release(group, slots)
         raise
-    return RayReservation(request, group, nodes)
+    return RayReservation(request, group, nodes, group_name, names, slots)
 
 
 def _wait_placed(ray: Any, group: Any, request: RayRequest, count: int, show: Callable[[str], None],

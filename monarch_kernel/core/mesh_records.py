@@ -32,7 +32,7 @@ class MeshRecord:
     """What a kernel needs to attach to a persistent mesh (and `meshes` to list it)."""
 
     name: str
-    kind: str  # "local" or "ssh"
+    kind: str  # "local", "ssh", "slurm" or "ray"
     hosts: list[str]
     gpus: int  # ranks per host
     dist: str

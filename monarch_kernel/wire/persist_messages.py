@@ -13,6 +13,9 @@ from typing import Any
 
 from monarch_kernel.wire.message_pickling import fast_pickling
 
+ENDED_WITHOUT_KERNEL = 3  # an agent's exit status when its mesh ended with no kernel to release what held it
+# (its persist time ran out, or `meshes stop`): a Ray slot then removes the mesh's placement group
+
 
 @dataclass(frozen=True)
 class Holder:
