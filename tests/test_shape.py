@@ -73,3 +73,26 @@ def test_format_ranks():
     assert format_ranks([3, 0, 1, 2, 5, 7, 8]) == "0-3,5,7-8"
     assert format_ranks([4]) == "4"
     assert format_ranks([]) == ""
+
+
+def test_an_extent_is_monarchs_mapping_and_still_equals_our_sizes_dict():
+    import pickle
+
+    from monarch_kernel.core.shape import Extent, MeshShaped
+
+    class Handle(MeshShaped):
+        def __init__(self, shape):
+            self.shape = shape
+
+    extent = Handle(Shape.grid(hosts=2, gpus=3)).extent
+    assert (extent.labels, extent.sizes, extent.nelements, str(extent)) == (["hosts", "gpus"], [2, 3], 6,
+                                                                           "{hosts: 2, gpus: 3}")
+    assert extent == {"hosts": 2, "gpus": 3} and extent != {"hosts": 2}  # (what our API always answered)
+    assert extent != Extent(["gpus", "hosts"], [3, 2])  # between extents the order counts, as in Monarch's
+    assert pickle.loads(pickle.dumps(extent)) == extent
+    point = next(iter(Shape.grid(hosts=2, gpus=3).points()))
+    assert point.extent == extent and str(point) == "{'hosts': 0/2, 'gpus': 0/3}"
+    with pytest.raises(ValueError, match="2 labels but 1 sizes"):
+        Extent(["a", "b"], [1])
+    with pytest.raises(TypeError):
+        hash(extent)

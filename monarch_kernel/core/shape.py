@@ -22,13 +22,18 @@ Selector = int | slice | Sequence[int]
 class Point(Mapping[str, int]):
     """A position in a Shape: its coordinates by dim name, and its global rank.
 
-    `extent` is the shape's dims (name, size), so that `point.extent` tells the size of
-    the mesh the point is in (what Monarch's `current_size()` reads).
+    `dims` are the shape's dims (name, size), so that `point.extent` tells the size of
+    the mesh the point is in (what Monarch's `current_size()` reads), as Monarch's `Extent`.
     """
 
     coords: tuple[tuple[str, int], ...]
     rank: int
-    extent: tuple[tuple[str, int], ...] = field(default=(), compare=False)
+    dims: tuple[tuple[str, int], ...] = field(default=(), compare=False)
+
+    @property
+    def extent(self) -> Extent:
+        """The sizes of the mesh this point is in."""
+        return Extent([name for name, _ in self.dims], [size for _, size in self.dims])
 
     def __getitem__(self, dim: str) -> int:
         for name, value in self.coords:
@@ -51,8 +56,63 @@ class Point(Mapping[str, int]):
 
     def __str__(self) -> str:
         """Monarch's form: each coordinate over its dim's size, e.g. {'hosts': 0/1, 'gpus': 1/2}."""
-        sizes = dict(self.extent)
+        sizes = dict(self.dims)
         return "{" + ", ".join(f"{k!r}: {v}/{sizes[k]}" if k in sizes else f"{k!r}: {v}" for k, v in self.coords) + "}"
+
+
+class Extent(Mapping[str, int]):
+    """Dim sizes by name, as Monarch's `Extent`: a mapping (equal to a dict of the same sizes, as ours always was)
+    with `labels`, `sizes` and `nelements`, printed as Monarch prints it: `{hosts: 2, gpus: 4}`."""
+
+    __slots__ = ("_dims",)
+
+    def __init__(self, labels: Sequence[str], sizes: Sequence[int]) -> None:
+        labels, sizes = list(labels), list(sizes)
+        if len(labels) != len(sizes):
+            raise ValueError(f"Extent: {len(labels)} labels but {len(sizes)} sizes")
+        self._dims = dict(zip(labels, sizes))
+        if len(self._dims) != len(labels):
+            raise ValueError(f"Extent: labels {labels} repeat a name")
+
+    @property
+    def labels(self) -> list[str]:
+        """The dim names, in order."""
+        return list(self._dims)
+
+    @property
+    def sizes(self) -> list[int]:
+        """The dim sizes, in the labels' order."""
+        return list(self._dims.values())
+
+    @property
+    def nelements(self) -> int:
+        """How many points."""
+        total = 1
+        for size in self._dims.values():
+            total *= size
+        return total
+
+    def __getitem__(self, label: str) -> int:
+        return self._dims[label]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dims)
+
+    def __len__(self) -> int:
+        return len(self._dims)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Extent):  # (order counts between extents, as in Monarch)
+            return list(self._dims.items()) == list(other._dims.items())
+        return isinstance(other, Mapping) and dict(self._dims) == dict(other)
+
+    __hash__ = None  # type: ignore[assignment]  # (a mapping, equal to dicts: unhashable as they are)
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k}: {v}" for k, v in self._dims.items()) + "}"
+
+    def __reduce__(self) -> tuple[type, tuple[list[str], list[int]]]:
+        return Extent, (self.labels, self.sizes)
 
 
 @dataclass(frozen=True)
@@ -248,9 +308,10 @@ class MeshShaped:
         return self.shape.sizes
 
     @property
-    def extent(self) -> dict[str, int]:
-        """Monarch's name for `sizes`."""
-        return self.shape.sizes
+    def extent(self) -> Extent:
+        """The dim sizes as Monarch's `Extent` (a mapping, equal to `sizes`, with `labels` and `sizes` lists)."""
+        sizes = self.shape.sizes
+        return Extent(list(sizes), list(sizes.values()))
 
     def __len__(self) -> int:
         return len(self.shape)

@@ -42,7 +42,7 @@ from monarch_kernel.actors.procs import (
 )
 from monarch_kernel.core.errors import ActorError, SupervisionError
 from monarch_kernel.core.future import DoneFuture, Future
-from monarch_kernel.core.shape import Point
+from monarch_kernel.core.shape import Extent, Point
 from monarch_kernel.core.supervision import MeshFailure, default_fault_hook, read_fault_hook_from
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire.calls import find_sender
@@ -55,6 +55,7 @@ __all__ = [
     "ActorMesh",
     "Channel",
     "Context",
+    "Extent",
     "Future",
     "HostMesh",
     "Instance",
