@@ -152,8 +152,7 @@ class RayReservation:
     group: Any  # ray.util.placement_group.PlacementGroup
     nodes: list[RayNode]
     group_name: str = ""
-    slot_names: list[str] = field(default_factory=list)  # in bundle order (named only when detached)
-    slots_in_order: list[Any] = field(default_factory=list)
+    slots_in_order: list[Any] = field(default_factory=list)  # in bundle order (slot I is named GROUP-slot-I when detached)
     _released: bool = False
     abandoned: threading.Event = field(default_factory=threading.Event)
 
@@ -174,8 +173,9 @@ class RayReservation:
 
     def names(self) -> tuple[str, list[list[str]]]:
         """The group's name and each node's slot names (a persistent mesh's record keeps them)."""
-        by_slot = {id(slot): name for slot, name in zip(self.slots_in_order, self.slot_names)}
-        return self.group_name, [[by_slot[id(slot)] for slot in node.slots] for node in self.nodes]
+        index = {id(slot): i for i, slot in enumerate(self.slots_in_order)}
+        return self.group_name, [[slot_name(self.group_name, index[id(slot)]) for slot in node.slots]
+                                 for node in self.nodes]
 
     def renew(self) -> tuple[HostSpec, ...]:
         """Hosts for a restart: the same slots while Ray holds them all, else a new reservation."""
@@ -186,7 +186,7 @@ class RayReservation:
         self.release()
         fresh = reserve(self.request, print, stop=self.abandoned.is_set)
         self.group, self.nodes, self._released = fresh.group, fresh.nodes, False
-        self.group_name, self.slot_names, self.slots_in_order = fresh.group_name, fresh.slot_names, fresh.slots_in_order
+        self.group_name, self.slots_in_order = fresh.group_name, fresh.slots_in_order
         return self.host_specs()
 
     def _slots_answer(self) -> bool:
@@ -231,6 +231,11 @@ def _host_name(node: RayNode, nodes: list[RayNode]) -> str:
     return node.hostname if same == 1 else f"{node.hostname}-{node.address}"
 
 
+def slot_name(group_name: str, index: int) -> str:
+    """The name of a detached group's slot for bundle `index`."""
+    return f"{group_name}-slot-{index}"
+
+
 def reserve(request: RayRequest, show: Callable[[str], None], *,
             stop: Callable[[], bool] = lambda: False) -> RayReservation:
     """Ask Ray for the group, wait for it visibly, place the slots; MeshStartError (nothing left) if it fails.
@@ -246,12 +251,11 @@ def reserve(request: RayRequest, show: Callable[[str], None], *,
     detached: dict[str, Any] = {"lifetime": "detached"} if request.detached else {}
     group = placement_group([request.bundle()] * count, strategy=request.strategy, name=group_name, **detached)
     slots: list[Any] = []
-    names = [f"{group_name}-slot-{index}" for index in range(count)]
     try:
         _wait_placed(ray, group, request, count, show, stop)
         slot_class = ray.remote(RankSlot)
         for index in range(count):
-            named = {"name": names[index], "namespace": NAMESPACE, **detached} if request.detached else {}
+            named = {"name": slot_name(group_name, index), "namespace": NAMESPACE, **detached} if request.detached else {}
             slots.append(slot_class.options(
                 num_cpus=0, num_gpus=request.gpus_per_rank if request.request_gpus else 0, max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
@@ -265,7 +269,7 @@ def reserve(request: RayRequest, show: Callable[[str], None], *,
     except BaseException:
         release(group, slots)
         raise
-    return RayReservation(request, group, nodes, group_name, names, slots)
+    return RayReservation(request, group, nodes, group_name, slots)
 
 
 def _wait_placed(ray: Any, group: Any, request: RayRequest, count: int, show: Callable[[str], None],
