@@ -347,12 +347,11 @@ def test_mixed_precision_is_planned_for_every_layout_and_estimated_near_the_tria
     assert {"ddp=4,mp=bf16", "fsdp=4,mp=bf16", "tp=4,mp=bf16", "fsdp=2,tp=2,mp=bf16"} <= set(by_layout), by_layout
     assert all(c.applicable and c.fits for c in mixed_plan.candidates), [(c.layout, c.reason) for c in mixed_plan.candidates]
     mixed_plan.trial(steps=3)
-    # FSDP on CPU ranks: gloo's in-flight reduce-scatters keep their inputs (an fp32 gradient of the root's
-    # embedding table here) until its thread completes them, so the measured peak holds one or, on a loaded
-    # machine, two more table-sized tensors than the estimate (the gap issue 38 keeps open): 0.91 and 0.84 seen
-    for layout, low in (("ddp=4,mp=bf16", 0.9), ("fsdp=4,mp=bf16", 0.8)):
+    # FSDP on CPU ranks: the estimate holds gloo's copy of each reduce-scatter's input, as gloo does (0.84 before
+    # it; on a loaded machine gloo sometimes frees a finished copy late, and the measured peak holds one more: 0.92)
+    for layout in ("ddp=4,mp=bf16", "fsdp=4,mp=bf16"):
         candidate = by_layout[layout]
-        assert low <= candidate.peak_bytes / candidate.measured_peak_bytes <= 1.1, (
+        assert 0.9 <= candidate.peak_bytes / candidate.measured_peak_bytes <= 1.1, (
             layout, candidate.peak_bytes, candidate.measured_peak_bytes)
     fsdp_code = mixed_plan.code(candidate="fsdp=4,mp=bf16")
     assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32" in fsdp_code
@@ -547,6 +546,16 @@ def test_a_recommender_with_embedding_bags_trains_as_one_process(mesh, plan_once
     plan.apply(layout, seed=0)
     _assert_trains_like_one_process(mesh, layout, TrainingSpec(pm.build_recommender, pm.click_loss, "adamw", 3e-3, 0),
                                     pm.recommender_batch)
+
+
+def test_a_recommenders_fsdp_estimate_holds_the_copy_gloo_reduce_scatters(plan_once):
+    """Issue 38 targets: FSDP of a model with a large unit (the recommender's tables) measured one table-sized
+    tensor more than its estimate on CPU ranks (0.84): gloo reduce-scatters by all-reducing a copy of the input."""
+    plan = plan_once(pm.build_recommender, pm.recommender_batch, loss=pm.click_loss, lr=3e-3, memory="1GiB",
+                     strategies=("fsdp",))
+    plan.trial(steps=3)
+    fsdp = next(c for c in plan.candidates if c.layout == "fsdp=4")
+    assert 0.9 <= fsdp.peak_bytes / fsdp.measured_peak_bytes <= 1.1, (fsdp.peak_bytes, fsdp.measured_peak_bytes)
 
 
 def test_the_plan_magic_plans_the_mesh_from_the_notebooks_names(mesh):

@@ -181,15 +181,42 @@ def _sharding_propagation_apart() -> Iterator[None]:
         _sharding_prop.detect_fake_mode = found
 
 
+@contextlib.contextmanager
+def _gloo_reduce_scatter_copies() -> Iterator[None]:
+    """gloo, the CPU ranks' backend, reduce-scatters by all-reducing a copy of the whole input and keeping this
+    rank's chunk of it (`ProcessGroupGloo::reduce_scatter_tensor_coalesced`): while the collective runs, a rank
+    holds one more input-sized tensor, which the fake group never allocates. Under this, a reduce-scatter in the
+    estimate makes the same copy and holds it until the collective returns (FSDP's reduce-scatters are
+    synchronous; an asynchronous one is counted as if it were). NCCL needs no such copy."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    plain = c10d.reduce_scatter_single
+
+    def with_gloos_copy(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
+                        async_op: bool = False) -> Any:
+        copy = input.clone()  # noqa: F841 - held for the collective's time, as gloo holds its own
+        return plain(output, input, op=op, group=group, async_op=async_op)
+
+    c10d.reduce_scatter_single = dist.reduce_scatter_single = with_gloos_copy  # (reduce_scatter_tensor calls c10d's)
+    try:
+        yield
+    finally:
+        c10d.reduce_scatter_single = dist.reduce_scatter_single = plain
+
+
 def estimate_layout(spec: TrainingSpec, batch: Batch, layout: Layout, *, per_module: bool = False,
                     depth: int = 2, device_type: str = "cuda") -> LayoutEstimate:
     """Estimate `layout` in this process (which must have no process group of its own: see `estimate_job`).
 
     per_module: also each module's parameter bytes and the peak while it ran, for modules at
     most `depth` levels below the model. device_type: the ranks' ("cpu": the CPU kernels' dtypes are
-    taken where torch's fake kernels follow the GPU's, `fake_build.lenient_grouped_mm`).
+    taken where torch's fake kernels follow the GPU's, `fake_build.lenient_grouped_mm`, and reduce-scatters
+    hold gloo's copy of their input, `_gloo_reduce_scatter_copies`).
     """
-    with lenient_grouped_mm() if device_type == "cpu" else contextlib.nullcontext(), _sharding_propagation_apart():
+    on_cpu = device_type == "cpu"
+    with lenient_grouped_mm() if on_cpu else contextlib.nullcontext(), _sharding_propagation_apart(), \
+            _gloo_reduce_scatter_copies() if on_cpu else contextlib.nullcontext():
         return _estimate_layout(spec, batch, layout, per_module, depth)
 
 
