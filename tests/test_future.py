@@ -104,3 +104,77 @@ def test_await_returns_the_result_and_a_cancelled_await_stops_the_work():
         return value, pending.cancelled
 
     assert asyncio.run(main()) == ("result", 1)
+
+
+async def _value_after(value, seconds=0.0):
+    await asyncio.sleep(seconds)
+    return value
+
+
+async def _raises():
+    raise ValueError("from the coroutine")
+
+
+def test_a_coroutines_future_runs_it_once_by_get_or_by_await():
+    future = Future._from_coro(_value_after("x"))
+    assert not future.done()
+    assert future.get() == "x" and future.get() == "x" and future.done()
+    assert asyncio.run(_await(Future._from_coro(_value_after("y")))) == "y"
+    failing = Future._from_coro(_raises())
+    with pytest.raises(ValueError, match="from the coroutine"):
+        failing.get()
+    with pytest.raises(ValueError):  # (kept)
+        failing.get()
+
+
+async def _await(future):
+    return await future
+
+
+def test_a_coroutines_future_times_out_and_refuses_to_block_a_running_loop():
+    with pytest.raises(MeshTimeoutError):
+        Future._from_coro(_value_after("late", 5.0)).get(timeout=0.05)
+
+    async def blocking_get():
+        future = Future._from_coro(_value_after("z"))
+        with pytest.raises(RuntimeError, match="await it"):
+            future.get()
+        assert await future == "z"  # (still whole)
+
+    asyncio.run(blocking_get())
+
+
+def test_a_folded_future_combines_its_futures_in_order_from_the_identity():
+    from monarch_kernel.core.future import FoldedFuture
+
+    parts = [Future._from_coro(_value_after(v)) for v in ("a", "b", "c")]
+    assert FoldedFuture(parts, "", lambda acc, v: acc + v).get() == "abc"
+    assert FoldedFuture([], 7, lambda acc, v: acc + v).get() == 7
+    awaited = [Future._from_coro(_value_after(v)) for v in (1, 2, 3)]
+    assert asyncio.run(_await(FoldedFuture(awaited, [], lambda acc, v: acc + [v]))) == [1, 2, 3]
+
+
+def test_a_folded_future_stops_every_part_still_running_when_it_times_out():
+    from monarch_kernel.core.future import FoldedFuture
+
+    done, hanging = Work(), Work(stops_when_cancelled=False)
+    done.finish()
+    with pytest.raises(MeshTimeoutError):
+        FoldedFuture([done, hanging], 0, lambda acc, v: acc + 1).get(timeout=0.05)
+    assert hanging.cancelled == 1 and done.cancelled == 0
+
+
+def test_an_accumulator_folds_whatever_its_endpoint_streams_with_the_arguments_given():
+    from monarch_kernel.actors.helpers import Accumulator
+
+    class Streaming:
+        def __init__(self):
+            self.asked = []
+
+        def stream(self, *args, **kwargs):
+            self.asked.append((args, kwargs))
+            return iter([Future._from_coro(_value_after(v)) for v in (3, 1, 2)])
+
+    endpoint = Streaming()
+    assert Accumulator(endpoint, [], lambda acc, v: acc + [v]).accumulate("a", k=1).get() == [3, 1, 2]
+    assert endpoint.asked == [(("a",), {"k": 1})]

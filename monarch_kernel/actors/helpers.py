@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from monarch_kernel.actors.client import ActorFuture, EndpointHandle, raise_failures, reply_value
+from monarch_kernel.actors.client import EndpointHandle
 from monarch_kernel.actors.ports import Port
-from monarch_kernel.core.future import Future
-from monarch_kernel.wire.calls import PendingCall
+from monarch_kernel.core.future import FoldedFuture, Future
 
 
 def send(endpoint: EndpointHandle, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
@@ -33,15 +32,6 @@ class Accumulator:
         self._combine = combine
 
     def accumulate(self, *args: Any, **kwargs: Any) -> Future[Any]:
-        """Call every actor; the future gives combine(...combine(identity, a1)..., aN), in arrival order."""
-        mesh = self._endpoint._mesh
-        pending = mesh._send(self._endpoint._name, mesh.ranks, args, kwargs)
-
-        def fold(p: PendingCall) -> Any:
-            raise_failures(p, mesh, mesh.ranks, None)
-            value = self._identity
-            for rank in p.arrivals:
-                value = self._combine(value, reply_value(p.replies[rank]))
-            return value
-
-        return ActorFuture(mesh, pending, fold)
+        """Call every actor (`endpoint.stream(*args, **kwargs)`); the future gives
+        combine(...combine(identity, a1)..., aN), the answers in arrival order."""
+        return FoldedFuture(list(self._endpoint.stream(*args, **kwargs)), self._identity, self._combine)

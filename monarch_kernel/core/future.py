@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Generator
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from typing import Any, Generic, TypeVar
 
 from monarch_kernel.core.errors import MeshInterrupted, MeshTimeoutError
@@ -74,6 +75,12 @@ class Future(ABC, Generic[T]):
     def __await__(self) -> Generator[Any, None, T]:
         return self._await().__await__()
 
+    @staticmethod
+    def _from_coro(coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+        """A future of a coroutine's value (Monarch's `Future._from_coro`): `await` runs it on the caller's loop,
+        `get()` on a loop of its own."""
+        return CoroutineFuture(coroutine)
+
     def as_asyncio(self) -> asyncio.Future[T]:
         """An `asyncio.Future` of the running loop that resolves as this one does (Monarch's `as_asyncio()`);
         each call gives a fresh one. RuntimeError off a running loop."""
@@ -134,3 +141,109 @@ class DoneFuture(Future[T]):
 
     def _stopped(self, why: str, error_type: type[BaseException]) -> BaseException:
         return error_type(why)
+
+
+class CoroutineFuture(Future[T]):
+    """A coroutine's value, run once, when first asked for: awaited on the caller's loop, or, by `get()`, to the end
+    on a loop of its own in this thread (so not from inside a running loop: await it there)."""
+
+    def __init__(self, coroutine: Coroutine[Any, Any, T]):
+        super().__init__()
+        self._coroutine: Coroutine[Any, Any, T] | None = coroutine
+        self._ran: tuple[bool, Any] | None = None
+
+    def done(self) -> bool:
+        """Whether the coroutine has run to its end."""
+        return self._ran is not None
+
+    def _take(self) -> Coroutine[Any, Any, T]:
+        coroutine, self._coroutine = self._coroutine, None
+        if coroutine is None:
+            raise RuntimeError("this future's coroutine is already running, or was stopped")
+        return coroutine
+
+    async def _run(self, coroutine: Coroutine[Any, Any, T]) -> None:
+        try:
+            self._ran = (True, await coroutine)
+        except Exception as exc:  # noqa: BLE001 - kept, and raised by get()
+            self._ran = (False, exc)
+
+    def _wait(self, timeout: float | None) -> bool:
+        if self._ran is not None:
+            return True
+        if self._coroutine is None:  # (stopped, or running elsewhere: it will not end here)
+            return False
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("get() of a coroutine's future inside a running event loop would block it: await it")
+        coroutine = self._take()
+        try:
+            asyncio.run(asyncio.wait_for(self._run(coroutine), timeout))
+        except TimeoutError:
+            return False
+        return True
+
+    async def _wait_async(self) -> None:
+        if self._ran is None:
+            await self._run(self._take())
+
+    def _cancel(self) -> None:
+        if self._coroutine is not None:
+            self._coroutine.close()
+            self._coroutine = None
+
+    def _finish(self) -> T:
+        assert self._ran is not None
+        ok, value = self._ran
+        if ok:
+            return value  # type: ignore[no-any-return]
+        raise value
+
+    def _stopped(self, why: str, error_type: type[BaseException]) -> BaseException:
+        return error_type(f"the coroutine {why}")
+
+
+class FoldedFuture(Future[T]):
+    """`combine(...combine(identity, v1)..., vN)` of the values of `futures`, in their order (Monarch's
+    `Accumulator.accumulate`): waiting waits for each in turn; a timeout or interrupt stops them all."""
+
+    def __init__(self, futures: Sequence[Future[Any]], identity: T, combine: Callable[[T, Any], T]):
+        super().__init__()
+        self._futures = list(futures)
+        self._identity = identity
+        self._combine = combine
+
+    def done(self) -> bool:
+        """Whether every value is in."""
+        return all(future.done() for future in self._futures)
+
+    def _wait(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for future in self._futures:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not future._wait(left):
+                return False
+        return True
+
+    async def _wait_async(self) -> None:
+        for future in self._futures:
+            if not future.done():
+                await future._wait_async()
+
+    def _cancel(self) -> None:
+        for future in self._futures:
+            if not future.done():
+                future._cancel()
+
+    def _finish(self) -> T:
+        value = self._identity
+        for future in self._futures:
+            value = self._combine(value, future.get())
+        return value
+
+    def _stopped(self, why: str, error_type: type[BaseException]) -> BaseException:
+        waiting = next((future for future in self._futures if not future.done()), None)
+        return error_type(f"accumulating {why}") if waiting is None else waiting._stopped(why, error_type)
