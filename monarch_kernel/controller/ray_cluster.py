@@ -104,7 +104,7 @@ def connect(address: str | None) -> Any:
                      configure_logging=False)
             return ray
         except BaseException as exc:  # noqa: BLE001 - Ray raises many kinds here; an interrupt leaves a half client
-            _drop_client(ray)
+            _drop_client(ray, failed=True)
             if not isinstance(exc, Exception):
                 raise
             said = str(exc).strip().split(". ")[0].splitlines()[-1] if str(exc).strip() else type(exc).__name__
@@ -130,8 +130,10 @@ def client_lost() -> bool:
     return worker is not None and (not worker.is_connected() or bool(getattr(worker.data_client, "_in_shutdown", False)))
 
 
-def _drop_client(ray: Any) -> None:
-    """Forget a Ray client that is not connected (a no-op when there is none)."""
+def _drop_client(ray: Any, failed: bool = False) -> None:
+    """Forget a Ray client that is not connected (a no-op when there is none); `failed`: the `ray.init` that made it
+    failed or was interrupted, so whatever client it left is dropped, connected or not (Ray counts a client whose
+    connect was cut short as connected, and refuses every later `ray.init`)."""
     try:
         ray.shutdown()
     except Exception:  # noqa: BLE001 - a client whose channel is gone may fail to close it; it is dropped anyway
@@ -140,7 +142,7 @@ def _drop_client(ray: Any) -> None:
         from ray.util.client import ray as client
     except ImportError:
         return
-    if client_lost():
+    if client_lost() or (failed and client.get_context().client_worker is not None):
         client.disconnect()
 
 
