@@ -53,7 +53,8 @@ class BridgedNamespaces:
         self.namespaces: list[str] = []
 
     def create(self) -> None:
-        """The bridge, up, with the gateway's address."""
+        """The bridge, up, with the gateway's address (a lab that a killed test run left on it is removed first)."""
+        self._remove_stale()
         run("ip", "link", "add", self.bridge, "type", "bridge")
         self.links.append(self.bridge)
         run("ip", "addr", "add", self.gateway, "dev", self.bridge)
@@ -72,6 +73,25 @@ class BridgedNamespaces:
         for cmd in (["ip", "link", "set", "lo", "up"], ["ip", "link", "set", veth + "p", "name", "eth0"],
                     ["ip", "addr", "add", f"{address}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"]):
             run("ip", "netns", "exec", netns, *cmd)
+
+    def _remove_stale(self) -> None:
+        """A bridge of ours that holds this gateway's address, left by a test run that was killed before its
+        teardown (the labs are named `<prefix><pid>`): its namespaces' processes, namespaces and links go.
+        Left in place, the address is routed to it and the new lab is unreachable. A live run's is an error."""
+        held = subprocess.run(["ip", "-o", "-4", "addr", "show", "to", self.gateway], capture_output=True, text=True)
+        for line in held.stdout.splitlines():
+            bridge = line.split()[1]
+            owner = bridge.lstrip("abcdefghijklmnopqrstuvwxyz")
+            if not owner.isdigit() or bridge[:-len(owner)] != self.bridge.rstrip("0123456789"):
+                raise RuntimeError(f"{self.gateway} is taken by {bridge}, not a lab of this suite's: remove it")
+            if os.path.exists(f"/proc/{owner}"):
+                raise RuntimeError(f"{self.gateway} is held by {bridge}, the lab of a test run still running "
+                                   f"(pid {owner}): let it finish")
+            ports = subprocess.run(["ip", "-o", "link", "show", "master", bridge], capture_output=True, text=True)
+            stale = BridgedNamespaces(bridge, self.gateway)
+            stale.links = [bridge] + [p.split(":")[1].strip().split("@")[0] for p in ports.stdout.splitlines()]
+            stale.namespaces = [veth[:-1] for veth in stale.links[1:] if veth.endswith("v")]
+            stale.remove()
 
     @staticmethod
     def veth(netns: str) -> str:

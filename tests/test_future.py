@@ -2,11 +2,12 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from monarch_kernel.core.errors import MeshInterrupted, MeshTimeoutError
-from monarch_kernel.core.future import INTERRUPT_GRACE_S, Future
+from monarch_kernel.core.future import INTERRUPT_GRACE_S, UNWIND_GRACE_S, Future
 
 pytestmark = pytest.mark.unit  # starts no process (checked: tests/conftest.py)
 
@@ -88,6 +89,44 @@ def test_work_that_ignores_the_stop_is_given_up_after_the_grace_period():
     with pytest.raises(MeshTimeoutError):
         work.get(timeout=0.01)
     assert work.cancelled == 1 and INTERRUPT_GRACE_S < 2
+
+
+class Unwinding(Work):
+    """Work whose stop ends a collective: it is known to be ending (`_unwinding`) and ends `after` s later
+    (a loaded machine unwinding it); `_stopped` says whether it ended by then."""
+
+    def __init__(self, after):
+        super().__init__(stops_when_cancelled=False)
+        self.after = after
+
+    def _cancel(self):
+        self.cancelled += 1
+        threading.Timer(self.after, self.finish).start()
+
+    def _unwinding(self):
+        return not self.done()
+
+    def _stopped(self, why, error_type):
+        return error_type(f"work {why}; {'ended' if self.done() else 'still running'}", [])
+
+
+def test_a_stop_waits_beyond_the_grace_for_work_known_to_be_ending():
+    """The straggler of issue 41's loaded runs: the stop ended the collective, the rank took more than the grace
+    period to answer, and was reported still running (and the group was not made anew)."""
+    work = Unwinding(after=INTERRUPT_GRACE_S * 2.5)
+    with pytest.raises(MeshTimeoutError) as caught:
+        work.get(timeout=0.01)
+    assert "work timed out after 0.01 s; ended" in str(caught.value), caught.value
+
+
+def test_work_known_to_be_ending_is_still_given_up_after_the_longer_grace(monkeypatch):
+    monkeypatch.setattr("monarch_kernel.core.future.UNWIND_GRACE_S", 1.0)  # (10 s in use)
+    work = Unwinding(after=60)
+    started = time.monotonic()
+    with pytest.raises(MeshTimeoutError) as caught:
+        work.get(timeout=0.01)
+    assert "still running" in str(caught.value)
+    assert INTERRUPT_GRACE_S + 1.0 <= time.monotonic() - started < UNWIND_GRACE_S
 
 
 def test_await_returns_the_result_and_a_cancelled_await_stops_the_work():

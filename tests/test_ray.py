@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import cloudpickle
 import pytest
@@ -319,7 +320,7 @@ def test_a_lost_client_connection_is_dropped_and_made_anew(cluster, monkeypatch)
     """Ray refuses every later ray.init once a client's connection is gone ("already connected"): connect drops it."""
     import ray
 
-    from monarch_kernel.controller.ray_cluster import client_lost, connect
+    from monarch_kernel.controller.ray_client import client_lost, connect
 
     ray.shutdown()
     monkeypatch.setenv("RAY_CLIENT_RECONNECT_GRACE_PERIOD", "2")  # (read as the client is made)
@@ -331,6 +332,43 @@ def test_a_lost_client_connection_is_dropped_and_made_anew(cluster, monkeypatch)
     assert wait_until(client_lost, 60)  # (Ray itself still says initialized; its calls would wait forever)
     connect(cluster.address)
     assert ray.is_initialized() and ray.cluster_resources().get("GPU") == 4
+
+
+def test_a_connect_interrupted_at_any_moment_leaves_a_connect_that_works(cluster):
+    """Ctrl-C inside `ray.init` (the first connect imports Ray's client, then connects) must leave a connect that
+    works: not Ray's "ray client is already connected" (seen in a loaded suite run), nor a half-imported gRPC
+    whose every later connect times out."""
+    import signal
+    import threading
+
+    import ray
+
+    from monarch_kernel.controller.ray_client import connect
+
+    ray.shutdown()
+    started = time.monotonic()
+    connect(cluster.address)
+    took = time.monotonic() - started  # (the moments of the stops below spread over a whole connect)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (Ctrl-C, as in a kernel)
+    interrupted = 0
+    try:
+        for delay in (took * share for share in (0.01, 0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 0.95)):
+            ray.shutdown()
+            timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+            try:
+                try:
+                    timer.start()
+                    connect(cluster.address)
+                finally:
+                    timer.cancel()
+                    timer.join()
+            except KeyboardInterrupt:
+                interrupted += 1
+            connect(cluster.address)  # (whatever the interrupted one left)
+            assert ray.is_initialized() and ray.cluster_resources().get("GPU") == 4, delay
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert interrupted >= 4  # (most land inside it)
 
 
 def _cmdline(pid: int) -> bytes:

@@ -253,3 +253,22 @@ def test_a_collective_broken_by_a_stop_counts_as_stopped_only_in_a_request_being
     assert failure_kind(req, 1, broken) is FailureKind.INTERRUPTED
     assert failure_kind(req, 2, broken) is FailureKind.EXCEPTION  # (no collective of rank 2's was ended)
     assert failure_kind(req, 2, Failure("KeyboardInterrupt", "", "", interrupted=True)) is FailureKind.INTERRUPTED
+
+
+def test_a_stop_that_ends_a_collective_says_so_at_once_not_only_with_the_runs_answer():
+    """On a loaded machine the run may take seconds to unwind from the ended collective: the notebook hears at
+    once that it will answer (and waits for it) and that the group must be made anew."""
+    told: list[tuple[object, str]] = []
+
+    class InACollective(FakeRank):
+        def end_collective(self, thread: int) -> str:
+            return "its gloo process groups' connections closed" if thread == MAIN else ""
+
+    def stop(runs: Runs) -> None:
+        runs.stop(running=True)
+        assert told == [(1, "its gloo process groups' connections closed")]  # before the run ends
+
+    rank, out = InACollective(3, stop), Outcome()
+    rank.runs.on_collective_ended = lambda key, how: told.append((key, how))
+    two_requests(rank, out)
+    assert out.results == {1: "stopped", 2: "ok"} and len(told) == 1

@@ -130,6 +130,10 @@ class MeshFuture(Future[T]):
         self._stopping = True
         self._runtime.requests.stop(self._request)
 
+    def _unwinding(self) -> bool:
+        req = self._request  # (`aborted` is booked by the loop thread: read a copy)
+        return bool(set(tuple(req.aborted)) & req.outstanding)
+
     def _finish(self) -> T:
         self._sink.close()
         # stopped by someone else (%mesh interrupt, the sidebar) inside collectives: nobody else makes the

@@ -17,7 +17,8 @@ its slots `...-slot-I`, in our namespace): they outlive the kernel, a later kern
 those names (`DetachedRayGroup`), and the slots remove the group when their agents end on their own
 (`agent/ray_slot.py`), so that a mesh whose persist time ran out holds nothing in Ray either.
 
-`ray` is imported here only (an optional extra: `pip install monarch-kernel[ray]`).
+`ray` is imported here and in `ray_client.py` only (an optional extra: `pip install monarch-kernel[ray]`);
+the kernel's connection to the cluster is `ray_client.py`'s.
 """
 
 from __future__ import annotations
@@ -33,22 +34,12 @@ from typing import Any
 from monarch_kernel.agent.ray_slot import RankSlot
 from monarch_kernel.controller.hostspec import HostKind, HostSpec
 from monarch_kernel.controller.ray_agent import RayNode
+from monarch_kernel.controller.ray_client import NAMESPACE, connect, import_ray
 from monarch_kernel.core.errors import MeshStartError, MeshUsageError
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 SLOT_TIMEOUT_S = 120.0  # the slots' start (a Ray worker process each) on a busy cluster
-NAMESPACE = "monarch_kernel"
 _RESERVATIONS = itertools.count()
-
-
-def import_ray() -> Any:
-    """The `ray` module, or MeshUsageError saying how to install it."""
-    try:
-        import ray
-    except ImportError:
-        raise MeshUsageError("Ray meshes need Ray: pip install 'monarch-kernel[ray]' (or ray[client]) in the "
-                             "kernel's environment and on the cluster's nodes") from None
-    return ray
 
 
 @dataclass(frozen=True)
@@ -83,67 +74,6 @@ class RayRequest:
         bad = [k for k, v in self.resources.items() if not isinstance(v, (int, float)) or v < 0]
         if bad:
             raise MeshUsageError(f"resources {bad}: give each as a non-negative number per rank")
-
-
-SERVER_START_TRIES = 2  # the head starts a server process per client; one that exits at start is tried again
-
-
-def connect(address: str | None) -> Any:
-    """Ray, connected (ray.init) unless this process already is; MeshStartError if the cluster cannot be reached.
-
-    A client left behind by a lost connection (Ray gives up after its reconnect grace) or by a connect
-    that was interrupted is dropped first: Ray would otherwise refuse every later `ray.init` with
-    "ray client is already connected"."""
-    ray = import_ray()
-    if ray.is_initialized() and not client_lost():
-        return ray
-    _drop_client(ray)
-    for _ in range(SERVER_START_TRIES):
-        try:
-            ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR",
-                     configure_logging=False)
-            return ray
-        except BaseException as exc:  # noqa: BLE001 - Ray raises many kinds here; an interrupt leaves a half client
-            _drop_client(ray, failed=True)
-            if not isinstance(exc, Exception):
-                raise
-            said = str(exc).strip().split(". ")[0].splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            if "Starting Ray client server failed" not in said:
-                raise MeshStartError(
-                    f"cannot connect to the Ray cluster at {address or 'auto'}: {said}. Check the address "
-                    "(ray://HEAD:10001 for a Ray client) and, if the cluster uses token authentication, that "
-                    "RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH was set in the kernel's environment before Ray was "
-                    "first imported") from None
-    raise MeshStartError(f"the Ray head at {address} could not start its server for this client ({SERVER_START_TRIES} "
-                         "tries: the process exited as it started): see ray_client_server_*.err in the head's Ray "
-                         "logs (/tmp/ray/session_latest/logs by default), then try again")
-
-
-def client_lost() -> bool:
-    """Whether this process holds a Ray client whose connection is gone (Ray still counts it as initialized
-    when its data channel ended with an error it does not retry)."""
-    try:
-        from ray.util.client import ray as client
-    except ImportError:
-        return False
-    worker = client.get_context().client_worker
-    return worker is not None and (not worker.is_connected() or bool(getattr(worker.data_client, "_in_shutdown", False)))
-
-
-def _drop_client(ray: Any, failed: bool = False) -> None:
-    """Forget a Ray client that is not connected (a no-op when there is none); `failed`: the `ray.init` that made it
-    failed or was interrupted, so whatever client it left is dropped, connected or not (Ray counts a client whose
-    connect was cut short as connected, and refuses every later `ray.init`)."""
-    try:
-        ray.shutdown()
-    except Exception:  # noqa: BLE001 - a client whose channel is gone may fail to close it; it is dropped anyway
-        pass
-    try:
-        from ray.util.client import ray as client
-    except ImportError:
-        return
-    if client_lost() or (failed and client.get_context().client_worker is not None):
-        client.disconnect()
 
 
 @dataclass

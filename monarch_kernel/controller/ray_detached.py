@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monarch_kernel.controller.hostspec import HostSpec
-from monarch_kernel.controller.ray_cluster import NAMESPACE, RayReservation, connect, release
+from monarch_kernel.controller.ray_client import NAMESPACE, connect
+from monarch_kernel.controller.ray_cluster import RayReservation, release
 from monarch_kernel.core.errors import MeshStartError
 
 

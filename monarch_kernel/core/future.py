@@ -19,6 +19,9 @@ from monarch_kernel.core.errors import MeshInterrupted, MeshTimeoutError
 
 T = TypeVar("T")
 INTERRUPT_GRACE_S = 0.8  # how long a stopped run waits for the ranks' tracebacks
+# how much longer it waits for ranks known to be unwinding (a stop ended the collective they waited in: they will
+# answer, and on a loaded machine that can take seconds; a second Ctrl-C stops waiting)
+UNWIND_GRACE_S = 10.0
 
 
 class Future(ABC, Generic[T]):
@@ -110,10 +113,18 @@ class Future(ABC, Generic[T]):
     def _stop(self, why: str, error_type: type[BaseException]) -> BaseException:
         self._cancel()
         try:
-            self._wait(INTERRUPT_GRACE_S)
+            finished = self._wait(INTERRUPT_GRACE_S)
+            deadline = time.monotonic() + UNWIND_GRACE_S
+            while not finished and self._unwinding() and (left := deadline - time.monotonic()) > 0:
+                finished = self._wait(min(left, INTERRUPT_GRACE_S))
         except KeyboardInterrupt:
             pass  # a second Ctrl-C: stop waiting for tracebacks
         return self._stopped(why, error_type)
+
+    def _unwinding(self) -> bool:
+        """Whether ranks that have not answered the stop yet are known to be ending their work (then the stop
+        waits for them up to UNWIND_GRACE_S more). None are by default."""
+        return False
 
 
 class DoneFuture(Future[T]):

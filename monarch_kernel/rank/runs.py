@@ -118,6 +118,9 @@ class Runs:
         self._aborted: dict[RunKey, str] = {}  # runs whose collective a stop ended (or a peer's), and how
         self.broken_by_peer: Callable[[BaseException], str] = lambda exc: ""  # a collective's error: how it broke
         self.on_ended: Callable[[Run], None] | None = None  # told of each run that ended (after the lock)
+        # told at once (after the lock) when a stop ends the collective a run waits in: the notebook then knows
+        # that run will answer, however long a loaded machine takes to unwind it, and to make the group anew
+        self.on_collective_ended: Callable[[RunKey, str], None] | None = None
 
     # ------------------------------------------------------------ the threads that run the work
     def begin(self, key: RunKey, kind: RunKind, label: str = "", thread: int | None = None, actor: Any = None,
@@ -268,11 +271,16 @@ class Runs:
                     if run.depth > 0:
                         self._stopped.add(key)
                         targets[key] = run
+            ended: list[tuple[RunKey, str]] = []
             for run in targets.values():
                 if self.current(run):
-                    self._reach(run)
+                    if how := self._reach(run):
+                        ended.append((run.key, how))
                 elif run.entered:  # (not entered yet: `_enter` sees it in the keys stopped)
                     run.owed = True
+        if self.on_collective_ended is not None:
+            for key, how in ended:
+                self.on_collective_ended(key, how)
 
     def stopped(self, key: RunKey) -> bool:
         """Whether run `key` was told to stop."""
@@ -288,7 +296,7 @@ class Runs:
         top = stack[-1]
         return top.depth > 0 and not top.held and not top.ended and run in stack
 
-    def _reach(self, run: Run) -> None:
+    def _reach(self, run: Run) -> str:
         run.reached = True
         delivery = self._delivery
         if run.thread == delivery.main_thread:
@@ -299,6 +307,7 @@ class Runs:
         ended = delivery.end_collective(run.thread)
         if ended:  # (a signal cannot reach into a collective's wait: it was ended; the run's answer says so)
             self._aborted[run.key] = ended
+        return ended
 
     def _deliver_owed(self, stack: list[Run]) -> None:
         for run in stack:

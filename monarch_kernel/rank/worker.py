@@ -42,7 +42,7 @@ from monarch_kernel.rank.interrupts import MainThreadInterrupts
 from monarch_kernel.rank.notebook_input import NotebookInput, breakpoint_in_the_notebook
 from monarch_kernel.rank.ops import RankOps
 from monarch_kernel.rank.rankshell import RankShell
-from monarch_kernel.rank.runs import Run, RunKind
+from monarch_kernel.rank.runs import Run, RunKey, RunKind
 from monarch_kernel.rank.thread_stops import install_sleep
 from monarch_kernel.rank.user_threads import MainThreadJobs
 from monarch_kernel.wire.debugging import DebugToRank
@@ -122,6 +122,7 @@ class Worker:
         self.actors = ActorHost(config.rank, self._send, config.shm_dir, self.ops, self.interrupts, config.mesh)
         self.runs = self.actors.runs  # every request and actor call, and the stops addressed to them
         self.runs.broken_by_peer = collectives.broken_by_peer
+        self.runs.on_collective_ended = self._collective_ended
         self.jobs = MainThreadJobs()  # requests, and sync endpoints when it is free: the main thread's work
         self.actors.main_jobs = self.jobs
         self.stdout.outside_requests = self.stderr.outside_requests = self.actors.own_threads.idents
@@ -169,6 +170,13 @@ class Worker:
         endpoint). See `rank/runs.py`."""
         self.debugger.resume()  # threads paused at a breakpoint run on, into the stop
         self.runs.stop(msg.req_ids, running=msg.running)
+
+    def _collective_ended(self, key: RunKey, how: str) -> None:
+        """Reader thread: a stop ended the collective a request waits in. Said now, not only before its result:
+        the notebook then waits for that rank's answer beyond its usual grace (the rank will answer, however
+        long a loaded machine takes to unwind the collective) and makes the group anew after."""
+        if isinstance(key, int):  # (an actor call's answer says so itself: `rank/call_replies.py`)
+            self._send(CollectivesAborted(key, self.config.rank, how))
 
     @property
     def in_user_code(self) -> bool:
