@@ -4,6 +4,7 @@ The programs in tests/programs/monarch/ are written as for PyTorch Monarch (`fro
 import ...`); each test changes only their import lines and runs them as a script.
 """
 
+import logging
 import os
 import re
 import subprocess
@@ -416,3 +417,53 @@ def test_a_future_as_asyncio_resolves_on_the_running_loop_and_refuses_off_one(pr
     assert asyncio.run(both()) == (10, 10)
     with pytest.raises(RuntimeError):
         future.as_asyncio()
+
+
+class Printer(Actor):
+    @endpoint
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+
+    @endpoint
+    def log_error(self, text: str) -> None:
+        logging.getLogger("printer").error(text)
+
+
+@pytest.mark.timeout(120)
+def test_logging_option_hides_aggregates_and_sets_the_level_of_what_the_processes_print(capsys):
+    """Monarch's `ProcMesh.logging_option`: what actors print is not shown, or shown in windows of similar lines
+    (on its own stream), and `level` is the processes' log level; the window waiting is shown as they stop."""
+    from monarch_kernel.actors import procs as procs_module
+
+    started = []
+    procs_module.mesh_started.append(started.append)
+    try:
+        procs = this_host().spawn_procs(per_host={"gpus": 2}, dist="none")
+    finally:
+        procs_module.mesh_started.remove(started.append)
+    mesh = started[0]
+    in_logs = lambda text: all(any(text in line for _, line in mesh.logs(rank)) for rank in (0, 1))  # noqa: E731
+    try:
+        printers = procs.spawn("printers", Printer)
+        procs.logging_option(stream_to_client=False).get()
+        printers.say.call("hidden line").get()
+        assert wait_until(lambda: in_logs("hidden line"), 30)  # (it came, and was not shown)
+        procs.logging_option(stream_to_client=True, aggregate_window_sec=3600, level=logging.CRITICAL).get()
+        for step in range(3):
+            printers.say.call(f"step {step} done").get()
+        printers.log_error.call("below the level").get()
+        assert wait_until(lambda: in_logs("step 2 done"), 30)
+        procs.logging_option(stream_to_client=True, aggregate_window_sec=3600, level=logging.ERROR).get()
+        printers.log_error.call("an error").get()
+        assert wait_until(lambda: in_logs("an error"), 30)
+        shown_before_stop = capsys.readouterr()
+        assert "step 0 done" not in shown_before_stop.out  # (held in the window)
+    finally:
+        procs.stop()
+    out, err = capsys.readouterr()
+    assert "hidden line" not in out + shown_before_stop.out and "below the level" not in err + out
+    assert re.search(r"^\[6 similar log lines\] \[rank \d\] step \d done$", out, re.M), out
+    assert re.search(r"^\[2 similar log lines\] \[rank \d\] .*an error$", err, re.M), err
+    assert "an error" not in out and "step" not in err
+    with pytest.raises(ValueError, match="logging level"):
+        procs.logging_option(level=300)

@@ -11,7 +11,7 @@ from conftest import wait_until
 
 from monarch_kernel.controller.events import DoneEvent
 from monarch_kernel.controller.loop import ControllerLoop
-from monarch_kernel.controller.requests import RequestBook
+from monarch_kernel.controller.requests import DiscardedOutput, RequestBook
 from monarch_kernel.controller.router import ControllerSender
 from monarch_kernel.controller.state import MeshState, RankState
 from monarch_kernel.core.folders import release_folder
@@ -27,7 +27,7 @@ def book():
         state.ranks[rank] = RankState(rank, "h", rank)
         state.ranks[rank].started(1000 + rank)
     loop = ControllerLoop.get()
-    book = RequestBook(state, loop, ControllerSender(state, loop), lambda *_: None)
+    book = RequestBook(state, loop, ControllerSender(state, loop), DiscardedOutput())
     yield book, state
     state.closed = True
     release_folder(state.run_dir)

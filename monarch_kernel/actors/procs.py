@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import math
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from monarch_kernel.actors.base import Actor, check_endpoint_kinds
+from monarch_kernel.actors.base import Actor, check_endpoint_kinds, current_actor
 from monarch_kernel.actors.client import ActorMesh, system_actors
+from monarch_kernel.actors.owned import record
 from monarch_kernel.actors.ports import Channel, Port, PortReceiver
 from monarch_kernel.actors.rank_loop import run_on_rank_loop
 from monarch_kernel.actors.spawning import spawn_actor_mesh
@@ -50,11 +52,12 @@ class ProcMesh(MeshShaped):
     """Processes of a mesh, shaped by named dims: spawn actor meshes on them."""
 
     def __init__(self, mesh_name: str, shape: Shape, *, stop: Callable[[], None] | None = None,
-                 host_mesh: Callable[[], Any] | None = None):
+                 host_mesh: Callable[[], Any] | None = None, logging_option: Callable[..., None] | None = None):
         self._mesh = mesh_name
         self.shape = shape  # dims over the mesh's global ranks
         self._stop = stop  # the notebook's way to end these processes (not carried to ranks)
         self._host_mesh = host_mesh
+        self._logging_option = logging_option  # the notebook's mesh's (`Mesh.logging_option`; not carried either)
 
     @property
     def mesh_name(self) -> str:
@@ -63,7 +66,7 @@ class ProcMesh(MeshShaped):
 
     # ------------------------------------------------------------ shape
     def _with(self, shape: Shape) -> ProcMesh:
-        return ProcMesh(self._mesh, shape, stop=None, host_mesh=self._host_mesh)
+        return ProcMesh(self._mesh, shape, stop=None, host_mesh=self._host_mesh, logging_option=self._logging_option)
 
     # ------------------------------------------------------------ actors
     def spawn(self, name: str, actor_class: type[A], *args: Any, **kwargs: Any) -> ActorMesh:
@@ -87,6 +90,18 @@ class ProcMesh(MeshShaped):
             raise MeshUsageError("stop() ends processes that this notebook started (spawn_procs); a slice or a "
                                  "handle passed to an actor cannot stop them: stop the actor meshes instead")
         self._stop()
+        return DoneFuture(None)
+
+    def logging_option(self, stream_to_client: bool = False, aggregate_window_sec: float | None = None,
+                       level: int = logging.INFO) -> Future[None]:
+        """How what these processes print outside calls' answers (their endpoints' prints and log records) shows
+        in the notebook, as in Monarch: not at all (`stream_to_client=False`), each line as it comes, or every
+        `aggregate_window_sec` seconds as groups of similar lines ("[64 similar log lines] ..."); `level` is
+        their root logger's level. Done when it returns (awaitable, as Monarch's)."""
+        if self._logging_option is None:
+            raise MeshUsageError("logging_option() is for processes this notebook started (spawn_procs in the "
+                                 "notebook); in an actor, the notebook shows what its processes print")
+        self._logging_option(stream_to_client, aggregate_window_sec, level)
         return DoneFuture(None)
 
     async def __aenter__(self) -> ProcMesh:
@@ -170,8 +185,11 @@ class HostMesh(MeshShaped):
         for started in mesh_started:
             started(mesh)
         dims = (*self.shape.dims, *per_host.items())
-        return ProcMesh(mesh.name, Shape(dims, mesh.ranks), stop=lambda: stop_actors_then_processes(mesh),
-                        host_mesh=lambda: self)
+        procs = ProcMesh(mesh.name, Shape(dims, mesh.ranks), stop=lambda: stop_actors_then_processes(mesh),
+                         host_mesh=lambda: self, logging_option=getattr(mesh, "logging_option", None))
+        if self._for_actor:
+            record(current_actor.get(), procs)  # (stopped with the actor that started them)
+        return procs
 
     def with_python_executable(self, python_executable: str) -> HostMesh:
         """The same hosts, whose new processes run `python_executable` (an interpreter, or a script that execs
@@ -248,11 +266,13 @@ class _StartedForActor:
     def __init__(self, name: str, shape: Shape):
         self.name = name
         self.ranks = shape.ranks
+        self.closed = False
 
     def call(self, fn: Callable[[], None]) -> None:
         raise MeshUsageError(_NO_BOOTSTRAP)
 
     def shutdown(self) -> None:
+        self.closed = True  # (once: its owner's stop and a stop of its own may both come)
         _ask_notebook(StopProcs(self.name), "stopping processes")
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from monarch_kernel.actors.base import Actor, class_sources, current_actor, endpoint_parameters, owner_label
 from monarch_kernel.actors.client import ActorMesh, actor_name_of
 from monarch_kernel.actors.identities import current_identity
+from monarch_kernel.actors.owned import record
 from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
 from monarch_kernel.core.failures import FailureKind
 from monarch_kernel.core.identity import ActorOrigin
@@ -64,6 +65,7 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
     owner = current_actor.get()
     if owner is not None and sender.own_rank is not None:  # an actor spawned it: the controller routes its failures
         actors._supervised = Owner.ACTOR
+        record(owner, actors)  # (stopped with its owner)
         sender.send_up(OwnActors(sender.caller_id, owner, owner_label(owner, sender.caller_id), key, name,
                                  actor_class.__name__, shape.ranks,
                                  mesh_name if sender.other_mesh(mesh_name) else "", origin))

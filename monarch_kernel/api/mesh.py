@@ -24,7 +24,7 @@ from monarch_kernel.api.kept_state import KeptState
 from monarch_kernel.api.mesh_files import HostFiles
 from monarch_kernel.api.mesh_start import start_runtime
 from monarch_kernel.api.session import Session
-from monarch_kernel.api.sinks import OutputSink, default_sink
+from monarch_kernel.api.sinks import IdleOutput, OutputSink, default_sink
 from monarch_kernel.api.values import check_device, seal_named
 from monarch_kernel.controller.hosts import HostKind, HostSpec
 from monarch_kernel.controller.runtime import MeshRuntime
@@ -36,7 +36,7 @@ from monarch_kernel.core.source import check_syntax
 from monarch_kernel.core.values import ValueMesh
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.messages import HealthTimings
-from monarch_kernel.wire.ops import Describe, HasFailedCell, PostMortem, RankOperation
+from monarch_kernel.wire.ops import Describe, HasFailedCell, PostMortem, RankOperation, SetLogLevel
 from monarch_kernel.wire.serialization import arriving_on, release, seal, unseal
 
 T = TypeVar("T")
@@ -114,6 +114,23 @@ class Mesh(HostFiles, KeptState):
         if rank not in self._runtime.ranks:
             raise MeshUsageError(f"mesh {self.name!r} has no rank {rank}")
         return self._runtime.state.ranks[rank].log.tail(lines)
+
+    def logging_option(self, stream_to_client: bool = True, aggregate_window_sec: float | None = None,
+                       level: int | None = None) -> None:
+        """How text the ranks print outside cells (actor endpoints, their threads) shows in the notebook
+        (Monarch's `ProcMesh.logging_option`): `stream_to_client=False` shows none (`mesh.logs(rank)` still has
+        it); `aggregate_window_sec=N` shows it every N seconds as groups of similar lines, each once with how
+        many there were (None: each line as it comes, the default); `level` sets the ranks' root logger level."""
+        if level is not None and (not isinstance(level, int) or not 0 <= level <= 255):
+            raise ValueError(f"Invalid logging level: {level}")
+        if aggregate_window_sec is not None and (not stream_to_client or aggregate_window_sec <= 0):
+            raise MeshUsageError(f"aggregate_window_sec={aggregate_window_sec!r}: give a positive window, with "
+                                 "stream_to_client=True (output not shown cannot be aggregated)")
+        idle = self._runtime.idle_output
+        if isinstance(idle, IdleOutput):
+            idle.set_mode(stream_to_client, aggregate_window_sec)
+        if level is not None:
+            self._ask(SetLogLevel(level), "set the log level")
 
     def agent_log(self, host: int | str, lines: int = 50) -> str:
         """The last lines of a host agent's log (its stderr): start-up problems, crashes."""

@@ -55,7 +55,7 @@ def start_runtime(hosts: list[HostSpec], gpus: int, dist: str, name: str | None,
                     preload=preload_list(preload, dist), allocation=allocation, relay_branching=relay_branching,
                     persist_s=persist_s)
     kind = MeshRuntime if persist_s is None else PersistentRuntime
-    runtime = kind(spec, idle_output=IdleOutput().write, report_timing=report_timing)
+    runtime = kind(spec, idle_output=IdleOutput(label=f"mesh {name!r}"), report_timing=report_timing)
     try:
         runtime.start()
     except BaseException as exc:

@@ -96,7 +96,8 @@ def attach(name: str, *, take: bool = False) -> Mesh:
     no kernel held it is shown. Refused while another live kernel holds it, unless `take=True`."""
     try:
         record = read_record(name)
-        runtime = PersistentRuntime.attach(record, take, idle_output=IdleOutput().write, report_timing=report_timing)
+        runtime = PersistentRuntime.attach(record, take, idle_output=IdleOutput(label=f"mesh {name!r}"),
+                                             report_timing=report_timing)
     except (RecordError, MeshAttachError) as exc:
         raise MeshUsageError(str(exc)) from None
     mesh = Mesh(runtime, Shape.grid(hosts=len(runtime.spec.hosts), gpus=runtime.spec.gpus))

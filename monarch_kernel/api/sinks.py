@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from monarch_kernel.api.aggregated_output import AggregatedOutput
 from monarch_kernel.core.timing import RankTiming, TimingReporter
 
 
@@ -104,11 +105,32 @@ class IdleOutput:
     IDLE_BUDGET = 4 << 20
     IDLE_WINDOW_S = 10.0
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, label: str = "") -> None:
         self._partial: dict[tuple[int, str], list[str]] = {}
         self._partial_len: dict[tuple[int, str], int] = {}
         self._window: dict[int, tuple[float, int, int]] = {}  # rank -> (window start, shown, dropped)
         self._clock = clock
+        self._label = label  # how an aggregated window names the mesh ("mesh 'train'")
+        self.shown = True  # False: lines are kept in the ranks' logs (%mesh logs) only
+        self._aggregated: AggregatedOutput | None = None
+
+    def set_mode(self, shown: bool, aggregate_window_s: float | None) -> None:
+        """Show these lines or not, and one by one (None) or in windows of similar lines (`api/aggregated_output.py`).
+        Lines waiting in a window are shown first when aggregation ends or the lines stop being shown."""
+        aggregated = self._aggregated
+        if aggregated is not None and (aggregate_window_s is None or not shown):
+            self._aggregated = None
+            aggregated.flush()
+        elif aggregated is not None and aggregate_window_s is not None:
+            aggregated.set_window(aggregate_window_s)
+        elif aggregate_window_s is not None and shown:
+            self._aggregated = AggregatedOutput(self._label, aggregate_window_s)
+        self.shown = shown
+
+    def flush(self) -> None:
+        """Show the lines waiting in a window now (the mesh stops, the kernel exits)."""
+        if self._aggregated is not None:
+            self._aggregated.flush()
 
     def write(self, rank: int, stream: str, text: str) -> None:
         """Show the complete lines of `text`; keep a trailing partial line for later."""
@@ -136,10 +158,16 @@ class IdleOutput:
         if rest:
             self._partial[key] = [rest[-self.PARTIAL_KEPT:]]
             self._partial_len[key] = len(self._partial[key][0])
-        if lines:
-            out = sys.stderr if stream == "stderr" else sys.stdout
-            out.write("".join(f"[rank {rank}] {line[-self.PARTIAL_KEPT:]}\n" for line in lines))
-            out.flush()
+        if not lines or not self.shown:
+            return
+        aggregated = self._aggregated
+        if aggregated is not None:
+            for line in lines:
+                aggregated.add(stream, f"[rank {rank}] {line}")
+            return
+        out = sys.stderr if stream == "stderr" else sys.stdout
+        out.write("".join(f"[rank {rank}] {line[-self.PARTIAL_KEPT:]}\n" for line in lines))
+        out.flush()
 
     def _within_budget(self, rank: int, text: str) -> str:
         now = self._clock()

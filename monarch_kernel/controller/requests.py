@@ -16,7 +16,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from monarch_kernel.controller.events import DoneEvent, NoticeEvent, RanksDoneEvent
 from monarch_kernel.controller.loop import ControllerLoop
@@ -35,7 +35,26 @@ from monarch_kernel.wire.transport import encode
 
 HELD_AT_MOST_S = 2.0  # a result waits at most this long for the fd output it says came before it
 INPUT_UNCLAIMED_S = 60.0  # an input() that no waiting thread takes to the notebook fails after this
-IdleOutput = Callable[[int, str, str], None]  # (rank, stream, text) printed outside any request
+
+
+class IdleOutput(Protocol):
+    """Where ranks' text printed outside any request goes (the notebook's `api.sinks.IdleOutput`)."""
+
+    def write(self, rank: int, stream: str, text: str) -> None:
+        """Text `rank` printed on `stream`, outside any request."""
+
+    def flush(self) -> None:
+        """Show what is held back now (the mesh is shutting down)."""
+
+
+class DiscardedOutput:
+    """An IdleOutput that shows nothing (a mesh started without one)."""
+
+    def write(self, rank: int, stream: str, text: str) -> None:
+        """Dropped (it is in the rank's log)."""
+
+    def flush(self) -> None:
+        """Nothing is held."""
 
 
 class RequestBook:
@@ -276,7 +295,7 @@ class RequestBook:
                     if req is not None and msg.rank in req.held:
                         self._release(req, [rank for rank in list(req.held) if self._fd_caught_up(req.held[rank][0])])
         if not taken:
-            self._idle_output(msg.rank, msg.stream, msg.text)
+            self._idle_output.write(msg.rank, msg.stream, msg.text)
 
     def display(self, msg: m.Display) -> None:
         """A rich display made on a rank."""

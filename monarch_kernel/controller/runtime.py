@@ -25,7 +25,7 @@ from monarch_kernel.controller.inspections import Inspections
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.rank_start import quiet_future, start_failure, start_ranks
 from monarch_kernel.controller.relays import ControllerRelays
-from monarch_kernel.controller.requests import IdleOutput, RequestBook
+from monarch_kernel.controller.requests import DiscardedOutput, IdleOutput, RequestBook
 from monarch_kernel.controller.router import ControllerSender
 from monarch_kernel.controller.state import HostLink, MeshSpec, MeshState, RankSnapshot, RankState
 from monarch_kernel.core.errors import MeshStartError
@@ -59,7 +59,8 @@ class MeshRuntime:
         self.controller = ControllerLoop.get()
         self.state = MeshState(spec.name, folders)  # (folders: those of a mesh that outlived its kernel)
         self.sender = ControllerSender(self.state, self.controller, report_timing)  # actor calls
-        self.requests = RequestBook(self.state, self.controller, self.sender, idle_output or (lambda *_: None))
+        self.idle_output = idle_output or DiscardedOutput()  # ranks' text outside requests (the notebook's view)
+        self.requests = RequestBook(self.state, self.controller, self.sender, self.idle_output)
         self.relays = ControllerRelays(spec.relay_branching, _notice)  # fan-out through agents, past branching hosts
         self._heartbeat: asyncio.Task[None] | None = None
         self.hearing = HostHearing(self.state, spec, clock, self._on_lost, _notice)  # pings, silences
@@ -219,6 +220,7 @@ class MeshRuntime:
         try:
             self.controller.run(self._shutdown()).result(15)
         finally:
+            self.idle_output.flush()  # (lines held in an aggregation window are shown, not lost)
             release_folder(self.state.run_dir)
             release_folder(self.state.shm_dir)
             forget_mappings(self.state.shm_dir)  # what this process kept mapped of it goes too

@@ -30,6 +30,7 @@ from typing import Any
 from monarch_kernel.actors.base import SYSTEM_ACTOR, current_actor, current_point
 from monarch_kernel.actors.identities import forget_identity, register_identity
 from monarch_kernel.actors.log_prefix import install as install_log_prefix
+from monarch_kernel.actors.owned import stop_owned
 from monarch_kernel.actors.rank_loop import set_rank_loop
 from monarch_kernel.core.identity import ActorIdentity, root_identity
 from monarch_kernel.core.shape import Point, Shape
@@ -187,6 +188,7 @@ class ActorHost:
         for msg in queued:
             self.replies.reply(msg, None, why)
         self._end_instance(box)
+        stop_owned(box.key)  # what it spawned or started goes with it (Monarch's recursive stop)
         forget_identity(box.key)
 
     def stop_all(self) -> int:

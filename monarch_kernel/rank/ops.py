@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -73,6 +74,7 @@ class RankOps:
             ops.MeasureRank: lambda op: _measure_rank(),
             ops.TrialLayout: _trial_layout,
             ops.CollectGarbage: lambda op: gc.collect(),
+            ops.SetLogLevel: lambda op: logging.getLogger().setLevel(op.level),
             ops.RemakeDefaultGroup: lambda op: remake_default_group(op.key),
             ops.StartProfile: lambda op: profiling.start(),
             ops.StopProfile: lambda op: profiling.stop(),

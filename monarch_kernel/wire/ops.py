@@ -146,6 +146,13 @@ class CollectGarbage:
 
 
 @dataclass(frozen=True)
+class SetLogLevel:
+    """Set the level of the rank's root logger (`ProcMesh.logging_option(level=...)`). Answer: None."""
+
+    level: int
+
+
+@dataclass(frozen=True)
 class RemakeDefaultGroup:
     """Destroy this rank's process groups and make the default one anew through the mesh's store,
     under `key` (the same on every rank), after a stop ended collectives in progress. Answer: how
@@ -219,7 +226,7 @@ class StopDebugger:
 
 
 RankOperation = (SpawnActors | StopActors | StopAllActors | Describe | PostMortem | HasFailedCell | UseWorkspace
-                 | SetAutoreload | Versions | ApplyLayout | MeasureRank | TrialLayout | CollectGarbage
+                 | SetAutoreload | Versions | ApplyLayout | MeasureRank | TrialLayout | CollectGarbage | SetLogLevel
                  | RemakeDefaultGroup | StartProfile | StopProfile | ReadClock | ListActorMeshes | StartDebugger
                  | StopDebugger)
 RANK_OPERATIONS: tuple[type, ...] = get_args(RankOperation)  # (the list is written once, as the union)
