@@ -467,3 +467,50 @@ def test_logging_option_hides_aggregates_and_sets_the_level_of_what_the_processe
     assert "an error" not in out and "step" not in err
     with pytest.raises(ValueError, match="logging level"):
         procs.logging_option(level=300)
+
+
+USER_MODULE = '''
+import atexit
+
+class Flushes:
+    """A buffered file that only its finalizer writes out (as a user's global log file would)."""
+    def __init__(self, path):
+        self.out = open(path, "w")
+        self.out.write("finalized")  # (buffered: lost unless the object is finalized)
+    def __del__(self):
+        self.out.close()
+
+held = None
+
+def start(folder, rank):
+    global held
+    held = Flushes(f"{folder}/finalized-{rank}")
+    atexit.register(lambda: open(f"{folder}/atexit-{rank}", "w").write("ran"))
+'''
+
+
+class ImportsUserCode(Actor):
+    @endpoint
+    def start(self, folder: str) -> int:
+        sys.path.insert(0, folder)
+        import user_module_with_exit_work  # noqa: PLC0415 - the rank imports the user's module, as its code would
+
+        from monarch_kernel.monarch.actor import current_rank
+        user_module_with_exit_work.start(folder, current_rank().rank)
+        return os.getpid()
+
+
+@pytest.mark.timeout(120)
+def test_stopping_a_proc_mesh_runs_its_users_exit_handlers_and_finalizers(tmp_path):
+    """As an interpreter's exit does (Monarch's procs exit that way): a rank ends with os._exit, so without the
+    exit work a global's buffered file and an atexit handler's work were lost."""
+    (tmp_path / "user_module_with_exit_work.py").write_text(USER_MODULE)
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, dist="none")
+    try:
+        procs.spawn("importer", ImportsUserCode).start.call(str(tmp_path)).get()
+        assert not (tmp_path / "atexit-0").exists()
+        assert all((tmp_path / f"finalized-{rank}").read_text() == "" for rank in (0, 1))  # (still buffered)
+    finally:
+        procs.stop()
+    assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.suffix != ".py" and p.name != "__pycache__"} == {
+        "finalized-0": "finalized", "finalized-1": "finalized", "atexit-0": "ran", "atexit-1": "ran"}

@@ -129,6 +129,9 @@ def _become_rank(spec: m.RankSpec, start: m.StartRanks, conn: socket.socket, hb:
     _close_fds_except(keep)
     from monarch_kernel.rank.dist import init_process_group, limit_threads, rank_environment
     from monarch_kernel.rank.entry import run_rank
+    from monarch_kernel.rank.exit_work import forget_the_agents
+
+    forget_the_agents()
     from monarch_kernel.rank.worker import WorkerConfig
 
     os.environ.update(start.env)

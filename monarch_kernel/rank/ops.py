@@ -20,6 +20,7 @@ from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.versions import versions
 from monarch_kernel.rank import profiling
 from monarch_kernel.rank.debugging import RankDebugger
+from monarch_kernel.rank.exit_work import run_exit_work
 from monarch_kernel.rank.user_process_groups import remake_default_group
 from monarch_kernel.wire import ops
 from monarch_kernel.wire.ops import ACTOR_OPERATIONS
@@ -63,7 +64,7 @@ class RankOps:
         self._table: dict[type, Callable[[Any], Any]] = {
             ops.SpawnActors: self._spawn,
             ops.StopActors: lambda op: self.actors.stop_key(op.key),
-            ops.StopAllActors: lambda op: self.actors.stop_all(),
+            ops.StopAllActors: self._stop_all_actors,
             ops.Describe: self._describe,
             ops.PostMortem: lambda op: debugger.post_mortem() if op.in_debugger else post_mortem(),
             ops.HasFailedCell: lambda op: getattr(sys, "last_traceback", None) is not None,
@@ -107,6 +108,11 @@ class RankOps:
         cls, args, kwargs = unseal(op.actor)
         return self.actors.spawn(op.name, op.key, cls, args, kwargs, op.shape, op.sources, op.creator,
                                  op.supervise_constructor)
+
+    def _stop_all_actors(self, op: ops.StopAllActors) -> int:
+        stopped = self.actors.stop_all()
+        run_exit_work(self._namespace)  # (the processes end next: the user's exit handlers and finalizers run now)
+        return stopped
 
     def _actor_meshes(self) -> dict[str, ops.ActorMeshEntry]:
         return {name: ops.ActorMeshEntry(key, type(instance).__name__, type(instance)._endpoints,

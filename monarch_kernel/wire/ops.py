@@ -62,8 +62,9 @@ class StopActors:
 
 @dataclass(frozen=True)
 class StopAllActors:
-    """Stop every actor on this rank (each one's concurrent tasks cancelled, then its `__cleanup__`), as
-    its processes are about to end. Answer: how many actor meshes there were."""
+    """Stop every actor on this rank (each one's concurrent tasks cancelled, then its `__cleanup__`), then run the
+    user's exit work (`rank/exit_work.py`), as its processes are about to end. Answer: how many actor meshes
+    there were."""
 
 
 @dataclass(frozen=True)
