@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import site
 import sys
 import sysconfig
 from typing import Any
@@ -48,6 +49,7 @@ def _installed_roots() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     roots = {paths.get(key, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")}
     roots |= {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    roots |= {*site.getsitepackages(), site.getusersitepackages()}  # (pip install --user: installed too)
     return tuple(os.path.join(os.path.realpath(root), "") for root in roots if root)
 
 
