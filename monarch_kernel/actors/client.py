@@ -154,9 +154,10 @@ class ActorMesh(MeshShaped):
         sliced._supervised = self.__dict__.get("_supervised", Owner.NOBODY)
         return sliced
 
-    def stop(self, reason: str = "stopped by client") -> Future[None]:
-        """Stop these actors (their queued calls fail; later calls say they were stopped)."""
-        system_actors(self.mesh_name, self.shape).operate.call(StopActors(self.key)).get()
+    def stop(self, reason: str = "stopped by client", *, timeout: float | None = None) -> Future[None]:
+        """Stop these actors (their queued calls fail; later calls say they were stopped), and what they own;
+        `timeout`: how long to wait for that (None: as long as it takes; Ctrl-C stops waiting)."""
+        system_actors(self.mesh_name, self.shape).operate.call(StopActors(self.key)).get(timeout)
         return DoneFuture(None)
 
     @property

@@ -14,36 +14,29 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Protocol
-
-
-class Stoppable(Protocol):
-    """An actor mesh or a ProcMesh handle."""
-
-    def stop(self) -> object:
-        """Stop it (its future is not waited on: a stop of ours is done when it returns)."""
-
+from collections.abc import Callable
 
 _lock = threading.Lock()
-_owned: dict[str, list[Stoppable]] = {}  # owner's spawn key -> what it owns, oldest first
+_owned: dict[str, list[tuple[str, Callable[[], object]]]] = {}  # owner's spawn key -> (what, its stop), oldest first
 
 
-def record(owner: str | None, handle: Stoppable) -> None:
-    """`owner` (an actor's spawn key; None: not an actor) spawned or started `handle`."""
+def record(owner: str | None, what: str, stop: Callable[[], object]) -> None:
+    """`owner` (an actor's spawn key; None: not an actor) spawned or started `what`, which `stop()` stops (a
+    bounded wait: it runs while its owner is being stopped)."""
     if owner is None:
         return
     with _lock:
-        _owned.setdefault(owner, []).append(handle)
+        _owned.setdefault(owner, []).append((what, stop))
 
 
 def stop_owned(owner: str) -> None:
     """Stop what `owner` owns, newest first (once: it is forgotten here). A failure to stop one is printed, and
     the others are still stopped."""
     with _lock:
-        handles = _owned.pop(owner, [])
-    for handle in reversed(handles):
+        owned = _owned.pop(owner, [])
+    for what, stop in reversed(owned):
         try:
-            handle.stop()
+            stop()
         except Exception as exc:  # noqa: BLE001 - a process already gone, a mesh lost: the rest must still stop
-            print(f"stopping {handle!r}, which a stopped actor owned, failed: {type(exc).__name__}: {exc}",
+            print(f"stopping {what}, which a stopped actor owned, failed: {type(exc).__name__}: {exc}",
                   file=sys.stderr)

@@ -188,7 +188,7 @@ class HostMesh(MeshShaped):
         procs = ProcMesh(mesh.name, Shape(dims, mesh.ranks), stop=lambda: stop_actors_then_processes(mesh),
                          host_mesh=lambda: self, logging_option=getattr(mesh, "logging_option", None))
         if self._for_actor:
-            record(current_actor.get(), procs)  # (stopped with the actor that started them)
+            record(current_actor.get(), f"processes of mesh {mesh.name!r}", procs.stop)  # (stopped with their starter)
         return procs
 
     def with_python_executable(self, python_executable: str) -> HostMesh:

@@ -27,6 +27,7 @@ from monarch_kernel.wire.ops import ConstructorFailed, SpawnActors
 from monarch_kernel.wire.serialization import release, seal
 
 _spawns = itertools.count(1)
+OWNED_STOP_S = 60.0  # how long stopping an actor waits for each actor mesh it owns to stop
 RunSpawn = Callable[[SpawnActors, str], object]  # (operation, label): runs it on the shape's ranks, raises on failure
 
 
@@ -65,7 +66,7 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
     owner = current_actor.get()
     if owner is not None and sender.own_rank is not None:  # an actor spawned it: the controller routes its failures
         actors._supervised = Owner.ACTOR
-        record(owner, actors)  # (stopped with its owner)
+        record(owner, f"actor mesh {name!r}", lambda: actors.stop(timeout=OWNED_STOP_S))  # (stopped with its owner)
         sender.send_up(OwnActors(sender.caller_id, owner, owner_label(owner, sender.caller_id), key, name,
                                  actor_class.__name__, shape.ranks,
                                  mesh_name if sender.other_mesh(mesh_name) else "", origin))
