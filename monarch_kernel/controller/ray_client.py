@@ -53,6 +53,9 @@ def import_ray() -> Any:
 
 
 SERVER_START_TRIES = 2  # the head starts a server process per client; one that exits at start is tried again
+# how a failed start of that server reaches the client: said so, or the head's own error as it looked at the dying
+# process ("Initialization failure from server: ... psutil.ZombieProcess", seen on a loaded head)
+SERVER_START_FAILED = ("Starting Ray client server failed", "Initialization failure from server")
 
 
 def connect(address: str | None) -> Any:
@@ -65,6 +68,7 @@ def connect(address: str | None) -> Any:
     if ray.is_initialized() and not client_lost():
         return ray
     _drop_client(ray)
+    said = ""
     for _ in range(SERVER_START_TRIES):
         try:
             with _bounded_log_stream_close():
@@ -75,16 +79,18 @@ def connect(address: str | None) -> Any:
             _drop_client(ray, failed=True)
             if not isinstance(exc, Exception):
                 raise
-            said = str(exc).strip().split(". ")[0].splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            if "Starting Ray client server failed" not in said:
+            text = str(exc).strip()
+            said = text.split(". ")[0].splitlines()[-1] if text else type(exc).__name__
+            if not any(sign in text for sign in SERVER_START_FAILED):
                 raise MeshStartError(
                     f"cannot connect to the Ray cluster at {address or 'auto'}: {said}. Check the address "
                     "(ray://HEAD:10001 for a Ray client) and, if the cluster uses token authentication, that "
                     "RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH was set in the kernel's environment before Ray was "
                     "first imported") from None
+            said = text.splitlines()[-1]  # (the head's own traceback: its last line says what failed)
     raise MeshStartError(f"the Ray head at {address} could not start its server for this client ({SERVER_START_TRIES} "
-                         "tries: the process exited as it started): see ray_client_server_*.err in the head's Ray "
-                         "logs (/tmp/ray/session_latest/logs by default), then try again")
+                         f"tries; the last said: {said}): see ray_client_server_*.err in the head's Ray logs "
+                         "(/tmp/ray/session_latest/logs by default), then try again")
 
 
 def client_lost() -> bool:
