@@ -514,3 +514,22 @@ def test_stopping_a_proc_mesh_runs_its_users_exit_handlers_and_finalizers(tmp_pa
         procs.stop()
     assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.suffix != ".py" and p.name != "__pycache__"} == {
         "finalized-0": "finalized", "finalized-1": "finalized", "atexit-0": "ran", "atexit-1": "ran"}
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_proc_mesh_says_so_to_calls_and_spawns_and_its_name_can_start_anew():
+    from monarch_kernel import SupervisionError
+
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, dist="none", name="stopped-then-new")
+    printers = procs.spawn("printers", Printer)
+    printers.say.call("hello").get()
+    procs.stop()
+    with pytest.raises(SupervisionError, match="actor mesh is stopped due to proc mesh shutdown"):
+        printers.say.call("again").get()
+    with pytest.raises(RuntimeError, match="`ProcMesh` has already been stopped"):
+        procs.spawn("late", Printer)
+    again = this_host().spawn_procs(per_host={"gpus": 1}, dist="none", name="stopped-then-new")
+    try:
+        again.spawn("printers", Printer).say.call("on the new one").get()
+    finally:
+        again.stop()

@@ -195,6 +195,10 @@ class ActorMesh(MeshShaped):
     def _sender(self) -> CallSender:
         sender = find_sender(self.mesh_name)
         if sender is None:
+            if self.mesh_name in STOPPED_PROC_MESHES:  # (Monarch's words for it)
+                raise MeshNotRunningError(f"actor mesh {self.name!r}: the actor mesh is stopped due to proc mesh "
+                                          f"shutdown (mesh {self.mesh_name!r} was stopped); spawn the actors on "
+                                          "running processes")
             raise MeshNotRunningError(f"actor mesh {self.name!r}: mesh {self.mesh_name!r} is shut down or not "
                                       "reachable from here; spawn the actors on a running mesh")
         return sender
@@ -253,6 +257,7 @@ def system_actors(mesh_name: str, shape: Shape) -> ActorMesh:
 
 # (mesh, actor mesh name, rank) -> the key of the newest spawn there that the notebook owns
 _notebook_owned: dict[tuple[str, str, int], str] = {}
+STOPPED_PROC_MESHES: set[str] = set()  # meshes that ProcMesh.stop() ended here (their handles say so)
 
 
 @functools.cache

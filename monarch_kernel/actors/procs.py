@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from monarch_kernel.actors.base import Actor, check_endpoint_kinds, current_actor
-from monarch_kernel.actors.client import ActorMesh, system_actors
+from monarch_kernel.actors.client import STOPPED_PROC_MESHES, ActorMesh, system_actors
 from monarch_kernel.actors.owned import record
 from monarch_kernel.actors.ports import Channel, Port, PortReceiver
 from monarch_kernel.actors.rank_loop import run_on_rank_loop
@@ -77,6 +77,9 @@ class ProcMesh(MeshShaped):
         the notebook's `unhandled_fault_hook`, which prints it by default), and calls to that actor raise
         SupervisionError with the constructor's traceback. Spawned inside an actor, the actor owns it.
         """
+        if self._mesh in STOPPED_PROC_MESHES:
+            raise RuntimeError(f"`ProcMesh` has already been stopped (mesh {self._mesh!r}): spawn on new processes "
+                               "(HostMesh.spawn_procs)")
         if isinstance(actor_class, type) and issubclass(actor_class, Actor):
             check_endpoint_kinds(actor_class)
         system = system_actors(self._mesh, self.shape)
@@ -90,6 +93,7 @@ class ProcMesh(MeshShaped):
             raise MeshUsageError("stop() ends processes that this notebook started (spawn_procs); a slice or a "
                                  "handle passed to an actor cannot stop them: stop the actor meshes instead")
         self._stop()
+        STOPPED_PROC_MESHES.add(self._mesh)
         return DoneFuture(None)
 
     def logging_option(self, stream_to_client: bool = False, aggregate_window_sec: float | None = None,
@@ -182,6 +186,7 @@ class HostMesh(MeshShaped):
             mesh.shutdown()
             raise
         self._spawned.append(mesh)
+        STOPPED_PROC_MESHES.discard(mesh.name)  # (a new mesh of a stopped one's name)
         for started in mesh_started:
             started(mesh)
         dims = (*self.shape.dims, *per_host.items())
