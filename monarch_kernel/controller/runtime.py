@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import dataclasses
 import os
 import sys
@@ -220,7 +221,8 @@ class MeshRuntime:
         try:
             self.controller.run(self._shutdown()).result(15)
         finally:
-            self.idle_output.flush()  # (lines held in an aggregation window are shown, not lost)
+            with contextlib.suppress(Exception):  # (lines held in an aggregation window are shown, not lost; at the
+                self.idle_output.flush()          # interpreter's exit stdout may be closed: the clean-up goes on)
             release_folder(self.state.run_dir)
             release_folder(self.state.shm_dir)
             forget_mappings(self.state.shm_dir)  # what this process kept mapped of it goes too
