@@ -16,6 +16,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+from monarch_kernel.core.errors import MeshNotRunningError, SupervisionError
+
 _lock = threading.Lock()
 _owned: dict[str, list[tuple[str, Callable[[], object]]]] = {}  # owner's spawn key -> (what, its stop), oldest first
 
@@ -37,6 +39,8 @@ def stop_owned(owner: str) -> None:
     for what, stop in reversed(owned):
         try:
             stop()
-        except Exception as exc:  # noqa: BLE001 - a process already gone, a mesh lost: the rest must still stop
+        except (SupervisionError, MeshNotRunningError):
+            pass  # its processes are gone (dead, or stopped): nothing of it is left to stop
+        except Exception as exc:  # noqa: BLE001 - the rest must still stop
             print(f"stopping {what}, which a stopped actor owned, failed: {type(exc).__name__}: {exc}",
                   file=sys.stderr)

@@ -21,7 +21,6 @@ from monarch_kernel.api.sinks import OutputSink, default_sink
 from monarch_kernel.controller.inspections import ANSWER_WITHIN_S
 from monarch_kernel.controller.runtime import MeshRuntime
 from monarch_kernel.controller.state import Request
-from monarch_kernel.core.future import UNWIND_GRACE_S
 from monarch_kernel.core.hangs import Frame, RankReport, Verdict, diagnose, grouped_stacks
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.wire import messages as m
@@ -304,22 +303,15 @@ def remake_groups_after_stop(runtime: MeshRuntime, request: Request, timeout: fl
 
 def regroup_after_interrupt(runtime: MeshRuntime, stopped: list[Request], grace: float) -> list[str]:
     """After an interrupt that nobody's wait made (%mesh interrupt, the sidebar's stop): wait up to `grace`
-    for the `stopped` requests to end (up to UNWIND_GRACE_S more for those whose ranks said the stop ended
-    their collective), and make the group anew after each that ended collectives; what
+    for the `stopped` requests to end and make the group anew after each that ended collectives; what
     was said (one line each)."""
     deadline = time.monotonic() + grace
-    unwound_by = deadline + UNWIND_GRACE_S  # (ranks whose collective the stop ended will answer: wait longer)
     lines = []
     for request in stopped:
         try:
             request.completion().result(max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
-            if not request.aborted:
-                continue  # still running: whoever waits on it, or its own future, makes the group when it ends
-            try:
-                request.completion().result(max(0.0, unwound_by - time.monotonic()))
-            except concurrent.futures.TimeoutError:
-                continue
+            continue  # still running: whoever waits on it, or its own future, makes the group when it ends
         line = remake_groups_after_stop(runtime, request)
         if line is not None:
             lines.append(line)

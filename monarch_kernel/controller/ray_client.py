@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,7 +110,7 @@ def _drop_client(ray: Any, failed: bool = False) -> None:
     Ray counts a client whose connect was cut short as connected, and refuses every later `ray.init` ("ray client
     is already connected"); its own disconnect does not reach such a client (it was never registered), and closing
     one whose server failed to start waits for the head's log stream, up to minutes. So the client is taken off
-    its context here, and closed on a thread of its own."""
+    its context here and closed, its channel first (`_close_quietly`)."""
     try:
         ray.shutdown()
     except Exception:  # noqa: BLE001 - a client whose channel is gone may fail to close it; it is dropped anyway
@@ -127,14 +126,19 @@ def _drop_client(ray: Any, failed: bool = False) -> None:
         return
     context.client_worker, context.api = None, _ClientAPI()
     client.disconnect()  # (Ray's bookkeeping of the contexts; the client itself is closed below)
-    threading.Thread(target=_close_quietly, args=(worker,), name="monarch-ray-client-close", daemon=True).start()
+    _close_quietly(worker)
 
 
 def _close_quietly(worker: Any) -> None:
-    try:
+    """Close a dropped client: its channel first, which cancels its data and log streams at once, then the rest of
+    Ray's close (which otherwise waits on those streams, up to minutes). No thread of it stays inside gRPC: one
+    there makes gRPC's fork handlers crash the children this process forks (an agent, srun) with SIGSEGV."""
+    worker._in_shutdown = True
+    with contextlib.suppress(Exception):  # (its channel may be gone already)
+        if worker.channel is not None:
+            worker.channel.close()
+    with contextlib.suppress(Exception):
         worker.close()
-    except Exception:  # noqa: BLE001 - its channel may be gone already: nothing more to close
-        pass
 
 
 @contextlib.contextmanager
