@@ -334,19 +334,23 @@ def test_a_lost_client_connection_is_dropped_and_made_anew(cluster, monkeypatch)
 
 
 INTERRUPTED_CONNECTS = """
-import os, signal, sys, threading, time
+import faulthandler, os, signal, sys, threading, time
 import ray
 from monarch_kernel.controller.ray_client import connect
 
 address = sys.argv[1]
+faulthandler.dump_traceback_later(60, exit=True)  # (a connect that hangs shows where, for the test's report)
 started = time.monotonic()
 connect(address)
 took = time.monotonic() - started  # (the moments of the stops below spread over a whole connect)
+print(f"first connect {took:.2f} s", flush=True)
 signal.signal(signal.SIGINT, signal.default_int_handler)  # (Ctrl-C, as in a kernel)
 interrupted = 0
-for delay in (took * share for share in (0.01, 0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 0.95)):
+for delay in (took * share for share in (0.02, 0.2, 0.4, 0.6, 0.8, 0.95)):
+    faulthandler.dump_traceback_later(60, exit=True)
     ray.shutdown()
     timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+    began = time.monotonic()
     try:
         try:
             timer.start()
@@ -354,26 +358,36 @@ for delay in (took * share for share in (0.01, 0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 
         finally:
             timer.cancel()
             timer.join()
+        outcome = "not interrupted"
     except KeyboardInterrupt:
         interrupted += 1
+        outcome = "interrupted"
+    stopped = time.monotonic()
     connect(address)  # (whatever the interrupted one left)
     assert ray.is_initialized() and ray.cluster_resources().get("GPU") == 4, delay
+    print(f"stop at {delay:.2f} s: {outcome} after {stopped - began:.2f} s, the next connect "
+          f"{time.monotonic() - stopped:.2f} s", flush=True)
 print("interrupted", interrupted, flush=True)
 """
 
 
+@pytest.mark.timeout(300)  # (13 connects, each a server process on the head: seconds each on a loaded 2-core head)
 def test_a_connect_interrupted_at_any_moment_leaves_a_connect_that_works(cluster, tmp_path):
-    """Ctrl-C inside `ray.init` (the first connect imports Ray's client, then connects) must leave a connect that
-    works: not Ray's "ray client is already connected" (seen in a loaded suite run), nor a half-imported gRPC.
+    """Ctrl-C during a connect (the first one imports Ray's client, then connects) must leave a connect that
+    works: not Ray's "ray client is already connected" (seen in a loaded suite run), nor a half-imported gRPC,
+    nor a next connect that hangs closing a channel whose call the stop cut short (seen in CI).
     In a process of its own: a connect cut short can leave gRPC threads behind, and with them this process's
     later forks (srun, agents) die of SIGSEGV in gRPC's fork handlers (seen; see the Ray guide)."""
     script = tmp_path / "interrupted_connects.py"
     script.write_text(INTERRUPTED_CONNECTS)
-    done = subprocess.run([sys.executable, str(script), cluster.address], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    try:
+        done = subprocess.run([sys.executable, str(script), cluster.address], capture_output=True, text=True,
+                              timeout=240)
+    except subprocess.TimeoutExpired as slow:
+        raise AssertionError(f"the connects took over 240 s; they printed:\n{slow.stdout}\n{slow.stderr}") from None
+    assert done.returncode == 0, done.stdout + done.stderr[-6000:]
     interrupted = int(done.stdout.split("interrupted ")[-1].split()[0])
-    assert interrupted >= 4, done.stdout  # (most land inside it)
+    assert interrupted >= 3, done.stdout  # (most land inside it)
 
 
 def _cmdline(pid: int) -> bytes:
