@@ -533,3 +533,122 @@ def test_a_stopped_proc_mesh_says_so_to_calls_and_spawns_and_its_name_can_start_
         again.spawn("printers", Printer).say.call("on the new one").get()
     finally:
         again.stop()
+
+
+class _Fatal(BaseException):
+    """What ends an actor in Monarch: an endpoint's BaseException that is no Exception (nor a stop)."""
+
+
+class Fragile(Actor):
+    @endpoint
+    async def fail(self) -> None:
+        raise _Fatal("simulated failure")
+
+    @endpoint
+    async def check(self) -> str:
+        return "ok"
+
+    @endpoint
+    async def app_error(self) -> None:
+        raise RuntimeError("an application error")
+
+    @endpoint(explicit_response_port=True)
+    async def through_port(self, port: Port) -> None:
+        raise ValueError("raised instead of answering")
+
+
+@pytest.mark.timeout(90)
+def test_an_endpoint_raising_a_base_exception_fails_its_actor_and_the_notebook_hears_once(monkeypatch, procs):
+    """As in Monarch: the call raises SupervisionError in Monarch's words, later calls to that actor too (the other
+    ranks serve on), the owner (here the notebook's hook) hears once; an application error leaves the actor as it
+    was; an explicit-port endpoint that raises fails its actor."""
+    import monarch_kernel.monarch.actor as facade
+    from monarch_kernel.monarch.actor import ActorError, SupervisionError
+
+    seen = []
+    monkeypatch.setattr(facade, "unhandled_fault_hook", seen.append)
+    fragile = procs.spawn("fragile", Fragile)
+    with pytest.raises(ActorError, match="an application error") as app:
+        fragile.app_error.call().get(timeout=30)
+    assert not isinstance(app.value, SupervisionError)
+    assert list(fragile.check.call().get(timeout=30).values()) == ["ok", "ok"]
+    with pytest.raises(SupervisionError, match=r"The actor .*Fragile fragile\{'gpus': 1/2\}> and all its "
+                                               r"descendants have failed"):
+        fragile.slice(gpus=1).fail.call_one().get(timeout=30)
+    with pytest.raises(SupervisionError, match="_Fatal: simulated failure"):
+        fragile.check.call().get(timeout=30)  # (rank 1's actor failed)
+    assert fragile.slice(gpus=0).check.call_one().get(timeout=30) == "ok"
+    assert wait_until(lambda: seen, 10)
+    with pytest.raises(SupervisionError):
+        fragile.slice(gpus=1).fail.call_one().get(timeout=30)  # (failed already: no second report)
+    assert len(seen) == 1 and seen[0].rank == 1 and seen[0].kind == "exception"
+    assert "Fragile fragile{'gpus': 1/2}> and all its descendants have failed" in seen[0].report()
+    assert "_Fatal: simulated failure" in seen[0].report()
+
+    porting = procs.spawn("porting", Fragile)
+    with pytest.raises(SupervisionError, match="raised instead of answering"):
+        porting.slice(gpus=0).through_port.call_one().get(timeout=30)
+    with pytest.raises(SupervisionError):
+        porting.slice(gpus=0).check.call_one().get(timeout=30)
+    assert wait_until(lambda: len(seen) == 2, 10)
+
+
+class Child(Actor):
+    @endpoint
+    async def fail(self) -> None:
+        raise _Fatal("the child failed")
+
+
+class Parent(Actor):
+    def __init__(self, procs, handle: bool) -> None:
+        self.children = procs.spawn("children", Child)
+        self.heard: list = []
+        self.handle = handle
+
+    @endpoint
+    async def fail_children(self, then_wait: float = 0.0) -> int:
+        import asyncio
+
+        from monarch_kernel.monarch.actor import SupervisionError
+
+        try:
+            await self.children.fail.call()
+        except SupervisionError:
+            await asyncio.sleep(then_wait)
+            return len(self.heard)
+        raise AssertionError("the children's failure did not raise")
+
+    @endpoint
+    async def check(self) -> str:
+        return "ok"
+
+    def __supervise__(self, failure) -> bool:
+        self.heard.append(failure)
+        return self.handle
+
+
+@pytest.mark.timeout(120)
+def test_an_owner_hears_of_its_failed_actors_before_their_call_returns_and_fails_when_it_does_not_handle_it(
+        monkeypatch, procs):
+    """The owner's __supervise__ has run by the time the call that failed its actors raises in the owner (Monarch's
+    order); an owner that does not handle the failure fails in turn: its running call raises at once (not after its
+    wait), later calls too, and the failure goes on up to the notebook."""
+    import monarch_kernel.monarch.actor as facade
+    from monarch_kernel.monarch.actor import SupervisionError
+
+    seen = []
+    monkeypatch.setattr(facade, "unhandled_fault_hook", seen.append)
+    children_procs = this_host().spawn_procs(per_host={"gpus": 2}, dist="none")
+    try:
+        handling = procs.slice(gpus=0).spawn("handling", Parent, children_procs, True)
+        assert handling.fail_children.call_one().get(timeout=60) == 2  # both children heard of, before it returned
+        assert handling.check.call_one().get(timeout=30) == "ok"
+
+        careless = procs.slice(gpus=1).spawn("careless", Parent, children_procs, False)
+        with pytest.raises(SupervisionError, match=r"(?s)careless.*and all its descendants have failed.*children"):
+            careless.fail_children.call_one(600.0).get(timeout=60)
+        with pytest.raises(SupervisionError):
+            careless.check.call_one().get(timeout=30)
+        assert wait_until(lambda: any("not handled by" in f.report() for f in seen), 10)
+    finally:
+        children_procs.stop()

@@ -17,11 +17,11 @@ from typing import Any
 
 from monarch_kernel.core.errors import MeshUsageError
 from monarch_kernel.core.shape import Point, Shape
+from monarch_kernel.wire.actor_messages import SYSTEM_ACTOR as SYSTEM_ACTOR
 
 ENDPOINT_MARK = "_monarch_endpoint"
 PORT_MARK = "_monarch_explicit_port"
 CONCURRENT_MARK = "_monarch_concurrent"
-SYSTEM_ACTOR = "__procs__"  # the key of each rank's system actor, which spawns and stops actors for others
 
 # The coordinates of the actor whose endpoint (or constructor) runs in this context.
 current_point: contextvars.ContextVar[Point | None] = contextvars.ContextVar("monarch_current_point", default=None)

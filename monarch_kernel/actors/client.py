@@ -166,8 +166,8 @@ class ActorMesh(MeshShaped):
         return DoneFuture(None)
 
     def supervise_from_notebook(self) -> None:
-        """The notebook owns these actors: a rank's death, or a failed broadcast, goes to its fault hook
-        (while no later spawn of the same name replaced them)."""
+        """The notebook owns these actors: a rank's death, an actor's failure, or a failed broadcast, goes to its
+        fault hook (while no later spawn of the same name replaced them)."""
         self._supervised = Owner.NOTEBOOK
         newest = _notebook_owned
         for rank in self.ranks:
@@ -178,7 +178,13 @@ class ActorMesh(MeshShaped):
                 report_unhandled(MeshFailure(self.name, self.class_name, rank, FailureKind.DIED, why,
                                              actor=actor_name_of(self, rank)))
 
-        self._sender().watch_failures(self.ranks, died)
+        def failed(failure: MeshFailure) -> None:
+            if failure.rank is None or newest.get((self.mesh_name, self.name, failure.rank)) == self.key:
+                report_unhandled(failure)
+
+        sender = self._sender()
+        sender.watch_failures(self.ranks, died)
+        sender.watch_actor_failures(self.key, failed)
 
     def on_failure(self, callback: Callable[[ActorFailureEvent], None]) -> None:
         """Call callback(ActorFailureEvent) on a helper thread when a rank of this actor mesh dies."""
@@ -307,8 +313,8 @@ class EndpointHandle:
             f = reply.failure
             if f is None:
                 return
-            if supervised and f.cause in _KIND_OF_ERROR:
-                return  # a death reaches the owner as such; a mesh shut down is nobody's failure
+            if (supervised and f.cause in _KIND_OF_ERROR) or f.cause is FailureCause.ACTOR_FAILED:
+                return  # a death, or an actor that failed, reaches the owner as such; a mesh shut down is nobody's
             failure = MeshFailure(mesh.name, mesh.class_name, reply.rank, FailureKind.EXCEPTION,
                                   f"broadcast {label} raised {f.message}", f.traceback, actor=actor_name_of(mesh, reply.rank))
             if sending_actor is not None and sender.own_rank is not None:  # Monarch: the sender's __supervise__

@@ -23,6 +23,11 @@ def forget_identity(key: str) -> None:
     _identities.pop(key, None)
 
 
+def identity_of(key: str) -> ActorIdentity | None:
+    """The identity of the actor of spawn `key` living here (None: not here)."""
+    return _identities.get(key)
+
+
 def current_identity() -> ActorIdentity:
     """The identity of the actor running this code (the root client's outside actors)."""
     key = current_actor.get()

@@ -107,7 +107,7 @@ class HostAgent:
             m.ActorCall: lambda rank, msg: self.to_controller(msg) if msg.mesh else self._call(msg),
             m.CancelCall: lambda rank, msg: self.to_controller(msg) if msg.mesh else self.router.cancel(msg),
         }
-        for upward in (m.OwnActors, m.BroadcastFailed, m.ProcsRequest, m.ListeningForCalls):  # the controller's
+        for upward in (m.OwnActors, m.BroadcastFailed, m.ActorFailed, m.ProcsRequest, m.ListeningForCalls):  # the controller's
             self._from_rank[upward] = lambda rank, msg: self.to_controller(msg)
 
     # ------------------------------------------------------------ the controller

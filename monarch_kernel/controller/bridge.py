@@ -18,7 +18,15 @@ from typing import Any, Protocol
 from monarch_kernel.controller.loop import ControllerLoop
 from monarch_kernel.controller.supervision import Supervisors
 from monarch_kernel.wire.calls import PORTS, CallTable, death_reply
-from monarch_kernel.wire.messages import CONTROLLER, ActorCall, ActorReply, CancelCall, DirectRoute, FailureCause
+from monarch_kernel.wire.messages import (
+    CONTROLLER,
+    ActorCall,
+    ActorFailed,
+    ActorReply,
+    CancelCall,
+    DirectRoute,
+    FailureCause,
+)
 from monarch_kernel.wire.routing import CallRouter
 
 
@@ -77,6 +85,12 @@ class MeshBridge:
         for other in list(self._meshes.values()):
             if other is not side:
                 other.supervisors.rank_died(rank, why, mesh=side.mesh_name)
+
+    def actor_failed(self, side: MeshSide, msg: ActorFailed, heard: Callable[[], None]) -> bool:
+        """An actor of `side` failed: its owner in another mesh hears of it (then heard()); False if none owns it
+        (loop thread)."""
+        return any(other.supervisors.actor_failed(msg, heard, mesh=side.mesh_name)
+                   for other in list(self._meshes.values()) if other is not side)
 
     def call(self, source: MeshSide, msg: ActorCall) -> None:
         """A rank of `source` calls actors of mesh `msg.mesh`."""

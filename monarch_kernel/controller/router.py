@@ -23,6 +23,7 @@ from monarch_kernel.controller.state import MeshState
 from monarch_kernel.controller.supervision import Supervisors
 from monarch_kernel.core.errors import ConnectionClosed
 from monarch_kernel.core.interrupt_shield import shielded
+from monarch_kernel.core.supervision import MeshFailure
 from monarch_kernel.core.timing import RankTiming, TimingReporter
 from monarch_kernel.wire import messages as m
 from monarch_kernel.wire.calls import CallTable, PendingCall, death_reply, poll_until
@@ -58,6 +59,7 @@ class ControllerSender:
                                  why_dead=self._why_dead, deliver_here=self.calls.deliver, here_id=m.CONTROLLER)
         self.lanes = LanePool(state.shm_dir, loop.loop, self._on_lane_message)
         self._watchers: list[tuple[frozenset[int], Callable[[int, str], None]]] = []
+        self._actor_watchers: list[tuple[str, Callable[[MeshFailure], None]]] = []  # (spawn key, callback)
         self.supervisors = Supervisors(self.calls, self.send_call, state.is_alive)  # actor meshes actors own
         self.far = FarRoutes(state)  # where its ranks on remote hosts listen for calls from other hosts
         self._told_own: set[int] = set()  # its ranks told where the others listen
@@ -222,6 +224,11 @@ class ControllerSender:
         """Call callback(rank, why) (on a helper thread) when one of these ranks dies."""
         self._watchers.append((frozenset(ranks), callback))
 
+    def watch_actor_failures(self, key: str, callback: Callable[[MeshFailure], None]) -> None:
+        """Call callback(failure) (on a helper thread) when an actor of spawn `key` fails (not when its rank dies:
+        `watch_failures`)."""
+        self._actor_watchers.append((key, callback))
+
     def record_timing(self, label: str, title: str, times: list[RankTiming]) -> None:
         """Keep per-rank durations of an actor call in the mesh's history, and show them."""
         self._state.record_timing(label, times)
@@ -265,6 +272,21 @@ class ControllerSender:
         for ranks, callback in self._watchers:
             if rank in ranks:
                 threading.Thread(target=callback, args=(rank, why), name="mesh-supervision", daemon=True).start()
+
+    def actor_failed(self, msg: m.ActorFailed) -> None:
+        """An actor of this mesh failed: its owner hears of it, an actor (here or in another mesh) or the notebook;
+        then its rank is told so (it answers the call that failed)."""
+        def heard() -> None:
+            if msg.heard is not None:
+                owner, port_id = msg.heard
+                self._loop.call(self.router.reply, m.ActorReply(owner, port_id, m.CONTROLLER, None, None, to_port=True))
+
+        if self.supervisors.actor_failed(msg, heard) or BRIDGE.actor_failed(self, msg, heard):
+            return
+        heard()
+        for key, callback in self._actor_watchers:
+            if key == msg.key:
+                threading.Thread(target=callback, args=(msg.failure,), name="mesh-supervision", daemon=True).start()
 
     def fail_all(self, why: str) -> None:
         """The mesh restarted or shut down: every call in flight fails."""

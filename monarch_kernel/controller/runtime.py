@@ -81,6 +81,7 @@ class MeshRuntime:
             m.CancelCall: lambda link, msg: self.sender.cancel_from_agents(msg),
             m.OwnActors: lambda link, msg: self.sender.supervisors.own(msg),
             m.BroadcastFailed: lambda link, msg: self.sender.supervisors.broadcast_failed(msg),
+            m.ActorFailed: lambda link, msg: self.sender.actor_failed(msg),
             m.ProcsRequest: lambda link, msg: proc_requests.handle(self.spec, link.index, self.sender.router, msg),
             m.ListeningForCalls: lambda link, msg: self.sender.far.listening(msg),
             rm.RelayUp: self._on_relayed,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -28,13 +29,17 @@ from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.actors.base import SYSTEM_ACTOR, current_actor, current_point
-from monarch_kernel.actors.identities import forget_identity, register_identity
+from monarch_kernel.actors.identities import forget_identity, identity_of, register_identity
 from monarch_kernel.actors.log_prefix import install as install_log_prefix
 from monarch_kernel.actors.owned import stop_owned
+from monarch_kernel.actors.ports import Channel, Port, PortReceiver
 from monarch_kernel.actors.rank_loop import set_rank_loop
+from monarch_kernel.core.errors import SupervisionError
+from monarch_kernel.core.failures import FailureKind
+from monarch_kernel.core.future import Future
 from monarch_kernel.core.identity import ActorIdentity, root_identity
 from monarch_kernel.core.shape import Point, Shape
-from monarch_kernel.core.supervision import SUPERVISE
+from monarch_kernel.core.supervision import SUPERVISE, MeshFailure
 from monarch_kernel.rank.activity import EndpointActivity
 from monarch_kernel.rank.call_order import BehindRequests
 from monarch_kernel.rank.call_replies import CallReplies
@@ -48,11 +53,12 @@ from monarch_kernel.rank.runs import RunKind, Runs, ThreadStopDelivery
 from monarch_kernel.rank.user_threads import OWN_THREAD_PREFIX, MainThreadJobs, OwnThreads
 from monarch_kernel.wire.actor_messages import CONTROLLER
 from monarch_kernel.wire.calls import CallKey, PendingCall, set_default_sender
-from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, FailureCause
+from monarch_kernel.wire.messages import ActorCall, ActorFailed, ActorReply, CancelCall, Failure, FailureCause
 from monarch_kernel.wire.ops import ConstructorFailed
 
 WAIT_CHECK_S = 0.5  # how often a wait looks again for a deadlock, at most
 CLEANUP_S = 10.0  # how long stopping an actor waits for its cancelled tasks and its async __cleanup__
+OWNER_HEARS_S = 5.0  # how long the answer to a call that failed its actor waits for the owner to hear of it
 
 
 class ActorHost:
@@ -187,8 +193,9 @@ class ActorHost:
             Failure.of(FailureCause.ACTOR_STOPPED, f"actor mesh {name!r} was stopped")
         for msg in queued:
             self.replies.reply(msg, None, why)
-        self._end_instance(box)
-        stop_owned(box.key)  # what it spawned or started goes with it (Monarch's recursive stop)
+        if box.failed is None:  # (a failed actor was ended as it failed)
+            stop_owned(box.key)  # what it spawned or started goes first (Monarch's recursive stop), then itself
+            self._end_instance(box)
         forget_identity(box.key)
 
     def stop_all(self) -> int:
@@ -198,9 +205,10 @@ class ActorHost:
             self.stop(slot)
         return len(slots)
 
-    def _end_instance(self, box: Mailbox) -> None:
+    def _end_instance(self, box: Mailbox, error: BaseException | None = None) -> None:
         """Cancel the tasks of a stopped actor's concurrent endpoints (waiting for them, up to CLEANUP_S),
-        then run its `__cleanup__` (an async one on the rank's loop), in the actor's context."""
+        then run its `__cleanup__(error)` (an async one on the rank's loop), in the actor's context; `error`:
+        what made the actor fail (None: it was stopped)."""
         with self._lock:
             tasks = list(box.tasks)
         on_loop = threading.get_ident() == self._loop_thread
@@ -225,17 +233,17 @@ class ActorHost:
                 print(f"{box.name}: the async __cleanup__ could not run (the rank's event loop is "
                       f"{'this thread' if on_loop else 'gone'})", file=sys.stderr)
                 return
-            self._wait_on_loop(loop, self._async_cleanup(box, ctx), "its __cleanup__")
+            self._wait_on_loop(loop, self._async_cleanup(box, ctx, error), "its __cleanup__")
             return
         try:
-            ctx.run(cleanup, box.instance, None)
+            ctx.run(cleanup, box.instance, error)
         except Exception:  # noqa: BLE001 - a failing clean-up is reported, the stop goes on
             print(f"{box.name} on rank {self.rank}: __cleanup__ raised:", file=sys.stderr)
             traceback.print_exc()
 
-    async def _async_cleanup(self, box: Mailbox, ctx: contextvars.Context) -> None:
+    async def _async_cleanup(self, box: Mailbox, ctx: contextvars.Context, error: BaseException | None) -> None:
         try:
-            await asyncio.get_running_loop().create_task(box.instance.__cleanup__(None), context=ctx)
+            await asyncio.get_running_loop().create_task(box.instance.__cleanup__(error), context=ctx)
         except Exception:  # noqa: BLE001 - reported, the stop goes on
             print(f"{box.name} on rank {self.rank}: __cleanup__ raised:", file=sys.stderr)
             traceback.print_exc()
@@ -490,6 +498,7 @@ class ActorHost:
         key = (msg.caller, msg.call_id)  # (a stop that came after the mailbox's check raises as its user code starts)
         token, owner = current_point.set(point_of(box, msg)), current_actor.set(box.key)
         started = time.perf_counter()
+        heard: Future[Any] | None = None
         run = self.runs.begin(key, RunKind.ENDPOINT, label, actor=box)
         try:
             value, failure = self.runs.user_code(run, method, *args, **kwargs), None
@@ -498,35 +507,133 @@ class ActorHost:
             self.runs.failed(run, exc)
             if not failure.interrupted and self.runs.ended_by_its_stop(run):
                 failure = dataclasses.replace(failure, interrupted=True)  # (the stop's doing, not the endpoint's)
+            if self._ends_the_actor(box, msg, exc, failure):
+                failure, heard = self._fail(box, msg, exc, failure)
+            elif failure.interrupted and box.failed is not None:  # (stopped as its actor failed)
+                failure = box.failed
         finally:
             self.runs.end(run)
             current_point.reset(token)
             current_actor.reset(owner)
         if job and threading.get_ident() == self._main and self.main_jobs is not None:
             self.main_jobs.release()  # (the caller may call again as soon as it has the reply: main is free)
-        self.replies.answer(box, msg, value, failure, time.perf_counter() - started)
+        self._answer(box, msg, value, failure, time.perf_counter() - started, heard)
 
     async def _serve_async(self, box: Mailbox, msg: ActorCall, method, label: str, args, kwargs, *,
                            concurrent: bool = False) -> None:
         started = time.perf_counter()
         key = (msg.caller, msg.call_id)
+        heard: Future[Any] | None = None
         run = self.runs.begin(key, RunKind.ENDPOINT, label, actor=box, task=True)
         try:
             value, failure = await method(*args, **kwargs), None
         except asyncio.CancelledError:
-            value, failure = None, Failure("KeyboardInterrupt", "cancelled while it ran", "", interrupted=True)
+            value, failure = None, box.failed or Failure("KeyboardInterrupt", "cancelled while it ran", "",
+                                                         interrupted=True)
         except BaseException as exc:  # noqa: BLE001
             value, failure = None, describe_failure(exc)
+            if self._ends_the_actor(box, msg, exc, failure):
+                failure, heard = self._fail(box, msg, exc, failure)
         with self._lock:
             task = self._tasks.pop(key, None)
             box.tasks.discard(task)
         self.runs.end(run)
-        self.replies.answer(box, msg, value, failure, time.perf_counter() - started)
+        self._answer(box, msg, value, failure, time.perf_counter() - started, heard)
         if concurrent:
             return  # (it never held the mailbox)
         with self._lock:
             box.busy = box.in_async = False
         self._drain(box)
+
+    # ------------------------------------------------------------ actors that fail
+    @staticmethod
+    def _ends_the_actor(box: Mailbox, msg: ActorCall, exc: BaseException, failure: Failure) -> bool:
+        """Whether what an endpoint raised ends its actor, as in Monarch: a BaseException that is no Exception
+        (an interrupt aside: a stop), or any exception of an endpoint that answers through its own port (it had
+        nobody to raise it to). Other exceptions go to the caller, and the actor serves on."""
+        if failure.interrupted or isinstance(exc, (KeyboardInterrupt, asyncio.CancelledError)):
+            return False
+        if box.key == SYSTEM_ACTOR or msg.endpoint == SUPERVISE:  # (the controller handles a failing __supervise__)
+            return False
+        return not isinstance(exc, Exception) or bool(box.endpoints[msg.endpoint][3])
+
+    def _fail(self, box: Mailbox, msg: ActorCall, exc: BaseException,
+              failure: Failure) -> tuple[Failure, Future[Any] | None]:
+        """The actor of `box` failed: it answers this call and every later one with that (its queued calls
+        too), its owner hears of it (`ActorFailed`), and what it owns is stopped before its `__cleanup__(exc)`
+        runs (on a thread of its own: this may be the loop its clean-up needs). The answer to this call, and
+        what says that the owner heard of it (None: the actor had failed already)."""
+        cls = type(box.instance).__name__
+        said = failure.message  # (the exception's type, and what it said)
+        failed = Failure(failure.error_type, f"actor {box.name!r} ({cls}) on rank {self.rank} failed: its endpoint "
+                         f"{msg.endpoint} raised {said}", failure.traceback, cause=FailureCause.ACTOR_FAILED)
+        if not self._mark_failed(box, failed, exc):
+            return box.failed or failed, None
+        identity = identity_of(box.key)
+        port: Port[Any]
+        receiver: PortReceiver[Any]
+        port, receiver = Channel.open(once=True)
+        self.sender.send_up(ActorFailed(self.rank, box.key, MeshFailure(
+            box.name, cls, self.rank, FailureKind.EXCEPTION, f"endpoint {msg.endpoint} raised {said}",
+            failure.traceback, actor=identity.qualified_name() if identity is not None else ""),
+            (port._owner, port._port_id)))
+        return failed, receiver.recv()
+
+    def fail_key(self, key: str, report: str) -> bool:
+        """The actor of spawn `key` here fails: a failure of an actor mesh it owns was not handled (the controller
+        asks, `FailActor`). Its running calls stop and, as every later one, are answered with `report`; its
+        owner has heard already. Whether it was here."""
+        box = self._mailboxes.get(key)
+        if box is None or box.key == SYSTEM_ACTOR:
+            return False
+        failed = Failure("SupervisionError", report, "", cause=FailureCause.ACTOR_FAILED)
+        if self._mark_failed(box, failed, SupervisionError(report, [])):
+            self._stop_calls_of(box)
+        return True
+
+    def _mark_failed(self, box: Mailbox, failed: Failure, error: BaseException) -> bool:
+        """Mark `box` failed with `failed` (False: it had failed or stopped already): its queued calls are
+        answered with it, and it is ended on a thread of its own (`_end_failed`)."""
+        queued: list[ActorCall] = []
+        with self._lock:
+            if box.failed is not None or box.stopped:
+                return False
+            box.failed = failed
+            queued.extend(box.queue)
+            box.queue.clear()
+        for call in queued:
+            self.replies.reply(call, None, failed)
+        threading.Thread(target=self._end_failed, args=(box, error), name=f"actor-failed-{box.name}",
+                         daemon=True).start()
+        return True
+
+    def _stop_calls_of(self, box: Mailbox) -> None:
+        """Stop the calls that the actor of `box` runs now (they are answered with its failure)."""
+        keys = [run.key for run in self.runs.calls() if run.actor is box]
+        self.runs.stop(keys)
+        with self._lock:
+            tasks = [task for key in keys if (task := self._tasks.get(key)) is not None]  # type: ignore[arg-type]
+        for task in tasks:
+            self.on_loop(task.cancel)
+
+    def _answer(self, box: Mailbox, msg: ActorCall, value: Any, failure: Failure | None, seconds: float,
+                heard: Future[Any] | None) -> None:
+        """Answer a call; one that failed its actor once its owner heard of it (at most OWNER_HEARS_S later), on
+        a thread of its own."""
+        if heard is None:
+            self.replies.answer(box, msg, value, failure, seconds)
+            return
+
+        def when_heard() -> None:
+            with contextlib.suppress(Exception):  # (not heard in time: answered all the same)
+                heard.get(timeout=OWNER_HEARS_S)
+            self.replies.answer(box, msg, value, failure, seconds)
+
+        threading.Thread(target=when_heard, name=f"actor-failed-answer-{box.name}", daemon=True).start()
+
+    def _end_failed(self, box: Mailbox, error: BaseException) -> None:
+        stop_owned(box.key)
+        self._end_instance(box, error)
 
 
 def _from_constructor(tb: types.TracebackType | None) -> types.TracebackType | None:

@@ -44,6 +44,9 @@ class Actors(Protocol):
     def stop_key(self, key: str) -> bool:
         """Stop this rank's actor of a spawn; whether it was there."""
 
+    def fail_key(self, key: str, report: str) -> bool:
+        """Fail this rank's actor of a spawn (an owned failure it did not handle); whether it was there."""
+
     def stop_all(self) -> int:
         """Stop every actor mesh here (the processes are about to end); how many there were."""
 
@@ -64,6 +67,7 @@ class RankOps:
         self._table: dict[type, Callable[[Any], Any]] = {
             ops.SpawnActors: self._spawn,
             ops.StopActors: lambda op: self.actors.stop_key(op.key),
+            ops.FailActor: lambda op: self.actors.fail_key(op.key, op.report),
             ops.StopAllActors: self._stop_all_actors,
             ops.Describe: self._describe,
             ops.PostMortem: lambda op: debugger.post_mortem() if op.in_debugger else post_mortem(),

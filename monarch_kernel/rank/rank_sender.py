@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from monarch_kernel.core.errors import MeshUsageError
+from monarch_kernel.core.supervision import MeshFailure
 from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.rank.direct_calls import DirectCalls
 from monarch_kernel.wire.calls import PORTS, CallTable, PendingCall
@@ -120,6 +121,11 @@ class RankSender:
     def watch_failures(self, ranks: Iterable[int], callback: Callable[[int, str], None]) -> None:
         """Supervision is the notebook's: a rank cannot watch other ranks."""
         raise MeshUsageError("on_failure() is for the notebook that spawned the actors")
+
+    def watch_actor_failures(self, key: str, callback: Callable[[MeshFailure], None]) -> None:
+        """An actor's failures reach its owning actor through the controller (`send_up`), not a watch here."""
+        raise MeshUsageError("the notebook watches the actors it spawned; an actor hears of its own through "
+                             "__supervise__")
 
     def record_timing(self, label: str, title: str, times: list[RankTiming]) -> None:
         """Ranks keep no timing history."""

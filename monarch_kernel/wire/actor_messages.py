@@ -44,6 +44,7 @@ class Failure:
 # A slice as (dims, global ranks): its points are the endpoint's current_rank() (plain tuples: calls travel flat)
 Through = tuple[tuple[tuple[str, int], ...], tuple[int, ...]]
 CONTROLLER = -1  # the caller id of calls made from the notebook (ranks use their rank)
+SYSTEM_ACTOR = "__procs__"  # the key of each rank's system actor, which spawns and stops actors for others
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,20 @@ class BroadcastFailed:
 
 
 @dataclass(frozen=True)
+class ActorFailed:
+    """An actor failed on its rank (an endpoint raised what ends an actor, as in Monarch: a BaseException, or any
+    exception of an endpoint that answers through its own port): its owner hears of it (rank -> agent ->
+    controller, which asks an owning actor's `__supervise__`, or the notebook's fault hook). The rank answers
+    the failed call once the owner has heard (`heard`), so that a caller that owns the actor finds its
+    `__supervise__` done when the call raises, as in Monarch."""
+
+    rank: int
+    key: str  # the failed actor mesh's spawn key
+    failure: MeshFailure
+    heard: tuple[int, int] | None = None  # a port of the rank (owner, id): told once the owner has heard of it
+
+
+@dataclass(frozen=True)
 class StartProcs:
     """Start `per_host` processes on the asking rank's host (with its mesh's settings unless `options` differ)."""
 
@@ -190,7 +205,7 @@ class ProcsRequest:
     op: StartProcs | StopProcs | GetController
 
 
-ForSupervisors = OwnActors | BroadcastFailed | ProcsRequest  # what a rank sends its controller about its actors
+ForSupervisors = OwnActors | BroadcastFailed | ActorFailed | ProcsRequest  # what a rank tells its controller of its actors
 
 
 fast_pickling(vars().values(), __name__)

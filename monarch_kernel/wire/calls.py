@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from monarch_kernel.core.ids import fresh_ids
+from monarch_kernel.core.supervision import MeshFailure
 from monarch_kernel.core.timing import RankTiming
 from monarch_kernel.wire.messages import (
     CONTROLLER,
@@ -368,6 +369,9 @@ class CallSender(Protocol):
 
     def watch_failures(self, ranks: Iterable[int], callback: Callable[[int, str], None]) -> None:
         """Call callback(rank, why) when one of these ranks dies."""
+
+    def watch_actor_failures(self, key: str, callback: Callable[[MeshFailure], None]) -> None:
+        """Call callback(failure) when an actor of spawn `key` fails (its endpoint raised what ends an actor)."""
 
     def record_timing(self, label: str, title: str, times: list[RankTiming]) -> None:
         """Keep (and show, where someone shows them) per-rank durations of a call."""

@@ -17,6 +17,9 @@ from monarch_kernel.wire.actor_messages import (
     ActorCall as ActorCall,
 )
 from monarch_kernel.wire.actor_messages import (
+    ActorFailed as ActorFailed,
+)
+from monarch_kernel.wire.actor_messages import (
     ActorReply as ActorReply,
 )
 from monarch_kernel.wire.actor_messages import (

@@ -61,6 +61,16 @@ class StopActors:
 
 
 @dataclass(frozen=True)
+class FailActor:
+    """The actor of spawn `key` on this rank fails, as in Monarch: a failure of an actor mesh it owns reached it
+    and it did not handle it (its `__supervise__` returned a false value or raised, or it has none). Its calls,
+    running and to come, are answered with `report`. Answer: whether it was there."""
+
+    key: str
+    report: str
+
+
+@dataclass(frozen=True)
 class StopAllActors:
     """Stop every actor on this rank (each one's concurrent tasks cancelled, then its `__cleanup__`), then run the
     user's exit work (`rank/exit_work.py`), as its processes are about to end. Answer: how many actor meshes
@@ -226,12 +236,12 @@ class StopDebugger:
     """End the rank's visual debugger (its threads run on untraced). Answer: whether one was running."""
 
 
-RankOperation = (SpawnActors | StopActors | StopAllActors | Describe | PostMortem | HasFailedCell | UseWorkspace
+RankOperation = (SpawnActors | StopActors | FailActor | StopAllActors | Describe | PostMortem | HasFailedCell | UseWorkspace
                  | SetAutoreload | Versions | ApplyLayout | MeasureRank | TrialLayout | CollectGarbage | SetLogLevel
                  | RemakeDefaultGroup | StartProfile | StopProfile | ReadClock | ListActorMeshes | StartDebugger
                  | StopDebugger)
 RANK_OPERATIONS: tuple[type, ...] = get_args(RankOperation)  # (the list is written once, as the union)
-ACTOR_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors)  # what a rank's system actor takes from others
+ACTOR_OPERATIONS: tuple[type, ...] = (SpawnActors, StopActors, FailActor)  # what a rank's system actor takes
 
 # ---------------------------------------------------------------- what the agent answers to host operations
 
