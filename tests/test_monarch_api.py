@@ -652,3 +652,28 @@ def test_an_owner_hears_of_its_failed_actors_before_their_call_returns_and_fails
         assert wait_until(lambda: any("not handled by" in f.report() for f in seen), 10)
     finally:
         children_procs.stop()
+
+
+class Aborting(Actor):
+    @endpoint
+    def abort(self, reason=None) -> None:
+        from monarch_kernel.monarch.actor import context
+
+        context().actor_instance.abort(reason)
+
+
+@pytest.mark.timeout(60)
+def test_abort_fails_its_actor_and_the_owner_hears_the_reason(monkeypatch, procs):
+    import monarch_kernel.monarch.actor as facade
+    from monarch_kernel.monarch.actor import SupervisionError, context
+
+    seen = []
+    monkeypatch.setattr(facade, "unhandled_fault_hook", seen.append)
+    for name, reason, said in (("aborting", "out of patience", "out of patience"),
+                               ("aborting_quietly", None, "no reason provided")):
+        with pytest.raises(SupervisionError, match=said):
+            procs.slice(gpus=0).spawn(name, Aborting).abort.call_one(reason).get(timeout=30)
+    assert wait_until(lambda: len(seen) == 2, 10)
+    assert "Aborting aborting> and all its descendants have failed" in seen[0].report()
+    with pytest.raises(RuntimeError, match="root client"):
+        context().actor_instance.abort("from the notebook")

@@ -85,11 +85,23 @@ class Instance:
             return self.proc_mesh
         return ProcMesh(ident.mesh_name, Shape((), (ident.shape.ranks[ident.rank.rank],)))
 
+    def abort(self, reason: str | None = None) -> None:
+        """Fail this actor, as Monarch's `abort`: raises ActorAborted, which ends the endpoint that called it and
+        fails the actor (its owner hears of it, with `reason`). Call it in an endpoint of the actor."""
+        if self._identity.shape is None:
+            raise RuntimeError("abort() fails an actor; the root client is none: call it in an endpoint")
+        raise ActorAborted(reason if reason is not None else "no reason provided")
+
     def __repr__(self) -> str:
         return self._identity.qualified_name()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Instance, (self._identity,))
+
+
+class ActorAborted(BaseException):
+    """Raised by `Instance.abort()`: a BaseException, so that the endpoint's caller cannot mistake it for an error
+    of its own, and the actor fails (see rank/actor_host.py)."""
 
 
 class Context:
