@@ -117,6 +117,18 @@ def test_a_value_that_fails_to_pickle_leaves_no_file_behind(shm_dir):
     assert not [n for n in os.listdir(shm_dir) if n.startswith(("buf-", "hold-"))]
 
 
+def test_a_value_whose_getstate_raises_is_a_runtime_error_that_says_what_it_raised():
+    """As Monarch's (its test_broken_pickle_class): a RuntimeError, raised where the value is sent."""
+
+    class Broken:
+        def __getstate__(self):
+            raise RuntimeError("__getstate__ error: cannot")
+
+    with pytest.raises(RuntimeError, match="__getstate__ error: cannot") as info:
+        seal(((Broken(),), {}))
+    assert isinstance(info.value, SerializationError)
+
+
 def test_shared_buffers_are_copy_on_write_and_released_by_sender(shm_dir):
     t = torch.zeros(SHM_THRESHOLD // 4 * 2)
     sealed = seal({"x": t}, shm_dir=shm_dir, shared=True)

@@ -59,8 +59,8 @@ class ConnectionClosed(MeshError):
     """A link between two of our processes is closed (the peer exited or the mesh stopped)."""
 
 
-class SerializationError(MeshError):
-    """A value could not be pickled or unpickled to cross to/from the ranks."""
+class SerializationError(MeshError, RuntimeError):
+    """A value could not be pickled or unpickled to cross to/from the ranks (a RuntimeError, as Monarch's are)."""
 
 
 class _FailureReport:
