@@ -216,7 +216,7 @@ def test_errors_name_actor_rank_endpoint_and_show_source(counters):
     err = info.value
     assert err.ranks == [1, 2]
     text = str(err)
-    assert "Counter.fail" in text and "'counters'" in text and "ranks 1-2" in text
+    assert "Actor call counters.fail failed on ranks 1-2 (Counter.fail)" in text  # (Monarch's words first)
     assert 'raise ValueError(f"bad input: {text}")' in text  # the source line itself
     assert "ValueError: bad input: oops" in text
 

@@ -568,7 +568,7 @@ def test_an_endpoint_raising_a_base_exception_fails_its_actor_and_the_notebook_h
     seen = []
     monkeypatch.setattr(facade, "unhandled_fault_hook", seen.append)
     fragile = procs.spawn("fragile", Fragile)
-    with pytest.raises(ActorError, match="an application error") as app:
+    with pytest.raises(ActorError, match="(?s)Actor call fragile.app_error failed.*an application error") as app:
         fragile.app_error.call().get(timeout=30)
     assert not isinstance(app.value, SupervisionError)
     assert list(fragile.check.call().get(timeout=30).values()) == ["ok", "ok"]

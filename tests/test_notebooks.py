@@ -68,7 +68,7 @@ def test_actors_notebook_trains_with_a_parameter_server():
     learned, target = (ast.literal_eval(line.split(":", 1)[1].strip()) for line in (learned, target))
     assert max(abs(a - b) for a, b in zip(learned, target)) < 0.05
     failure = texts(cell_with(nb, "workers.check.call(-1)"))
-    assert "Worker.check (actor mesh 'workers') failed on ranks 1-3: ValueError" in failure
+    assert "Actor call workers.check failed on ranks 1-3 (Worker.check): ValueError" in failure
     assert 'raise ValueError(f"batch index must be >= 0, got {batch}")' in failure
     assert "Cell In[2], line 41, in check" in failure  # named like IPython names local cells
     assert "[0] updates:" in texts(cell_with(nb, 'actors["server"]'))

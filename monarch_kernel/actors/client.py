@@ -419,8 +419,9 @@ def raise_failures(pending: PendingCall, mesh: ActorMesh, ranks: tuple[int, ...]
     if not failures:
         return
     kinds = sorted({f.error_type for f in failures})
-    summary = (f"{pending.label} (actor mesh {mesh.name!r}) failed on rank"
-               f"{'s' if len(failures) > 1 else ''} {format_ranks([f.rank for f in failures])}: {', '.join(kinds)}")
+    endpoint = pending.label.rsplit(".", 1)[-1]  # (Monarch's words first: "Actor call name.endpoint failed")
+    summary = (f"Actor call {mesh.name}.{endpoint} failed on rank{'s' if len(failures) > 1 else ''} "
+               f"{format_ranks([f.rank for f in failures])} ({pending.label}): {', '.join(kinds)}")
     gone = any(reply.failure is not None and reply.failure.cause in _GONE
                for rank in ranks if (reply := pending.replies.get(rank)) is not None)
     if gone:  # its actors are gone, rather than it failed
