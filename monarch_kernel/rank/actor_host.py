@@ -194,8 +194,7 @@ class ActorHost:
         for msg in queued:
             self.replies.reply(msg, None, why)
         if box.failed is None:  # (a failed actor was ended as it failed)
-            stop_owned(box.key)  # what it spawned or started goes first (Monarch's recursive stop), then itself
-            self._end_instance(box)
+            self._end(box)
         forget_identity(box.key)
 
     def stop_all(self) -> int:
@@ -204,6 +203,12 @@ class ActorHost:
         for slot in slots:
             self.stop(slot)
         return len(slots)
+
+    def _end(self, box: Mailbox, error: BaseException | None = None) -> None:
+        """End a stopped or failed actor: what it spawned or started goes first (Monarch's recursive stop), then
+        the actor itself (`_end_instance`)."""
+        stop_owned(box.key)
+        self._end_instance(box, error)
 
     def _end_instance(self, box: Mailbox, error: BaseException | None = None) -> None:
         """Cancel the tasks of a stopped actor's concurrent endpoints (waiting for them, up to CLEANUP_S),
@@ -259,11 +264,14 @@ class ActorHost:
     # ------------------------------------------------------------ reader thread side
     def cancel(self, msg: CancelCall) -> None:
         """Called by the reader thread: stop a call wherever it is."""
-        key = (msg.caller, msg.call_id)
-        self.runs.stop([key])
+        self._stop_runs([(msg.caller, msg.call_id)])
+
+    def _stop_runs(self, keys: list[CallKey]) -> None:
+        """Stop these calls wherever they run: a sync one where its thread is, an async one's task cancelled."""
+        self.runs.stop(keys)
         with self._lock:
-            task = self._tasks.get(key)
-        if task is not None:
+            tasks = [task for key in keys if (task := self._tasks.get(key)) is not None]
+        for task in tasks:
             self.on_loop(task.cancel)
 
     def arrived(self, msg: ActorCall) -> None:
@@ -593,7 +601,7 @@ class ActorHost:
 
     def _mark_failed(self, box: Mailbox, failed: Failure, error: BaseException) -> bool:
         """Mark `box` failed with `failed` (False: it had failed or stopped already): its queued calls are
-        answered with it, and it is ended on a thread of its own (`_end_failed`)."""
+        answered with it, and it is ended on a thread of its own (`_end`)."""
         queued: list[ActorCall] = []
         with self._lock:
             if box.failed is not None or box.stopped:
@@ -603,18 +611,13 @@ class ActorHost:
             box.queue.clear()
         for call in queued:
             self.replies.reply(call, None, failed)
-        threading.Thread(target=self._end_failed, args=(box, error), name=f"actor-failed-{box.name}",
+        threading.Thread(target=self._end, args=(box, error), name=f"actor-failed-{box.name}",
                          daemon=True).start()
         return True
 
     def _stop_calls_of(self, box: Mailbox) -> None:
         """Stop the calls that the actor of `box` runs now (they are answered with its failure)."""
-        keys = [run.key for run in self.runs.calls() if run.actor is box]
-        self.runs.stop(keys)
-        with self._lock:
-            tasks = [task for key in keys if (task := self._tasks.get(key)) is not None]  # type: ignore[arg-type]
-        for task in tasks:
-            self.on_loop(task.cancel)
+        self._stop_runs([run.key for run in self.runs.calls() if run.actor is box and isinstance(run.key, tuple)])
 
     def _answer(self, box: Mailbox, msg: ActorCall, value: Any, failure: Failure | None, seconds: float,
                 heard: Future[Any] | None) -> None:
@@ -630,10 +633,6 @@ class ActorHost:
             self.replies.answer(box, msg, value, failure, seconds)
 
         threading.Thread(target=when_heard, name=f"actor-failed-answer-{box.name}", daemon=True).start()
-
-    def _end_failed(self, box: Mailbox, error: BaseException) -> None:
-        stop_owned(box.key)
-        self._end_instance(box, error)
 
 
 def _from_constructor(tb: types.TracebackType | None) -> types.TracebackType | None:
