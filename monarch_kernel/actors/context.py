@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from monarch_kernel.actors.base import current_point
+from monarch_kernel.actors.base import current_actor, current_point
 from monarch_kernel.actors.identities import current_identity
 from monarch_kernel.actors.procs import ProcMesh
-from monarch_kernel.core.identity import ActorIdentity
+from monarch_kernel.core.identity import ActorIdentity, root_identity
 from monarch_kernel.core.shape import Point, Shape
 
 # how the root client finds its own process as a ProcMesh (monarch_kernel.monarch.actor sets `this_proc`)
@@ -126,8 +126,25 @@ class Context:
         return f"<Context of {self._instance!r} at {self._message_rank}>"
 
 
+class ClientContext:
+    """Where `context()` outside actors comes from: the root client's Context, made at each ask, so that
+    nothing is kept per thread (a program that calls context() from many short threads keeps nothing of
+    them; Monarch's `_client_context`)."""
+
+    def get(self) -> Context:
+        """The root client's Context."""
+        identity = root_identity()
+        point = current_point.get()
+        return Context(Instance(identity), point if point is not None else identity.rank)
+
+
+client_context = ClientContext()
+
+
 def context() -> Context:
     """The Context of the code running now: in an endpoint or constructor, its actor; elsewhere the root client."""
+    if current_actor.get() is None:
+        return client_context.get()
     identity = current_identity()
     point = current_point.get()
     return Context(Instance(identity), point if point is not None else identity.rank)

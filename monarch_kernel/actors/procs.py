@@ -28,8 +28,9 @@ from monarch_kernel.actors.owned import record
 from monarch_kernel.actors.ports import Channel, Port, PortReceiver
 from monarch_kernel.actors.rank_loop import run_on_rank_loop
 from monarch_kernel.actors.spawning import spawn_actor_mesh
-from monarch_kernel.core.errors import MeshUsageError
-from monarch_kernel.core.future import DoneFuture, Future
+from monarch_kernel.core.errors import ActorError, MeshUsageError, RemoteError
+from monarch_kernel.core.future import DoneFuture, FailedFuture, Future
+from monarch_kernel.core.proc_bind import check_bindings
 from monarch_kernel.core.shape import MeshShaped, Shape
 from monarch_kernel.wire.calls import find_sender
 from monarch_kernel.wire.messages import GetController, ProcsRequest, StartProcs, StopProcs
@@ -46,14 +47,18 @@ A = TypeVar("A", bound=Actor)
 StartMesh = Callable[[tuple[Any, ...], int, "str | None", dict[str, Any]], Any]
 # called with each mesh that spawn_procs starts (the notebook's %mesh registry adopts it)
 mesh_started: list[Callable[[Any], None]] = []
+# called with each ProcMesh that spawn_procs returns (Monarch's register_proc_mesh_spawn_callback)
+proc_mesh_spawned: list[Callable[[ProcMesh], None]] = []
 
 
 class ProcMesh(MeshShaped):
     """Processes of a mesh, shaped by named dims: spawn actor meshes on them."""
 
     def __init__(self, mesh_name: str, shape: Shape, *, stop: Callable[[], None] | None = None,
-                 host_mesh: Callable[[], Any] | None = None, logging_option: Callable[..., None] | None = None):
+                 host_mesh: Callable[[], Any] | None = None, logging_option: Callable[..., None] | None = None,
+                 failed: BaseException | None = None):
         self._mesh = mesh_name
+        self._failed = failed  # why these processes never came up (spawn_procs' bootstrap raised)
         self.shape = shape  # dims over the mesh's global ranks
         self._stop = stop  # the notebook's way to end these processes (not carried to ranks)
         self._host_mesh = host_mesh
@@ -66,7 +71,8 @@ class ProcMesh(MeshShaped):
 
     # ------------------------------------------------------------ shape
     def _with(self, shape: Shape) -> ProcMesh:
-        return ProcMesh(self._mesh, shape, stop=None, host_mesh=self._host_mesh, logging_option=self._logging_option)
+        return ProcMesh(self._mesh, shape, stop=None, host_mesh=self._host_mesh, logging_option=self._logging_option,
+                        failed=self._failed)
 
     # ------------------------------------------------------------ actors
     def spawn(self, name: str, actor_class: type[A], *args: Any, **kwargs: Any) -> ActorMesh:
@@ -77,6 +83,8 @@ class ProcMesh(MeshShaped):
         the notebook's `unhandled_fault_hook`, which prints it by default), and calls to that actor raise
         SupervisionError with the constructor's traceback. Spawned inside an actor, the actor owns it.
         """
+        if self._failed is not None:
+            raise self._failed
         if self._mesh in STOPPED_PROC_MESHES:
             raise RuntimeError(f"`ProcMesh` has already been stopped (mesh {self._mesh!r}): spawn on new processes "
                                "(HostMesh.spawn_procs)")
@@ -117,8 +125,8 @@ class ProcMesh(MeshShaped):
 
     @property
     def initialized(self) -> Future[bool]:
-        """Done: spawn_procs returns once the processes are up."""
-        return DoneFuture(True)
+        """Done: spawn_procs returns once the processes are up (raises ActorError if its `bootstrap` raised)."""
+        return DoneFuture(True) if self._failed is None else FailedFuture(self._failed)
 
     @property
     def host_mesh(self) -> Any:
@@ -137,30 +145,36 @@ class ProcMesh(MeshShaped):
 class HostMesh(MeshShaped):
     """Hosts, shaped by named dims (`hosts`, or none for one host): `spawn_procs` starts processes."""
 
-    def __init__(self, hosts: Sequence[Any], shape: Shape, start: StartMesh | None = None, *, for_actor: bool = False):
+    def __init__(self, hosts: Sequence[Any], shape: Shape, start: StartMesh | None = None, *, for_actor: bool = False,
+                 owned: bool = True):
         self._hosts = tuple(hosts)
         self.shape = shape  # dims over host indices
         self._start = start  # starts a mesh on some of these hosts
         self._for_actor = for_actor  # a rank's own host: the notebook starts processes for its actor
+        self._owned = owned  # False for a slice or a copy (pickled): a reference, which cannot stop the hosts
         self._spawned: list[Any] = []  # the meshes spawn_procs started
-        self._shut_down = False
+        # the hosts while they can be used; None once shut down (Monarch's name: its programs look at it)
+        self._inner_host_mesh: tuple[Any, ...] | None = self._hosts
 
     def _with(self, shape: Shape) -> HostMesh:
         picked = [self._hosts[i] for i in shape.ranks]
-        return HostMesh(picked, Shape(shape.dims, tuple(range(len(picked)))), self._start)
+        return HostMesh(picked, Shape(shape.dims, tuple(range(len(picked)))), self._start, owned=False)
 
     def spawn_procs(self, per_host: dict[str, int] | None = None,
                     bootstrap: Callable[[], None] | Callable[[], Awaitable[None]] | None = None,
-                    name: str | None = None, **mesh_options: Any) -> ProcMesh:
+                    name: str | None = None, proc_bind: list[dict[str, str]] | None = None,
+                    **mesh_options: Any) -> ProcMesh:
         """Start `per_host` processes on each host (e.g. {"gpus": 4}); returns their ProcMesh.
 
         `bootstrap` runs once in each new process before it is handed out (an `async def` one on the
-        process's actor event loop, as an async endpoint would run). `mesh_options`
-        go to the mesh (`dist`, `env`, `preload`, `timeout`, ...): by default a local mesh
-        is started as `%mesh up local` starts one, and processes on another mesh's hosts
-        copy that mesh's settings.
+        process's actor event loop, as an async endpoint would run; if it raises, the processes are stopped
+        and `initialized` and `spawn` raise ActorError). `proc_bind`, as Monarch's: one dict per process of a
+        host pinning it to CPUs or NUMA nodes (`{"cpus": "0-3"}`; keys cpus, cpunodebind, physcpubind,
+        membind). `mesh_options` go to the mesh (`dist`, `env`, `preload`, `timeout`, ...): by default a
+        local mesh is started as `%mesh up local` starts one, and processes on another mesh's hosts copy that
+        mesh's settings.
         """
-        if self._shut_down:
+        if self._inner_host_mesh is None:
             raise RuntimeError("HostMesh has already been shut down: spawn on a new one (this_host(), or a new job's)")
         if self._start is None and not self._for_actor:
             raise MeshUsageError("spawn_procs() starts processes on the hosts of a HostMesh made in the notebook or "
@@ -172,6 +186,9 @@ class HostMesh(MeshShaped):
         if set(per_host) & set(self.shape.names):
             raise MeshUsageError(f"per_host dims {sorted(per_host)} repeat the host mesh's {self.shape.names}")
         count = math.prod(per_host.values()) if per_host else 1
+        if proc_bind is not None:
+            check_bindings(proc_bind, count)  # (ValueError, Monarch's words, before anything starts)
+            mesh_options["proc_bind"] = [dict(bind) for bind in proc_bind]
         if self._for_actor:
             if bootstrap is not None:
                 raise MeshUsageError(_NO_BOOTSTRAP)
@@ -179,21 +196,18 @@ class HostMesh(MeshShaped):
         else:
             assert self._start is not None
             mesh = self._start(self._hosts, count, name, mesh_options)
-        try:
-            if bootstrap is not None:
-                mesh.call(_run_bootstrap, bootstrap)
-        except BaseException:
-            mesh.shutdown()
-            raise
+        failed = _bootstrapped(mesh, bootstrap) if bootstrap is not None else None
         self._spawned.append(mesh)
         STOPPED_PROC_MESHES.discard(mesh.name)  # (a new mesh of a stopped one's name)
         for started in mesh_started:
             started(mesh)
         dims = (*self.shape.dims, *per_host.items())
         procs = ProcMesh(mesh.name, Shape(dims, mesh.ranks), stop=lambda: stop_actors_then_processes(mesh),
-                         host_mesh=lambda: self, logging_option=getattr(mesh, "logging_option", None))
+                         host_mesh=lambda: self, logging_option=getattr(mesh, "logging_option", None), failed=failed)
         if self._for_actor:
             record(current_actor.get(), f"processes of mesh {mesh.name!r}", procs.stop)  # (stopped with their starter)
+        for spawned in list(proc_mesh_spawned):
+            spawned(procs)
         return procs
 
     def with_python_executable(self, python_executable: str) -> HostMesh:
@@ -204,7 +218,17 @@ class HostMesh(MeshShaped):
                                  "in an actor, the processes it starts already run its own mesh's interpreter")
         hosts = [dataclasses.replace(h, python=python_executable)
                  if dataclasses.is_dataclass(h) and not isinstance(h, type) else h for h in self._hosts]
-        return HostMesh(hosts, self.shape, self._start)
+        return HostMesh(hosts, self.shape, self._start, owned=self._owned)
+
+    @property
+    def initialized(self) -> Future[bool]:
+        """Done: the hosts can take spawns when the HostMesh exists (Monarch's connects in the background)."""
+        return DoneFuture(True)
+
+    def attached(self) -> HostMesh:
+        """A new HostMesh on the same hosts, owning what it spawns (a job's next client: its own stop and
+        shutdown end only its own processes)."""
+        return HostMesh(self._hosts, self.shape, self._start, for_actor=self._for_actor)
 
     @property
     def is_fake_in_process(self) -> bool:
@@ -213,24 +237,33 @@ class HostMesh(MeshShaped):
 
     def shutdown(self) -> Future[None]:
         """Stop every process that spawn_procs started on these hosts (their actors' clean-up first); the
-        HostMesh takes no more spawns. As in Monarch, a second shutdown raises RuntimeError."""
-        if self._shut_down:
-            raise RuntimeError("HostMesh has already been shut down")
-        self._shut_down = True
-        for mesh in self._spawned:
-            stop_actors_then_processes(mesh)
-        self._spawned.clear()
+        HostMesh takes no more spawns. As in Monarch, a second shutdown raises RuntimeError, and so does the
+        shutdown of a reference (a slice, or a HostMesh that was pickled): shut down the one it came from."""
+        self._stop_processes("shut down")
+        self._inner_host_mesh = None
         return DoneFuture(None)
 
     def stop(self) -> Future[None]:
-        """Alias of shutdown()."""
-        return self.shutdown()
+        """Stop every process that spawn_procs started through this HostMesh (their actors' clean-up first), and
+        only those: the hosts stay, for this HostMesh and others on them (a job's next `state()`), as Monarch's."""
+        self._stop_processes("stop")
+        return DoneFuture(None)
+
+    def _stop_processes(self, what: str) -> None:
+        if not self._owned:
+            raise RuntimeError(f"cannot {what} `HostMesh` that is a reference instead of owned (a slice, or one that "
+                               f"was pickled): {what} the HostMesh it came from")
+        if self._inner_host_mesh is None:
+            raise RuntimeError("HostMesh has already been shut down")
+        spawned, self._spawned = self._spawned, []
+        for mesh in spawned:
+            stop_actors_then_processes(mesh)
 
     def __enter__(self) -> HostMesh:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if not self._shut_down:
+        if self._inner_host_mesh is not None:
             self.shutdown()
 
     async def __aenter__(self) -> HostMesh:
@@ -242,11 +275,16 @@ class HostMesh(MeshShaped):
     def __reduce__(self) -> tuple[Any, ...]:
         # elsewhere it can be looked at, not spawned on; its hosts travel as names (a rank must not load the
         # notebook's host specs)
-        return (HostMesh, ([getattr(h, "name", str(h)) for h in self._hosts], self.shape))
+        return (_host_reference, ([getattr(h, "name", str(h)) for h in self._hosts], self.shape))
 
     def __repr__(self) -> str:
         names = ", ".join(getattr(h, "name", str(h)) for h in self._hosts)
         return f"<HostMesh {self.shape} of {names}>"
+
+
+def _host_reference(hosts: list[str], shape: Shape) -> HostMesh:
+    """A HostMesh unpickled: it names its hosts (a reference: it cannot spawn on them or stop them)."""
+    return HostMesh(hosts, shape, owned=False)
 
 
 def stop_actors_then_processes(mesh: Any) -> None:
@@ -326,6 +364,23 @@ def this_proc_of_rank() -> ProcMesh:
     if sender is None or sender.own_rank is None:
         raise MeshUsageError("this_proc_of_rank() runs on ranks")
     return ProcMesh("", Shape((), (sender.own_rank,)))
+
+
+def _bootstrapped(mesh: Any, bootstrap: Callable[[], Any]) -> ActorError | None:
+    """Run spawn_procs' `bootstrap` on every new process; if it raised (or a process died), the processes are
+    stopped and the error is kept for `initialized` and `spawn` to raise, as Monarch's lazy ProcMesh does."""
+    try:
+        mesh.call(_run_bootstrap, bootstrap)
+    except RemoteError as exc:  # (not an interrupt: MeshInterrupted is a KeyboardInterrupt)
+        mesh.shutdown()
+        error = ActorError(f"spawn_procs(bootstrap={getattr(bootstrap, '__qualname__', bootstrap)!s}) failed on "
+                           f"ranks {exc.ranks} of mesh {mesh.name!r}; its processes were stopped", exc.failures)
+        print(f"{error.summary}: `initialized` and spawn on them raise why", file=sys.stderr)
+        return error
+    except BaseException:
+        mesh.shutdown()
+        raise
+    return None
 
 
 def _run_bootstrap(bootstrap: Callable[[], Any]) -> None:

@@ -127,6 +127,14 @@ def _become_rank(spec: m.RankSpec, start: m.StartRanks, conn: socket.socket, hb:
     os.dup2(err_w, 2)
     keep = {0, 1, 2, conn.fileno(), hb.fileno()} | ({store.listen_fd} if store.listen_fd is not None else set())
     _close_fds_except(keep)
+    if spec.bind:  # before any thread starts, so that all of them are pinned
+        from monarch_kernel.rank.binding import BindingError, apply_binding
+
+        try:
+            apply_binding(dict(spec.bind))
+        except BindingError as exc:
+            os.write(2, f"rank {spec.rank} cannot start: {exc}\n".encode())
+            os._exit(70)
     from monarch_kernel.rank.dist import init_process_group, limit_threads, rank_environment
     from monarch_kernel.rank.entry import run_rank
     from monarch_kernel.rank.exit_work import forget_the_agents

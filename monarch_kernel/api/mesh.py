@@ -417,13 +417,14 @@ def start_like(spec: MeshSpec, hosts: tuple[HostSpec, ...], gpus: int, name: str
     allocation = spec.allocation
     if allocation is not None and dataclasses.is_dataclass(allocation) and hasattr(allocation, "owned"):
         allocation = dataclasses.replace(allocation, owned=False)  # its own mesh ends the job
-    known = {"dist", "env", "preload", "timeout", "master_addr", "health"}
+    known = {"dist", "env", "preload", "timeout", "master_addr", "health", "proc_bind"}
     if set(options) - known:
         raise MeshUsageError(f"spawn_procs() on a mesh's hosts takes {', '.join(sorted(known))}; "
                              f"not {', '.join(sorted(set(options) - known))}")
     return Mesh.started(start_runtime(list(hosts), gpus, options.get("dist", spec.backend), name, options.get("env", spec.env),
                        options.get("timeout", spec.start_timeout_s), options.get("master_addr", spec.master_addr),
                        options.get("health", spec.health), allocation=allocation,
-                       preload=options.get("preload", spec.preload), relay_branching=spec.relay_branching))
+                       preload=options.get("preload", spec.preload), relay_branching=spec.relay_branching,
+                       proc_bind=options.get("proc_bind")))
 
 

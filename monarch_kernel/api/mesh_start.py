@@ -18,6 +18,7 @@ from monarch_kernel.controller.state import RELAY_BRANCHING, Allocation, MeshSpe
 from monarch_kernel.core.addresses import is_unspecified
 from monarch_kernel.core.errors import MeshInterrupted, MeshStartError, MeshUsageError
 from monarch_kernel.core.mesh_records import RecordError, parse_duration, read_record, remove_record
+from monarch_kernel.core.proc_bind import check_bindings
 from monarch_kernel.wire.messages import HealthTimings
 from monarch_kernel.wire.persist_messages import MeshQuery
 
@@ -30,7 +31,8 @@ _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 def start_runtime(hosts: list[HostSpec], gpus: int, dist: str, name: str | None, env: dict[str, str] | None,
                 timeout: float, master_addr: str | None, health: HealthTimings | None, *,
                 allocation: Allocation | None = None, preload: Sequence[str] | None = None,
-                relay_branching: int = RELAY_BRANCHING, persist: str | float | None = None) -> MeshRuntime:
+                relay_branching: int = RELAY_BRANCHING, persist: str | float | None = None,
+                proc_bind: Sequence[dict[str, str]] | None = None) -> MeshRuntime:
     """Check a mesh's settings and start its runtime (agents and ranks); raises MeshUsageError or
     MeshStartError saying what to change. `Mesh.started` wraps it for the user."""
     if not isinstance(gpus, int) or gpus < 1:
@@ -51,9 +53,13 @@ def start_runtime(hosts: list[HostSpec], gpus: int, dist: str, name: str | None,
     if not isinstance(relay_branching, int) or relay_branching < 1:
         raise MeshUsageError(f"relay_branching={relay_branching!r}: give the number of hosts a relay sends to (>= 1)")
     persist_s = check_persist(persist, name, hosts) if persist is not None else None
+    try:
+        bindings = check_bindings(proc_bind, gpus) if proc_bind is not None else ()
+    except ValueError as exc:
+        raise MeshUsageError(str(exc)) from None
     spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings(),
                     preload=preload_list(preload, dist), allocation=allocation, relay_branching=relay_branching,
-                    persist_s=persist_s)
+                    persist_s=persist_s, proc_bind=bindings)
     kind = MeshRuntime if persist_s is None else PersistentRuntime
     runtime = kind(spec, idle_output=IdleOutput(label=f"mesh {name!r}"), report_timing=report_timing)
     try:

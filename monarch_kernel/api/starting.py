@@ -16,7 +16,8 @@ from monarch_kernel.wire.messages import HealthTimings
 def local_mesh(gpus: int | None = None, *, dist: str = "gloo", name: str | None = None,
                env: dict[str, str] | None = None, timeout: float = 120.0,
                health: HealthTimings | None = None, preload: Sequence[str] | None = None,
-               persist: str | float | None = None, python: str | None = None) -> Mesh:
+               persist: str | float | None = None, python: str | None = None,
+               proc_bind: Sequence[dict[str, str]] | None = None) -> Mesh:
     """Start `gpus` ranks on this machine, shape {hosts: 1, gpus: N}.
 
     `gpus` defaults to the number of CUDA devices (or 2 without any). `dist` is the
@@ -26,13 +27,14 @@ def local_mesh(gpus: int | None = None, *, dist: str = "gloo", name: str | None 
     `persist` ("8h", "30m", seconds): the mesh outlives the kernel, ranks and all, that long without
     one; a later kernel takes it back with `monarch_kernel.attach(name)` (name it, then). `python`: the
     interpreter (or a wrapper script that execs one) the host's agent and ranks run with; the kernel's own
-    by default.
+    by default. `proc_bind`: one dict per rank pinning it to CPUs or NUMA nodes, as Monarch's spawn_procs
+    takes it (`[{"cpus": "0-3"}, {"cpus": "4-7"}]`; keys cpus, cpunodebind, physcpubind, membind).
     """
     if gpus is None:
         gpus = cuda_count() or 2
     host = HostSpec("localhost") if python is None else HostSpec("localhost", python=python)
     return Mesh.started(start_runtime([host], gpus, dist, name, env, timeout, None, health,
-                                      preload=preload, persist=persist))
+                                      preload=preload, persist=persist, proc_bind=proc_bind))
 
 
 def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "python3",

@@ -51,7 +51,8 @@ async def start_ranks(state: MeshState, spec: MeshSpec, relays: ControllerRelays
         await relays.setup(links)
         state.relay_route = relays.route if relays.active else None
     for link, host in zip(links, hosts):
-        specs = tuple(m.RankSpec(r, i, spec.gpus) for i, r in enumerate(link.ranks))
+        specs = tuple(m.RankSpec(r, i, spec.gpus, spec.proc_bind[i] if spec.proc_bind else ())
+                      for i, r in enumerate(link.ranks))
         link.send(m.StartRanks(ranks=specs, dist=dist, env=dict(spec.env),
                                shm_dir=state.shm_dir if host.is_local else None,
                                node_rank=link.index, master_port=port, health=spec.health, mesh=state.name))

@@ -71,6 +71,8 @@ class MeshSpec:
     preload: tuple[str, ...] = ("torch",)  # imported by each agent before it forks ranks
     persist_s: float | None = None  # it outlives its kernel this long without one (None: it dies with it)
     relay_branching: int = RELAY_BRANCHING  # past this many hosts, agents relay the controller's broadcasts
+    # each rank's CPU and NUMA pinning, by local rank (spawn_procs' proc_bind; empty: none)
+    proc_bind: tuple[tuple[tuple[str, str], ...], ...] = ()
     allocation: Allocation | None = field(default=None, compare=False)  # a scheduler's job the mesh runs in
 
 

@@ -154,6 +154,17 @@ class DoneFuture(Future[T]):
         return error_type(why)
 
 
+class FailedFuture(DoneFuture[T]):
+    """A future that is already done with an error: `get()` and `await` raise it."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(None)  # type: ignore[arg-type]
+        self._error = error
+
+    def _finish(self) -> T:
+        raise self._error
+
+
 class CoroutineFuture(Future[T]):
     """A coroutine's value, run once, when first asked for: awaited on the caller's loop, or, by `get()`, to the end
     on a loop of its own in this thread (so not from inside a running loop: await it there)."""

@@ -24,12 +24,20 @@ that no actor's `__supervise__` handled (the default prints a report in the note
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from monarch_kernel.actors import log_prefix as config  # Monarch's monarch.actor.config
 from monarch_kernel.actors.base import Actor, concurrent_endpoint, current_rank, current_size, endpoint
 from monarch_kernel.actors.client import ActorMesh
-from monarch_kernel.actors.context import Context, Instance, client_proc_from, context, current_actor_name
+from monarch_kernel.actors.context import (
+    Context,
+    Instance,
+    client_context,
+    client_proc_from,
+    context,
+    current_actor_name,
+)
 from monarch_kernel.actors.helpers import Accumulator, send
 from monarch_kernel.actors.log_prefix import install as install_log_prefix
 from monarch_kernel.actors.ports import Channel, Port, PortReceiver
@@ -37,6 +45,7 @@ from monarch_kernel.actors.procs import (
     HostMesh,
     ProcMesh,
     controller_from_rank,
+    proc_mesh_spawned,
     this_host_of_rank,
     this_proc_of_rank,
 )
@@ -73,11 +82,13 @@ __all__ = [
     "current_size",
     "endpoint",
     "get_or_spawn_controller",
+    "register_proc_mesh_spawn_callback",
     "send",
     "shutdown_context",
     "this_host",
     "this_proc",
     "unhandled_fault_hook",
+    "unregister_proc_mesh_spawn_callback",
 ]
 
 # What the notebook does with an actor mesh failure that no actor handled; a program may
@@ -112,6 +123,7 @@ def this_proc() -> ProcMesh:
 
 
 client_proc_from(this_proc)
+_client_context = client_context  # Monarch's name for it (its tests watch context() use it, nothing kept per thread)
 install_log_prefix(client=not _on_rank())  # Monarch's "[actor=...] " before log messages (in the client: <root>)
 
 A = TypeVar("A", bound=Actor)
@@ -126,6 +138,17 @@ def get_or_spawn_controller(name: str, actor_class: type[A], *args: Any, **kwarg
     from monarch_kernel.api.actor_procs import ACTOR_PROCESSES  # noqa: PLC0415 - notebook side only
 
     return DoneFuture(ACTOR_PROCESSES.controller(name, actor_class, args, kwargs))
+
+
+def register_proc_mesh_spawn_callback(callback: Callable[[ProcMesh], None]) -> None:
+    """Have `callback(procs)` called with every ProcMesh that `spawn_procs` returns from now on (before it
+    returns), as Monarch's: for monitoring or telemetry. An exception it raises comes out of that spawn_procs."""
+    proc_mesh_spawned.append(callback)
+
+
+def unregister_proc_mesh_spawn_callback(callback: Callable[[ProcMesh], None]) -> None:
+    """Stop calling a callback given to register_proc_mesh_spawn_callback (ValueError if it was not given)."""
+    proc_mesh_spawned.remove(callback)
 
 
 _shut_down = False

@@ -40,29 +40,39 @@ class JobState:
 
 
 class JobTrait(abc.ABC):
-    """What every job offers: `state()` (its host meshes, made on first use) and `kill()`."""
+    """What every job offers: `state()` (its host meshes) and `kill()`."""
 
     def __init__(self) -> None:
-        self._state: JobState | None = None
+        self._hosts: dict[str, HostMesh] | None = None  # the job's hosts, made by the first state()
+        self._states: list[JobState] = []  # every state() given out (kill() stops what each started)
 
     def state(self, cached_path: str | None = None) -> JobState:
-        """The job's host meshes (made on the first call; `cached_path` is Monarch's on-disk cache, which a
-        notebook kernel has no use for: the job lives as long as the kernel)."""
-        if self._state is None:
-            self._state = JobState(self._create())
-        return self._state
+        """The job's host meshes: each call gives new HostMesh objects on the same hosts, as a new client of
+        Monarch's connects anew (so one's `stop()` ends only the processes it started). `cached_path` is
+        Monarch's on-disk cache, which a notebook kernel has no use for: the job lives as long as the kernel."""
+        if self._hosts is None:
+            self._hosts = self._create()
+        state = JobState({name: hosts.attached() for name, hosts in self._hosts.items()})
+        self._states.append(state)
+        return state
+
+    def apply(self) -> None:
+        """Make the job's hosts now (Monarch's: start the job); `state()` does it on first use otherwise."""
+        if self._hosts is None:
+            self._hosts = self._create()
 
     @abc.abstractmethod
     def _create(self) -> dict[str, HostMesh]:
-        """The job's host meshes, by name (made once, by `state()`)."""
+        """The job's host meshes, by name (made once)."""
 
     def kill(self) -> None:
         """Stop every process started on the job's hosts; a later `state()` makes new hosts."""
-        if self._state is not None:
-            for hosts in self._state._hosts.values():
+        for state in self._states:
+            for hosts in state._hosts.values():
                 with contextlib.suppress(RuntimeError):  # (a program may have shut them down itself)
                     hosts.shutdown()
-        self._state = None
+        self._states.clear()
+        self._hosts = None
 
 
 class ProcessJob(JobTrait):

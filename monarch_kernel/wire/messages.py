@@ -196,6 +196,7 @@ class RankSpec:
     rank: int
     local_rank: int
     local_world_size: int
+    bind: tuple[tuple[str, str], ...] = ()  # its CPU and NUMA pinning (spawn_procs' proc_bind; core/proc_bind.py)
 
 
 @dataclass(frozen=True)
