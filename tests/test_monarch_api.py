@@ -250,6 +250,7 @@ def test_a_dead_rank_of_a_notebook_owned_mesh_reaches_the_hook_once_after_a_resp
         assert wait_until(lambda: not any(t.name == "mesh-supervision" for t in threading.enumerate()), 10)
         assert len(seen) == 1 and seen[0].rank == 1 and seen[0].kind == "died"
         assert "Dier dier{'gpus': 1/2}> and all its descendants have failed" in seen[0].report()
+        assert "the process this actor was running on failed: Killed(sig=9)" in seen[0].report()  # Monarch's words
     finally:
         procs.stop()
 
@@ -677,3 +678,24 @@ def test_abort_fails_its_actor_and_the_owner_hears_the_reason(monkeypatch, procs
     assert "Aborting aborting> and all its descendants have failed" in seen[0].report()
     with pytest.raises(RuntimeError, match="root client"):
         context().actor_instance.abort("from the notebook")
+
+
+def test_endpoints_carry_monarchs_flag_for_answers_sent_through_a_port():
+    from monarch_kernel.monarch.actor import concurrent_endpoint
+
+    class Flags(Actor):
+        @endpoint
+        def plain(self) -> None: ...
+
+        @endpoint(explicit_response_port=True)
+        def ported(self, port: Port) -> None: ...
+
+        @concurrent_endpoint
+        async def beside(self) -> None: ...
+
+    class Child(Flags):
+        @endpoint
+        def own(self) -> None: ...
+
+    assert not Flags.plain._explicit_response_port and not Child.own._explicit_response_port
+    assert Flags.ported._explicit_response_port and Child.beside._explicit_response_port

@@ -11,12 +11,14 @@ import cloudpickle
 import pytest
 from conftest import wait_until
 
-from monarch_kernel.core.errors import MeshStartError
+from monarch_kernel.core.errors import MeshStartError, MeshUsageError
 from monarch_kernel.monarch.actor import (
     Actor,
     ActorError,
+    BootstrapCommand,
     _client_context,
     context,
+    default_bootstrap_cmd,
     endpoint,
     register_proc_mesh_spawn_callback,
     this_host,
@@ -32,6 +34,10 @@ class Probe(Actor):
     @endpoint
     def pid(self) -> int:
         return os.getpid()
+
+    @endpoint
+    def variable(self, name: str) -> str:
+        return os.environ.get(name, "")
 
     @endpoint
     def affinity_of_every_thread(self) -> list[list[int]]:
@@ -95,6 +101,42 @@ def test_a_proc_bind_that_cannot_be_applied_says_why_and_starts_nothing():
 
 
 # ------------------------------------------------------------------ bootstrap, spawn hooks, context
+
+
+def _values(procs, name: str, variable: str) -> list[str]:
+    return [value for _, value in procs.spawn(name, Probe).variable.call(variable).get().items()]
+
+
+@pytest.mark.timeout(180)
+def test_bootstrap_command_sets_each_process_environment_and_its_program_runs_the_hosts(tmp_path):
+    base = default_bootstrap_cmd()
+    started = []
+    try:
+        started.append(this_host().spawn_procs(per_host={"gpus": 1}, dist="none",
+                                               bootstrap_command=base.with_env({"CUDA_VISIBLE_DEVICES": "3"})))
+        assert _values(started[-1], "uniform", "CUDA_VISIBLE_DEVICES") == ["3"]
+        started.append(this_host().spawn_procs(
+            per_host={"gpus": 2}, dist="none",
+            bootstrap_command=lambda point: base.with_env({"CUDA_VISIBLE_DEVICES": str(point["gpus"])})))
+        assert _values(started[-1], "per_point", "CUDA_VISIBLE_DEVICES") == ["0", "1"]
+        assert base.env == {}  # with_env made new commands
+        started.append(this_host().spawn_procs(per_host={"gpus": 1}, dist="none"))
+        assert _values(started[-1], "plain", "CUDA_VISIBLE_DEVICES") == [os.environ.get("CUDA_VISIBLE_DEVICES", "")]
+
+        wrapper = tmp_path / "python-wrapper"
+        wrapper.write_text(f'#!/bin/sh\nexport WRAPPED_BY=$$\nexec {sys.executable} "$@"\n')
+        wrapper.chmod(0o700)
+        started.append(this_host().spawn_procs(per_host={"gpus": 1}, dist="none",
+                                               bootstrap_command=BootstrapCommand(str(wrapper))))
+        assert _values(started[-1], "wrapped", "WRAPPED_BY")[0].isdigit()  # the hosts' agent ran the program
+    finally:
+        for procs in started:
+            procs.stop()
+    with pytest.raises(MeshUsageError, match="leave arg0 and args out"):
+        this_host().spawn_procs(bootstrap_command=BootstrapCommand(sys.executable, None, ["-c", "pass"]))
+    with pytest.raises(MeshUsageError, match="one program per spawn_procs"):
+        this_host().spawn_procs(per_host={"gpus": 2},
+                                bootstrap_command=lambda point: BootstrapCommand(f"python3.{point['gpus']}"))
 
 
 def _failing_bootstrap() -> None:

@@ -22,6 +22,9 @@ from monarch_kernel.wire.actor_messages import SYSTEM_ACTOR as SYSTEM_ACTOR
 ENDPOINT_MARK = "_monarch_endpoint"
 PORT_MARK = "_monarch_explicit_port"
 CONCURRENT_MARK = "_monarch_concurrent"
+# Monarch's flag on an endpoint: whether its answer is sent through a port rather than returned when the call ends
+# (explicit_response_port, and every concurrent endpoint); Monarch programs and tests read it
+ANSWERS_LATER = "_explicit_response_port"
 
 # The coordinates of the actor whose endpoint (or constructor) runs in this context.
 current_point: contextvars.ContextVar[Point | None] = contextvars.ContextVar("monarch_current_point", default=None)
@@ -44,6 +47,7 @@ def endpoint(fn: Callable[..., Any] | None = None, *, explicit_response_port: bo
         setattr(method, ENDPOINT_MARK, True)
         if explicit_response_port:
             setattr(method, PORT_MARK, True)
+        setattr(method, ANSWERS_LATER, explicit_response_port)
         return method
 
     return mark if fn is None else mark(fn)
@@ -69,6 +73,7 @@ def concurrent_endpoint(fn: Callable[..., Any] | None = None, *, explicit_respon
                              "is not `async def` (use @endpoint for a sync method)")
         endpoint(method, explicit_response_port=explicit_response_port)
         setattr(method, CONCURRENT_MARK, True)
+        setattr(method, ANSWERS_LATER, True)  # (its answer comes from the task it starts)
         return method
 
     return mark if fn is None else mark(fn)

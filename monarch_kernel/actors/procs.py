@@ -28,10 +28,11 @@ from monarch_kernel.actors.owned import record
 from monarch_kernel.actors.ports import Channel, Port, PortReceiver
 from monarch_kernel.actors.rank_loop import run_on_rank_loop
 from monarch_kernel.actors.spawning import spawn_actor_mesh
+from monarch_kernel.core.bootstrap_command import BootstrapCommand
 from monarch_kernel.core.errors import ActorError, MeshUsageError, RemoteError
 from monarch_kernel.core.future import DoneFuture, FailedFuture, Future
 from monarch_kernel.core.proc_bind import check_bindings
-from monarch_kernel.core.shape import MeshShaped, Shape
+from monarch_kernel.core.shape import MeshShaped, Point, Shape
 from monarch_kernel.wire.calls import find_sender
 from monarch_kernel.wire.messages import GetController, ProcsRequest, StartProcs, StopProcs
 from monarch_kernel.wire.ops import StopAllActors
@@ -163,6 +164,7 @@ class HostMesh(MeshShaped):
     def spawn_procs(self, per_host: dict[str, int] | None = None,
                     bootstrap: Callable[[], None] | Callable[[], Awaitable[None]] | None = None,
                     name: str | None = None, proc_bind: list[dict[str, str]] | None = None,
+                    bootstrap_command: BootstrapCommand | Callable[[Point], BootstrapCommand] | None = None,
                     **mesh_options: Any) -> ProcMesh:
         """Start `per_host` processes on each host (e.g. {"gpus": 4}); returns their ProcMesh.
 
@@ -170,7 +172,9 @@ class HostMesh(MeshShaped):
         process's actor event loop, as an async endpoint would run; if it raises, the processes are stopped
         and `initialized` and `spawn` raise ActorError). `proc_bind`, as Monarch's: one dict per process of a
         host pinning it to CPUs or NUMA nodes (`{"cpus": "0-3"}`; keys cpus, cpunodebind, physcpubind,
-        membind). `mesh_options` go to the mesh (`dist`, `env`, `preload`, `timeout`, ...): by default a
+        membind). `bootstrap_command`, as Monarch's: a BootstrapCommand (`default_bootstrap_cmd().with_env(...)`)
+        or a callable giving each process's from its Point (see core/bootstrap_command.py for what applies to
+        forked processes). `mesh_options` go to the mesh (`dist`, `env`, `preload`, `timeout`, ...): by default a
         local mesh is started as `%mesh up local` starts one, and processes on another mesh's hosts copy that
         mesh's settings.
         """
@@ -189,13 +193,16 @@ class HostMesh(MeshShaped):
         if proc_bind is not None:
             check_bindings(proc_bind, count)  # (ValueError, Monarch's words, before anything starts)
             mesh_options["proc_bind"] = [dict(bind) for bind in proc_bind]
+        hosts = self
+        if bootstrap_command is not None:
+            hosts = self._with_commands(bootstrap_command, per_host, mesh_options)
         if self._for_actor:
             if bootstrap is not None:
                 raise MeshUsageError(_NO_BOOTSTRAP)
             mesh: Any = _start_from_rank(self._hosts, count, name, mesh_options, per_host)
         else:
             assert self._start is not None
-            mesh = self._start(self._hosts, count, name, mesh_options)
+            mesh = self._start(hosts._hosts, count, name, mesh_options)
         failed = _bootstrapped(mesh, bootstrap) if bootstrap is not None else None
         self._spawned.append(mesh)
         STOPPED_PROC_MESHES.discard(mesh.name)  # (a new mesh of a stopped one's name)
@@ -209,6 +216,31 @@ class HostMesh(MeshShaped):
         for spawned in list(proc_mesh_spawned):
             spawned(procs)
         return procs
+
+    def _with_commands(self, command: BootstrapCommand | Callable[[Point], BootstrapCommand],
+                       per_host: dict[str, int], options: dict[str, Any]) -> HostMesh:
+        """The hosts to start on, and each process's variables in `options`, for spawn_procs(bootstrap_command=)."""
+        points = list(Shape((*self.shape.dims, *per_host.items()),
+                            tuple(range(len(self._hosts) * math.prod(per_host.values())))).points())
+        commands = [command if isinstance(command, BootstrapCommand) else command(point) for point in points]
+        if not all(isinstance(c, BootstrapCommand) for c in commands):
+            raise MeshUsageError("bootstrap_command: give a BootstrapCommand (default_bootstrap_cmd().with_env(...)) "
+                                 "or a callable that returns one for each process's Point")
+        if any(c.arg0 is not None or c.args for c in commands):
+            raise MeshUsageError("bootstrap_command: processes here are forked from their host's agent, so only a "
+                                 "command's program and env apply; leave arg0 and args out")
+        programs = {c.program for c in commands}
+        if len(programs) > 1:
+            raise MeshUsageError(f"bootstrap_command: one program per spawn_procs (the interpreter the hosts' agents "
+                                 f"run), not {sorted(programs)}; vary env per process instead")
+        options["rank_env"] = [dict(c.env) for c in commands]
+        program = programs.pop()
+        if program == sys.executable or self._for_actor:  # (an actor's processes run its own mesh's interpreter)
+            if program != sys.executable:
+                raise MeshUsageError("bootstrap_command in an actor: the new processes run this mesh's interpreter "
+                                     f"({sys.executable}); set only env")
+            return self
+        return self.with_python_executable(program)
 
     def with_python_executable(self, python_executable: str) -> HostMesh:
         """The same hosts, whose new processes run `python_executable` (an interpreter, or a script that execs

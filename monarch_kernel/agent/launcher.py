@@ -143,6 +143,7 @@ def _become_rank(spec: m.RankSpec, start: m.StartRanks, conn: socket.socket, hb:
     from monarch_kernel.rank.worker import WorkerConfig
 
     os.environ.update(start.env)
+    os.environ.update(spec.env)
     os.environ.update(rank_environment(spec, start.dist, store.port, start.node_rank))
     limit_threads(spec.local_world_size)
 

@@ -417,7 +417,7 @@ def start_like(spec: MeshSpec, hosts: tuple[HostSpec, ...], gpus: int, name: str
     allocation = spec.allocation
     if allocation is not None and dataclasses.is_dataclass(allocation) and hasattr(allocation, "owned"):
         allocation = dataclasses.replace(allocation, owned=False)  # its own mesh ends the job
-    known = {"dist", "env", "preload", "timeout", "master_addr", "health", "proc_bind"}
+    known = {"dist", "env", "preload", "timeout", "master_addr", "health", "proc_bind", "rank_env"}
     if set(options) - known:
         raise MeshUsageError(f"spawn_procs() on a mesh's hosts takes {', '.join(sorted(known))}; "
                              f"not {', '.join(sorted(set(options) - known))}")
@@ -425,6 +425,6 @@ def start_like(spec: MeshSpec, hosts: tuple[HostSpec, ...], gpus: int, name: str
                        options.get("timeout", spec.start_timeout_s), options.get("master_addr", spec.master_addr),
                        options.get("health", spec.health), allocation=allocation,
                        preload=options.get("preload", spec.preload), relay_branching=spec.relay_branching,
-                       proc_bind=options.get("proc_bind")))
+                       proc_bind=options.get("proc_bind"), rank_env=options.get("rank_env")))
 
 

@@ -32,7 +32,8 @@ def start_runtime(hosts: list[HostSpec], gpus: int, dist: str, name: str | None,
                 timeout: float, master_addr: str | None, health: HealthTimings | None, *,
                 allocation: Allocation | None = None, preload: Sequence[str] | None = None,
                 relay_branching: int = RELAY_BRANCHING, persist: str | float | None = None,
-                proc_bind: Sequence[dict[str, str]] | None = None) -> MeshRuntime:
+                proc_bind: Sequence[dict[str, str]] | None = None,
+                rank_env: Sequence[dict[str, str]] | None = None) -> MeshRuntime:
     """Check a mesh's settings and start its runtime (agents and ranks); raises MeshUsageError or
     MeshStartError saying what to change. `Mesh.started` wraps it for the user."""
     if not isinstance(gpus, int) or gpus < 1:
@@ -40,7 +41,7 @@ def start_runtime(hosts: list[HostSpec], gpus: int, dist: str, name: str | None,
     if dist not in BACKENDS:
         raise MeshUsageError(f"dist={dist!r}: expected one of {', '.join(BACKENDS)}")
     name = name or f"mesh{next(Session.current().mesh_numbers)}"
-    bad_keys = [k for k in (env or {}) if not _ENV_KEY.fullmatch(k)]
+    bad_keys = [k for k in [*(env or {}), *(k for each in rank_env or () for k in each)] if not _ENV_KEY.fullmatch(k)]
     if bad_keys:
         raise MeshUsageError(f"env keys {bad_keys!r} are not variable names (letters, digits and '_', "
                              "not starting with a digit)")
@@ -57,9 +58,12 @@ def start_runtime(hosts: list[HostSpec], gpus: int, dist: str, name: str | None,
         bindings = check_bindings(proc_bind, gpus) if proc_bind is not None else ()
     except ValueError as exc:
         raise MeshUsageError(str(exc)) from None
+    if rank_env is not None and len(rank_env) != len(hosts) * gpus:
+        raise MeshUsageError(f"rank_env: {len(rank_env)} entries for {len(hosts) * gpus} ranks; give one dict per rank")
     spec = MeshSpec(name, tuple(hosts), gpus, dist, dict(env or {}), master_addr, timeout, health or HealthTimings(),
                     preload=preload_list(preload, dist), allocation=allocation, relay_branching=relay_branching,
-                    persist_s=persist_s, proc_bind=bindings)
+                    persist_s=persist_s, proc_bind=bindings,
+                    rank_env=tuple(tuple(sorted(each.items())) for each in rank_env or ()))
     kind = MeshRuntime if persist_s is None else PersistentRuntime
     runtime = kind(spec, idle_output=IdleOutput(label=f"mesh {name!r}"), report_timing=report_timing)
     try:

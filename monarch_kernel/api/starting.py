@@ -17,7 +17,8 @@ def local_mesh(gpus: int | None = None, *, dist: str = "gloo", name: str | None 
                env: dict[str, str] | None = None, timeout: float = 120.0,
                health: HealthTimings | None = None, preload: Sequence[str] | None = None,
                persist: str | float | None = None, python: str | None = None,
-               proc_bind: Sequence[dict[str, str]] | None = None) -> Mesh:
+               proc_bind: Sequence[dict[str, str]] | None = None,
+               rank_env: Sequence[dict[str, str]] | None = None) -> Mesh:
     """Start `gpus` ranks on this machine, shape {hosts: 1, gpus: N}.
 
     `gpus` defaults to the number of CUDA devices (or 2 without any). `dist` is the
@@ -28,13 +29,15 @@ def local_mesh(gpus: int | None = None, *, dist: str = "gloo", name: str | None 
     one; a later kernel takes it back with `monarch_kernel.attach(name)` (name it, then). `python`: the
     interpreter (or a wrapper script that execs one) the host's agent and ranks run with; the kernel's own
     by default. `proc_bind`: one dict per rank pinning it to CPUs or NUMA nodes, as Monarch's spawn_procs
-    takes it (`[{"cpus": "0-3"}, {"cpus": "4-7"}]`; keys cpus, cpunodebind, physcpubind, membind).
+    takes it (`[{"cpus": "0-3"}, {"cpus": "4-7"}]`; keys cpus, cpunodebind, physcpubind, membind). `rank_env`:
+    one dict per rank of environment variables set in that rank over `env` (`[{"CUDA_VISIBLE_DEVICES": "0"}, ...]`).
     """
     if gpus is None:
         gpus = cuda_count() or 2
     host = HostSpec("localhost") if python is None else HostSpec("localhost", python=python)
     return Mesh.started(start_runtime([host], gpus, dist, name, env, timeout, None, health,
-                                      preload=preload, persist=persist, proc_bind=proc_bind))
+                                      preload=preload, persist=persist, proc_bind=proc_bind,
+                                      rank_env=rank_env))
 
 
 def ssh_mesh(hosts: list[str], gpus: int, *, dist: str = "nccl", python: str = "python3",

@@ -24,7 +24,8 @@ _started_here: list[Mesh] = []  # the meshes this_host().spawn_procs started (sh
 
 
 
-_LOCAL_OPTIONS = {"dist", "env", "preload", "timeout", "health", "proc_bind"}  # what spawn_procs on this machine takes
+# what spawn_procs on this machine takes
+_LOCAL_OPTIONS = {"dist", "env", "preload", "timeout", "health", "proc_bind", "rank_env"}
 
 
 def _check_options(options: dict[str, Any], where: str) -> None:
@@ -46,7 +47,8 @@ def _start_on_local_hosts(hosts: tuple[HostSpec, ...], gpus: int, name: str | No
     env = {**(hosts[0].options.get("env") or {}), **(options.get("env") or {})}
     mesh = Mesh.started(start_runtime(list(hosts), gpus, options.get("dist", "gloo"), name, env or None,
                                       options.get("timeout", 120.0), None, options.get("health"),
-                                      preload=options.get("preload"), proc_bind=options.get("proc_bind")))
+                                      preload=options.get("preload"), proc_bind=options.get("proc_bind"),
+                                      rank_env=options.get("rank_env")))
     _started_here.append(mesh)
     return mesh
 

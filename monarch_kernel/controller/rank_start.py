@@ -51,7 +51,8 @@ async def start_ranks(state: MeshState, spec: MeshSpec, relays: ControllerRelays
         await relays.setup(links)
         state.relay_route = relays.route if relays.active else None
     for link, host in zip(links, hosts):
-        specs = tuple(m.RankSpec(r, i, spec.gpus, spec.proc_bind[i] if spec.proc_bind else ())
+        specs = tuple(m.RankSpec(r, i, spec.gpus, spec.proc_bind[i] if spec.proc_bind else (),
+                                 spec.rank_env[r] if spec.rank_env else ())
                       for i, r in enumerate(link.ranks))
         link.send(m.StartRanks(ranks=specs, dist=dist, env=dict(spec.env),
                                shm_dir=state.shm_dir if host.is_local else None,

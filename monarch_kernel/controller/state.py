@@ -73,6 +73,8 @@ class MeshSpec:
     relay_branching: int = RELAY_BRANCHING  # past this many hosts, agents relay the controller's broadcasts
     # each rank's CPU and NUMA pinning, by local rank (spawn_procs' proc_bind; empty: none)
     proc_bind: tuple[tuple[tuple[str, str], ...], ...] = ()
+    # each rank's own environment variables, by global rank (spawn_procs' bootstrap_command; empty: none)
+    rank_env: tuple[tuple[tuple[str, str], ...], ...] = ()
     allocation: Allocation | None = field(default=None, compare=False)  # a scheduler's job the mesh runs in
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import re
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,6 +50,18 @@ class RankFailure:
 def exit_text(exit_code: int | None, signal: str | None) -> str:
     """How a process ended: "killed by SIGKILL" or "exit code 3"."""
     return f"killed by {signal}" if signal else f"exit code {exit_code}"
+
+
+def process_status_in_monarchs_words(text: str) -> str | None:
+    """What Monarch says of an actor whose process ended, from a death's text that has `exit_text` in it:
+    "the process this actor was running on failed: Killed(sig=9)" (or "... exited with non-zero code 3")."""
+    killed = re.search(r"killed by (SIG[A-Z0-9]+)", text)
+    if killed and killed.group(1) in signal.Signals.__members__:
+        return f"the process this actor was running on failed: Killed(sig={signal.Signals[killed.group(1)].value})"
+    exited = re.search(r"exit code (-?[0-9]+)", text)
+    if exited and exited.group(1) != "0":
+        return f"the process this actor was running on exited with non-zero code {exited.group(1)}"
+    return None
 
 
 # Rewrites file names in remote tracebacks (the IPython extension names notebook cells).

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from monarch_kernel.core.failures import FailureKind
+from monarch_kernel.core.failures import FailureKind, process_status_in_monarchs_words
 
 FaultHook = Callable[["MeshFailure"], None]
 
@@ -60,7 +60,8 @@ class MeshFailure:
         return f"The actor {self.actor_label()} and all its descendants have failed:\n{self._details()}"
 
     def _details(self) -> str:
-        lines = [f"  {self.message}"]
+        status = process_status_in_monarchs_words(self.message) if self.kind == FailureKind.DIED else None
+        lines = [f"  {self.message}"] if status is None else [f"  {status}:", f"  {self.message}"]
         if self.unhandled_by:
             lines.append(f"  not handled by: {', '.join(self.unhandled_by)}")
         if self.traceback:

@@ -49,6 +49,7 @@ from monarch_kernel.actors.procs import (
     this_host_of_rank,
     this_proc_of_rank,
 )
+from monarch_kernel.core.bootstrap_command import BootstrapCommand, default_bootstrap_cmd
 from monarch_kernel.core.errors import ActorError, SupervisionError
 from monarch_kernel.core.future import DoneFuture, Future
 from monarch_kernel.core.shape import Extent, Point
@@ -61,6 +62,7 @@ __all__ = [
     "Accumulator",
     "Actor",
     "ActorError",
+    "BootstrapCommand",
     "ActorMesh",
     "Channel",
     "Context",
@@ -80,6 +82,7 @@ __all__ = [
     "current_actor_name",
     "current_rank",
     "current_size",
+    "default_bootstrap_cmd",
     "endpoint",
     "get_or_spawn_controller",
     "register_proc_mesh_spawn_callback",

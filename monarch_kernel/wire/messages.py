@@ -197,6 +197,7 @@ class RankSpec:
     local_rank: int
     local_world_size: int
     bind: tuple[tuple[str, str], ...] = ()  # its CPU and NUMA pinning (spawn_procs' proc_bind; core/proc_bind.py)
+    env: tuple[tuple[str, str], ...] = ()  # its own environment variables, over the mesh's (bootstrap_command)
 
 
 @dataclass(frozen=True)
