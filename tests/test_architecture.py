@@ -40,6 +40,9 @@ CROSSINGS = {
     # the Ray actor class the controller asks Ray to place in each bundle: its code runs on the node
     # (next to the agent it starts), the controller only names it
     ("monarch_kernel.controller.ray_cluster", "monarch_kernel.agent.ray_slot"),
+    # Monarch's run_worker_loop_forever makes the process that calls it a host's worker (agent/worker.py):
+    # neither the notebook nor a rank, it starts host agents
+    ("monarch_kernel.monarch.actor", "monarch_kernel.agent.worker"),
 }
 ROOT_MODULES = {"monarch_kernel", "monarch_kernel.__main__"}  # the lazy re-exports and the CLI
 NOTEBOOK_ONLY = ("monarch_kernel.controller", "monarch_kernel.api", "monarch_kernel.views", "monarch_kernel.magics")

@@ -147,19 +147,23 @@ class HostMesh(MeshShaped):
     """Hosts, shaped by named dims (`hosts`, or none for one host): `spawn_procs` starts processes."""
 
     def __init__(self, hosts: Sequence[Any], shape: Shape, start: StartMesh | None = None, *, for_actor: bool = False,
-                 owned: bool = True):
+                 owned: bool = True, check: Callable[[], None] | None = None,
+                 release: Callable[[], None] | None = None):
         self._hosts = tuple(hosts)
         self.shape = shape  # dims over host indices
         self._start = start  # starts a mesh on some of these hosts
         self._for_actor = for_actor  # a rank's own host: the notebook starts processes for its actor
         self._owned = owned  # False for a slice or a copy (pickled): a reference, which cannot stop the hosts
+        self._check = check  # what `initialized` asks of the hosts (attach_to_workers: that each worker is there)
+        self._release = release  # what shutdown() does last (attach_to_workers: end the workers)
         self._spawned: list[Any] = []  # the meshes spawn_procs started
         # the hosts while they can be used; None once shut down (Monarch's name: its programs look at it)
         self._inner_host_mesh: tuple[Any, ...] | None = self._hosts
 
     def _with(self, shape: Shape) -> HostMesh:
         picked = [self._hosts[i] for i in shape.ranks]
-        return HostMesh(picked, Shape(shape.dims, tuple(range(len(picked)))), self._start, owned=False)
+        return HostMesh(picked, Shape(shape.dims, tuple(range(len(picked)))), self._start, owned=False,
+                        check=self._check)
 
     def spawn_procs(self, per_host: dict[str, int] | None = None,
                     bootstrap: Callable[[], None] | Callable[[], Awaitable[None]] | None = None,
@@ -250,17 +254,24 @@ class HostMesh(MeshShaped):
                                  "in an actor, the processes it starts already run its own mesh's interpreter")
         hosts = [dataclasses.replace(h, python=python_executable)
                  if dataclasses.is_dataclass(h) and not isinstance(h, type) else h for h in self._hosts]
-        return HostMesh(hosts, self.shape, self._start, owned=self._owned)
+        return HostMesh(hosts, self.shape, self._start, owned=self._owned, check=self._check, release=self._release)
 
     @property
     def initialized(self) -> Future[bool]:
-        """Done: the hosts can take spawns when the HostMesh exists (Monarch's connects in the background)."""
+        """Whether the hosts can take spawns: done at once, or for workers (attach_to_workers) once each answered;
+        raises why not (Monarch's connects in the background)."""
+        if self._check is not None:
+            try:
+                self._check()
+            except Exception as exc:  # noqa: BLE001 - the future raises it
+                return FailedFuture(exc)
         return DoneFuture(True)
 
     def attached(self) -> HostMesh:
         """A new HostMesh on the same hosts, owning what it spawns (a job's next client: its own stop and
         shutdown end only its own processes)."""
-        return HostMesh(self._hosts, self.shape, self._start, for_actor=self._for_actor)
+        return HostMesh(self._hosts, self.shape, self._start, for_actor=self._for_actor, check=self._check,
+                        release=self._release)
 
     @property
     def is_fake_in_process(self) -> bool:
@@ -273,6 +284,8 @@ class HostMesh(MeshShaped):
         shutdown of a reference (a slice, or a HostMesh that was pickled): shut down the one it came from."""
         self._stop_processes("shut down")
         self._inner_host_mesh = None
+        if self._release is not None:
+            self._release()
         return DoneFuture(None)
 
     def stop(self) -> Future[None]:

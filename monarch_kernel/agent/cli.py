@@ -20,6 +20,7 @@ from monarch_kernel.agent.host_agent import HostAgent
 from monarch_kernel.agent.watchers import send_heartbeats, watch_controller, watch_ranks
 from monarch_kernel.core.folders import owned_folder, remove_if_orphaned
 from monarch_kernel.wire.handshake_gate import raise_descriptor_limit
+from monarch_kernel.wire.link_crypto import KEY_BYTES, Session
 from monarch_kernel.wire.persist_messages import ENDED_WITHOUT_KERNEL
 from monarch_kernel.wire.pinned_auth import PinnedKeyRefused, PinnedOffer, parse_public
 from monarch_kernel.wire.relay_link import UP, RelayLink, pipe_streams
@@ -46,6 +47,15 @@ def _read_env_line(fd: int) -> dict[str, str]:
     except EOFError:
         raise SystemExit("monarch_kernel agent: stdin closed in the middle of the environment") from None
     return parse_environment(data)
+
+
+def _read_session(fd: int) -> Session:
+    """The link keys a worker wrote on a pipe (down, then up)."""
+    with os.fdopen(fd, "rb") as pipe:
+        keys = pipe.read(2 * KEY_BYTES)
+    if len(keys) != 2 * KEY_BYTES:
+        raise SystemExit("monarch_kernel agent: the worker's link keys were cut short")
+    return Session(keys[:KEY_BYTES], keys[KEY_BYTES:])
 
 
 def _warm_imports() -> None:
@@ -91,7 +101,7 @@ def _watch_step_input(agent: HostAgent, read_fd: int) -> None:
 
 
 async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None,
-                 step_link: direct_link.StepLink | None) -> bool:
+                 step_link: direct_link.StepLink | None, session: Session | None = None) -> bool:
     """Serve until the agent ends; whether it ended with no kernel holding its (persistent) mesh."""
     agent = HostAgent(args.host, tuple(args.mesh_folder) if args.persist else ())
     loop = asyncio.get_running_loop()
@@ -109,6 +119,12 @@ async def _amain(args: argparse.Namespace, stdio: tuple[int, int] | None,
     elif stdio is not None:
         agent.connected(await AsyncConnection.from_pipes(
             *stdio, agent.on_controller_message, agent.on_controller_closed))
+    elif session is not None:  # a worker admitted this client over TCP: sealed records (agent/worker.py)
+        sock = socket.socket(fileno=args.fd)
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 22)
+        agent.connected(RelayLink(reader, writer, session, UP, agent.on_controller_message,
+                                  agent.on_controller_closed))
     else:
         sock = socket.socket(fileno=args.fd)
         agent.connected(await AsyncConnection.from_socket(
@@ -150,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pinned", default=None, metavar="KEY",
                         help="with --stdio (a Ray node): key the encrypted link with the controller's public KEY "
                              "(hex), carried by Ray; the agent's own goes out in its offer line")
+    parser.add_argument("--session-fd", type=int, default=None, metavar="FD",
+                        help="with --fd (a worker's client over TCP): read the link's keys from this pipe")
     parser.add_argument("--direct", default=None, metavar="ADDRESS",
                         help="with --munge or --pinned: offer that link over TCP on ADDRESS (else it stays on the "
                              "step's stdio)")
@@ -161,6 +179,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--pinned needs --stdio, and not --munge")
     if args.direct and not (args.munge or args.pinned):
         parser.error("--direct needs --munge or --pinned")
+    if args.session_fd is not None and args.fd is None:
+        parser.error("--session-fd needs --fd")
+    session = _read_session(args.session_fd) if args.session_fd is not None else None
     if args.env_stdin:
         os.environ.update(_read_env_line(0))
     stdio = _private_stdio() if args.stdio else None
@@ -186,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     _warm_imports()
     served = alone = False
     try:
-        alone = asyncio.run(_amain(args, stdio, step_link))
+        alone = asyncio.run(_amain(args, stdio, step_link, session))
         served = True
     finally:
         import shutil

@@ -82,7 +82,8 @@ class Mesh(HostFiles, KeptState):
     def kind(self) -> str:
         """Where its ranks run: "local" (this machine), "ssh", "slurm" or "ray"."""
         kinds = {h.kind for h in self._runtime.spec.hosts}
-        return next((k for k in (HostKind.SLURM, HostKind.RAY, HostKind.SSH) if k in kinds), HostKind.LOCAL)
+        return next((k for k in (HostKind.SLURM, HostKind.RAY, HostKind.SSH, HostKind.WORKER) if k in kinds),
+                    HostKind.LOCAL)
 
     @property
     def hosts(self) -> list[str]:

@@ -88,6 +88,9 @@ def check_persist(persist: str | float, name: str, hosts: list[HostSpec]) -> flo
         seconds = parse_duration(persist)
     except ValueError as exc:
         raise MeshUsageError(str(exc)) from None
+    if any(h.kind == HostKind.WORKER for h in hosts):
+        raise MeshUsageError("persist is for meshes this kernel starts (local, SSH, Slurm, Ray); workers of "
+                             "attach_to_workers already outlive their clients: attach to them again")
     if any(h.kind == HostKind.SLURM and not h.options.get("direct", True) for h in hosts):
         raise MeshUsageError("persist on Slurm needs the direct link to the nodes (the next kernel reaches the agents "
                              "there): start without direct=False (--no-direct)")

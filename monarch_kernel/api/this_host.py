@@ -42,7 +42,8 @@ def _start_local(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, optio
     return mesh
 
 
-def _start_on_local_hosts(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, options: dict[str, Any]) -> Mesh:
+def start_on_hosts(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, options: dict[str, Any]) -> Mesh:
+    """A new mesh of `gpus` ranks on each of these hosts (a job's, or workers'), with `options` (spawn_procs')."""
     _check_options(options, "these hosts")
     env = {**(hosts[0].options.get("env") or {}), **(options.get("env") or {})}
     mesh = Mesh.started(start_runtime(list(hosts), gpus, options.get("dist", "gloo"), name, env or None,
@@ -59,7 +60,7 @@ def local_hosts(count: int, label: str, env: dict[str, str] | None = None) -> Ho
     if not isinstance(count, int) or count < 1:
         raise MeshUsageError(f"{label}: {count!r} hosts; give a positive number")
     hosts = [HostSpec(f"{label}-{i}", options={"env": dict(env or {})}) for i in range(count)]
-    return HostMesh(hosts, Shape((("hosts", count),), tuple(range(count))), _start_on_local_hosts)
+    return HostMesh(hosts, Shape((("hosts", count),), tuple(range(count))), start_on_hosts)
 
 
 def this_host() -> HostMesh:

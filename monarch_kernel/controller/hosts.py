@@ -199,6 +199,11 @@ async def open_host(spec: HostSpec, *, log_path: str, env: dict[str, str],
         python = None if spec.python == DEFAULT_PYTHON else spec.python  # (with_python_executable chose one)
         proc, sock = spawn_local_agent(spec.name, log_path, python=python, mesh_folders=mesh_folders, persist=persist)
         return HostConnection(sock, "127.0.0.1", process=proc, local_pid=proc.pid)
+    if spec.kind == HostKind.WORKER:
+        from monarch_kernel.controller.worker_hosts import open_worker
+
+        to_agent, address, link = await open_worker(spec)
+        return HostConnection(to_agent, address, remote=link)
     if spec.kind == HostKind.SLURM:
         from monarch_kernel.controller.slurm_step import SlurmStep
 

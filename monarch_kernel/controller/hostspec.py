@@ -17,6 +17,7 @@ class HostKind(enum.StrEnum):
     SSH = "ssh"  # started over SSH
     SLURM = "slurm"  # a job step on a node of a Slurm allocation
     RAY = "ray"  # started by a rank slot (a Ray actor) on a node of a Ray placement group
+    WORKER = "worker"  # started by a worker that waits on an address (Monarch's run_worker_loop_forever)
 
 
 @dataclass(frozen=True)

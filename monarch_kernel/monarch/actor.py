@@ -24,7 +24,7 @@ that no actor's `__supervise__` handled (the default prints a report in the note
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from monarch_kernel.actors import log_prefix as config  # Monarch's monarch.actor.config
@@ -77,6 +77,7 @@ __all__ = [
     "ProcMesh",
     "SupervisionError",
     "ValueMesh",
+    "attach_to_workers",
     "concurrent_endpoint",
     "context",
     "current_actor_name",
@@ -86,6 +87,7 @@ __all__ = [
     "endpoint",
     "get_or_spawn_controller",
     "register_proc_mesh_spawn_callback",
+    "run_worker_loop_forever",
     "send",
     "shutdown_context",
     "this_host",
@@ -152,6 +154,33 @@ def register_proc_mesh_spawn_callback(callback: Callable[[ProcMesh], None]) -> N
 def unregister_proc_mesh_spawn_callback(callback: Callable[[ProcMesh], None]) -> None:
     """Stop calling a callback given to register_proc_mesh_spawn_callback (ValueError if it was not given)."""
     proc_mesh_spawned.remove(callback)
+
+
+def _check_ca(ca: str | None, private_key: object) -> None:
+    if private_key is not None or ca not in (None, "trust_all_connections"):
+        raise NotImplementedError("TLS certificates are not used here: workers admit clients with the user's worker "
+                                  "key over an encrypted link (monarch_kernel/core/worker_key.py); pass "
+                                  "ca='trust_all_connections'")
+
+
+def run_worker_loop_forever(*, address: str, ca: str | None = None, private_key: object = None) -> None:
+    """Make this process a host's worker, as Monarch's: it waits at `address` (`ipc://PATH`, `tcp://HOST:PORT`,
+    `tcp://HOST:fdN`, `DIAL@BIND`) and starts a host agent for each client that attaches, until stopped. Clients
+    must be this user's: on the same machine (ipc), or holding the user's worker key (tcp; see agent/worker.py)."""
+    _check_ca(ca, private_key)
+    from monarch_kernel.agent.worker import run_worker  # noqa: PLC0415 - a worker's process only
+
+    run_worker(address)
+
+
+def attach_to_workers(*, workers: Sequence[str | Future[str]], ca: str | None = None, private_key: object = None,
+                      name: str | None = None) -> HostMesh:
+    """A HostMesh {hosts: N} over workers started with run_worker_loop_forever (addresses, or futures of them), as
+    Monarch's: `spawn_procs` starts processes there; `await hosts.initialized` raises if a worker does not answer."""
+    _check_ca(ca, private_key)
+    from monarch_kernel.api.workers import attach_to_workers as attach  # noqa: PLC0415 - notebook side only
+
+    return attach(workers, name)
 
 
 _shut_down = False
