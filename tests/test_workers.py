@@ -128,10 +128,14 @@ def test_a_tcp_worker_admits_only_clients_with_its_users_key(start_worker, tmp_p
     assert hosts.initialized.get() is True  # it is there...
     with pytest.raises(MeshStartError, match="did not admit us .*the same worker key"):
         hosts.spawn_procs()  # ...but it does not take work from us
-    hosts.shutdown().get()  # nor an order to end
-    log = tmp_path / "worker-0.log"
-    assert wait_until(lambda: log.read_text().count("refused a connection") == 2, 30), log.read_text()
-    assert worker.poll() is None and _answers(tcp)
+    hosts.shutdown().get()  # nor an order to end (refused once the worker checked our proof)
+    assert worker.poll() is None
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "worker-state"))  # now with the worker user's key
+    again = attach_to_workers(ca=CA, workers=[tcp])
+    assert len(list(again.spawn_procs().spawn("keyed", Where).pid.call().get().values())) == 1
+    again.shutdown().get()
+    assert worker.wait(timeout=30) == 0
+    assert "refused 1 connection(s) that did not prove the key" in (tmp_path / "worker-0.log").read_text()
 
 
 @pytest.mark.timeout(120)

@@ -11,9 +11,9 @@ mesh's ranks as a local or SSH host's agent does; the worker goes on waiting. Ad
 - `tcp://...`: both ends prove the user's worker key (`core/worker_key.py`) over fresh X25519 keys,
   and every frame after is an AES-GCM record (`wire/direct_auth.py`, `wire/relay_link.py`). Monarch's
   `ca="trust_all_connections"` does not turn this off: a port that runs code is never open to all.
-At most MAX_PENDING connections may be in their handshake at once, MAX_PENDING_PER_PEER from one
-address (each has HANDSHAKE_TIMEOUT_S); more are closed at once, so a flood cannot use up the worker
-or shut out the other machines. The agents die with the worker.
+Connections in their handshake (HANDSHAKE_TIMEOUT_S each) are bounded as on our other listeners
+(`wire/handshake_gate.py`: the oldest dropped past the caps, per address and in all), so a flood
+cannot use up the worker or shut out the other machines. The agents die with the worker.
 """
 
 from __future__ import annotations
@@ -32,12 +32,10 @@ from monarch_kernel.core.package import PACKAGE_PARENT
 from monarch_kernel.core.worker_addresses import WorkerAddress, serve_addresses
 from monarch_kernel.core.worker_key import END_WORKER, START_AGENT, request_key, worker_key
 from monarch_kernel.wire.direct_auth import AuthenticationFailed, check_controller_async
+from monarch_kernel.wire.handshake_gate import ACCEPT_BACKLOG, HandshakeGate
 from monarch_kernel.wire.lanes import peer_credentials
 
-HANDSHAKE_TIMEOUT_S = 10.0
-MAX_PENDING = 64  # connections in their handshake at once
-MAX_PENDING_PER_PEER = 8  # of them from one address: a flood from one machine leaves room for the others
-BACKLOG = 64
+HANDSHAKE_TIMEOUT_S = 2.0
 
 
 class _SocketStreams:
@@ -48,6 +46,20 @@ class _SocketStreams:
         self._sock = sock
         self._loop = asyncio.get_running_loop()
         self.received = 0  # bytes read (none: the peer only looked whether we are there)
+
+    def get_extra_info(self, name: str) -> Any:
+        """What the handshake gate asks of a connection: its peer's address."""
+        if name != "peername":
+            return None
+        try:
+            peer = self._sock.getpeername()
+        except OSError:
+            return None
+        return peer if isinstance(peer, tuple) else ("this host",)
+
+    def close(self) -> None:
+        """Drop the connection (the gate's way)."""
+        self._sock.close()
 
     async def readexactly(self, count: int) -> bytes:
         data = b""
@@ -73,7 +85,7 @@ class Worker:
         self._listen_at = listen_at
         self._name = name
         self._ended: asyncio.Event | None = None  # set by a client's END_WORKER
-        self._pending: dict[str, int] = {}  # peer address -> connections in their handshake
+        self._gate = HandshakeGate(f"monarch_kernel worker {name}", _log)
         self._agents: list[subprocess.Popen[bytes]] = []
 
     def listen(self) -> socket.socket:
@@ -96,7 +108,7 @@ class Worker:
             sock = socket.socket(family, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((at.host, at.port))
-        sock.listen(BACKLOG)
+        sock.listen(ACCEPT_BACKLOG)
         sock.setblocking(False)
         return sock
 
@@ -112,6 +124,7 @@ class Worker:
         await self._ended.wait()
         accepting.cancel()
         listener.close()
+        self._gate.close()
         if self._listen_at.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._listen_at.path)
@@ -122,22 +135,18 @@ class Worker:
         admitting: set[asyncio.Task[None]] = set()
         while True:
             try:
-                conn, peer = await loop.sock_accept(listener)
+                conn, _ = await loop.sock_accept(listener)
             except OSError as exc:  # (out of descriptors: wait for some to close rather than end the worker)
                 print(f"monarch_kernel worker {self._name}: accept failed ({exc})", file=sys.stderr, flush=True)
                 await asyncio.sleep(0.5)
                 continue
-            source = peer[0] if isinstance(peer, tuple) else ""
-            if sum(self._pending.values()) >= MAX_PENDING or self._pending.get(source, 0) >= MAX_PENDING_PER_PEER:
-                conn.close()
-                continue
-            self._pending[source] = self._pending.get(source, 0) + 1
-            task = loop.create_task(self._admit(conn, key, source))
+            task = loop.create_task(self._admit(conn, key))
             admitting.add(task)
             task.add_done_callback(admitting.discard)
 
-    async def _admit(self, conn: socket.socket, key: bytes | None, source: str) -> None:
+    async def _admit(self, conn: socket.socket, key: bytes | None) -> None:
         streams = _SocketStreams(conn)
+        token = self._gate.admit(cast(Any, streams))
         try:
             conn.setblocking(False)
             session = b""
@@ -152,6 +161,7 @@ class Worker:
                 keys = await check_controller_async(cast(Any, streams), cast(Any, streams), request_key(key, request),
                                                     timeout=HANDSHAKE_TIMEOUT_S)
                 session = keys.down + keys.up
+            self._gate.done(token)
             if request == END_WORKER:
                 assert self._ended is not None
                 self._ended.set()
@@ -159,12 +169,10 @@ class Worker:
                 self._start_agent(conn, session)
         except (AuthenticationFailed, OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
             if streams.received == 0 and not isinstance(exc, AuthenticationFailed):
-                return  # a probe (attach_to_workers' `initialized`) or a port scan: nothing to say
-            print(f"monarch_kernel worker {self._name}: refused a connection ({exc})", file=sys.stderr, flush=True)
+                self._gate.done(token)  # a probe (attach_to_workers' `initialized`) or a port scan: nothing to say
+            else:
+                self._gate.refuse(token, str(exc) or type(exc).__name__)
         finally:
-            self._pending[source] -= 1
-            if not self._pending[source]:
-                del self._pending[source]
             conn.close()
 
     def _start_agent(self, conn: socket.socket, session: bytes) -> None:
@@ -189,6 +197,10 @@ class Worker:
 
     def _reap(self) -> None:
         self._agents = [agent for agent in self._agents if agent.poll() is None]
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def run_worker(address: str) -> None:
