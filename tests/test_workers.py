@@ -15,6 +15,7 @@ from conftest import wait_until
 from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.core.worker_key import WorkerKeyError, worker_key, worker_key_path
 from monarch_kernel.monarch.actor import Actor, attach_to_workers, endpoint
+from monarch_kernel.monarch.job import LoginJob, ProcessState
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import this file
 CA = "trust_all_connections"
@@ -191,3 +192,31 @@ def test_the_worker_key_is_made_once_private_and_never_read_through_a_link(tmp_p
     os.symlink(tmp_path / "elsewhere", worker_key_path())
     with pytest.raises(WorkerKeyError, match="cannot be opened safely"):
         worker_key()
+
+
+class LocalLoginJob(LoginJob):
+    """A LoginJob whose "login" starts each host's worker here, on a Unix socket."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self._folder = folder
+
+    def _start_host(self, host: str) -> ProcessState:
+        address = f"ipc://{self._folder}/{host}"
+        code = ("from monarch_kernel.monarch.actor import run_worker_loop_forever; "
+                f"run_worker_loop_forever(address={address!r}, ca={CA!r})")
+        return ProcessState(subprocess.Popen([sys.executable, "-c", code], start_new_session=True).pid, address)
+
+
+@pytest.mark.timeout(120)
+def test_a_login_job_starts_its_hosts_workers_attaches_to_them_and_kill_ends_them(tmp_path):
+    job = LocalLoginJob(tmp_path)
+    job.add_mesh("trainers", ["node0", "node1"])
+    try:
+        state = job.state(cached_path=None)
+        pids = state.trainers.spawn_procs(per_host={"gpus": 1}).spawn("t", Where).pid.call().get()
+        assert len(set(pids.values())) == 2
+        workers = [p.pid for p in job._host_to_pid.values()]
+    finally:
+        job.kill()
+    assert wait_until(lambda: not any(_running(pid) for pid in [*workers, *pids.values()]), 30)

@@ -53,9 +53,10 @@ class WorkerLink(ReachedAgentHandle):
         self.writer.close()
 
 
-async def _retrying(address: WorkerAddress, attempt: Callable[[], Awaitable[T]], timeout: float) -> T:
-    """`attempt()`, again while the worker refuses (it may be starting) for WORKER_START_WAIT_S; MeshStartError."""
-    deadline = time.monotonic() + WORKER_START_WAIT_S
+async def _retrying(address: WorkerAddress, attempt: Callable[[], Awaitable[T]], timeout: float,
+                    patience: float = WORKER_START_WAIT_S) -> T:
+    """`attempt()`, again while the worker refuses (it may be starting) for `patience` s; MeshStartError."""
+    deadline = time.monotonic() + patience
     while True:
         try:
             return await asyncio.wait_for(attempt(), timeout)
@@ -67,7 +68,7 @@ async def _retrying(address: WorkerAddress, attempt: Callable[[], Awaitable[T]],
             raise MeshStartError(not_answering(address, f"{type(exc).__name__}: {exc}")) from None
 
 
-async def _connect_unix(address: WorkerAddress, timeout: float) -> socket.socket:
+async def _connect_unix(address: WorkerAddress, timeout: float, patience: float = WORKER_START_WAIT_S) -> socket.socket:
     async def attempt() -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
@@ -78,12 +79,13 @@ async def _connect_unix(address: WorkerAddress, timeout: float) -> socket.socket
             raise
         return sock
 
-    return await _retrying(address, attempt, timeout)
+    return await _retrying(address, attempt, timeout, patience)
 
 
-async def _connect_tcp(address: WorkerAddress, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _connect_tcp(address: WorkerAddress, timeout: float,
+                       patience: float = WORKER_START_WAIT_S) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await _retrying(address, lambda: asyncio.open_connection(address.host, address.port, limit=1 << 22),
-                           timeout)
+                           timeout, patience)
 
 
 async def open_worker(spec: HostSpec) -> tuple[socket.socket | None, str, WorkerLink | None]:
@@ -116,12 +118,12 @@ async def end_worker(text: str, timeout: float = 10.0) -> None:
     address = dial_address(text)
     try:
         if address.path is not None:
-            sock = await _connect_unix(address, timeout)
+            sock = await _connect_unix(address, timeout, patience=0.0)  # (one that is gone stays gone)
             with sock:
                 if peer_credentials(sock)[1] == os.getuid():
                     sock.send(END_WORKER)
             return
-        reader, writer = await _connect_tcp(address, timeout)
+        reader, writer = await _connect_tcp(address, timeout, patience=0.0)
     except MeshStartError:
         return
     try:

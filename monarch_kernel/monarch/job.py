@@ -1,4 +1,5 @@
-"""What a Monarch program imports from `monarch.job` to get hosts: `ProcessJob`, hosts on this machine.
+"""What a Monarch program imports from `monarch.job` to get hosts: `ProcessJob` (hosts on this machine) and
+`LoginJob` (hosts whose workers the job starts, then attaches to).
 
 >>> from monarch_kernel.monarch.job import ProcessJob
 >>> job = ProcessJob({"trainers": 2, "dataloaders": 1})
@@ -9,7 +10,8 @@
 Each host of a ProcessJob runs its own host agent on this machine, as a separate machine's would, so
 a program written for several hosts runs here unchanged. Jobs run from the notebook. For SSH hosts
 and Slurm allocations use `%mesh up ssh|slurm` (or `monarch_kernel.ssh_mesh`, `slurm_mesh`) and
-`mesh.host_mesh()`: Monarch's `SlurmJob` and batch-mode scripts are not provided. `PortForwarder`
+`mesh.host_mesh()`: Monarch's `SlurmJob` and batch-mode scripts are not provided. A `LoginJob` subclass
+starts each host's worker in `_start_host` (`run_worker_loop_forever`, see agent/worker.py). `PortForwarder`
 (TCP forwards between process meshes) is `monarch_kernel.monarch.port_forward`'s.
 """
 
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any
+import os
+import signal
+from typing import Any, NamedTuple
 
 from monarch_kernel.actors.procs import HostMesh
 from monarch_kernel.monarch.port_forward import PortForwarder
@@ -92,11 +96,54 @@ class ProcessJob(JobTrait):
         return f"ProcessJob({self._meshes!r})"
 
 
-__all__ = ["JobState", "JobTrait", "PortForwarder", "ProcessJob"]
+class ProcessState(NamedTuple):
+    """A worker a LoginJob started: its pid and the address it waits at."""
+
+    pid: int
+    channel: str
+
+
+class LoginJob(JobTrait):
+    """Hosts whose workers the job starts itself (`_start_host`, e.g. over a login shell), then attaches to
+    (`attach_to_workers`), as Monarch's: `add_mesh(name, hosts)` names them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._meshes: dict[str, list[str]] = {}
+        self._host_to_pid: dict[str, ProcessState] = {}
+
+    def add_mesh(self, name: str, hosts: list[str]) -> None:
+        """A host mesh `name` of these hosts (one worker each)."""
+        self._meshes[name] = list(hosts)
+
+    @abc.abstractmethod
+    def _start_host(self, host: str) -> ProcessState:
+        """Start `host`'s worker (`run_worker_loop_forever`); its pid and address."""
+
+    def _create(self) -> dict[str, HostMesh]:
+        from monarch_kernel.api.workers import attach_to_workers  # noqa: PLC0415 - notebook side only
+
+        for hosts in self._meshes.values():
+            for host in hosts:
+                if host not in self._host_to_pid:
+                    self._host_to_pid[host] = self._start_host(host)
+        return {name: attach_to_workers([self._host_to_pid[h].channel for h in hosts], name)
+                for name, hosts in self._meshes.items()}
+
+    def kill(self) -> None:
+        """Shut the hosts down (their workers end), then make sure every worker the job started is gone."""
+        super().kill()
+        for state in self._host_to_pid.values():
+            with contextlib.suppress(OSError):
+                os.kill(state.pid, signal.SIGKILL)
+        self._host_to_pid.clear()
+
+
+__all__ = ["JobState", "JobTrait", "LoginJob", "PortForwarder", "ProcessJob", "ProcessState"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("SlurmJob", "LoginJob", "LocalJob"):
+    if name in ("SlurmJob", "LocalJob"):
         raise AttributeError(f"monarch_kernel.monarch.job has no {name}: start SSH or Slurm meshes with %mesh up "
                              "(or monarch_kernel.ssh_mesh / slurm_mesh) and use mesh.host_mesh()")
     raise AttributeError(name)
