@@ -58,6 +58,7 @@ class RankProcess:
     running: int | None = None  # the request it runs now (its latest heartbeat answer), if any
     stderr_tail: LineLog = field(default_factory=lambda: LineLog(STDERR_TAIL_LINES))
     fd_mark: FdMarkWriter | None = None  # on the notebook's machine: how much fd output was passed on
+    outputs: dict[int, str] = field(default_factory=dict)  # its fd 1 and 2 pipes still open here: fd -> stream
 
 async def fork_rank(agent: RankSupervisor, spec: m.RankSpec, start: m.StartRanks,
                     store: StoreSpec) -> RankProcess:
@@ -86,7 +87,8 @@ async def fork_rank(agent: RankSupervisor, spec: m.RankSpec, start: m.StartRanks
     loop.add_reader(parent_hb.fileno(), agent.on_pong, spec.rank)
     for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
         os.set_blocking(fd, False)
-        loop.add_reader(fd, _pump_fd, loop, fd, agent, spec.rank, stream, mark)
+        proc.outputs[fd] = stream
+        loop.add_reader(fd, _pump_fd, loop, fd, agent, spec.rank, stream, mark, proc.outputs)
     proc.conn = await AsyncConnection.from_socket(
         parent_conn,
         partial(agent.on_rank_message, spec.rank),
@@ -95,8 +97,17 @@ async def fork_rank(agent: RankSupervisor, spec: m.RankSpec, start: m.StartRanks
     return proc
 
 
+def drain_outputs(agent: RankSupervisor, proc: RankProcess) -> None:
+    """Pass on what an exited rank wrote to its fds that was not read yet (its last lines: why it failed)."""
+    loop = asyncio.get_running_loop()
+    for fd, stream in list(proc.outputs.items()):
+        while fd in proc.outputs and _pump_fd(loop, fd, agent, proc.spec.rank, stream, proc.fd_mark, proc.outputs):
+            pass
+
+
 def _pump_fd(loop: asyncio.AbstractEventLoop, fd: int, agent: RankSupervisor, rank: int, stream: str,
-             mark: FdMarkWriter | None) -> None:
+             mark: FdMarkWriter | None, outputs: dict[int, str]) -> bool:
+    """Read what is there on one of a rank's fds and pass it on; whether there was something."""
     if mark is not None:
         mark.reading()  # (the rank waits for passed_on before it trusts the count)
     try:
@@ -112,6 +123,8 @@ def _pump_fd(loop: asyncio.AbstractEventLoop, fd: int, agent: RankSupervisor, ra
     if data is not None and not data:
         loop.remove_reader(fd)
         os.close(fd)
+        outputs.pop(fd, None)
+    return bool(data)
 
 
 def _become_rank(spec: m.RankSpec, start: m.StartRanks, conn: socket.socket, hb: socket.socket,

@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from typing import Any, Protocol
 
-from monarch_kernel.agent.launcher import RankProcess, fork_rank
+from monarch_kernel.agent.launcher import RankProcess, drain_outputs, fork_rank
 from monarch_kernel.agent.load import LoadSampler
 from monarch_kernel.agent.preload import Preloader
 from monarch_kernel.core.failures import exit_text
@@ -204,6 +204,7 @@ class RankSet:
         proc.hb_sock.close()
         _kill_group(proc.pid, signal.SIGKILL)  # anything the rank left behind (its zombie pins the group id)
         _, status = os.waitpid(proc.pid, 0)
+        drain_outputs(self, proc)  # (its last lines may still be in the pipes: the report shows them)
         code = os.waitstatus_to_exitcode(status)
         exit_code, sig = (code, None) if code >= 0 else (None, signal.Signals(-code).name)
         if proc.conn is not None:
