@@ -80,6 +80,9 @@ def test_the_suite_has_at_least_fifteen_programs():
     assert len(PROGRAMS) >= 15, [p.name for p in PROGRAMS]
 
 
+REFERENCE_ASKED = 3  # at most, for one program: see below
+
+
 @pytest.mark.parametrize("program", [
     pytest.param(p, marks=pytest.mark.xfail(reason=DIFFERENT[p.stem], strict=True)) if p.stem in DIFFERENT else p
     for p in PROGRAMS], ids=[p.stem for p in PROGRAMS])
@@ -89,10 +92,14 @@ def test_a_monarch_program_prints_the_same_on_ours(program: Path, monarch_python
     ours_program = tmp_path / program.name
     ours_program.write_text(on_our_api(source))
     theirs, ours = run_both([(monarch_python, program), (sys.executable, ours_program)], tmp_path)
-    if program.stem not in DIFFERENT and printed(ours, unordered) != printed(theirs, unordered):
-        # The real Monarch is the reference, with timing flakes of its own on a loaded machine (once, in CI,
-        # program 30's fault hook did not fire within 30 s): ask it once more, alone. Ours is never re-run.
+    asked = 1
+    while (program.stem not in DIFFERENT and printed(ours, unordered) != printed(theirs, unordered)
+           and asked < REFERENCE_ASKED):
+        # The real Monarch is the reference, with flakes of its own on a loaded machine (once, in CI, program
+        # 30's fault hook did not fire within 30 s; with busy loops beside it, program 01 aborted twice in a row
+        # in Monarch's runtime: "FATAL: exception not rethrown"): ask it again, alone. Ours is never re-run.
         (theirs,) = run_both([(monarch_python, program)], tmp_path)
+        asked += 1
     assert theirs.returncode == 0, f"the real Monarch failed on {program.name}:\n{theirs.stderr[-3000:]}"
     assert ours.returncode == 0, f"ours failed on {program.name}:\n{ours.stdout[-2000:]}\n{ours.stderr[-3000:]}"
     assert printed(ours, unordered) == printed(theirs, unordered), (
