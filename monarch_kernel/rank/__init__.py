@@ -26,8 +26,9 @@ held, never the other way; a lock not listed under another takes nothing while h
   `Runs._lock` a stop also wakes the actors' waits (`ActorHost._wake`) and ends a collective
   (`collectives._lock`). The main thread's SIGINT handler may run at any line, so it takes only
   `MainThreadInterrupts._lock` (re-entrant) and the lock-free `Runs.current`;
-- actors: `ActorHost._lock` (mailboxes, their queues, tasks) -> `MainThreadJobs._lock` (whether the
-  main thread is free); replies are sent with no actor lock held;
+- actors: `ActorHost._lock` (mailboxes, their queues, tasks; `ActorFailures` and `actor_instances.end_instance`
+  take this same lock) -> `MainThreadJobs._lock` (whether the main thread is free); replies are sent with no
+  actor lock held;
 - output: `RankStream._send_lock` (held from taking a stream's chunks until sent) -> the way out
   (`LaneServer._lock` or `BlockingConnection._send_lock`) -> `core.interrupt_shield._lock` (a write
   and its count are one step: `core/interrupt_shield.py`);

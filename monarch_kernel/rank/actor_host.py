@@ -7,58 +7,52 @@ on its actor's own thread otherwise (`rank/user_threads.py`), so the actors of a
 calls at the same time, as in Monarch, and an endpoint may block on another actor of its own rank.
 A stop reaches a sync endpoint as KeyboardInterrupt wherever it runs; what could never finish is
 reported (`rank/deadlocks.py`). The rank's own `CallSender` is `rank/rank_sender.py`.
+
+Beside this module: how an actor's instance is made and ended (`rank/actor_instances.py`), and what
+happens when an actor fails (`rank/actor_failures.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
-import contextvars
 import dataclasses
 import functools
-import inspect
 import linecache
-import sys
 import threading
 import time
 import traceback
-import types
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from monarch_kernel.actors.base import SYSTEM_ACTOR, current_actor, current_point
-from monarch_kernel.actors.identities import forget_identity, identity_of, register_identity
+from monarch_kernel.actors.identities import forget_identity, register_identity
 from monarch_kernel.actors.log_prefix import install as install_log_prefix
 from monarch_kernel.actors.owned import stop_owned
-from monarch_kernel.actors.ports import Channel, Port, PortReceiver
 from monarch_kernel.actors.rank_loop import set_rank_loop
-from monarch_kernel.core.errors import SupervisionError
-from monarch_kernel.core.failures import FailureKind
 from monarch_kernel.core.future import Future
 from monarch_kernel.core.identity import ActorIdentity, root_identity
 from monarch_kernel.core.shape import Point, Shape
-from monarch_kernel.core.supervision import SUPERVISE, MeshFailure
+from monarch_kernel.core.supervision import SUPERVISE
 from monarch_kernel.rank.activity import EndpointActivity
+from monarch_kernel.rank.actor_failures import ActorFailures
+from monarch_kernel.rank.actor_instances import construct, constructor_traceback, end_instance
 from monarch_kernel.rank.call_order import BehindRequests
 from monarch_kernel.rank.call_replies import CallReplies
 from monarch_kernel.rank.cell import describe_failure
 from monarch_kernel.rank.deadlocks import WaitGraph
 from monarch_kernel.rank.interrupts import MainThreadInterrupts
-from monarch_kernel.rank.mailbox import Mailbox, Mailboxes, context_at, point_of, prepare_call, serves_async
+from monarch_kernel.rank.mailbox import Mailbox, Mailboxes, context_at, point_of, prepare_call
 from monarch_kernel.rank.ops import RankOps, SystemActor
 from monarch_kernel.rank.rank_sender import RankSender
 from monarch_kernel.rank.runs import RunKind, Runs, ThreadStopDelivery
 from monarch_kernel.rank.user_threads import OWN_THREAD_PREFIX, MainThreadJobs, OwnThreads
 from monarch_kernel.wire.actor_messages import CONTROLLER
 from monarch_kernel.wire.calls import CallKey, PendingCall, set_default_sender
-from monarch_kernel.wire.messages import ActorCall, ActorFailed, ActorReply, CancelCall, Failure, FailureCause
+from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, FailureCause
 from monarch_kernel.wire.ops import ConstructorFailed
 
 WAIT_CHECK_S = 0.5  # how often a wait looks again for a deadlock, at most
-CLEANUP_S = 10.0  # how long stopping an actor waits for its cancelled tasks and its async __cleanup__
-OWNER_HEARS_S = 5.0  # how long the answer to a call that failed its actor waits for the owner to hear of it
 
 
 class ActorHost:
@@ -86,6 +80,8 @@ class ActorHost:
         self._main = threading.main_thread().ident or 0
         self.sender = RankSender(rank, send, shm_dir, self.wait_for, self.notify, self.replies.through_port, mesh)
         self.sender._post_local = self.post_local
+        self.failures = ActorFailures(rank, self._lock, self._mailboxes, self.replies, self.sender, self.runs,
+                                      self._stop_runs, self._end)
         set_default_sender(self.sender)
         ops.serve_actors(self)
         self._mailboxes.add_system(Mailbox(SYSTEM_ACTOR, SYSTEM_ACTOR, SystemActor(ops), Shape((), (rank,)), Point((), 0)))
@@ -122,12 +118,12 @@ class ActorHost:
         install_log_prefix()  # (with the rank's first actor: records its actors log name them, as Monarch's)
         token, owner = current_point.set(point), current_actor.set(key)
         try:
-            instance = self._construct(cls, args, kwargs)
+            instance = construct(cls, args, kwargs, self.loop, self._loop_thread)
         except Exception as exc:
             forget_identity(key)
             if not supervise_constructor:
                 raise
-            shown = "".join(traceback.format_exception(type(exc), exc, _from_constructor(exc.__traceback__)))
+            shown = "".join(traceback.format_exception(type(exc), exc, constructor_traceback(exc.__traceback__, __file__)))
             failure = ConstructorFailed(self.rank, type(exc).__name__, str(exc), shown)
             self._add(Mailbox(name, key, None, shape, point, slot=slot, failed=Failure.of(
                 FailureCause.ACTOR_FAILED, f"actor {name!r} ({cls.__name__}) on rank {self.rank} failed: its "
@@ -142,30 +138,14 @@ class ActorHost:
         self._add(Mailbox(name, key, instance, shape, point, slot=slot))
         return f"{cls.__name__} on rank {self.rank}"
 
-    def _construct(self, cls: type, args: tuple, kwargs: dict) -> Any:
-        """cls(*args, **kwargs). An actor that serves async endpoints is made on the rank's event loop, the
-        thread its endpoints run on, as Monarch makes it: thread-local state its `__init__` sets is theirs."""
-        loop = self.loop
-        if not serves_async(cls) or loop is None or loop.is_closed() or threading.get_ident() == self._loop_thread:
-            return cls(*args, **kwargs)
-        made: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        context = contextvars.copy_context()  # (the actor's point and key, set by spawn)
-
-        def construct() -> None:
-            if not made.set_running_or_notify_cancel():
-                return
-            try:
-                made.set_result(context.run(cls, *args, **kwargs))
-            except BaseException as exc:  # noqa: BLE001 - raised again in the spawning thread
-                made.set_exception(exc)
-
-        loop.call_soon_threadsafe(construct)
-        return made.result()  # (a stop of the spawn interrupts this wait; the constructor then ends on the loop)
-
     def _add(self, box: Mailbox) -> None:
         self.stop(box.slot, replaced=True)
         with self._lock:
             self._mailboxes.add(box)
+
+    def fail_key(self, key: str, report: str) -> bool:
+        """The actor of spawn `key` here fails: an owned failure was not handled (see ActorFailures.fail_key)."""
+        return self.failures.fail_key(key, report)
 
     def meshes(self) -> list[tuple[str, str, Any, Shape]]:
         """The actor meshes here: (name, spawn key, this rank's instance, shape)."""
@@ -206,60 +186,10 @@ class ActorHost:
 
     def _end(self, box: Mailbox, error: BaseException | None = None) -> None:
         """End a stopped or failed actor: what it spawned or started goes first (Monarch's recursive stop), then
-        the actor itself (`_end_instance`)."""
+        the actor itself (`rank/actor_instances.py`)."""
         stop_owned(box.key)
-        self._end_instance(box, error)
+        end_instance(box, error, rank=self.rank, lock=self._lock, loop=self.loop, loop_thread=self._loop_thread)
 
-    def _end_instance(self, box: Mailbox, error: BaseException | None = None) -> None:
-        """Cancel the tasks of a stopped actor's concurrent endpoints (waiting for them, up to CLEANUP_S),
-        then run its `__cleanup__(error)` (an async one on the rank's loop), in the actor's context; `error`:
-        what made the actor fail (None: it was stopped)."""
-        with self._lock:
-            tasks = list(box.tasks)
-        on_loop = threading.get_ident() == self._loop_thread
-        loop = self.loop
-        if tasks and loop is not None and not loop.is_closed():
-            async def cancel_all() -> None:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.wait(tasks, timeout=CLEANUP_S)
-
-            if on_loop:
-                for task in tasks:
-                    task.cancel()
-            else:
-                self._wait_on_loop(loop, cancel_all(), "cancelling its concurrent endpoints")
-        cleanup = getattr(type(box.instance), "__cleanup__", None)
-        if cleanup is None:
-            return
-        ctx = context_at(box.point, box.key)
-        if inspect.iscoroutinefunction(cleanup):
-            if loop is None or loop.is_closed() or on_loop:
-                print(f"{box.name}: the async __cleanup__ could not run (the rank's event loop is "
-                      f"{'this thread' if on_loop else 'gone'})", file=sys.stderr)
-                return
-            self._wait_on_loop(loop, self._async_cleanup(box, ctx, error), "its __cleanup__")
-            return
-        try:
-            ctx.run(cleanup, box.instance, error)
-        except Exception:  # noqa: BLE001 - a failing clean-up is reported, the stop goes on
-            print(f"{box.name} on rank {self.rank}: __cleanup__ raised:", file=sys.stderr)
-            traceback.print_exc()
-
-    async def _async_cleanup(self, box: Mailbox, ctx: contextvars.Context, error: BaseException | None) -> None:
-        try:
-            await asyncio.get_running_loop().create_task(box.instance.__cleanup__(error), context=ctx)
-        except Exception:  # noqa: BLE001 - reported, the stop goes on
-            print(f"{box.name} on rank {self.rank}: __cleanup__ raised:", file=sys.stderr)
-            traceback.print_exc()
-
-    def _wait_on_loop(self, loop: asyncio.AbstractEventLoop, coro: Any, what: str) -> None:
-        done = asyncio.run_coroutine_threadsafe(coro, loop)
-        try:
-            done.result(timeout=CLEANUP_S)
-        except concurrent.futures.TimeoutError:
-            print(f"rank {self.rank}: stopping an actor: {what} took over {CLEANUP_S:.0f} s; stopped waiting",
-                  file=sys.stderr)
 
     # ------------------------------------------------------------ reader thread side
     def cancel(self, msg: CancelCall) -> None:
@@ -515,8 +445,8 @@ class ActorHost:
             self.runs.failed(run, exc)
             if not failure.interrupted and self.runs.ended_by_its_stop(run):
                 failure = dataclasses.replace(failure, interrupted=True)  # (the stop's doing, not the endpoint's)
-            if self._ends_the_actor(box, msg, exc, failure):
-                failure, heard = self._fail(box, msg, exc, failure)
+            if self.failures.ends_the_actor(box, msg, exc, failure):
+                failure, heard = self.failures.fail(box, msg, exc, failure)
             elif failure.interrupted and box.failed is not None:  # (stopped as its actor failed)
                 failure = box.failed
         finally:
@@ -525,7 +455,7 @@ class ActorHost:
             current_actor.reset(owner)
         if job and threading.get_ident() == self._main and self.main_jobs is not None:
             self.main_jobs.release()  # (the caller may call again as soon as it has the reply: main is free)
-        self._answer(box, msg, value, failure, time.perf_counter() - started, heard)
+        self.failures.answer(box, msg, value, failure, time.perf_counter() - started, heard)
 
     async def _serve_async(self, box: Mailbox, msg: ActorCall, method, label: str, args, kwargs, *,
                            concurrent: bool = False) -> None:
@@ -540,105 +470,15 @@ class ActorHost:
                                                          interrupted=True)
         except BaseException as exc:  # noqa: BLE001
             value, failure = None, describe_failure(exc)
-            if self._ends_the_actor(box, msg, exc, failure):
-                failure, heard = self._fail(box, msg, exc, failure)
+            if self.failures.ends_the_actor(box, msg, exc, failure):
+                failure, heard = self.failures.fail(box, msg, exc, failure)
         with self._lock:
             task = self._tasks.pop(key, None)
             box.tasks.discard(task)
         self.runs.end(run)
-        self._answer(box, msg, value, failure, time.perf_counter() - started, heard)
+        self.failures.answer(box, msg, value, failure, time.perf_counter() - started, heard)
         if concurrent:
             return  # (it never held the mailbox)
         with self._lock:
             box.busy = box.in_async = False
         self._drain(box)
-
-    # ------------------------------------------------------------ actors that fail
-    @staticmethod
-    def _ends_the_actor(box: Mailbox, msg: ActorCall, exc: BaseException, failure: Failure) -> bool:
-        """Whether what an endpoint raised ends its actor, as in Monarch: a BaseException that is no Exception
-        (an interrupt aside: a stop), or any exception of an endpoint that answers through its own port (it had
-        nobody to raise it to). Other exceptions go to the caller, and the actor serves on."""
-        if failure.interrupted or isinstance(exc, (KeyboardInterrupt, asyncio.CancelledError)):
-            return False
-        if box.key == SYSTEM_ACTOR or msg.endpoint == SUPERVISE:  # (the controller handles a failing __supervise__)
-            return False
-        return not isinstance(exc, Exception) or bool(box.endpoints[msg.endpoint][3])
-
-    def _fail(self, box: Mailbox, msg: ActorCall, exc: BaseException,
-              failure: Failure) -> tuple[Failure, Future[Any] | None]:
-        """The actor of `box` failed: it answers this call and every later one with that (its queued calls
-        too), its owner hears of it (`ActorFailed`), and what it owns is stopped before its `__cleanup__(exc)`
-        runs (on a thread of its own: this may be the loop its clean-up needs). The answer to this call, and
-        what says that the owner heard of it (None: the actor had failed already)."""
-        cls = type(box.instance).__name__
-        said = failure.message  # (the exception's type, and what it said)
-        failed = Failure(failure.error_type, f"actor {box.name!r} ({cls}) on rank {self.rank} failed: its endpoint "
-                         f"{msg.endpoint} raised {said}", failure.traceback, cause=FailureCause.ACTOR_FAILED)
-        if not self._mark_failed(box, failed, exc):
-            return box.failed or failed, None
-        identity = identity_of(box.key)
-        port: Port[Any]
-        receiver: PortReceiver[Any]
-        port, receiver = Channel.open(once=True)
-        self.sender.send_up(ActorFailed(self.rank, box.key, MeshFailure(
-            box.name, cls, self.rank, FailureKind.EXCEPTION, f"endpoint {msg.endpoint} raised {said}",
-            failure.traceback, actor=identity.qualified_name() if identity is not None else ""),
-            (port._owner, port._port_id)))
-        return failed, receiver.recv()
-
-    def fail_key(self, key: str, report: str) -> bool:
-        """The actor of spawn `key` here fails: a failure of an actor mesh it owns was not handled (the controller
-        asks, `FailActor`). Its running calls stop and, as every later one, are answered with `report`; its
-        owner has heard already. Whether it was here."""
-        box = self._mailboxes.get(key)
-        if box is None or box.key == SYSTEM_ACTOR:
-            return False
-        failed = Failure("SupervisionError", report, "", cause=FailureCause.ACTOR_FAILED)
-        if self._mark_failed(box, failed, SupervisionError(report, [])):
-            self._stop_calls_of(box)
-        return True
-
-    def _mark_failed(self, box: Mailbox, failed: Failure, error: BaseException) -> bool:
-        """Mark `box` failed with `failed` (False: it had failed or stopped already): its queued calls are
-        answered with it, and it is ended on a thread of its own (`_end`)."""
-        queued: list[ActorCall] = []
-        with self._lock:
-            if box.failed is not None or box.stopped:
-                return False
-            box.failed = failed
-            queued.extend(box.queue)
-            box.queue.clear()
-        for call in queued:
-            self.replies.reply(call, None, failed)
-        threading.Thread(target=self._end, args=(box, error), name=f"actor-failed-{box.name}",
-                         daemon=True).start()
-        return True
-
-    def _stop_calls_of(self, box: Mailbox) -> None:
-        """Stop the calls that the actor of `box` runs now (they are answered with its failure)."""
-        self._stop_runs([run.key for run in self.runs.calls() if run.actor is box and isinstance(run.key, tuple)])
-
-    def _answer(self, box: Mailbox, msg: ActorCall, value: Any, failure: Failure | None, seconds: float,
-                heard: Future[Any] | None) -> None:
-        """Answer a call; one that failed its actor once its owner heard of it (at most OWNER_HEARS_S later), on
-        a thread of its own."""
-        if heard is None:
-            self.replies.answer(box, msg, value, failure, seconds)
-            return
-
-        def when_heard() -> None:
-            with contextlib.suppress(Exception):  # (not heard in time: answered all the same)
-                heard.get(timeout=OWNER_HEARS_S)
-            self.replies.answer(box, msg, value, failure, seconds)
-
-        threading.Thread(target=when_heard, name=f"actor-failed-answer-{box.name}", daemon=True).start()
-
-
-def _from_constructor(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """A failed constructor's traceback from the constructor down (without spawn's own frames and the wait for
-    a constructor that ran on the event loop)."""
-    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
-                              or tb.tb_frame.f_code.co_filename == concurrent.futures._base.__file__):
-        tb = tb.tb_next
-    return tb
