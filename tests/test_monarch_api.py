@@ -273,6 +273,65 @@ def test_an_owner_is_told_once_per_dead_rank_about_its_newest_spawn_of_a_name():
     assert failure.mesh_name == "workers" and failure.rank == 2 and failure.kind == "died"
 
 
+def test_an_owner_hears_of_a_death_that_the_controller_learnt_before_the_ownership():
+    """A spawning actor's OwnActors and its new actors' death come on different paths (the owner's rank, the
+    other mesh's host): under load the death came first and the owner never heard (Monarch's program 34
+    timed out 1 run in 3 with busy loops beside it)."""
+    from monarch_kernel.controller.supervision import Supervisors
+    from monarch_kernel.wire import messages as m
+    from monarch_kernel.wire.calls import CallTable
+    from monarch_kernel.wire.serialization import unseal
+
+    sent = []
+    supervisors = Supervisors(CallTable(), sent.append, lambda rank: rank == 0)
+    supervisors.rank_died(0, "rank 0 of mesh2 died", mesh="mesh2")  # before the owner's note came
+    supervisors.own(m.OwnActors(0, "watcher#-1.1", "actor mesh 'watcher' on rank 0", "fragile#0.1", "fragile",
+                                "Fragile", (0,), "mesh2"))
+    assert [(c.actor, c.endpoint, c.ranks) for c in sent] == [("watcher#-1.1", "__supervise__", (0,))]
+    (failure,), _ = unseal(sent[0].args)
+    assert failure.mesh_name == "fragile" and failure.kind == "died" and "mesh2 died" in failure.report()
+    supervisors.rank_died(0, "rank 0 of mesh2 died", mesh="mesh2")  # (told once)
+    supervisors.mesh_restarted("mesh2")  # a later spawn on the restarted mesh hears of nothing past
+    supervisors.own(m.OwnActors(0, "watcher#-1.1", "actor mesh 'watcher' on rank 0", "fragile#0.2", "fragile",
+                                "Fragile", (0,), "mesh2"))
+    assert len(sent) == 1
+
+
+def test_an_actors_spawn_returns_once_the_controller_knows_the_owner(monkeypatch):
+    """The spawn inside an actor waits for the controller's note (OwnActors.known): with the note held back
+    a second on its way (as a loaded machine did), the endpoint that spawned still returns only after it."""
+    import threading
+
+    from monarch_kernel.controller.router import ControllerSender
+
+    noted: list[str] = []
+    note = ControllerSender.own_actors
+
+    def slow_note(self, msg):
+        def later():
+            noted.append(msg.name)
+            note(self, msg)
+
+        threading.Timer(1.0, self._loop.call, (later,)).start()
+
+    monkeypatch.setattr(ControllerSender, "own_actors", slow_note)
+
+    class Spawner(Actor):
+        @endpoint
+        def spawn_child(self) -> list[str]:
+            self.procs = this_host().spawn_procs(per_host={"gpus": 1})
+            self.child = self.procs.spawn("child", Sleepy)
+            return ["spawned"]
+
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        spawner = procs.spawn("spawner", Spawner)
+        assert spawner.spawn_child.call_one().get(timeout=60) == ["spawned"]
+        assert noted == ["child"]  # (before, the endpoint returned while the note was still on its way)
+    finally:
+        procs.stop()
+
+
 def test_a_host_mesh_sent_elsewhere_carries_only_host_names_and_cannot_start_processes():
     import pickle
 

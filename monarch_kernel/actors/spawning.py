@@ -8,6 +8,7 @@ system actors).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,8 @@ from monarch_kernel.actors.base import Actor, class_sources, current_actor, endp
 from monarch_kernel.actors.client import ActorMesh, actor_name_of
 from monarch_kernel.actors.identities import current_identity
 from monarch_kernel.actors.owned import record
-from monarch_kernel.core.errors import MeshNotRunningError, MeshUsageError
+from monarch_kernel.actors.ports import Channel, Port, PortReceiver
+from monarch_kernel.core.errors import MeshNotRunningError, MeshTimeoutError, MeshUsageError
 from monarch_kernel.core.failures import FailureKind
 from monarch_kernel.core.identity import ActorOrigin
 from monarch_kernel.core.shape import Shape
@@ -28,6 +30,7 @@ from monarch_kernel.wire.serialization import release, seal
 
 _spawns = itertools.count(1)
 OWNED_STOP_S = 60.0  # how long stopping an actor waits for each actor mesh it owns to stop
+OWNER_KNOWN_S = 10.0  # how long an actor's spawn waits for the controller to note that the actor owns the new mesh
 RunSpawn = Callable[[SpawnActors, str], object]  # (operation, label): runs it on the shape's ranks, raises on failure
 
 
@@ -67,9 +70,17 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
     if owner is not None and sender.own_rank is not None:  # an actor spawned it: the controller routes its failures
         actors._supervised = Owner.ACTOR
         record(owner, f"actor mesh {name!r}", lambda: actors.stop(timeout=OWNED_STOP_S))  # (stopped with its owner)
+        known: Port[None]
+        receiver: PortReceiver[None]
+        known, receiver = Channel.open(once=True)
         sender.send_up(OwnActors(sender.caller_id, owner, owner_label(owner, sender.caller_id), key, name,
                                  actor_class.__name__, shape.ranks,
-                                 mesh_name if sender.other_mesh(mesh_name) else "", origin))
+                                 mesh_name if sender.other_mesh(mesh_name) else "", origin,
+                                 (known._owner, known._port_id)))
+        # the spawn returns once the controller knows the owner: a failure of the new actors (a death reported
+        # by their own host, on another path than this rank's) then always finds who hears of it
+        with contextlib.suppress(MeshTimeoutError):
+            receiver.recv().get(timeout=OWNER_KNOWN_S)
     elif sender.own_rank is None and notebook_hook:  # the notebook owns it
         actors.supervise_from_notebook()
     for failed in _constructor_failures(answers):

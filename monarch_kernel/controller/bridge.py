@@ -79,6 +79,9 @@ class MeshBridge:
             if target is side or origin[0] == side.mesh_name:
                 del self._calls[origin]
         self._told = {told for told in self._told if side.mesh_name not in (told[0], told[2])}
+        for other in list(self._meshes.values()):
+            if other is not side:
+                other.supervisors.mesh_restarted(side.mesh_name)
 
     def rank_died(self, side: MeshSide, rank: int, why: str) -> None:
         """A rank of `side` died: owners of its actors in the other meshes hear of it (loop thread)."""

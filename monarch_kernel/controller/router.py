@@ -273,6 +273,14 @@ class ControllerSender:
             if rank in ranks:
                 threading.Thread(target=callback, args=(rank, why), name="mesh-supervision", daemon=True).start()
 
+    def own_actors(self, msg: m.OwnActors) -> None:
+        """An actor of this mesh spawned an actor mesh: note who owns it, then tell the spawning rank (its spawn
+        returns once told, so the new actors' failures always find their owner)."""
+        self.supervisors.own(msg)
+        if msg.known is not None:
+            owner, port_id = msg.known
+            self.router.reply(m.ActorReply(owner, port_id, m.CONTROLLER, None, None, to_port=True))
+
     def actor_failed(self, msg: m.ActorFailed) -> None:
         """An actor of this mesh failed: its owner hears of it, an actor (here or in another mesh) or the notebook;
         then its rank is told so (it answers the call that failed)."""

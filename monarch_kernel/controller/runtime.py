@@ -79,7 +79,7 @@ class MeshRuntime:
             m.ActorReply: lambda link, msg: self.sender.reply_from_agents(msg),
             m.ActorCall: lambda link, msg: self.sender.call_from_agents(msg),
             m.CancelCall: lambda link, msg: self.sender.cancel_from_agents(msg),
-            m.OwnActors: lambda link, msg: self.sender.supervisors.own(msg),
+            m.OwnActors: lambda link, msg: self.sender.own_actors(msg),
             m.BroadcastFailed: lambda link, msg: self.sender.supervisors.broadcast_failed(msg),
             m.ActorFailed: lambda link, msg: self.sender.actor_failed(msg),
             m.ProcsRequest: lambda link, msg: proc_requests.handle(self.spec, link.index, self.sender.router, msg),

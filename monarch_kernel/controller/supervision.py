@@ -8,6 +8,11 @@ answer ends it; after a false one, a missing `__supervise__`, or an exception in
 fails too (`FailActor`: its calls say so, as in Monarch) and the failure goes on to the owner's
 own owner, up to the notebook's `unhandled_fault_hook`. (Meshes the
 notebook owns are watched in the notebook itself.)
+
+A spawning actor's `OwnActors` and a death of the new actors' rank come on different paths (the
+owner's rank, the new rank's host), so either may come first: an actor's spawn returns only once
+this controller noted the owner (`OwnActors.known`), and a rank that died before the note arrived
+is told to the owner as the note arrives.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class Supervisors:
         self._is_alive = is_alive
         self._owned: dict[str, m.OwnActors] = {}  # by the owned mesh's spawn key
         self._told: set[tuple[str, int]] = set()  # (owned key, rank): each failure goes up once
+        self._dead: dict[tuple[str, int], str] = {}  # (mesh, rank) -> why: deaths since that mesh (re)started
 
     def own(self, msg: m.OwnActors) -> None:
         """An actor owns actor mesh `msg.key` now (a spawn of the same name by the same owner, the same actor
@@ -43,17 +49,31 @@ class Supervisors:
                     and owned.mesh == msg.mesh and set(owned.ranks) & set(msg.ranks)):
                 del self._owned[key]
         self._owned[msg.key] = msg
+        for rank in msg.ranks:  # (a rank that died after it answered the spawn, before this message came)
+            why = self._dead.get((msg.mesh, rank))
+            if why is not None and (msg.mesh or rank != msg.owner_rank) and (msg.key, rank) not in self._told:
+                self._told.add((msg.key, rank))
+                self._tell(msg, self._death(msg, rank, why))
 
     def rank_died(self, rank: int, why: str, mesh: str = "") -> None:
         """Tell the owner of every owned mesh with an actor on `rank` (once per mesh and rank); `mesh`: a rank
         of another mesh of the notebook died (actors here may own actors there)."""
+        self._dead[(mesh, rank)] = why
         for owned in list(self._owned.values()):
             if owned.mesh != mesh or (not mesh and owned.owner_rank == rank):
                 continue
             if rank in owned.ranks and (owned.key, rank) not in self._told:
                 self._told.add((owned.key, rank))
-                actor = owned.origin.actor_name(owned.name, rank) if owned.origin is not None else ""
-                self._tell(owned, MeshFailure(owned.name, owned.class_name, rank, FailureKind.DIED, why, actor=actor))
+                self._tell(owned, self._death(owned, rank, why))
+
+    @staticmethod
+    def _death(owned: m.OwnActors, rank: int, why: str) -> MeshFailure:
+        actor = owned.origin.actor_name(owned.name, rank) if owned.origin is not None else ""
+        return MeshFailure(owned.name, owned.class_name, rank, FailureKind.DIED, why, actor=actor)
+
+    def mesh_restarted(self, mesh: str) -> None:
+        """Another mesh of the notebook restarted or shut down: its ranks' deaths are past."""
+        self._dead = {where: why for where, why in self._dead.items() if where[0] != mesh}
 
     def actor_failed(self, msg: m.ActorFailed, heard: Callable[[], None], mesh: str = "") -> bool:
         """An actor failed on its rank: tell the actor that owns its mesh (once per mesh and rank), then call
@@ -77,6 +97,7 @@ class Supervisors:
         """The ranks were replaced: what they owned is gone."""
         self._owned.clear()
         self._told.clear()
+        self._dead.clear()
 
     def _tell(self, owned: m.OwnActors, failure: MeshFailure, heard: Callable[[], None] | None = None) -> None:
         """Ask the owner's `__supervise__`; `heard` is called once it answered (or could not be asked)."""

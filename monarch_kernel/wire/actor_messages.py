@@ -141,6 +141,7 @@ class OwnActors:
     ranks: tuple[int, ...]
     mesh: str = ""  # the owned actors' mesh when it is another than the owner's
     origin: ActorOrigin | None = None  # what names its actors in reports, as Monarch does
+    known: tuple[int, int] | None = None  # a port of the rank (owner, id): told once the controller knows the owner
 
 
 @dataclass(frozen=True)
