@@ -133,6 +133,14 @@ def procs():
     procs.stop()
 
 
+@pytest.fixture
+def spent_procs():
+    """Processes for a test that fails actors: as Monarch's, a process where an actor failed takes no new ones."""
+    procs = this_host().spawn_procs(per_host={"gpus": 2}, dist="none")
+    yield procs
+    procs.stop()
+
+
 @pytest.mark.timeout(60)
 def test_a_calls_port_answers_once_and_only_on_its_rank(procs):
     answerers = procs.spawn("answerers", Answerer)
@@ -148,8 +156,8 @@ def test_a_calls_port_answers_once_and_only_on_its_rank(procs):
 
 
 @pytest.mark.timeout(60)
-def test_an_endpoint_that_raises_before_answering_its_port_fails_the_call(procs):
-    raisers = procs.spawn("raisers", Raiser)
+def test_an_endpoint_that_raises_before_answering_its_port_fails_the_call(spent_procs):
+    raisers = spent_procs.spawn("raisers", Raiser)
     with pytest.raises(Exception, match="before answering"):
         raisers.slice(gpus=1).fails.call_one().get(timeout=10)
 
@@ -618,13 +626,15 @@ class Fragile(Actor):
 
 
 @pytest.mark.timeout(90)
-def test_an_endpoint_raising_a_base_exception_fails_its_actor_and_the_notebook_hears_once(monkeypatch, procs):
+def test_an_endpoint_raising_a_base_exception_fails_its_actor_and_the_notebook_hears_once(monkeypatch, spent_procs):
     """As in Monarch: the call raises SupervisionError in Monarch's words, later calls to that actor too (the other
     ranks serve on), the owner (here the notebook's hook) hears once; an application error leaves the actor as it
-    was; an explicit-port endpoint that raises fails its actor."""
+    was; an explicit-port endpoint that raises fails its actor. A process where an actor failed takes no new actors
+    (Monarch's poisoned process); the others do."""
     import monarch_kernel.monarch.actor as facade
     from monarch_kernel.monarch.actor import ActorError, SupervisionError
 
+    procs = spent_procs
     seen = []
     monkeypatch.setattr(facade, "unhandled_fault_hook", seen.append)
     fragile = procs.spawn("fragile", Fragile)
@@ -645,11 +655,16 @@ def test_an_endpoint_raising_a_base_exception_fails_its_actor_and_the_notebook_h
     assert "Fragile fragile{'gpus': 1/2}> and all its descendants have failed" in seen[0].report()
     assert "_Fatal: simulated failure" in seen[0].report()
 
-    porting = procs.spawn("porting", Fragile)
+    for _ in range(2):  # (latched)
+        with pytest.raises(RuntimeError, match=r"error spawning actor mesh 'late': 1 of its processes take no new "
+                                               r"actors after an actor there failed \(rank 1: .*simulated failure"):
+            procs.spawn("late", Fragile)
+    assert fragile.slice(gpus=0).check.call_one().get(timeout=30) == "ok"  # (the spawn left nothing on rank 0)
+    porting = procs.slice(gpus=0).spawn("porting", Fragile)
     with pytest.raises(SupervisionError, match="raised instead of answering"):
-        porting.slice(gpus=0).through_port.call_one().get(timeout=30)
+        porting.through_port.call_one().get(timeout=30)
     with pytest.raises(SupervisionError):
-        porting.slice(gpus=0).check.call_one().get(timeout=30)
+        porting.check.call_one().get(timeout=30)
     assert wait_until(lambda: len(seen) == 2, 10)
 
 
@@ -689,7 +704,7 @@ class Parent(Actor):
 
 @pytest.mark.timeout(120)
 def test_an_owner_hears_of_its_failed_actors_before_their_call_returns_and_fails_when_it_does_not_handle_it(
-        monkeypatch, procs):
+        monkeypatch, spent_procs):
     """The owner's __supervise__ has run by the time the call that failed its actors raises in the owner (Monarch's
     order); an owner that does not handle the failure fails in turn: its running call raises at once (not after its
     wait), later calls too, and the failure goes on up to the notebook."""
@@ -698,13 +713,15 @@ def test_an_owner_hears_of_its_failed_actors_before_their_call_returns_and_fails
 
     seen = []
     monkeypatch.setattr(facade, "unhandled_fault_hook", seen.append)
+    procs = spent_procs
     children_procs = this_host().spawn_procs(per_host={"gpus": 2}, dist="none")
+    other_children = this_host().spawn_procs(per_host={"gpus": 2}, dist="none")  # (the first ones failed actors)
     try:
         handling = procs.slice(gpus=0).spawn("handling", Parent, children_procs, True)
         assert handling.fail_children.call_one().get(timeout=60) == 2  # both children heard of, before it returned
         assert handling.check.call_one().get(timeout=30) == "ok"
 
-        careless = procs.slice(gpus=1).spawn("careless", Parent, children_procs, False)
+        careless = procs.slice(gpus=1).spawn("careless", Parent, other_children, False)
         with pytest.raises(SupervisionError, match=r"(?s)careless.*and all its descendants have failed.*children"):
             careless.fail_children.call_one(600.0).get(timeout=60)
         with pytest.raises(SupervisionError):
@@ -712,6 +729,7 @@ def test_an_owner_hears_of_its_failed_actors_before_their_call_returns_and_fails
         assert wait_until(lambda: any("not handled by" in f.report() for f in seen), 10)
     finally:
         children_procs.stop()
+        other_children.stop()
 
 
 class Aborting(Actor):
@@ -723,16 +741,16 @@ class Aborting(Actor):
 
 
 @pytest.mark.timeout(60)
-def test_abort_fails_its_actor_and_the_owner_hears_the_reason(monkeypatch, procs):
+def test_abort_fails_its_actor_and_the_owner_hears_the_reason(monkeypatch, spent_procs):
     import monarch_kernel.monarch.actor as facade
     from monarch_kernel.monarch.actor import SupervisionError, context
 
     seen = []
     monkeypatch.setattr(facade, "unhandled_fault_hook", seen.append)
-    for name, reason, said in (("aborting", "out of patience", "out of patience"),
-                               ("aborting_quietly", None, "no reason provided")):
+    for rank, name, reason, said in ((0, "aborting", "out of patience", "out of patience"),
+                                     (1, "aborting_quietly", None, "no reason provided")):
         with pytest.raises(SupervisionError, match=said):
-            procs.slice(gpus=0).spawn(name, Aborting).abort.call_one(reason).get(timeout=30)
+            spent_procs.slice(gpus=rank).spawn(name, Aborting).abort.call_one(reason).get(timeout=30)
     assert wait_until(lambda: len(seen) == 2, 10)
     assert "Aborting aborting> and all its descendants have failed" in seen[0].report()
     with pytest.raises(RuntimeError, match="root client"):

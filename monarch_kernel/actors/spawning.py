@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from monarch_kernel.actors.base import Actor, class_sources, current_actor, endpoint_parameters, owner_label
 from monarch_kernel.actors.client import ActorMesh, actor_name_of
@@ -25,13 +25,13 @@ from monarch_kernel.core.shape import Shape
 from monarch_kernel.core.supervision import MeshFailure, Owner, report_unhandled
 from monarch_kernel.wire.calls import find_sender
 from monarch_kernel.wire.messages import BroadcastFailed, OwnActors
-from monarch_kernel.wire.ops import ConstructorFailed, SpawnActors
+from monarch_kernel.wire.ops import ConstructorFailed, SpawnActors, SpawnRefused, StopActors
 from monarch_kernel.wire.serialization import release, seal
 
 _spawns = itertools.count(1)
 OWNED_STOP_S = 60.0  # how long stopping an actor waits for each actor mesh it owns to stop
 OWNER_KNOWN_S = 10.0  # how long an actor's spawn waits for the controller to note that the actor owns the new mesh
-RunSpawn = Callable[[SpawnActors, str], object]  # (operation, label): runs it on the shape's ranks, raises on failure
+RunSpawn = Callable[[SpawnActors | StopActors, str], object]  # (operation, label): runs it on the shape's ranks; raises
 
 
 def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, args: tuple[Any, ...],
@@ -63,6 +63,12 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
                                   supervise_constructor), f"spawn({name!r}, {actor_class.__name__})")
     finally:
         release(sealed)
+    refused = _answers_of(answers, SpawnRefused)
+    if refused:  # (Monarch's poisoned processes: none of the new actors stays)
+        run(StopActors(key), f"stop({name!r})")
+        said = "; ".join(f"rank {r.rank}: {r.reason}" for r in refused)
+        raise RuntimeError(f"error spawning actor mesh {name!r}: {len(refused)} of its processes take no new actors "
+                           f"after an actor there failed ({said}); spawn on new processes (HostMesh.spawn_procs)")
     origin = ActorOrigin(creator.qualified_name(), f"{actor_class.__module__}.{actor_class.__qualname__}", shape)
     actors = ActorMesh(mesh_name, name, actor_class.__name__, actor_class._endpoints, shape, key,
                        endpoint_parameters(actor_class), origin)
@@ -97,7 +103,15 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
 
 def _constructor_failures(answers: object) -> list[ConstructorFailed]:
     """The ranks' ConstructorFailed answers to a SpawnActors (a ValueMesh of them, or a list)."""
+    return _answers_of(answers, ConstructorFailed)
+
+
+T = TypeVar("T", ConstructorFailed, SpawnRefused)
+
+
+def _answers_of(answers: object, kind: type[T]) -> list[T]:
+    """The ranks' answers of one kind to a SpawnActors (a ValueMesh of them, or a list), by rank."""
     values = answers.values() if hasattr(answers, "values") else answers
     if not isinstance(values, (list, tuple)) and not hasattr(values, "__iter__"):
         return []
-    return sorted((v for v in values if isinstance(v, ConstructorFailed)), key=lambda v: v.rank)
+    return sorted((v for v in values if isinstance(v, kind)), key=lambda v: v.rank)

@@ -11,6 +11,8 @@ that answers through its own port (there was nobody to raise it to). A failed ac
   may be the loop thread its clean-up needs.
 The controller may also fail an actor (`fail_key`): a failure of an actor mesh it owns was not handled;
 its running calls are stopped and answered with the report.
+A process where an actor failed (a constructor too) takes no new actors from Monarch's `ProcMesh.spawn`
+from then on (`first`, latched: Monarch's poisoned process); its other actors serve on.
 
 `rank/actor_host.py` serves the calls and hands what they raised to `ActorFailures`.
 """
@@ -54,6 +56,7 @@ class ActorFailures:
         self._runs = runs
         self._stop_runs = stop_runs  # stop these calls wherever they run (the actor host's)
         self._end = end  # end a failed actor: what it owns, then its instance (the actor host's)
+        self.first = ""  # the first actor failure on this process ("": none); latched, as Monarch's poisoned process
 
     @staticmethod
     def ends_the_actor(box: Mailbox, msg: ActorCall, exc: BaseException, failure: Failure) -> bool:
@@ -110,11 +113,18 @@ class ActorFailures:
             box.failed = failed
             queued.extend(box.queue)
             box.queue.clear()
+        self.note(failed)
         for call in queued:
             self._replies.reply(call, None, failed)
         threading.Thread(target=self._end, args=(box, error), name=f"actor-failed-{box.name}",
                          daemon=True).start()
         return True
+
+    def note(self, failed: Failure) -> None:
+        """An actor of this process failed (its constructor or later): from now on, as in Monarch, the process takes
+        no new actors from ProcMesh.spawn (`SpawnRefused`); the first failure is the one named."""
+        if not self.first:
+            self.first = failed.message.splitlines()[0] if failed.message else failed.error_type
 
     def answer(self, box: Mailbox, msg: ActorCall, value: Any, failure: Failure | None, seconds: float,
                heard: Future[Any] | None) -> None:

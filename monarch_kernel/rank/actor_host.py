@@ -50,7 +50,7 @@ from monarch_kernel.rank.user_threads import OWN_THREAD_PREFIX, MainThreadJobs, 
 from monarch_kernel.wire.actor_messages import CONTROLLER
 from monarch_kernel.wire.calls import CallKey, PendingCall, set_default_sender
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, FailureCause
-from monarch_kernel.wire.ops import ConstructorFailed
+from monarch_kernel.wire.ops import ConstructorFailed, SpawnRefused
 
 WAIT_CHECK_S = 0.5  # how often a wait looks again for a deadlock, at most
 
@@ -101,13 +101,16 @@ class ActorHost:
 
     def spawn(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
               sources: dict[str, list[str]], creator: ActorIdentity | None = None,
-              supervise_constructor: bool = False) -> str | ConstructorFailed:
+              supervise_constructor: bool = False) -> str | ConstructorFailed | SpawnRefused:
         """Create this rank's instance of actor mesh `name` (in user-code context); `key` names this spawn.
 
         An earlier actor mesh of that name here is replaced, as re-running a notebook cell expects: its
         queued calls fail, and calls through its old handle say that it was spawned again. With
         `supervise_constructor` (Monarch's ProcMesh.spawn) a constructor that raises an Exception leaves a
-        failed actor here, which answers every call with that failure, and the answer says what it raised."""
+        failed actor here, which answers every call with that failure, and the answer says what it raised; and
+        a process where an actor failed before takes none (`SpawnRefused`: Monarch's poisoned process)."""
+        if supervise_constructor and self.failures.first:
+            return SpawnRefused(self.rank, self.failures.first)
         for filename, lines in sources.items():
             linecache.cache.setdefault(filename, (sum(map(len, lines)), None, lines, filename))
         point = shape.numbered_point(self.rank) or Point((), 0)
@@ -125,9 +128,11 @@ class ActorHost:
                 raise
             shown = "".join(traceback.format_exception(type(exc), exc, constructor_traceback(exc.__traceback__, __file__)))
             failure = ConstructorFailed(self.rank, type(exc).__name__, str(exc), shown)
-            self._add(Mailbox(name, key, None, shape, point, slot=slot, failed=Failure.of(
-                FailureCause.ACTOR_FAILED, f"actor {name!r} ({cls.__name__}) on rank {self.rank} failed: its "
-                f"constructor raised {failure.error_type}: {failure.message}\n{failure.traceback.rstrip()}")))
+            failed = Failure.of(FailureCause.ACTOR_FAILED, f"actor {name!r} ({cls.__name__}) on rank {self.rank} "
+                                f"failed: its constructor raised {failure.error_type}: {failure.message}\n"
+                                f"{failure.traceback.rstrip()}")
+            self._add(Mailbox(name, key, None, shape, point, slot=slot, failed=failed))
+            self.failures.note(failed)
             return failure
         except BaseException:
             forget_identity(key)

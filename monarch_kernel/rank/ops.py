@@ -38,7 +38,7 @@ class Actors(Protocol):
 
     def spawn(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
               sources: dict[str, list[str]], creator: ActorIdentity | None = None,
-              supervise_constructor: bool = False) -> str | ops.ConstructorFailed:
+              supervise_constructor: bool = False) -> str | ops.ConstructorFailed | ops.SpawnRefused:
         """Create this rank's instance of an actor mesh (see ActorHost.spawn)."""
 
     def stop_key(self, key: str) -> bool:
@@ -108,7 +108,7 @@ class RankOps:
         return handler(op)
 
     # ------------------------------------------------------------ handlers
-    def _spawn(self, op: ops.SpawnActors) -> str | ops.ConstructorFailed:
+    def _spawn(self, op: ops.SpawnActors) -> str | ops.ConstructorFailed | ops.SpawnRefused:
         cls, args, kwargs = unseal(op.actor)
         return self.actors.spawn(op.name, op.key, cls, args, kwargs, op.shape, op.sources, op.creator,
                                  op.supervise_constructor)

@@ -54,6 +54,15 @@ class ConstructorFailed:
 
 
 @dataclass(frozen=True)
+class SpawnRefused:
+    """SpawnActors' answer (with supervise_constructor: Monarch's ProcMesh.spawn) on a process where an actor failed
+    before: as Monarch's poisoned process, it takes no new actors; `reason` says which failed first."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class StopActors:
     """Stop this rank's actor of the spawn `key`. Answer: whether it was there."""
 
