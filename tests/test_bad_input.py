@@ -69,3 +69,13 @@ def test_an_ssh_config_that_turns_host_key_checks_off_is_refused(tmp_path):
     config.write_text("Host lab\n  HostName 198.18.0.250\n  UserKnownHostsFile none\n")
     with pytest.raises(MeshStartError, match="UserKnownHostsFile none"):
         ssh_mesh(["lab"], gpus=1, dist="none", connect_options={"config": [str(config)]}, timeout=10)
+
+
+def test_a_rank_that_cannot_start_says_why_in_the_start_error():
+    """A rank whose set-up raises (here: an environment value with a NUL byte, which the OS cannot take) ends with
+    exit code 70; the start error carries its traceback's last line (before, only "exit code 70")."""
+    from monarch_kernel import MeshStartError
+
+    with pytest.raises(MeshStartError, match=r"(?s)exited during start-up \(exit code 70\).*could not start.*"
+                                             r"ValueError: embedded null byte"):
+        local_mesh(gpus=1, dist="none", rank_env=[{"SETTING": "a\0b"}], timeout=60)

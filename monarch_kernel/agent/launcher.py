@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import time
+import traceback
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -74,6 +76,9 @@ async def fork_rank(agent: RankSupervisor, spec: m.RankSpec, start: m.StartRanks
             parent_conn.close()
             parent_hb.close()
             _become_rank(spec, start, child_conn, child_hb, out_w, err_w, store, agent.host)
+        except BaseException:  # noqa: BLE001 - its start failed: say why on its stderr (the start error shows it)
+            with contextlib.suppress(BaseException):
+                os.write(2, f"rank {spec.rank} could not start:\n{traceback.format_exc()}".encode(errors="replace"))
         finally:
             os._exit(70)
     for fd in (out_w, err_w):

@@ -192,9 +192,11 @@ class RankSet:
 
     def on_rank_exit(self, rank: int) -> None:
         """A rank's process ended: reap it, release its descriptors, tell the listener."""
-        proc = self.procs.pop(rank, None)
+        proc = self.procs.get(rank)
         if proc is None:
             return
+        drain_outputs(self, proc)  # its last lines, while it is known here (they go into its stderr tail: the report)
+        del self.procs[rank]
         loop = asyncio.get_running_loop()
         loop.remove_reader(proc.pidfd)
         os.close(proc.pidfd)
@@ -204,7 +206,7 @@ class RankSet:
         proc.hb_sock.close()
         _kill_group(proc.pid, signal.SIGKILL)  # anything the rank left behind (its zombie pins the group id)
         _, status = os.waitpid(proc.pid, 0)
-        drain_outputs(self, proc)  # (its last lines may still be in the pipes: the report shows them)
+        drain_outputs(self, proc)  # (and what its leftover children wrote until they were killed)
         code = os.waitstatus_to_exitcode(status)
         exit_code, sig = (code, None) if code >= 0 else (None, signal.Signals(-code).name)
         if proc.conn is not None:
