@@ -65,7 +65,8 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
         release(sealed)
     refused = _answers_of(answers, SpawnRefused)
     if refused:  # (Monarch's poisoned processes: none of the new actors stays)
-        run(StopActors(key), f"stop({name!r})")
+        with contextlib.suppress(Exception):  # (a rank gone meanwhile took its actor with it: the refusal is the news)
+            run(StopActors(key), f"stop({name!r})")
         said = "; ".join(f"rank {r.rank}: {r.reason}" for r in refused)
         raise RuntimeError(f"error spawning actor mesh {name!r}: {len(refused)} of its processes take no new actors "
                            f"after an actor there failed ({said}); spawn on new processes (HostMesh.spawn_procs)")
