@@ -7,6 +7,7 @@ import ...`); each test changes only their import lines and runs them as a scrip
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -134,8 +135,12 @@ def procs():
 
 
 @pytest.fixture
-def spent_procs():
-    """Processes for a test that fails actors: as Monarch's, a process where an actor failed takes no new ones."""
+def spent_procs(monkeypatch):
+    """Processes for a test that fails actors: as Monarch's, a process where an actor failed takes no new ones.
+    The test hears unhandled failures (as Monarch's own tests do): the default hook would end this program."""
+    import monarch_kernel.monarch.actor as facade
+
+    monkeypatch.setattr(facade, "unhandled_fault_hook", lambda failure: None)
     procs = this_host().spawn_procs(per_host={"gpus": 2}, dist="none")
     yield procs
     procs.stop()
@@ -776,3 +781,62 @@ def test_endpoints_carry_monarchs_flag_for_answers_sent_through_a_port():
 
     assert not Flags.plain._explicit_response_port and not Child.own._explicit_response_port
     assert Flags.ported._explicit_response_port and Child.beside._explicit_response_port
+
+
+UNHANDLED_FAILURE = '''
+import atexit, time
+from monarch_kernel.monarch.actor import Actor, SupervisionError, endpoint, this_host
+
+class Exits(Actor):
+    @endpoint
+    def exit(self) -> None:
+        raise SystemExit(3)  # a BaseException: the actor fails, and nobody supervises it
+
+atexit.register(print, "atexit handlers ran", flush=True)
+actor = this_host().spawn_procs({"gpus": 1}).spawn("exits", Exits)
+try:
+    actor.exit.call_one().get(timeout=30)
+except SupervisionError:
+    pass
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_nobody_handles_ends_a_program_as_in_monarch(tmp_path):
+    """Monarch's default hook exits a program: its main thread is interrupted, so it ends the normal way
+    (atexit handlers run) even where it would go on (here: sleeping for a minute)."""
+    script = tmp_path / "unhandled.py"
+    script.write_text(UNHANDLED_FAILURE + "time.sleep(60)\nprint('went on')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == -signal.SIGINT, done.stdout + done.stderr  # (an unhandled KeyboardInterrupt)
+    assert "atexit handlers ran" in done.stdout and "went on" not in done.stdout
+    assert "Unhandled monarch error on the root actor" in done.stderr
+    assert "The actor <root>.<__main__.Exits exits{'gpus': 0/1}> and all its descendants have failed" in done.stderr
+    assert "KeyboardInterrupt: the program ends: an actor mesh failure was not handled" in done.stderr \
+        or "KeyboardInterrupt" in done.stderr.splitlines()[-1]
+
+
+NOTEBOOK_HEARS = """
+import threading
+import monarch_kernel.monarch.actor as facade
+heard = threading.Event()
+shipped = facade.unhandled_fault_hook
+def default_then_note(failure):
+    shipped(failure)  # the default hook
+    heard.set()
+facade.unhandled_fault_hook = default_then_note
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_failure_nobody_handles_is_shown_in_a_notebook_and_the_kernel_goes_on():
+    from kernel_driver import kernel_with
+
+    for kernel in kernel_with(NOTEBOOK_HEARS):
+        run = kernel.execute(UNHANDLED_FAILURE + "assert heard.wait(60)\nprint('went on')\n", 90)
+        assert run.status == "ok", run.text()
+        assert "went on" in run.text()
+        assert "unhandled actor mesh failure" in run.text(), run.text()
+        assert "Exits exits" in run.text()
+        assert kernel.execute("print(6 * 7)", 30).text().strip().endswith("42")

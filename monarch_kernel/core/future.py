@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine, Generator, Sequence
 from typing import Any, Generic, TypeVar
 
 from monarch_kernel.core.errors import MeshInterrupted, MeshTimeoutError
+from monarch_kernel.core.supervision import program_ending
 
 T = TypeVar("T")
 INTERRUPT_GRACE_S = 0.8  # how long a stopped run waits for the ranks' tracebacks
@@ -102,6 +103,8 @@ class Future(ABC, Generic[T]):
         try:
             finished = self._wait(timeout)
         except KeyboardInterrupt:
+            if (ending := program_ending()) is not None:  # an unhandled failure ends the program, not a stop
+                raise ending from None
             return False, self._stop("was interrupted", MeshInterrupted)
         if not finished:
             return False, self._stop(f"timed out after {timeout:g} s", MeshTimeoutError)

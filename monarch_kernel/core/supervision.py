@@ -6,16 +6,23 @@ it fails with nobody to tell, the owner hears a `MeshFailure`: an owning actor t
 its `__supervise__(failure)` (a true result means handled), the notebook through
 `unhandled_fault_hook(failure)`. A failure an actor does not handle (a false result, or
 an exception from `__supervise__`) goes on to that actor's own owner, and so on up to
-the notebook. Unlike Monarch, the notebook's default hook prints a report in the
-notebook and keeps the kernel running (Monarch's exits the client process).
+the notebook. In a program, as in Monarch, the default hook raises SystemExit and a hook that
+raises ends the program: its main thread gets a KeyboardInterrupt, so it unwinds and exits
+through the interpreter's own exit (its `atexit` handlers run). In a notebook (any IPython
+shell) the default hook prints a report instead and the kernel keeps running: exiting would
+lose everything the notebook holds.
 """
 
 from __future__ import annotations
 
+import _thread
 import enum
+import os
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 
 from monarch_kernel.core.failures import FailureKind, process_status_in_monarchs_words
 
@@ -80,13 +87,23 @@ class MeshFailure:
                 f"actor {self.actor_label()} failed:\n{self._details()})")
 
 
+def in_a_shell() -> bool:
+    """Whether this process runs an IPython shell (a notebook's kernel, or IPython in a terminal)."""
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+
+
 def default_fault_hook(failure: MeshFailure) -> None:
-    """The notebook's default for a failure no actor handled: print the report (the kernel keeps running)."""
+    """The default for a failure no actor handled. In a program, Monarch's: `sys.exit(1)`, which ends
+    the program (see report_unhandled). In a notebook: print the report; the kernel keeps running."""
+    if not in_a_shell():
+        sys.exit(1)
     print(f"monarch_kernel: unhandled actor mesh failure (set monarch_kernel.monarch.actor.unhandled_fault_hook "
           f"to handle these)\n{failure.report()}", file=sys.stderr, flush=True)
 
 
 _hook_source: list[Callable[[], FaultHook]] = []  # where the hook a program set is read (the Monarch API)
+_ending: list[MeshFailure] = []  # the failure that ends this program (a hook raised; not in a shell)
 
 
 def read_fault_hook_from(source: Callable[[], FaultHook]) -> None:
@@ -96,10 +113,27 @@ def read_fault_hook_from(source: Callable[[], FaultHook]) -> None:
 
 
 def report_unhandled(failure: MeshFailure) -> None:
-    """Hand a failure nobody handled to the notebook's hook (the one a program set, if any)."""
+    """Hand a failure nobody handled to the client's hook (the one a program set, if any). A hook that
+    raises leaves the failure unhandled: it is reported, and a program ends (its main thread is
+    interrupted, as Monarch's is, so it exits the normal way); a notebook's kernel goes on."""
     hook = _hook_source[0]() if _hook_source else default_fault_hook
     try:
         hook(failure)
-    except BaseException as exc:  # noqa: BLE001 - a hook that raises must not take the kernel with it
-        print(f"monarch_kernel: unhandled_fault_hook raised {type(exc).__name__}: {exc}\n{failure.report()}",
-              file=sys.stderr, flush=True)
+    except BaseException as exc:  # noqa: BLE001 - whatever the hook raised, the failure is unhandled
+        ending = not in_a_shell()
+        print(f"Unhandled monarch error on the root actor, hostname={socket.gethostname()}, PID={os.getpid()} "
+              f"at time {datetime.now()}:\n{failure.report()}\n"
+              f"(unhandled_fault_hook raised {type(exc).__name__}: {exc}; "
+              f"{'the program ends' if ending else 'the kernel goes on'})", file=sys.stderr, flush=True)
+        if ending:
+            _ending.append(failure)
+            _thread.interrupt_main()  # a KeyboardInterrupt on the main thread: it unwinds, atexit handlers run
+
+
+def program_ending() -> KeyboardInterrupt | None:
+    """The interrupt that ends this program because a failure was not handled (see report_unhandled), or
+    None: a wait that it interrupts raises it as it is, and stops nothing (it is not the user's Ctrl-C)."""
+    if not _ending:
+        return None
+    return KeyboardInterrupt(f"the program ends: an actor mesh failure was not handled ({_ending[0].actor_label()}; "
+                             "its report is above). Set unhandled_fault_hook to handle such failures.")

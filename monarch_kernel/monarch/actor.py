@@ -19,7 +19,8 @@
 The same module works on ranks (in endpoints): `this_proc()` is then the rank's own
 process, and ProcMesh handles passed in can be spawned on. Only the notebook starts and
 stops processes. Set `unhandled_fault_hook` to decide what happens to actor mesh failures
-that no actor's `__supervise__` handled (the default prints a report in the notebook).
+that no actor's `__supervise__` handled (the default, as Monarch's, ends a program: its main thread
+gets a KeyboardInterrupt and it exits the normal way; in a notebook it prints a report instead).
 """
 
 from __future__ import annotations
