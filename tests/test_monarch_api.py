@@ -535,8 +535,9 @@ def test_logging_option_hides_aggregates_and_sets_the_level_of_what_the_processe
         procs.stop()
     out, err = capsys.readouterr()
     assert "hidden line" not in out + shown_before_stop.out and "below the level" not in err + out
-    assert re.search(r"^\[6 similar log lines\] \[rank \d\] step \d done$", out, re.M), out
-    assert re.search(r"^\[2 similar log lines\] \[rank \d\] .*an error$", err, re.M), err
+    # tagged as Monarch's processes tag their lines: [host pid] [local rank]
+    assert re.search(r"^\[6 similar log lines\] \[localhost \d+\] \[\d\] step \d done$", out, re.M), out
+    assert re.search(r"^\[2 similar log lines\] \[localhost \d+\] \[\d\] .*an error$", err, re.M), err
     assert "an error" not in out and "step" not in err
     with pytest.raises(ValueError, match="logging level"):
         procs.logging_option(level=300)
@@ -840,3 +841,24 @@ def test_a_failure_nobody_handles_is_shown_in_a_notebook_and_the_kernel_goes_on(
         assert "unhandled actor mesh failure" in run.text(), run.text()
         assert "Exits exits" in run.text()
         assert kernel.execute("print(6 * 7)", 30).text().strip().endswith("42")
+
+
+@pytest.mark.timeout(120)
+def test_lines_printed_by_processes_of_the_monarch_api_are_tagged_as_monarchs(capsys):
+    """`[host pid] [local rank] line`, as Monarch's processes print them (a notebook's own mesh: `[rank N]`)."""
+    from monarch_kernel.actors import procs as procs_module
+
+    started = []
+    procs_module.mesh_started.append(started.append)
+    try:
+        procs = this_host().spawn_procs(per_host={"gpus": 2}, dist="none")
+    finally:
+        procs_module.mesh_started.remove(started.append)
+    pids = {s.rank: s.pid for s in started[0].status()}
+    seen: list[str] = []
+    try:
+        procs.spawn("printers", Printer).slice(gpus=1).say.call_one("one line").get()
+        assert wait_until(lambda: seen.append(capsys.readouterr().out) or "one line" in "".join(seen), 30)
+    finally:
+        procs.stop()
+    assert f"[localhost {pids[1]}] [1] one line\n" in "".join(seen)

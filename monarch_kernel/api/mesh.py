@@ -133,6 +133,18 @@ class Mesh(HostFiles, KeptState):
         if level is not None:
             self._ask(SetLogLevel(level), "set the log level")
 
+    def tag_lines_as_monarch(self) -> None:
+        """Tag what the ranks print outside cells as Monarch's processes do, `[host pid] [local rank] line`
+        (meshes started through the Monarch API; a notebook's mesh keeps `[rank N] line`)."""
+        idle, ranks = self._runtime.idle_output, self._runtime.state.ranks
+
+        def monarchs(rank: int) -> str:  # (on the controller's loop, which keeps the ranks' states)
+            state = ranks.get(rank)
+            return f"[rank {rank}]" if state is None else f"[{state.host} {state.pid}] [{state.local_rank}]"
+
+        if isinstance(idle, IdleOutput):
+            idle.tag_lines_with(monarchs)
+
     def agent_log(self, host: int | str, lines: int = 50) -> str:
         """The last lines of a host agent's log (its stderr): start-up problems, crashes."""
         return self._runtime.state.agent_log(host, lines)

@@ -93,8 +93,9 @@ class PlainSink:
 class IdleOutput:
     """Text ranks print outside any cell (actor endpoints, their threads), shown as it comes.
 
-    Whole lines go to this process's stdout/stderr, tagged with the rank; in a notebook
-    they appear in the cell that is running (or the last one that ran). What a rank prints
+    Whole lines go to this process's stdout/stderr, tagged with the rank (`[rank 3] ...`; processes
+    started through the Monarch API tag them as Monarch's do, `[host pid] [local rank] ...`: see
+    `tag_lines_with`); in a notebook they appear in the cell that is running (or the last one that ran). What a rank prints
     this way is bounded, since it is handled on the controller's loop that every mesh shares:
     a trailing partial line keeps its last PARTIAL_KEPT characters (a progress stream without
     newlines), and each rank may show IDLE_BUDGET characters per IDLE_WINDOW_S; the rest is
@@ -113,6 +114,11 @@ class IdleOutput:
         self._label = label  # how an aggregated window names the mesh ("mesh 'train'")
         self.shown = True  # False: lines are kept in the ranks' logs (%mesh logs) only
         self._aggregated: AggregatedOutput | None = None
+        self._tag: Callable[[int], str] = lambda rank: f"[rank {rank}]"
+
+    def tag_lines_with(self, tag: Callable[[int], str]) -> None:
+        """How a rank's lines are tagged from now on: `tag(rank)` (called on the controller's loop)."""
+        self._tag = tag
 
     def set_mode(self, shown: bool, aggregate_window_s: float | None) -> None:
         """Show these lines or not, and one by one (None) or in windows of similar lines (`api/aggregated_output.py`).
@@ -161,12 +167,13 @@ class IdleOutput:
         if not lines or not self.shown:
             return
         aggregated = self._aggregated
+        tag = self._tag(rank)
         if aggregated is not None:
             for line in lines:
-                aggregated.add(stream, f"[rank {rank}] {line}")
+                aggregated.add(stream, f"{tag} {line}")
             return
         out = sys.stderr if stream == "stderr" else sys.stdout
-        out.write("".join(f"[rank {rank}] {line[-self.PARTIAL_KEPT:]}\n" for line in lines))
+        out.write("".join(f"{tag} {line[-self.PARTIAL_KEPT:]}\n" for line in lines))
         out.flush()
 
     def _within_budget(self, rank: int, text: str) -> str:
@@ -174,7 +181,7 @@ class IdleOutput:
         start, shown, dropped = self._window.get(rank, (now, 0, 0))
         if now - start >= self.IDLE_WINDOW_S:
             if dropped:
-                sys.stderr.write(f"[rank {rank}] [monarch_kernel: {dropped:,} characters printed outside any cell "
+                sys.stderr.write(f"{self._tag(rank)} [monarch_kernel: {dropped:,} characters printed outside any cell "
                                  f"were dropped; at most {self.IDLE_BUDGET:,} are shown per "
                                  f"{self.IDLE_WINDOW_S:g} s]\n")
                 sys.stderr.flush()
@@ -182,7 +189,7 @@ class IdleOutput:
         room = max(0, self.IDLE_BUDGET - shown)
         if len(text) > room:
             if not dropped:
-                sys.stderr.write(f"[rank {rank}] [monarch_kernel: over {self.IDLE_BUDGET:,} characters printed outside "
+                sys.stderr.write(f"{self._tag(rank)} [monarch_kernel: over {self.IDLE_BUDGET:,} characters printed outside "
                                  f"any cell in {self.IDLE_WINDOW_S:g} s: the rest is dropped until then]\n")
             dropped += len(text) - room
             text = text[:room]

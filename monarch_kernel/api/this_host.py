@@ -38,6 +38,7 @@ def _start_local(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, optio
     _check_options(options, "this host")
     python = hosts[0].python if hosts and hosts[0].python != DEFAULT_PYTHON else None
     mesh = local_mesh(gpus, name=name, python=python, **options)
+    mesh.tag_lines_as_monarch()
     _started_here.append(mesh)
     return mesh
 
@@ -50,6 +51,7 @@ def start_on_hosts(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, opt
                                       options.get("timeout", 120.0), None, options.get("health"),
                                       preload=options.get("preload"), proc_bind=options.get("proc_bind"),
                                       rank_env=options.get("rank_env")))
+    mesh.tag_lines_as_monarch()
     _started_here.append(mesh)
     return mesh
 
@@ -75,6 +77,7 @@ def this_proc() -> ProcMesh:
         if session.this_proc is not None and not session.this_proc[1].closed:
             return session.this_proc[0]
         mesh = local_mesh(1, name=THIS_PROC, dist="none")
+        mesh.tag_lines_as_monarch()
         for started in mesh_started:
             started(mesh)
         procs = ProcMesh(mesh.name, Shape((), mesh.ranks), stop=mesh.shutdown)
