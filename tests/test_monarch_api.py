@@ -862,3 +862,46 @@ def test_lines_printed_by_processes_of_the_monarch_api_are_tagged_as_monarchs(ca
     finally:
         procs.stop()
     assert f"[localhost {pids[1]}] [1] one line\n" in "".join(seen)
+
+
+ANOTHER_CLIENT = '''
+import sys
+import cloudpickle
+from monarch_kernel.monarch.actor import Actor, endpoint, this_host
+
+class Pid(Actor):
+    @endpoint
+    def pid(self) -> int:
+        import os
+        return os.getpid()
+
+theirs = cloudpickle.loads(sys.stdin.buffer.read())
+own = this_host().spawn_procs({"gpus": 1}, name=theirs.mesh_name)  # a mesh of the same name, its own
+try:
+    theirs.spawn("pids", Pid)
+except Exception as exc:
+    print(f"refused: {type(exc).__name__}: {exc}", flush=True)
+print("own pid", own.spawn("pids", Pid).pid.call_one().get(timeout=30), flush=True)
+own.stop()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_proc_mesh_of_another_client_process_is_refused_not_mistaken_for_one_of_its_own(tmp_path):
+    """Monarch's client may hand its ProcMesh to another client process. Here a mesh is known by name to the
+    client that started it: another client that spawned on the handle reached its own mesh of that name."""
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, dist="none", name="handed_over")
+    try:
+        script = tmp_path / "other_client.py"
+        script.write_text(ANOTHER_CLIENT)
+        done = subprocess.run([sys.executable, str(script)], input=cloudpickle.dumps(procs), capture_output=True,
+                              timeout=100)
+        out = done.stdout.decode()
+        assert done.returncode == 0, out + done.stderr.decode()
+        assert "refused: MeshUsageError: this ProcMesh (mesh 'handed_over') was started by another client process" \
+            in out, out
+        assert f"pid {os.getpid()}" in out
+        assert "own pid" in out
+        assert cloudpickle.loads(cloudpickle.dumps(procs)).spawn("again", Raiser) is not None  # its own client: fine
+    finally:
+        procs.stop()

@@ -18,6 +18,9 @@ import dataclasses
 import inspect
 import logging
 import math
+import os
+import secrets
+import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -52,12 +55,25 @@ mesh_started: list[Callable[[Any], None]] = []
 proc_mesh_spawned: list[Callable[[ProcMesh], None]] = []
 
 
+_PROCESS_TOKEN = secrets.token_hex(8)
+
+
+def _this_client() -> str:
+    """Who this client process is ("" on a rank): a mesh's name means something only to the client (and its
+    ranks) that started it. The pid is read each time: a forked child is another client."""
+    sender = find_sender("")
+    if sender is not None and sender.own_rank is not None:
+        return ""
+    return f"{socket.gethostname()} pid {os.getpid()} ({_PROCESS_TOKEN})"
+
+
 class ProcMesh(MeshShaped):
     """Processes of a mesh, shaped by named dims: spawn actor meshes on them."""
 
     def __init__(self, mesh_name: str, shape: Shape, *, stop: Callable[[], None] | None = None,
                  host_mesh: Callable[[], Any] | None = None, logging_option: Callable[..., None] | None = None,
-                 failed: BaseException | None = None):
+                 failed: BaseException | None = None, client: str = ""):
+        self._client = client  # the client process that started these processes, where known ("": this one's)
         self._mesh = mesh_name
         self._failed = failed  # why these processes never came up (spawn_procs' bootstrap raised)
         self.shape = shape  # dims over the mesh's global ranks
@@ -73,7 +89,7 @@ class ProcMesh(MeshShaped):
     # ------------------------------------------------------------ shape
     def _with(self, shape: Shape) -> ProcMesh:
         return ProcMesh(self._mesh, shape, stop=None, host_mesh=self._host_mesh, logging_option=self._logging_option,
-                        failed=self._failed)
+                        failed=self._failed, client=self._client)
 
     # ------------------------------------------------------------ actors
     def spawn(self, name: str, actor_class: type[A], *args: Any, **kwargs: Any) -> ActorMesh:
@@ -137,10 +153,23 @@ class ProcMesh(MeshShaped):
         return self._host_mesh()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ProcMesh, (self._mesh, self.shape))
+        return (_carried_proc_mesh, (self._mesh, self.shape, self._client or _this_client()))
 
     def __repr__(self) -> str:
         return f"<ProcMesh of mesh {self._mesh!r} {self.shape}>"
+
+
+def _carried_proc_mesh(mesh_name: str, shape: Shape, client: str) -> ProcMesh:
+    """A ProcMesh that was pickled: on a rank, or in the client that started it, it is that mesh's; in
+    another client process (which knows its own meshes by name, not that one's) spawning on it fails and
+    says why, rather than reaching a mesh of that name of its own."""
+    here = _this_client()
+    if not here or not client or client == here:
+        return ProcMesh(mesh_name, shape, client=client if not here else "")
+    return ProcMesh(mesh_name, shape, client=client, failed=MeshUsageError(
+        f"this ProcMesh (mesh {mesh_name!r}) was started by another client process ({client}): only that client "
+        "and its actors can spawn on it. Spawn from an actor of that client, or start processes of this one's "
+        "with this_host().spawn_procs()"))
 
 
 class HostMesh(MeshShaped):
