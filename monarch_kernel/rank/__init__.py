@@ -27,12 +27,12 @@ held, never the other way; a lock not listed under another takes nothing while h
   (`collectives._lock`). The main thread's SIGINT handler may run at any line, so it takes only
   `MainThreadInterrupts._lock` (re-entrant) and the lock-free `Runs.current`;
 - actors: `ActorHost._lock` (mailboxes, their queues, tasks; `ActorFailures` and `actor_instances.end_instance`
-  take this same lock) -> `MainThreadJobs._lock` (whether the main thread is free); replies are sent with no
+  take this same lock) -> `UserThreads._lock` (whether the main thread is free, the actors' own threads); replies are sent with no
   actor lock held;
 - output: `RankStream._send_lock` (held from taking a stream's chunks until sent) -> the way out
   (`LaneServer._lock` or `BlockingConnection._send_lock`) -> `core.interrupt_shield._lock` (a write
   and its count are one step: `core/interrupt_shield.py`);
-- leaves (nothing is taken under them): `MainThreadJobs._lock`, `OwnThreads._lock`, `CallReplies._lock`,
+- leaves (nothing is taken under them): `UserThreads._lock`, `CallReplies._lock`,
   `BehindRequests._lock`, `NotebookInput._lock`, the far and direct links' tables
   (`rank/far_calls.py`, `rank/direct_calls.py`), `wire/calls.py`'s calls and ports, the debugger's
   `DapStream._write_lock`, `ActorHost._wake`, `collectives._lock` and `core.interrupt_shield._lock`.

@@ -46,7 +46,7 @@ from monarch_kernel.rank.mailbox import Mailbox, Mailboxes, context_at, point_of
 from monarch_kernel.rank.ops import RankOps, SystemActor
 from monarch_kernel.rank.rank_sender import RankSender
 from monarch_kernel.rank.runs import RunKind, Runs, ThreadStopDelivery
-from monarch_kernel.rank.user_threads import OWN_THREAD_PREFIX, MainThreadJobs, OwnThreads
+from monarch_kernel.rank.user_threads import UserThreads
 from monarch_kernel.wire.actor_messages import CONTROLLER
 from monarch_kernel.wire.calls import CallKey, PendingCall, set_default_sender
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, FailureCause
@@ -59,7 +59,7 @@ class ActorHost:
     """Instances and mailboxes of the actors on one rank."""
 
     def __init__(self, rank: int, send: Callable[[Any], None], shm_dir: str | None, ops: RankOps,
-                 interrupts: MainThreadInterrupts, mesh: str = ""):
+                 interrupts: MainThreadInterrupts, threads: UserThreads, mesh: str = ""):
         self.rank = rank
         self.mesh_name = mesh
         self._lock = threading.Lock()  # guards the mailboxes and their queues, and the calls' state below
@@ -72,8 +72,7 @@ class ActorHost:
         self.replies = CallReplies(rank, send, shm_dir, self.runs)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # the thread that runs the loop
-        self.main_jobs: MainThreadJobs | None = None  # the main thread's work (runs sync endpoints when free)
-        self.own_threads = OwnThreads(OWN_THREAD_PREFIX)  # the actors' own threads (sync endpoints while main is busy)
+        self.threads = threads  # where a sync endpoint runs: the main thread when free, else its actor's own
         self._inbox: deque[tuple[ActorCall, Any]] = deque()  # (call, reply route) in arrival order, for the loop
         self._wake = threading.Condition()  # a call or a reply arrived (for the waits)
         self._graph = WaitGraph(self.runs)
@@ -173,7 +172,7 @@ class ActorHost:
             return
         box, queued = removed
         name = box.name
-        self.own_threads.end(box.key)
+        self.threads.end(box.key)
         why = Failure.of(FailureCause.ACTOR_REPLACED, f"actor mesh {name!r} was spawned again") if replaced else \
             Failure.of(FailureCause.ACTOR_STOPPED, f"actor mesh {name!r} was stopped")
         for msg in queued:
@@ -338,8 +337,7 @@ class ActorHost:
                 self._launch_async(box, msg, started)
             else:  # its next call waits for it to end, on whichever thread it runs
                 job = functools.partial(self._serve_then_next, box, msg, *started[1:])
-                if self.main_jobs is None or not self.main_jobs.submit_if_idle(job):
-                    self.own_threads.run(box.key, job)
+                self.threads.place(box.key, job)
 
     def _launch_async(self, box: Mailbox, msg: ActorCall, started: tuple, beside: bool = False) -> None:
         """Run an async endpoint as a task on the loop (from any thread); `box` is busy until it ends,
@@ -399,9 +397,8 @@ class ActorHost:
         on_main = threading.get_ident() == self._main
         while True:
             with self._lock:
-                jobs = self.main_jobs
-                may = bool(box.queue) and not box.stopped and (
-                    jobs is None or (jobs.keep() if on_main else not jobs.idle()))
+                threads = self.threads
+                may = bool(box.queue) and not box.stopped and (threads.keep() if on_main else not threads.idle())
                 msg = box.queue.popleft() if may else None
                 if msg is None:
                     box.busy = False
@@ -458,8 +455,8 @@ class ActorHost:
             self.runs.end(run)
             current_point.reset(token)
             current_actor.reset(owner)
-        if job and threading.get_ident() == self._main and self.main_jobs is not None:
-            self.main_jobs.release()  # (the caller may call again as soon as it has the reply: main is free)
+        if job and threading.get_ident() == self._main:
+            self.threads.release()  # (the caller may call again as soon as it has the reply: main is free)
         self.failures.answer(box, msg, value, failure, time.perf_counter() - started, heard)
 
     async def _serve_async(self, box: Mailbox, msg: ActorCall, method, label: str, args, kwargs, *,

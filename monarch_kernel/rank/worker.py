@@ -44,7 +44,7 @@ from monarch_kernel.rank.ops import RankOps
 from monarch_kernel.rank.rankshell import RankShell
 from monarch_kernel.rank.runs import Run, RunKey, RunKind
 from monarch_kernel.rank.thread_stops import install_sleep
-from monarch_kernel.rank.user_threads import MainThreadJobs
+from monarch_kernel.rank.user_threads import UserThreads
 from monarch_kernel.wire.debugging import DebugToRank
 from monarch_kernel.wire.diagnosis import CollectivesAborted, InspectRanks, RankInspection
 from monarch_kernel.wire.fd_marks import FdMarkReader, fd_mark_path
@@ -119,13 +119,13 @@ class Worker:
         self.reloader = Reloader(config.rank)  # modules of synced workspaces (`Mesh.autoreload`)
         self.debugger = RankDebugger(config.rank, self._send)  # JupyterLab's debugger, when it debugs this rank
         self.ops = RankOps(config.rank, self.namespace, self.runner, self.reloader, self.debugger)  # internal operations
-        self.actors = ActorHost(config.rank, self._send, config.shm_dir, self.ops, self.interrupts, config.mesh)
+        self.threads = UserThreads()  # requests on the main thread; sync endpoints there when it is free, else their own
+        self.actors = ActorHost(config.rank, self._send, config.shm_dir, self.ops, self.interrupts, self.threads,
+                                config.mesh)
         self.runs = self.actors.runs  # every request and actor call, and the stops addressed to them
         self.runs.broken_by_peer = collectives.broken_by_peer
         self.runs.on_collective_ended = self._collective_ended
-        self.jobs = MainThreadJobs()  # requests, and sync endpoints when it is free: the main thread's work
-        self.actors.main_jobs = self.jobs
-        self.stdout.outside_requests = self.stderr.outside_requests = self.actors.own_threads.idents
+        self.stdout.outside_requests = self.stderr.outside_requests = self.threads.own_idents
         self.lane_listener = listen_lane(lane_path(config.shm_dir, config.rank)) if config.shm_dir else None
         self.far_calls = CallListener(config.rank, self._serve_far, self._send)  # (listens once asked to)
         self.namespace["actors"] = self.actors.instances
@@ -216,7 +216,7 @@ class Worker:
             loop.add_reader(self.lane_listener.fileno(), self._accept_lane)
         threading.Thread(target=self.actors.run_loop, args=(loop,), name="rank-loop", daemon=True).start()
         untraced(threading.Thread(target=self._read, args=(loop,), name="rank-reader", daemon=True)).start()
-        self.jobs.serve()
+        self.threads.serve()
 
     def _read(self, loop: asyncio.AbstractEventLoop) -> None:
         """The reader thread: replies and cancellations here, the rest to the loop."""
@@ -225,7 +225,7 @@ class Worker:
                 msg = self.conn.recv()
             except ConnectionClosed:
                 loop.call_soon_threadsafe(loop.stop)
-                self.jobs.close()
+                self.threads.close()
                 return
             try:
                 self._route(loop, msg)
@@ -288,7 +288,7 @@ class Worker:
     def _queue_request(self, msg: Any) -> None:
         """To the main thread, after the requests before it; the notebook's later calls wait for it."""
         self.actors.order.request_queued()
-        self.jobs.submit(functools.partial(self._handle_request, msg))
+        self.threads.submit(functools.partial(self._handle_request, msg))
 
     def _handle_request(self, msg: Any) -> None:
         self.actors.order.request_runs(True)
@@ -336,7 +336,7 @@ class Worker:
         if _signal.getsignal(signal.SIGINT) is not self._sigint_handler:  # (signal.getsignal makes an enum)
             signal.signal(signal.SIGINT, self._sigint_handler)  # the cell installed its own: stop must work next time
         mark = self._fd_marks.mark() if msg.req_id in self._lane_routes and self._fd_marks is not None else 0  # (1)
-        self.jobs.release()  # the main thread is free once the result is out: what the notebook sends next may run here
+        self.threads.release()  # the main thread is free once the result is out: what the notebook sends next may run here
         self._send(Result(msg.req_id, self.config.rank, sealed, failure, started, time.time(), mark))
         self._lane_routes.pop(msg.req_id, None)
 
