@@ -502,10 +502,8 @@ class Printer(Actor):
         logging.getLogger("printer").error(text)
 
 
-@pytest.mark.timeout(120)
-def test_logging_option_hides_aggregates_and_sets_the_level_of_what_the_processes_print(capsys):
-    """Monarch's `ProcMesh.logging_option`: what actors print is not shown, or shown in windows of similar lines
-    (on its own stream), and `level` is the processes' log level; the window waiting is shown as they stop."""
+def procs_and_their_mesh():
+    """Two processes from this_host().spawn_procs, and the notebook's Mesh they are."""
     from monarch_kernel.actors import procs as procs_module
 
     started = []
@@ -514,7 +512,14 @@ def test_logging_option_hides_aggregates_and_sets_the_level_of_what_the_processe
         procs = this_host().spawn_procs(per_host={"gpus": 2}, dist="none")
     finally:
         procs_module.mesh_started.remove(started.append)
-    mesh = started[0]
+    return procs, started[0]
+
+
+@pytest.mark.timeout(120)
+def test_logging_option_hides_aggregates_and_sets_the_level_of_what_the_processes_print(capsys):
+    """Monarch's `ProcMesh.logging_option`: what actors print is not shown, or shown in windows of similar lines
+    (on its own stream), and `level` is the processes' log level; the window waiting is shown as they stop."""
+    procs, mesh = procs_and_their_mesh()
     in_logs = lambda text: all(any(text in line for _, line in mesh.logs(rank)) for rank in (0, 1))  # noqa: E731
     try:
         printers = procs.spawn("printers", Printer)
@@ -846,15 +851,8 @@ def test_a_failure_nobody_handles_is_shown_in_a_notebook_and_the_kernel_goes_on(
 @pytest.mark.timeout(120)
 def test_lines_printed_by_processes_of_the_monarch_api_are_tagged_as_monarchs(capsys):
     """`[host pid] [local rank] line`, as Monarch's processes print them (a notebook's own mesh: `[rank N]`)."""
-    from monarch_kernel.actors import procs as procs_module
-
-    started = []
-    procs_module.mesh_started.append(started.append)
-    try:
-        procs = this_host().spawn_procs(per_host={"gpus": 2}, dist="none")
-    finally:
-        procs_module.mesh_started.remove(started.append)
-    pids = {s.rank: s.pid for s in started[0].status()}
+    procs, mesh = procs_and_their_mesh()
+    pids = {s.rank: s.pid for s in mesh.status()}
     seen: list[str] = []
     try:
         procs.spawn("printers", Printer).slice(gpus=1).say.call_one("one line").get()
