@@ -9,6 +9,7 @@ import time
 
 import cloudpickle
 import pytest
+from conftest import wait_until
 
 from monarch_kernel import Actor, ActorError, MeshInterrupted, MeshTimeoutError, current_rank, endpoint, local_mesh
 
@@ -56,18 +57,39 @@ class Caller(Actor):
 
 
 class LoopBlocker(Actor):
-    """An async endpoint that blocks the rank's event loop on an async endpoint of its own rank."""
+    """Async endpoints that block their actor's event loop: on an async endpoint of another actor of their rank,
+    of their own actor, or until a file appears."""
 
     def __init__(self, counters):
         self.mine = counters.slice(gpus=current_rank()["gpus"])
+        self.own = None
+
+    @endpoint
+    async def meet(self, own):
+        self.own = own.slice(gpus=current_rank()["gpus"])
 
     @endpoint
     async def block(self):
         return self.mine.later.call_one().get(timeout=10)
 
     @endpoint
+    async def block_self(self):
+        return self.own.later.call_one().get(timeout=10)
+
+    @endpoint
+    async def later(self):
+        return "later"
+
+    @endpoint
     async def block_on_sync(self):
         return self.mine.incr.call_one(0).get(timeout=10)
+
+    @endpoint
+    async def hold_until(self, started, release):
+        open(started, "w").close()
+        while not os.path.exists(release):
+            time.sleep(0.01)  # (blocks this actor's loop: no await)
+        return "released"
 
 
 class Ping(Actor):
@@ -180,13 +202,37 @@ def test_a_sync_endpoint_waits_on_an_async_endpoint_of_the_same_rank(mesh, count
     assert callers.slice(gpus=3).wait_on_async.call_one().get(timeout=20) == "later"  # the loop runs beside it
 
 
-def test_blocking_the_event_loop_on_an_async_endpoint_of_the_same_rank_says_what_to_change(mesh, counters):
+def test_an_async_endpoint_may_block_on_an_async_endpoint_of_another_actor_of_its_rank(mesh, counters):
+    """As in Monarch, each async actor has an event loop of its own: blocking it holds that actor only."""
     blockers = mesh.spawn("loop_blockers", LoopBlocker, counters)
-    with pytest.raises(ActorError, match="await"):
-        blockers.slice(gpus=3).block.call_one().get(timeout=20)
-    assert counters.slice(gpus=3).later.call_one().get(timeout=10) == "later"  # the loop serves it after
+    assert blockers.slice(gpus=3).block.call_one().get(timeout=20) == "later"
     for _ in range(20):  # a sync endpoint runs on another thread: blocking the loop on it is slow, not a deadlock
         assert blockers.slice(gpus=3).block_on_sync.call_one().get(timeout=20) is not None
+
+
+def test_an_async_endpoint_blocking_its_loop_on_its_own_actor_says_what_to_change(mesh, counters):
+    blockers = mesh.spawn("self_blockers", LoopBlocker, counters)
+    blockers.meet.call(blockers).get(timeout=20)
+    with pytest.raises(ActorError, match="await") as info:
+        blockers.slice(gpus=3).block_self.call_one().get(timeout=20)
+    assert "blocks its actor's event loop" in str(info.value)
+    assert blockers.slice(gpus=3).later.call_one().get(timeout=10) == "later"  # its loop serves it after
+
+
+def test_an_async_actor_that_blocks_its_loop_holds_no_other_actor_of_its_rank(mesh, counters, tmp_path):
+    """Monarch's: a sleep in an `async def` held every async actor of the rank, and the notebook's calls to its
+    sync actors too (they are delivered on the rank's loop), until it ended."""
+    blockers = mesh.spawn("holders", LoopBlocker, counters)
+    started, release = tmp_path / "started", tmp_path / "release"
+    held = blockers.slice(gpus=2).hold_until.call_one(str(started), str(release))
+    try:
+        assert wait_until(started.exists, 20)
+        assert counters.slice(gpus=2).later.call_one().get(timeout=10) == "later"  # another async actor
+        assert counters.slice(gpus=2).incr.call_one(0).get(timeout=10) is not None  # a sync one
+        assert not held.done()
+    finally:
+        release.touch()
+    assert held.get(timeout=20) == "released"
 
 
 def test_a_blocked_sync_endpoint_stops_on_a_timeout_and_on_the_stop_button(mesh, counters):

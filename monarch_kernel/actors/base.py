@@ -58,7 +58,7 @@ def concurrent_endpoint(fn: Callable[..., Any] | None = None, *, explicit_respon
     """Mark an `async def` Actor method as an endpoint whose calls run beside the actor's others.
 
     A plain endpoint's call holds the actor's mailbox until it ends; a call to a concurrent one is
-    started as a task on the rank's event loop and the mailbox goes on to the next call at once (so
+    started as a task on the actor's event loop and the mailbox goes on to the next call at once (so
     one call may wait for another, as with an asyncio.Event). Stopping the actor cancels the tasks
     still running, before its `__cleanup__`. As in Monarch: only `async def` methods, and not
     stacked on @endpoint.

@@ -1,8 +1,9 @@
 """The actors living on one rank: their instances, mailboxes and the calls they serve.
 
 Every actor has a mailbox served one call at a time, in arrival order (each sender's order: every
-route between two processes is one FIFO stream). Calls are delivered on the rank's event loop,
-which runs async endpoints as tasks; a sync endpoint runs on the main thread when it is free and
+route between two processes is one FIFO stream). Calls are delivered on the rank's event loop; an
+async actor's endpoints run as tasks on its own loop (`rank/actor_loops.py`, as in Monarch: an actor
+that blocks its loop holds no other); a sync endpoint runs on the main thread when it is free and
 on its actor's own thread otherwise (`rank/user_threads.py`), so the actors of a rank serve their
 calls at the same time, as in Monarch, and an endpoint may block on another actor of its own rank.
 A stop reaches a sync endpoint as KeyboardInterrupt wherever it runs; what could never finish is
@@ -15,6 +16,7 @@ happens when an actor fails (`rank/actor_failures.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import linecache
@@ -37,12 +39,13 @@ from monarch_kernel.core.supervision import SUPERVISE
 from monarch_kernel.rank.activity import EndpointActivity
 from monarch_kernel.rank.actor_failures import ActorFailures
 from monarch_kernel.rank.actor_instances import construct, constructor_traceback, end_instance
+from monarch_kernel.rank.actor_loops import ActorLoop
 from monarch_kernel.rank.call_order import BehindRequests
 from monarch_kernel.rank.call_replies import CallReplies
 from monarch_kernel.rank.cell import describe_failure
 from monarch_kernel.rank.deadlocks import WaitGraph
 from monarch_kernel.rank.interrupts import MainThreadInterrupts
-from monarch_kernel.rank.mailbox import Mailbox, Mailboxes, context_at, point_of, prepare_call
+from monarch_kernel.rank.mailbox import Mailbox, Mailboxes, context_at, point_of, prepare_call, serves_async
 from monarch_kernel.rank.ops import RankOps, SystemActor
 from monarch_kernel.rank.rank_sender import RankSender
 from monarch_kernel.rank.runs import RunKind, Runs, ThreadStopDelivery
@@ -119,10 +122,14 @@ class ActorHost:
                                              shape, spawner))
         install_log_prefix()  # (with the rank's first actor: records its actors log name them, as Monarch's)
         token, owner = current_point.set(point), current_actor.set(key)
+        own_loop: ActorLoop | None = None
         try:
-            instance = construct(cls, args, kwargs, self.loop, self._loop_thread)
+            own_loop = ActorLoop(key) if serves_async(cls) else None
+            instance = construct(cls, args, kwargs, *self._loop_of(own_loop))
         except Exception as exc:
             forget_identity(key)
+            if own_loop is not None:
+                own_loop.close()
             if not supervise_constructor:
                 raise
             shown = "".join(traceback.format_exception(type(exc), exc, constructor_traceback(exc.__traceback__, __file__)))
@@ -135,11 +142,13 @@ class ActorHost:
             return failure
         except BaseException:
             forget_identity(key)
+            if own_loop is not None:
+                own_loop.close()
             raise
         finally:
             current_point.reset(token)
             current_actor.reset(owner)
-        self._add(Mailbox(name, key, instance, shape, point, slot=slot))
+        self._add(Mailbox(name, key, instance, shape, point, slot=slot, own_loop=own_loop))
         return f"{cls.__name__} on rank {self.rank}"
 
     def _add(self, box: Mailbox) -> None:
@@ -192,7 +201,16 @@ class ActorHost:
         """End a stopped or failed actor: what it spawned or started goes first (Monarch's recursive stop), then
         the actor itself (`rank/actor_instances.py`)."""
         stop_owned(box.key)
-        end_instance(box, error, rank=self.rank, lock=self._lock, loop=self.loop, loop_thread=self._loop_thread)
+        loop, loop_thread = self._loop_of(box.own_loop)
+        try:
+            end_instance(box, error, rank=self.rank, lock=self._lock, loop=loop, loop_thread=loop_thread)
+        finally:
+            if box.own_loop is not None:
+                box.own_loop.close()
+
+    def _loop_of(self, own_loop: ActorLoop | None) -> tuple[asyncio.AbstractEventLoop | None, int]:
+        """(loop, its thread) where an actor's async code runs: its own loop, else the rank's (the system actor)."""
+        return (own_loop.loop, own_loop.ident) if own_loop is not None else (self.loop, self._loop_thread)
 
 
     # ------------------------------------------------------------ reader thread side
@@ -206,7 +224,8 @@ class ActorHost:
         with self._lock:
             tasks = [task for key in keys if (task := self._tasks.get(key)) is not None]
         for task in tasks:
-            self.on_loop(task.cancel)
+            with contextlib.suppress(RuntimeError):  # (its loop closed: the task ended with its actor)
+                task.get_loop().call_soon_threadsafe(task.cancel)
 
     def arrived(self, msg: ActorCall) -> None:
         """A call from the agent (the reader thread). The notebook's go through the loop, in order with
@@ -265,7 +284,7 @@ class ActorHost:
                         with self.runs.rank_code():
                             self._serve_inline(box)  # a spawn inside a spawn (an actor's constructor spawns)
                         continue
-                    self._graph.check(self.rank, box, pending.label, on_loop)
+                    self._graph.check(self.rank, box, pending.label, self._loop_of(box.own_loop)[1])
                 if on_loop and self._inbox:  # (the loop waits here: it delivers meanwhile)
                     self.pump()
                     continue
@@ -343,14 +362,18 @@ class ActorHost:
         """Run an async endpoint as a task on the loop (from any thread); `box` is busy until it ends,
         except for a concurrent endpoint's call: the mailbox goes on to its next call once it started.
         `beside`: a call that never took the mailbox (an async actor's __supervise__), which it leaves as is."""
-        assert self.loop is not None, "async endpoints need the rank's event loop"
+        loop, loop_thread = self._loop_of(box.own_loop)
+        assert loop is not None, "async endpoints need an event loop"
         concurrent = box.endpoints[msg.endpoint][4]
         if not beside:
             box.in_async = not concurrent
-        if threading.get_ident() != self._loop_thread:
-            self.on_loop(self._launch_async, box, msg, started, beside)
+        if threading.get_ident() != loop_thread:
+            try:
+                loop.call_soon_threadsafe(self._launch_async, box, msg, started, beside)
+            except RuntimeError:  # its loop closed: the actor ended meanwhile
+                self.replies.reply(msg, None, box.failed or self._mailboxes.not_here(self.rank, msg.actor))
             return
-        task = self.loop.create_task(self._serve_async(box, msg, *started[1:], concurrent=concurrent or beside),
+        task = loop.create_task(self._serve_async(box, msg, *started[1:], concurrent=concurrent or beside),
                                      context=context_at(point_of(box, msg), box.key))
         with self._lock:
             self._tasks[(msg.caller, msg.call_id)] = task

@@ -1,10 +1,10 @@
 """An actor instance's own life on a rank: made on the thread its endpoints will use, and ended with its
 concurrent endpoints' tasks cancelled and its `__cleanup__` run.
 
-As in Monarch, an actor whose endpoints are async is constructed on the rank's event loop (the thread its
-endpoints run on), so thread-local state its `__init__` sets is theirs; a sync actor is made on the thread
+As in Monarch, an actor whose endpoints are async is constructed on its own event loop (the thread its
+endpoints run on, `rank/actor_loops.py`), so thread-local state its `__init__` sets is theirs; a sync actor is made on the thread
 that spawns it. Ending a stopped or failed actor (`end_instance`) cancels the tasks of its concurrent
-endpoints and waits for them, then runs its `__cleanup__(error)`: an async one on the rank's loop, a sync
+endpoints and waits for them, then runs its `__cleanup__(error)`: an async one on the actor's loop, a sync
 one on the calling thread, in the actor's context. A clean-up that raises or never ends is reported on the
 rank's stderr and the stop goes on. `rank/actor_host.py` decides when an actor is made or ended.
 """
@@ -81,7 +81,7 @@ def end_instance(box: Mailbox, error: BaseException | None, *, rank: int, lock: 
     ctx = context_at(box.point, box.key)
     if inspect.iscoroutinefunction(cleanup):
         if loop is None or loop.is_closed() or on_loop:
-            print(f"{box.name}: the async __cleanup__ could not run (the rank's event loop is "
+            print(f"{box.name}: the async __cleanup__ could not run (its event loop is "
                   f"{'this thread' if on_loop else 'gone'})", file=sys.stderr)
             return
         _wait_on_loop(loop, _async_cleanup(box, ctx, error, rank), rank, "its __cleanup__")

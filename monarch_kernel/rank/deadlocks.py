@@ -2,14 +2,16 @@
 (`ActorDeadlockError`), and calls to an actor that is not there (stopped, replaced, never spawned).
 
 Each sync call runs on a thread of its own while it runs (`rank/user_threads.py`), so an endpoint
-may block on another actor of its own rank. What can never finish: an actor waiting on itself (it
-serves one call at a time), actors whose calls wait on each other in a cycle, and a blocking wait
-on the rank's event loop (an async endpoint calling `.get()`) for an async endpoint that this loop
-would have to run.
+may block on another actor of its own rank; an async actor has an event loop of its own
+(`rank/actor_loops.py`), so an async endpoint may block on another actor too. What can never finish:
+an actor waiting on itself (it serves one call at a time), actors whose calls wait on each other in a
+cycle, and a blocking wait on an actor's event loop (an async endpoint calling `.get()`) for an async
+endpoint that this loop would have to run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -53,12 +55,14 @@ class WaitGraph:
             self._waiting[me] = box
         return before
 
-    def check(self, rank: int, box: Any, waited_label: str, on_loop: bool) -> None:
-        """Raise ActorDeadlockError if the calling thread's wait on `box` (busy) could never end."""
+    def check(self, rank: int, box: Any, waited_label: str, loop_thread: int) -> None:
+        """Raise ActorDeadlockError if the calling thread's wait on `box` (busy) could never end; `loop_thread`
+        runs the event loop that `box`'s async endpoints need."""
         me = threading.get_ident()
+        on_loop = me == loop_thread
         running = self._runs.calls_by_thread()
         mine = running.get(me, [])
-        waiter = mine[-1].label if mine else ("an async endpoint" if on_loop else "this %%mesh cell")
+        waiter = mine[-1].label if mine else ("an async endpoint" if _on_an_event_loop() else "this %%mesh cell")
         labels = [waiter]
         target = box
         for _ in range(len(running) + 1):
@@ -66,8 +70,8 @@ class WaitGraph:
             if found is None:  # async, or a sync call about to start: only a wait on the loop keeps an
                 if on_loop and target is box and getattr(target, "in_async", False):  # async one from running
                     raise ActorDeadlockError(
-                        f"{waiter} on rank {rank} blocks the rank's event loop waiting on {waited_label}, an "
-                        "async endpoint of this rank, which that loop would run. Use `await` on the call "
+                        f"{waiter} on rank {rank} blocks its actor's event loop waiting on {waited_label}, an "
+                        "async endpoint of the same actor, which that loop would run. Use `await` on the call "
                         f"instead of .get(), or make {waited_label} a plain def.")
                 return
             thread, stack = found
@@ -87,3 +91,12 @@ class WaitGraph:
             target = self._waiting.get(thread)
             if target is None:
                 return
+
+
+def _on_an_event_loop() -> bool:
+    """Whether the calling code runs inside an event loop (an async endpoint that blocks on a call)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -31,12 +31,13 @@ class Mailbox:
     point: Point
     queue: deque = field(default_factory=deque)
     busy: bool = False
-    in_async: bool = False  # what keeps it busy is an async endpoint (on the rank's event loop)
+    in_async: bool = False  # what keeps it busy is an async endpoint (on the actor's own event loop)
     stopped: bool = False  # stopped or replaced: calls that come now are told so
     endpoints: dict = field(default_factory=dict)  # name -> (bound method, is async, label, takes a port, concurrent)
     tasks: set = field(default_factory=set)  # its concurrent endpoints' running tasks (cancelled when it stops)
     failed: Failure | None = None  # its constructor raised (no instance): every call is answered with this
     slot: str = ""  # what a later spawn replaces it by: its name, qualified by who spawned it (see Mailboxes)
+    own_loop: Any = None  # an async actor's own event loop (`rank/actor_loops.py`); None: a sync actor
 
     def endpoint(self, name: str) -> tuple[Any, bool, str, bool, bool] | None:
         """The endpoint called `name` (looked up once per name), or None."""
@@ -57,7 +58,7 @@ class Mailbox:
 
 
 def serves_async(cls: type) -> bool:
-    """Whether an actor class's endpoints are async (it then serves them on the rank's event loop)."""
+    """Whether an actor class's endpoints are async (it then serves them on an event loop of its own)."""
     return any(inspect.iscoroutinefunction(getattr(cls, n, None)) for n in getattr(cls, "_endpoints", ()))
 
 
