@@ -134,16 +134,21 @@ class Mesh(HostFiles, KeptState):
             self._ask(SetLogLevel(level), "set the log level")
 
     def tag_lines_as_monarch(self) -> None:
-        """Tag what the ranks print outside cells as Monarch's processes do, `[host pid] [local rank] line`
-        (meshes started through the Monarch API; a notebook's mesh keeps `[rank N] line`)."""
+        """Tag what the ranks print outside cells as Monarch's processes do, `[host pid] [local rank] line`, and
+        `[local rank] line` in groups of similar lines (meshes started through the Monarch API; a notebook's
+        mesh keeps `[rank N] line`)."""
         idle, ranks = self._runtime.idle_output, self._runtime.state.ranks
 
         def monarchs(rank: int) -> str:  # (on the controller's loop, which keeps the ranks' states)
             state = ranks.get(rank)
             return f"[rank {rank}]" if state is None else f"[{state.host} {state.pid}] [{state.local_rank}]"
 
+        def in_groups(rank: int) -> str:
+            state = ranks.get(rank)
+            return f"[{rank if state is None else state.local_rank}]"
+
         if isinstance(idle, IdleOutput):
-            idle.tag_lines_with(monarchs)
+            idle.tag_lines_with(monarchs, in_groups)
 
     def agent_log(self, host: int | str, lines: int = 50) -> str:
         """The last lines of a host agent's log (its stderr): start-up problems, crashes."""

@@ -94,9 +94,10 @@ class IdleOutput:
     """Text ranks print outside any cell (actor endpoints, their threads), shown as it comes.
 
     Whole lines go to this process's stdout/stderr, tagged with the rank (`[rank 3] ...`; processes
-    started through the Monarch API tag them as Monarch's do, `[host pid] [local rank] ...`: see
-    `tag_lines_with`); in a notebook they appear in the cell that is running (or the last one that ran). What a rank prints
-    this way is bounded, since it is handled on the controller's loop that every mesh shares:
+    started through the Monarch API tag them as Monarch's do, `[host pid] [local rank] ...`, and
+    `[local rank] ...` in groups of similar lines: see `tag_lines_with`); in a notebook they appear in
+    the cell that is running (or the last one that ran). What a rank prints this way is bounded,
+    since it is handled on the controller's loop that every mesh shares:
     a trailing partial line keeps its last PARTIAL_KEPT characters (a progress stream without
     newlines), and each rank may show IDLE_BUDGET characters per IDLE_WINDOW_S; the rest is
     dropped, and a note says how much.
@@ -115,10 +116,13 @@ class IdleOutput:
         self.shown = True  # False: lines are kept in the ranks' logs (%mesh logs) only
         self._aggregated: AggregatedOutput | None = None
         self._tag: Callable[[int], str] = lambda rank: f"[rank {rank}]"
+        self._tag_in_groups: Callable[[int], str] = self._tag
 
-    def tag_lines_with(self, tag: Callable[[int], str]) -> None:
-        """How a rank's lines are tagged from now on: `tag(rank)` (called on the controller's loop)."""
+    def tag_lines_with(self, tag: Callable[[int], str], in_groups: Callable[[int], str] | None = None) -> None:
+        """How a rank's lines are tagged from now on: `tag(rank)`, and `in_groups(rank)` in windows of similar
+        lines (default: the same); called on the controller's loop."""
         self._tag = tag
+        self._tag_in_groups = in_groups or tag
 
     def set_mode(self, shown: bool, aggregate_window_s: float | None) -> None:
         """Show these lines or not, and one by one (None) or in windows of similar lines (`api/aggregated_output.py`).
@@ -167,11 +171,12 @@ class IdleOutput:
         if not lines or not self.shown:
             return
         aggregated = self._aggregated
-        tag = self._tag(rank)
         if aggregated is not None:
+            tag = self._tag_in_groups(rank)
             for line in lines:
                 aggregated.add(stream, f"{tag} {line}")
             return
+        tag = self._tag(rank)
         out = sys.stderr if stream == "stderr" else sys.stdout
         out.write("".join(f"{tag} {line[-self.PARTIAL_KEPT:]}\n" for line in lines))
         out.flush()
