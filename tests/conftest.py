@@ -8,6 +8,20 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from monarch_kernel import local_mesh  # noqa: E402
 from monarch_kernel.api.sinks import PlainSink  # noqa: E402
+from monarch_kernel.core import supervision  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def the_test_session_goes_on_after_unhandled_actor_failures():
+    """The suite is one long-lived process, as a notebook's kernel is, whose tests spawn actors through the Monarch
+    API and crash some of their processes on purpose. In a program Monarch's default fault hook ends the program
+    (core/supervision.py): here, as in a notebook, a failure nobody handled is printed and the session goes on
+    (Monarch's own tests set unhandled_fault_hook for the same reason). Programs the tests start as processes
+    of their own keep the program's default."""
+    in_a_shell = supervision.in_a_shell
+    supervision.in_a_shell = lambda: True
+    yield
+    supervision.in_a_shell = in_a_shell
 
 
 class RecordingSink(PlainSink):
