@@ -20,6 +20,7 @@ import enum
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -115,12 +116,14 @@ def read_fault_hook_from(source: Callable[[], FaultHook]) -> None:
 def report_unhandled(failure: MeshFailure) -> None:
     """Hand a failure nobody handled to the client's hook (the one a program set, if any). A hook that
     raises leaves the failure unhandled: it is reported, and a program ends (its main thread is
-    interrupted, as Monarch's is, so it exits the normal way); a notebook's kernel goes on."""
+    interrupted, as Monarch's is, so it exits the normal way); a notebook's kernel goes on, and so does a
+    program whose main thread has finished already (it is exiting: processes it stops or kills at its end
+    must not turn a clean exit into an interrupted one)."""
     hook = _hook_source[0]() if _hook_source else default_fault_hook
     try:
         hook(failure)
     except BaseException as exc:  # noqa: BLE001 - whatever the hook raised, the failure is unhandled
-        ending = not in_a_shell()
+        ending = not in_a_shell() and threading.main_thread().is_alive()  # (not once the program is ending)
         print(f"Unhandled monarch error on the root actor, hostname={socket.gethostname()}, PID={os.getpid()} "
               f"at time {datetime.now()}:\n{failure.report()}\n"
               f"(unhandled_fault_hook raised {type(exc).__name__}: {exc}; "
