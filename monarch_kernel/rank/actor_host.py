@@ -359,7 +359,7 @@ class ActorHost:
                 self.threads.place(box.key, job)
 
     def _launch_async(self, box: Mailbox, msg: ActorCall, started: tuple, beside: bool = False) -> None:
-        """Run an async endpoint as a task on the loop (from any thread); `box` is busy until it ends,
+        """Run an async endpoint as a task on its actor's loop (from any thread); `box` is busy until it ends,
         except for a concurrent endpoint's call: the mailbox goes on to its next call once it started.
         `beside`: a call that never took the mailbox (an async actor's __supervise__), which it leaves as is."""
         loop, loop_thread = self._loop_of(box.own_loop)
