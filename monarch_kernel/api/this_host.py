@@ -37,10 +37,7 @@ def _check_options(options: dict[str, Any], where: str) -> None:
 def _start_local(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, options: dict[str, Any]) -> Mesh:
     _check_options(options, "this host")
     python = hosts[0].python if hosts and hosts[0].python != DEFAULT_PYTHON else None
-    mesh = local_mesh(gpus, name=name, python=python, **options)
-    mesh.tag_lines_as_monarch()
-    _started_here.append(mesh)
-    return mesh
+    return _started_here_by_the_api(local_mesh(gpus, name=name, python=python, **options))
 
 
 def start_on_hosts(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, options: dict[str, Any]) -> Mesh:
@@ -51,6 +48,11 @@ def start_on_hosts(hosts: tuple[HostSpec, ...], gpus: int, name: str | None, opt
                                       options.get("timeout", 120.0), None, options.get("health"),
                                       preload=options.get("preload"), proc_bind=options.get("proc_bind"),
                                       rank_env=options.get("rank_env")))
+    return _started_here_by_the_api(mesh)
+
+
+def _started_here_by_the_api(mesh: Mesh) -> Mesh:
+    """A mesh spawn_procs started: its lines tagged as Monarch's, and stopped by shutdown_context."""
     mesh.tag_lines_as_monarch()
     _started_here.append(mesh)
     return mesh
