@@ -1,20 +1,24 @@
 """Hosts' workers (Monarch's `run_worker_loop_forever` and `attach_to_workers`): real worker processes on a
 Unix socket and on TCP ports, the key that admits clients over TCP, and what a worker refuses."""
 
+import asyncio
 import os
 import socket
 import stat
 import subprocess
 import sys
+from typing import Any, cast
 
 import cloudpickle
 import pytest
 from conftest import wait_until
 
+from monarch_kernel.agent.worker import _SocketStreams
 from monarch_kernel.core.errors import MeshStartError
 from monarch_kernel.core.worker_key import WorkerKeyError, worker_key, worker_key_path
 from monarch_kernel.monarch.actor import Actor, attach_to_workers, endpoint
 from monarch_kernel.monarch.job import LoginJob, ProcessState
+from monarch_kernel.wire.handshake_gate import HandshakeGate
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import this file
 CA = "trust_all_connections"
@@ -224,3 +228,31 @@ def test_a_login_job_starts_its_hosts_workers_attaches_to_them_and_kill_ends_the
     finally:
         job.kill()
     assert wait_until(lambda: not any(_running(pid) for pid in [*workers, *pids.values()]), 30)
+
+
+def test_a_connection_the_gate_drops_leaves_the_next_one_on_its_descriptor_number_intact():
+    """The gate drops a connection whose first read waits in the event loop. When the drop closed its descriptor
+    at once, the next connection accepted got the same number while the loop still held the old read, so the
+    newcomer's first read failed and its peer, holding the key, saw the connection reset (the flood test above
+    failed so about 1 run in 10)."""
+
+    async def main() -> None:
+        gate = HandshakeGate("test", lambda line: None, per_source=1)
+        dropped, dropped_peer = socket.socketpair()
+        dropped.setblocking(False)
+        first = _SocketStreams(dropped)
+        gate.admit(cast(Any, first))
+        waiting = asyncio.create_task(first.readexactly(1))
+        await asyncio.sleep(0)  # (one turn: its read is registered in the loop)
+        second = _SocketStreams(socket.socketpair()[0])  # from the same source, past the share of 1:
+        gate.admit(cast(Any, second))  # the first is dropped
+        newcomer, newcomer_peer = socket.socketpair()  # the next connection: the lowest free descriptor number
+        newcomer.setblocking(False)
+        newcomer_peer.sendall(b"k")
+        assert await asyncio.wait_for(_SocketStreams(newcomer).readexactly(1), 5) == b"k"
+        with pytest.raises(asyncio.IncompleteReadError):  # the dropped one's read ends as the peer's close would
+            await asyncio.wait_for(waiting, 5)
+        for sock in (dropped, dropped_peer, newcomer, newcomer_peer):
+            sock.close()
+
+    asyncio.run(main())

@@ -58,8 +58,15 @@ class _SocketStreams:
         return peer if isinstance(peer, tuple) else ("this host",)
 
     def close(self) -> None:
-        """Drop the connection (the gate's way)."""
-        self._sock.close()
+        """Drop the connection (the gate's way): shut it down, so that a pending read ends with end-of-file.
+
+        Never close the descriptor here: a read may be waiting on it in the event loop, and the next
+        connection accepted would get the same number while the loop still holds the old one's reader
+        (that connection's first read then failed, and its peer saw the connection reset). `_admit`
+        closes the socket once its read has ended.
+        """
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
 
     async def readexactly(self, count: int) -> bytes:
         data = b""
