@@ -93,7 +93,7 @@ async def fork_rank(agent: RankSupervisor, spec: m.RankSpec, start: m.StartRanks
     for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
         os.set_blocking(fd, False)
         proc.outputs[fd] = stream
-        loop.add_reader(fd, _pump_fd, loop, fd, agent, spec.rank, stream, mark, proc.outputs)
+        loop.add_reader(fd, _pump_fd, loop, fd, agent, proc, stream)
     proc.conn = await AsyncConnection.from_socket(
         parent_conn,
         partial(agent.on_rank_message, spec.rank),
@@ -106,13 +106,15 @@ def drain_outputs(agent: RankSupervisor, proc: RankProcess) -> None:
     """Pass on what an exited rank wrote to its fds that was not read yet (its last lines: why it failed)."""
     loop = asyncio.get_running_loop()
     for fd, stream in list(proc.outputs.items()):
-        while fd in proc.outputs and _pump_fd(loop, fd, agent, proc.spec.rank, stream, proc.fd_mark, proc.outputs):
+        while fd in proc.outputs and _pump_fd(loop, fd, agent, proc, stream):
             pass
 
 
-def _pump_fd(loop: asyncio.AbstractEventLoop, fd: int, agent: RankSupervisor, rank: int, stream: str,
-             mark: FdMarkWriter | None, outputs: dict[int, str]) -> bool:
-    """Read what is there on one of a rank's fds and pass it on; whether there was something."""
+def _pump_fd(loop: asyncio.AbstractEventLoop, fd: int, agent: RankSupervisor, proc: RankProcess, stream: str) -> bool:
+    """Read what is there on one of a rank's fds and pass it on; whether there was something. What it wrote to
+    stderr is kept for its exit report here, on `proc` itself: a rank that fails at once may be read from before
+    the agent has it among its ranks (its start is still being wired up)."""
+    mark, outputs = proc.fd_mark, proc.outputs
     if mark is not None:
         mark.reading()  # (the rank waits for passed_on before it trusts the count)
     try:
@@ -122,7 +124,9 @@ def _pump_fd(loop: asyncio.AbstractEventLoop, fd: int, agent: RankSupervisor, ra
     except OSError:
         data = b""
     if data:
-        agent.on_rank_fd_output(rank, stream, data, None if mark is None else mark.count + len(data))
+        if stream == "stderr":
+            proc.stderr_tail.write("stderr", data.decode("utf-8", "replace"))
+        agent.on_rank_fd_output(proc.spec.rank, stream, data, None if mark is None else mark.count + len(data))
     if mark is not None:
         mark.passed_on(len(data or b""))
     if data is not None and not data:

@@ -179,9 +179,7 @@ class RankSet:
         self.listener.on_rank_message(rank, msg)
 
     def on_rank_fd_output(self, rank: int, stream: str, data: bytes, total: int | None) -> None:
-        """Bytes a rank wrote to its real fd 1/2 (C extensions, crashes)."""
-        if stream == "stderr":
-            self.remember_stderr(rank, data.decode("utf-8", "replace"))
+        """Bytes a rank wrote to its real fd 1/2 (C extensions, crashes; the launcher keeps its stderr's tail)."""
         self.listener.on_rank_fd_output(rank, stream, data, total)
 
     def remember_stderr(self, rank: int, text: str) -> None:
