@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import cloudpickle
@@ -19,7 +20,7 @@ from conftest import wait_until
 from monarch_kernel import MeshUsageError
 from monarch_kernel.core.shape import Shape
 from monarch_kernel.core.values import ValueMesh
-from monarch_kernel.monarch.actor import Actor, Channel, Port, endpoint, this_host
+from monarch_kernel.monarch.actor import Actor, Channel, Port, SupervisionError, endpoint, this_host
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import this file
 PROGRAMS = Path(__file__).parent / "programs" / "monarch"
@@ -218,6 +219,75 @@ def test_spawn_procs_meshes_appear_in_mesh_status_and_go_when_stopped():
         assert wait_until(lambda: "from-monarch" not in registry.names(), 10)
     finally:
         ip.run_line_magic("unload_ext", "monarch_kernel")
+
+
+class Gated(Actor):
+    """Its constructor says it started, then waits until the test opens the `release` fifo."""
+
+    def __init__(self, started: str, release: str) -> None:
+        with open(started, "w") as mark:
+            mark.write("started")
+        with open(release) as gate:
+            self.made = f"made after {gate.read()!r}"
+
+    @endpoint
+    async def value(self) -> str:
+        return self.made
+
+
+class Counted(Actor):
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    @endpoint
+    async def value(self) -> int:
+        return self.start
+
+
+class NeverMade(Actor):
+    """Its constructor spawns a Counted on its own processes, sends it out, and never returns (Monarch's own test of
+    spawning does the same)."""
+
+    def __init__(self, procs, out: Port) -> None:
+        out.send(procs.spawn("made_in_a_constructor", Counted, 42))
+        threading.Event().wait()
+
+    @endpoint
+    async def unreachable(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(90)
+def test_spawn_returns_before_an_async_actors_constructor_ends_and_calls_wait_for_it(tmp_path):
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, dist="none")
+    try:
+        release = tmp_path / "release"
+        os.mkfifo(release)
+        gated = procs.spawn("gated", Gated, str(tmp_path / "started"), str(release))  # (its constructor waits on us)
+        assert wait_until(lambda: (tmp_path / "started").exists(), 30)
+        answer = gated.value.call_one()  # sent while the constructor still waits: the call waits in the mailbox
+        with open(release, "w") as gate:
+            gate.write("the release")
+        assert answer.get(timeout=30) == "made after 'the release'"
+    finally:
+        procs.stop()
+
+
+@pytest.mark.timeout(90)
+def test_an_actor_whose_constructor_never_returns_holds_nothing_else_and_can_be_stopped():
+    procs = this_host().spawn_procs(per_host={"gpus": 1}, dist="none")
+    try:
+        port, receiver = Channel.open()
+        never = procs.spawn("never", NeverMade, procs, port)  # (returns: the constructor runs on the actor's own loop)
+        counted = receiver.recv().get(timeout=30)  # what the constructor did before it blocked reaches us
+        assert counted.value.call_one().get(timeout=30) == 42  # the processes serve other actors meanwhile
+        never.stop().get(timeout=30)
+        with pytest.raises(SupervisionError, match="stopped"):
+            never.unreachable.call_one().get(timeout=30)
+        with pytest.raises(SupervisionError, match="stopped"):  # what it spawned is its own: stopped with it
+            counted.value.call_one().get(timeout=30)
+    finally:
+        procs.stop()
 
 
 @pytest.mark.timeout(60)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from monarch_kernel.core.errors import ActorError, MeshNotRunningError, MeshUsageError
@@ -134,6 +135,16 @@ class Channel(Generic[R]):
         receiver: PortReceiver[R]
         port, receiver = Channel.open(once)
         return port, receiver.ranked()
+
+
+def open_forwarding(forward: Callable[[ActorReply], None]) -> tuple[tuple[int, int, str], int]:
+    """A port of this process that hands each message to `forward` (on the thread that delivers it): the address
+    to send through (owner, port id, mesh: what `Port(*address)` takes) and its id, for `PORTS.close`."""
+    opened = PORTS.open_forwarding(forward)
+    here = _here()
+    if here is None:
+        return (CONTROLLER, opened.port_id, ""), opened.port_id
+    return (here.caller_id, opened.port_id, here.mesh_name), opened.port_id
 
 
 class _Received(Future[Any]):

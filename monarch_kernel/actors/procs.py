@@ -95,7 +95,9 @@ class ProcMesh(MeshShaped):
     def spawn(self, name: str, actor_class: type[A], *args: Any, **kwargs: Any) -> ActorMesh:
         """One `actor_class(*args, **kwargs)` per process, as actor mesh `name`; returns its handle.
 
-        Waits until every constructor ran (Monarch's returns at once). As in Monarch, a constructor
+        Returns once every process has the actor's mailbox, as Monarch's: an async actor's constructor runs
+        after that, on the actor's own event loop, and calls sent meanwhile wait for it (a sync actor's runs
+        before the spawn returns). As in Monarch, a constructor
         that raises does not fail the spawn: that rank's failure goes to the owner's `__supervise__` (or
         the notebook's `unhandled_fault_hook`, which prints it by default), and calls to that actor raise
         SupervisionError with the constructor's traceback. Spawned inside an actor, the actor owns it.

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import queue
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,16 +19,16 @@ from monarch_kernel.actors.base import Actor, class_sources, current_actor, endp
 from monarch_kernel.actors.client import ActorMesh, actor_name_of
 from monarch_kernel.actors.identities import current_identity
 from monarch_kernel.actors.owned import record
-from monarch_kernel.actors.ports import Channel, Port, PortReceiver
+from monarch_kernel.actors.ports import Channel, Port, PortReceiver, open_forwarding
 from monarch_kernel.core.errors import MeshNotRunningError, MeshTimeoutError, MeshUsageError
 from monarch_kernel.core.failures import FailureKind
 from monarch_kernel.core.identity import ActorOrigin
 from monarch_kernel.core.shape import Shape
 from monarch_kernel.core.supervision import MeshFailure, Owner, report_unhandled
-from monarch_kernel.wire.calls import find_sender
-from monarch_kernel.wire.messages import BroadcastFailed, OwnActors
+from monarch_kernel.wire.calls import PORTS, find_sender
+from monarch_kernel.wire.messages import ActorReply, BroadcastFailed, OwnActors
 from monarch_kernel.wire.ops import ConstructorFailed, SpawnActors, SpawnRefused, StopActors
-from monarch_kernel.wire.serialization import release, seal
+from monarch_kernel.wire.serialization import release, seal, unseal
 
 _spawns = itertools.count(1)
 OWNED_STOP_S = 60.0  # how long stopping an actor waits for each actor mesh it owns to stop
@@ -58,13 +60,21 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
     key = f"{name}#{sender.caller_id}.{next(_spawns)}"
     creator = current_identity()
     sealed = seal((actor_class, args, kwargs), shm_dir=sender.shm_dir_for(shape.ranks), shared=True)
+    outcomes = ConstructorOutcomes(len(shape.ranks)) if supervise_constructor else None
     try:
         answers = run(SpawnActors(name, key, sealed, shape, class_sources(actor_class), creator,
-                                  supervise_constructor), f"spawn({name!r}, {actor_class.__name__})")
+                                  supervise_constructor, outcomes.address if outcomes is not None else None),
+                      f"spawn({name!r}, {actor_class.__name__})")
+    except BaseException:
+        if outcomes is not None:
+            outcomes.close()
+        raise
     finally:
         release(sealed)
     refused = _answers_of(answers, SpawnRefused)
     if refused:  # (Monarch's poisoned processes: none of the new actors stays)
+        if outcomes is not None:
+            outcomes.close()
         with contextlib.suppress(Exception):  # (a rank gone meanwhile took its actor with it: the refusal is the news)
             run(StopActors(key), f"stop({name!r})")
         said = "; ".join(f"rank {r.rank}: {r.reason}" for r in refused)
@@ -90,7 +100,8 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
             receiver.recv().get(timeout=OWNER_KNOWN_S)
     elif sender.own_rank is None and notebook_hook:  # the notebook owns it
         actors.supervise_from_notebook()
-    for failed in _constructor_failures(answers):
+
+    def report(failed: ConstructorFailed) -> None:
         failure = MeshFailure(name, actor_class.__name__, failed.rank, FailureKind.EXCEPTION,
                               f"its constructor raised {failed.error_type}: {failed.message}", failed.traceback,
                               actor=actor_name_of(actors, failed.rank))
@@ -98,8 +109,73 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
             sender.send_up(BroadcastFailed(sender.caller_id, str(owner), owner_label(str(owner), sender.caller_id),
                                            failure))
         else:
-            report_unhandled(failure)
+            _report_in_order(failure)
+
+    if outcomes is not None:
+        outcomes.report_to(report)  # (the owner is known now: failures that came before are reported too)
+    for failed in _constructor_failures(answers):
+        report(failed)
     return actors
+
+
+_unreported: queue.SimpleQueue[MeshFailure] = queue.SimpleQueue()
+_reporter_lock = threading.Lock()
+_reporter: list[threading.Thread] = []
+
+
+def _report_in_order(failure: MeshFailure) -> None:
+    """Hand a failed constructor to the notebook's fault hook on a thread of its own (the hook may call actors and
+    wait: never on the thread that delivers messages), one failure after another, in the order they came."""
+    _unreported.put(failure)
+    with _reporter_lock:
+        if not _reporter:
+            _reporter.append(threading.Thread(target=_report_forever, name="mesh-supervision", daemon=True))
+            _reporter[0].start()
+
+
+def _report_forever() -> None:
+    while True:
+        report_unhandled(_unreported.get())
+
+
+class ConstructorOutcomes:
+    """How the constructors of one Monarch spawn ended, as each rank says when its own ends (the spawn does not
+    wait for them): a ConstructorFailed goes to the new mesh's owner, through `report_to`'s function, once the
+    spawn knows the owner (those that came earlier wait until then). The port closes after every rank said."""
+
+    def __init__(self, ranks: int):
+        self._lock = threading.Lock()
+        self._left = ranks
+        self._report: Callable[[ConstructorFailed], None] | None = None
+        self._early: list[ConstructorFailed] = []
+        self.address, self._port_id = open_forwarding(self._arrived)
+
+    def _arrived(self, msg: ActorReply) -> None:
+        try:
+            outcome = None if msg.value is None else unseal(msg.value)
+        except Exception:  # noqa: BLE001 - (a value nobody sends: counted as an answer all the same)
+            outcome = None
+        with self._lock:
+            self._left -= 1
+            report = self._report
+            if report is None and isinstance(outcome, ConstructorFailed):
+                self._early.append(outcome)
+        if self._left <= 0:
+            self.close()
+        if report is not None and isinstance(outcome, ConstructorFailed):
+            report(outcome)
+
+    def report_to(self, report: Callable[[ConstructorFailed], None]) -> None:
+        """From now on, report each failed constructor with `report` (the ones that failed already, at once)."""
+        with self._lock:
+            self._report = report
+            early, self._early = self._early, []
+        for failed in sorted(early, key=lambda f: f.rank):
+            report(failed)
+
+    def close(self) -> None:
+        """Hear no more (every rank said, or the spawn failed)."""
+        PORTS.close(self._port_id)
 
 
 def _constructor_failures(answers: object) -> list[ConstructorFailed]:

@@ -31,6 +31,7 @@ from monarch_kernel.actors.base import SYSTEM_ACTOR, current_actor, current_poin
 from monarch_kernel.actors.identities import forget_identity, register_identity
 from monarch_kernel.actors.log_prefix import install as install_log_prefix
 from monarch_kernel.actors.owned import stop_owned
+from monarch_kernel.actors.ports import Port
 from monarch_kernel.actors.rank_loop import set_rank_loop
 from monarch_kernel.core.future import Future
 from monarch_kernel.core.identity import ActorIdentity, root_identity
@@ -103,14 +104,17 @@ class ActorHost:
 
     def spawn(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
               sources: dict[str, list[str]], creator: ActorIdentity | None = None,
-              supervise_constructor: bool = False) -> str | ConstructorFailed | SpawnRefused:
+              supervise_constructor: bool = False,
+              outcome_port: tuple[int, int, str] | None = None) -> str | ConstructorFailed | SpawnRefused:
         """Create this rank's instance of actor mesh `name` (in user-code context); `key` names this spawn.
 
         An earlier actor mesh of that name here is replaced, as re-running a notebook cell expects: its
         queued calls fail, and calls through its old handle say that it was spawned again. With
         `supervise_constructor` (Monarch's ProcMesh.spawn) a constructor that raises an Exception leaves a
         failed actor here, which answers every call with that failure, and the answer says what it raised; and
-        a process where an actor failed before takes none (`SpawnRefused`: Monarch's poisoned process)."""
+        a process where an actor failed before takes none (`SpawnRefused`: Monarch's poisoned process).
+        With `outcome_port` too (Monarch's spawn, which does not wait for constructors) it answers at once: see
+        `_spawn_then_construct`."""
         if supervise_constructor and self.failures.first:
             return SpawnRefused(self.rank, self.failures.first)
         for filename, lines in sources.items():
@@ -121,6 +125,9 @@ class ActorHost:
         register_identity(key, ActorIdentity(name, f"{cls.__module__}.{cls.__qualname__}", point, self.mesh_name,
                                              shape, spawner))
         install_log_prefix()  # (with the rank's first actor: records its actors log name them, as Monarch's)
+        if outcome_port is not None:
+            return self._spawn_then_construct(Mailbox(name, key, None, shape, point, slot=slot, busy=True), cls, args,
+                                              kwargs, Port(*outcome_port))
         token, owner = current_point.set(point), current_actor.set(key)
         own_loop: ActorLoop | None = None
         try:
@@ -151,6 +158,61 @@ class ActorHost:
         self._add(Mailbox(name, key, instance, shape, point, slot=slot, own_loop=own_loop))
         return f"{cls.__name__} on rank {self.rank}"
 
+    def _spawn_then_construct(self, box: Mailbox, cls: type, args: tuple, kwargs: dict, outcome: Port[Any]) -> str:
+        """Monarch's spawn: `box` (busy, with no instance yet) is here from now on, so calls that come wait in it.
+        An async actor's constructor runs on the actor's own event loop after the answer, so one that never returns
+        holds only its own actor; a sync actor's runs here first. How it ended goes through `outcome`."""
+        box.own_loop = ActorLoop(box.key) if serves_async(cls) else None
+        self._add(box)
+        job = functools.partial(self._construct, box, cls, args, kwargs, outcome)
+        if box.own_loop is not None:
+            box.own_loop.loop.call_soon_threadsafe(job)
+        else:  # a sync actor is made here, as before the answer: on the thread where its sync endpoints run when
+            job()  # they can (the main thread, when free), so thread-local state its __init__ sets is theirs
+        return f"{cls.__name__} on rank {self.rank}"
+
+    def _construct(self, box: Mailbox, cls: type, args: tuple, kwargs: dict, outcome: Port[Any]) -> None:
+        """Make the instance of `box` (on its thread or loop), then serve the calls that waited for it."""
+        try:
+            instance = context_at(box.point, box.key).run(cls, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - a stop too: the actor has no instance, it failed
+            self._constructor_failed(box, cls, exc, outcome)
+            return
+        with self._lock:
+            if not box.stopped:
+                box.instance = instance
+                self._mailboxes.instances[box.name] = instance
+        _send_outcome(outcome, f"{cls.__name__} on rank {self.rank}")
+        if box.stopped:  # stopped while its constructor ran: nothing runs on it
+            if box.own_loop is not None:
+                box.own_loop.close()
+            return
+        with self._lock:
+            box.busy = False
+        self._drain(box)
+
+    def _constructor_failed(self, box: Mailbox, cls: type, exc: BaseException, outcome: Port[Any]) -> None:
+        """The constructor of `box` raised: the actor stays failed here (every call is answered with the failure),
+        the calls that waited are answered now, and the client hears what it raised."""
+        shown = "".join(traceback.format_exception(type(exc), exc, constructor_traceback(exc.__traceback__, __file__)))
+        failure = ConstructorFailed(self.rank, type(exc).__name__, str(exc), shown)
+        failed = Failure.of(FailureCause.ACTOR_FAILED, f"actor {box.name!r} ({cls.__name__}) on rank {self.rank} "
+                            f"failed: its constructor raised {failure.error_type}: {failure.message}\n"
+                            f"{failure.traceback.rstrip()}")
+        with self._lock:
+            box.failed = failed
+            queued = list(box.queue)
+            box.queue.clear()
+            box.busy = False
+        for msg in queued:
+            self.replies.reply(msg, None, failed)
+        forget_identity(box.key)
+        if box.own_loop is not None:
+            box.own_loop.close()
+        if not box.stopped:
+            self.failures.note(failed)
+        _send_outcome(outcome, failure)
+
     def _add(self, box: Mailbox) -> None:
         self.stop(box.slot, replaced=True)
         with self._lock:
@@ -162,7 +224,8 @@ class ActorHost:
 
     def meshes(self) -> list[tuple[str, str, Any, Shape]]:
         """The actor meshes here: (name, spawn key, this rank's instance, shape)."""
-        return [(box.name, box.key, box.instance, box.shape) for box in self._mailboxes.current() if box.failed is None]
+        return [(box.name, box.key, box.instance, box.shape) for box in self._mailboxes.current()
+                if box.failed is None and box.instance is not None]
 
     def stop_key(self, key: str) -> bool:
         """Stop the actors of one spawn (by key) on this rank; False if it is not (or no longer) here."""
@@ -507,3 +570,9 @@ class ActorHost:
         with self._lock:
             box.busy = box.in_async = False
         self._drain(box)
+
+
+def _send_outcome(outcome: Port[Any], value: str | ConstructorFailed) -> None:
+    """Tell the spawning client how a constructor ended (it may have gone: then nobody is told)."""
+    with contextlib.suppress(Exception):
+        outcome.send(value)

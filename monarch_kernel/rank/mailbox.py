@@ -94,7 +94,8 @@ class Mailboxes:
 
     def add(self, box: Mailbox) -> None:
         """A new spawn (lock held)."""
-        self.instances[box.name] = box.instance
+        if box.instance is not None:  # (one whose constructor still runs shows once it is made)
+            self.instances[box.name] = box.instance
         self._keys[box.slot or box.name] = box.key
         self._by_key[box.key] = box
 
@@ -119,7 +120,7 @@ class Mailboxes:
         if key is None or box is None:
             return None
         name = box.name
-        if self.instances.get(name) is box.instance:
+        if name in self.instances and self.instances[name] is box.instance:
             del self.instances[name]
         box.stopped = True
         queued = list(box.queue)

@@ -38,7 +38,8 @@ class Actors(Protocol):
 
     def spawn(self, name: str, key: str, cls: type, args: tuple, kwargs: dict, shape: Shape,
               sources: dict[str, list[str]], creator: ActorIdentity | None = None,
-              supervise_constructor: bool = False) -> str | ops.ConstructorFailed | ops.SpawnRefused:
+              supervise_constructor: bool = False,
+              outcome_port: tuple[int, int, str] | None = None) -> str | ops.ConstructorFailed | ops.SpawnRefused:
         """Create this rank's instance of an actor mesh (see ActorHost.spawn)."""
 
     def stop_key(self, key: str) -> bool:
@@ -111,7 +112,7 @@ class RankOps:
     def _spawn(self, op: ops.SpawnActors) -> str | ops.ConstructorFailed | ops.SpawnRefused:
         cls, args, kwargs = unseal(op.actor)
         return self.actors.spawn(op.name, op.key, cls, args, kwargs, op.shape, op.sources, op.creator,
-                                 op.supervise_constructor)
+                                 op.supervise_constructor, op.outcome_port)
 
     def _stop_all_actors(self, op: ops.StopAllActors) -> int:
         stopped = self.actors.stop_all()

@@ -41,11 +41,16 @@ class SpawnActors:
     # Monarch's way (ProcMesh.spawn): a constructor that raises fails this rank's actor, which then answers every
     # call with that failure, and the answer is a ConstructorFailed (else the spawn fails with the exception)
     supervise_constructor: bool = False
+    # Monarch's spawn, which does not wait for constructors: the rank answers once the actor's mailbox is there (calls
+    # that come wait in it) and sends how the constructor ended, a ConstructorFailed or the answer above, through
+    # this port (owner, port id, mesh) when it ends; None: the answer waits for the constructor
+    outcome_port: tuple[int, int, str] | None = None
 
 
 @dataclass(frozen=True)
 class ConstructorFailed:
-    """SpawnActors' answer on a rank where the actor's constructor raised (with supervise_constructor)."""
+    """SpawnActors' answer (or outcome, with outcome_port) on a rank where the actor's constructor raised (with
+    supervise_constructor)."""
 
     rank: int
     error_type: str
