@@ -737,9 +737,13 @@ def test_an_endpoint_raising_a_base_exception_fails_its_actor_and_the_notebook_h
     assert "_Fatal: simulated failure" in seen[0].report()
 
     for _ in range(2):  # (latched)
-        with pytest.raises(RuntimeError, match=r"error spawning actor mesh 'late': 1 of its processes take no new "
-                                               r"actors after an actor there failed \(rank 1: .*simulated failure"):
-            procs.spawn("late", Fragile)
+        late = procs.spawn("late", Fragile)  # (as Monarch's, the spawn returns: its initialized and calls raise)
+        refusal = r"error spawning actor mesh 'late': 1 of its processes take no new actors after an actor there " \
+                  r"failed \(rank 1: .*simulated failure"
+        with pytest.raises(RuntimeError, match=refusal):
+            late.initialized.get()
+        with pytest.raises(RuntimeError, match=refusal):
+            late.slice(gpus=0).check.call_one()
     assert fragile.slice(gpus=0).check.call_one().get(timeout=30) == "ok"  # (the spawn left nothing on rank 0)
     porting = procs.slice(gpus=0).spawn("porting", Fragile)
     with pytest.raises(SupervisionError, match="raised instead of answering"):

@@ -29,7 +29,7 @@ from monarch_kernel.core.errors import (
     raise_for,
 )
 from monarch_kernel.core.failures import FailureKind, RankFailure
-from monarch_kernel.core.future import DoneFuture, Future
+from monarch_kernel.core.future import DoneFuture, FailedFuture, Future
 from monarch_kernel.core.identity import ActorOrigin
 from monarch_kernel.core.ranksets import format_ranks
 from monarch_kernel.core.shape import MeshShaped, Point, Shape
@@ -130,6 +130,7 @@ class ActorMesh(MeshShaped):
         self._parameters = parameters or {}  # what each endpoint takes: calls are checked before they are sent
         self._through: Through | None = None  # a slice's (dims, ranks), which its calls carry (see _with)
         self._origin = origin  # who spawned it, its module-qualified class and spawn shape (Monarch's actor names)
+        self._refused: str | None = None  # why the processes took none of these actors (see `refused`)
 
     def __class_getitem__(cls, actor_class: Any) -> Any:
         """`ActorMesh[Trainer]` in annotations, as Monarch's programs write them."""
@@ -152,6 +153,7 @@ class ActorMesh(MeshShaped):
                            self._parameters, self.__dict__.get("_origin"))
         sliced._through = (shape.dims, shape.ranks)  # current_rank() counts in the slice, as in Monarch
         sliced._supervised = self.__dict__.get("_supervised", Owner.NOBODY)
+        sliced._refused = self.__dict__.get("_refused")
         return sliced
 
     def stop(self, reason: str = "stopped by client", *, timeout: float | None = None) -> Future[None]:
@@ -162,8 +164,15 @@ class ActorMesh(MeshShaped):
 
     @property
     def initialized(self) -> Future[None]:
-        """Done: spawn() returns once every constructor ran."""
-        return DoneFuture(None)
+        """Done once the processes have these actors (spawn() returns then; async constructors may still run):
+        raises RuntimeError if they refused them (see `refused`)."""
+        refused = self.__dict__.get("_refused")
+        return DoneFuture(None) if refused is None else FailedFuture(RuntimeError(refused))
+
+    def refused(self, why: str) -> None:
+        """The processes took none of these actors (Monarch's spawn on a process where an actor failed): from now
+        on `initialized` and every call raise RuntimeError(why), as Monarch's do."""
+        self._refused = why
 
     def supervise_from_notebook(self) -> None:
         """The notebook owns these actors: a rank's death, an actor's failure, or a failed broadcast, goes to its
@@ -211,6 +220,8 @@ class ActorMesh(MeshShaped):
 
     def _send(self, endpoint_name: str, ranks: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any],
               want_value: bool = True, on_reply: Callable[[ActorReply], None] | None = None) -> PendingCall:
+        if (refused := self.__dict__.get("_refused")) is not None:
+            raise RuntimeError(refused)
         self._check(endpoint_name, args, kwargs)
         try:
             sender = self._sender()

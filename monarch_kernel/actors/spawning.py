@@ -77,12 +77,14 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
             outcomes.close()
         with contextlib.suppress(Exception):  # (a rank gone meanwhile took its actor with it: the refusal is the news)
             run(StopActors(key), f"stop({name!r})")
-        said = "; ".join(f"rank {r.rank}: {r.reason}" for r in refused)
-        raise RuntimeError(f"error spawning actor mesh {name!r}: {len(refused)} of its processes take no new actors "
-                           f"after an actor there failed ({said}); spawn on new processes (HostMesh.spawn_procs)")
     origin = ActorOrigin(creator.qualified_name(), f"{actor_class.__module__}.{actor_class.__qualname__}", shape)
     actors = ActorMesh(mesh_name, name, actor_class.__name__, actor_class._endpoints, shape, key,
                        endpoint_parameters(actor_class), origin)
+    if refused:  # as Monarch's spawn, which does not wait: the error comes from `initialized` and from each call
+        said = "; ".join(f"rank {r.rank}: {r.reason}" for r in refused)
+        actors.refused(f"error spawning actor mesh {name!r}: {len(refused)} of its processes take no new actors "
+                       f"after an actor there failed ({said}); spawn on new processes (HostMesh.spawn_procs)")
+        return actors
     owner = current_actor.get()
     if owner is not None and sender.own_rank is not None:  # an actor spawned it: the controller routes its failures
         actors._supervised = Owner.ACTOR
