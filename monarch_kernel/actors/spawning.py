@@ -113,10 +113,8 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
         else:
             _report_in_order(failure)
 
-    if outcomes is not None:
+    if outcomes is not None:  # (without: a constructor that raised failed the spawn above)
         outcomes.report_to(report)  # (the owner is known now: failures that came before are reported too)
-    for failed in _constructor_failures(answers):
-        report(failed)
     return actors
 
 
@@ -178,11 +176,6 @@ class ConstructorOutcomes:
     def close(self) -> None:
         """Hear no more (every rank said, or the spawn failed)."""
         PORTS.close(self._port_id)
-
-
-def _constructor_failures(answers: object) -> list[ConstructorFailed]:
-    """The ranks' ConstructorFailed answers to a SpawnActors (a ValueMesh of them, or a list)."""
-    return _answers_of(answers, ConstructorFailed)
 
 
 T = TypeVar("T", ConstructorFailed, SpawnRefused)
