@@ -13,7 +13,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from monarch_kernel.actors.base import Actor, class_sources, current_actor, endpoint_parameters, owner_label
 from monarch_kernel.actors.client import ActorMesh, actor_name_of
@@ -71,7 +71,7 @@ def spawn_actor_mesh(mesh_name: str, shape: Shape, name: str, actor_class: Any, 
         raise
     finally:
         release(sealed)
-    refused = _answers_of(answers, SpawnRefused)
+    refused = _refusals(answers)
     if refused:  # (Monarch's poisoned processes: none of the new actors stays)
         if outcomes is not None:
             outcomes.close()
@@ -178,12 +178,9 @@ class ConstructorOutcomes:
         PORTS.close(self._port_id)
 
 
-T = TypeVar("T", ConstructorFailed, SpawnRefused)
-
-
-def _answers_of(answers: object, kind: type[T]) -> list[T]:
-    """The ranks' answers of one kind to a SpawnActors (a ValueMesh of them, or a list), by rank."""
+def _refusals(answers: object) -> list[SpawnRefused]:
+    """The ranks' SpawnRefused answers to a SpawnActors (a ValueMesh of them, or a list), by rank."""
     values = answers.values() if hasattr(answers, "values") else answers
     if not isinstance(values, (list, tuple)) and not hasattr(values, "__iter__"):
         return []
-    return sorted((v for v in values if isinstance(v, kind)), key=lambda v: v.rank)
+    return sorted((v for v in values if isinstance(v, SpawnRefused)), key=lambda v: v.rank)

@@ -139,11 +139,7 @@ class ActorHost:
                 own_loop.close()
             if not supervise_constructor:
                 raise
-            shown = "".join(traceback.format_exception(type(exc), exc, constructor_traceback(exc.__traceback__, __file__)))
-            failure = ConstructorFailed(self.rank, type(exc).__name__, str(exc), shown)
-            failed = Failure.of(FailureCause.ACTOR_FAILED, f"actor {name!r} ({cls.__name__}) on rank {self.rank} "
-                                f"failed: its constructor raised {failure.error_type}: {failure.message}\n"
-                                f"{failure.traceback.rstrip()}")
+            failure, failed = self._constructor_failure(name, cls, exc)
             self._add(Mailbox(name, key, None, shape, point, slot=slot, failed=failed))
             self.failures.note(failed)
             return failure
@@ -194,11 +190,7 @@ class ActorHost:
     def _constructor_failed(self, box: Mailbox, cls: type, exc: BaseException, outcome: Port[Any]) -> None:
         """The constructor of `box` raised: the actor stays failed here (every call is answered with the failure),
         the calls that waited are answered now, and the client hears what it raised."""
-        shown = "".join(traceback.format_exception(type(exc), exc, constructor_traceback(exc.__traceback__, __file__)))
-        failure = ConstructorFailed(self.rank, type(exc).__name__, str(exc), shown)
-        failed = Failure.of(FailureCause.ACTOR_FAILED, f"actor {box.name!r} ({cls.__name__}) on rank {self.rank} "
-                            f"failed: its constructor raised {failure.error_type}: {failure.message}\n"
-                            f"{failure.traceback.rstrip()}")
+        failure, failed = self._constructor_failure(box.name, cls, exc)
         with self._lock:
             box.failed = failed
             queued = list(box.queue)
@@ -212,6 +204,14 @@ class ActorHost:
         if not box.stopped:
             self.failures.note(failed)
         _send_outcome(outcome, failure)
+
+    def _constructor_failure(self, name: str, cls: type, exc: BaseException) -> tuple[ConstructorFailed, Failure]:
+        """What the spawner hears of a constructor that raised, and what calls to that actor are answered with."""
+        shown = "".join(traceback.format_exception(type(exc), exc, constructor_traceback(exc.__traceback__, __file__)))
+        failure = ConstructorFailed(self.rank, type(exc).__name__, str(exc), shown)
+        return failure, Failure.of(FailureCause.ACTOR_FAILED, f"actor {name!r} ({cls.__name__}) on rank {self.rank} "
+                                   f"failed: its constructor raised {failure.error_type}: {failure.message}\n"
+                                   f"{failure.traceback.rstrip()}")
 
     def _add(self, box: Mailbox) -> None:
         self.stop(box.slot, replaced=True)
