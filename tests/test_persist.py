@@ -262,6 +262,53 @@ def test_a_cell_still_running_at_attach_is_followed_to_its_end_by_the_new_kernel
     assert "after" in capsys.readouterr().out
 
 
+HOLDER = """
+import json, sys
+import monarch_kernel as mk
+mesh = mk.local_mesh(2, dist="none", name="holder", persist="60s")
+mesh.run_async("import ctypes, os, time\\nhold, go = " + repr((sys.argv[1], sys.argv[2])) + "\\n"
+               "print('before', flush=True)\\n"
+               "while not os.path.exists(hold):\\n    time.sleep(0.02)\\n"
+               "open(hold + str(os.getpid()), 'w').close()\\n"
+               "ctypes.PyDLL(None).usleep(2_500_000)\\n"  # (a C call that keeps the GIL: the heartbeat waits)
+               "while not os.path.exists(go):\\n    time.sleep(0.02)\\n"
+               "os.getpid()", name="holder", background=True)
+print("PIDS", json.dumps([s.pid for s in mesh.status()]), file=sys.stderr, flush=True)
+import time
+time.sleep(600)
+"""
+
+
+def test_a_running_cell_whose_ranks_answer_the_attach_late_is_still_followed(state_home, tmp_path):
+    """A loaded machine (or a C call holding the GIL) delays a rank's heartbeat answer: the agent waited 1 s
+    for it at an attach, and took the running cell for one that had ended ("ran to its end ... no values")."""
+    from monarch_kernel import attach
+
+    hold, go = str(tmp_path / "hold"), str(tmp_path / "go")
+    first = subprocess.Popen([sys.executable, "-c", HOLDER, hold, go], stderr=subprocess.PIPE, text=True)
+    mesh = None
+    try:
+        line = ""
+        while not line.startswith("PIDS"):
+            line = first.stderr.readline()
+            assert line, "the first kernel ended early"
+        pids = json.loads(line[5:])
+        first.kill()
+        first.wait(10)
+        open(hold, "w").close()
+        assert wait_until(lambda: all(os.path.exists(hold + str(pid)) for pid in pids), 60)  # (both hold the GIL)
+        mesh = attach("holder")
+        [holder] = mesh.detached_results
+        assert holder.label == "holder" and holder.running == (0, 1), holder
+        open(go, "w").close()
+        assert sorted(holder.future.get(timeout=30).values()) == sorted(pids)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        if mesh is not None:
+            mesh.shutdown()
+
+
 LOUD = """
 import json, sys
 import monarch_kernel as mk

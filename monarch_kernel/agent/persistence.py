@@ -49,6 +49,7 @@ HELD_MESSAGES = 2_000  # results and deaths kept (oldest dropped past it)
 KEPT = (m.Output, m.Gathered, m.RankExited, m.AgentProblem)  # what is worth handing to the next kernel
 REQUEST_TIMEOUT_S = 5.0  # an authenticated peer says what it wants within this
 HANDSHAKE_TIMEOUT_S = 2.0  # a connecting kernel proves the secret within this
+FRESH_HEARTBEATS_S = 5.0  # at an attach, the ranks say what they run within this (half the kernel's attach timeout)
 
 
 class PersistentHost(Protocol):
@@ -283,12 +284,18 @@ class Persistence:
                                      procs[r].requests.get(procs[r].running or -1, ""))
                      if r in procs else pm.DetachedRank(r, 0, False, "", 0) for r in sorted(self.ranks.local_ranks))
 
-    async def _fresh_heartbeats(self, timeout: float = 1.0) -> None:
-        """Ask every rank what it runs now (their heartbeat threads answer even while a cell runs)."""
+    async def _fresh_heartbeats(self, timeout: float = FRESH_HEARTBEATS_S) -> None:
+        """Ask every rank what it runs now and wait for each answer (their heartbeat threads answer even while
+        a cell runs, but only once they get the GIL: a C call that holds it, or a loaded machine, delays them;
+        a request whose rank has not answered would be taken for one that ended)."""
         asked = time.monotonic()
         self.ranks.ping(asked)
         while time.monotonic() - asked < timeout and any(p.last_pong < asked for p in self.ranks.procs.values()):
             await asyncio.sleep(0.01)
+        silent = sorted(rank for rank, p in self.ranks.procs.items() if p.last_pong < asked)
+        if silent:
+            _log(f"ranks {silent} did not say within {timeout:.0f} s what they run; the attaching kernel "
+                 f"takes what they said last")
 
     def info(self) -> pm.MeshInfo:
         """How the mesh is now (for listings)."""
