@@ -3,8 +3,10 @@ earlier commit: did a change move them?
 
 The earlier commit is checked out (a git worktree under .cache/) and each round runs
 bench_core's own measurement of monarch-kernel (`--child ours`) once with that commit's
-package first on the path and once with this checkout's, in turn, so both see the same
-machine at the same time. Prints each row's medians over the rounds and their ratio.
+package first on the path and once with this checkout's, in turn (which goes first alternates:
+the second of a round tends to be slower), so both see the same machine at the same time.
+Prints each row's medians over the rounds, their ratio, and the range of the rounds' own
+ratios (the machine's spread; an A/A run, the same commit as `ref`, shows it alone).
 
     .venv/bin/python benchmarks/ab_commits.py 2ac1446 [--rounds 3] [--full] [--bench core|actors]
 """
@@ -17,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -38,7 +41,9 @@ def measure(package_root: str, quick: bool, bench: str = "core") -> dict[str, li
     """The benchmark's raw figures of our system, with the package from `package_root`."""
     env = dict(os.environ, PYTHONPATH=package_root)
     args = [sys.executable, os.path.join(HERE, f"bench_{bench}.py"), "--child", "ours"] + (["--quick"] if quick else [])
-    done = subprocess.run(args, env=env, cwd=package_root, capture_output=True, text=True, timeout=1800)
+    with tempfile.TemporaryDirectory(prefix="ab-cwd-") as cwd:  # (the same empty project folder for both: a
+        done = subprocess.run(args, env=env, cwd=cwd, capture_output=True,  # checkout's own files must not weigh)
+                              text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"bench_{bench} failed with {package_root}:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -54,18 +59,21 @@ def main() -> None:
     trees = {args.ref: worktree(args.ref), "this checkout": ROOT}
     rows: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
     for round_ in range(args.rounds):
-        for name, tree in trees.items():
+        order = list(trees.items()) if round_ % 2 == 0 else list(trees.items())[::-1]  # (the second run of a
+        for name, tree in order:                                                       # round is often slower)
             print(f"round {round_ + 1}: {name} ...", file=sys.stderr, flush=True)
             for row, values in measure(tree, not args.full, args.bench).items():
                 values = values if isinstance(values, list) else [values]
                 rows[name].setdefault(row, []).append(statistics.median(values))
     old, new = rows[args.ref], rows["this checkout"]
-    print(f"| bench_{args.bench} row (median over {args.rounds} rounds, taken in turn) | {args.ref} | this checkout | ratio |")
-    print("|---|---|---|---|")
+    print(f"| bench_{args.bench} row (median over {args.rounds} rounds, each taking both in turn, first one "
+          f"then the other) | {args.ref} | this checkout | ratio | rounds' ratios (spread) |")
+    print("|---|---|---|---|---|")
     for row in old:
         if row in new:
             a, b = statistics.median(old[row]), statistics.median(new[row])
-            print(f"| {row} | {a:.6g} | {b:.6g} | {b / a:.2f} |")
+            each = sorted(y / x for x, y in zip(old[row], new[row]))
+            print(f"| {row} | {a:.6g} | {b:.6g} | {b / a:.2f} | {each[0]:.2f} to {each[-1]:.2f} |")
 
 
 if __name__ == "__main__":

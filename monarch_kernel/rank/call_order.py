@@ -21,39 +21,45 @@ class BehindRequests:
         self._requests = 0  # given to the main thread and not ended
         self.running = False  # the main thread runs a request now
         self._waiting = False  # the request running now waits on actor calls
-        self._held: deque[tuple[ActorCall, Any]] = deque()  # (call, reply route), loop thread only
+        self._held: deque[tuple[ActorCall, Any]] = deque()  # (call, reply route): held on the loop thread
 
     def request_queued(self) -> None:
         """A request of the notebook was given to the main thread."""
         with self._lock:
             self._requests += 1
 
-    def request_runs(self, running: bool) -> None:
-        """The main thread starts a request (True) or ends it (False)."""
+    def request_runs(self, running: bool) -> bool:
+        """The main thread starts a request (True) or ends it (False). True when calls are held behind it: the
+        loop thread must release them (most requests have none, and then the loop is not woken at all)."""
         self.running = running
-        if not running:
-            with self._lock:
-                self._requests -= 1
+        if running:
+            return False
+        with self._lock:  # (a call held from now on sees this request ended: it is not held)
+            self._requests -= 1
+            return bool(self._held)
 
     def request_waits(self, waiting: bool) -> None:
         """The request running now waits on actor calls (True), or no longer (False)."""
         self._waiting = waiting
 
-    def _blocked(self) -> bool:
-        with self._lock:
-            return self._requests > 0 and not self._waiting
+    def _blocked(self) -> bool:  # (with _lock held)
+        return self._requests > 0 and not self._waiting
 
     def hold(self, msg: ActorCall, reply_via: Any) -> bool:
         """Hold a call of the notebook that must wait for its requests (loop thread): True if held."""
-        if msg.caller != CONTROLLER or not (self._held or self._blocked()):
+        if msg.caller != CONTROLLER:
             return False
-        self._held.append((msg, reply_via))
-        return True
+        with self._lock:  # (decided and held in one step: a request ending meanwhile sees it held)
+            if not (self._held or self._blocked()):
+                return False
+            self._held.append((msg, reply_via))
+            return True
 
     def release(self) -> list[tuple[ActorCall, Any]]:
         """The held calls that may go now, in order (loop thread)."""
-        if not self._held or self._blocked():
-            return []
-        released = list(self._held)
-        self._held.clear()
-        return released
+        with self._lock:
+            if not self._held or self._blocked():
+                return []
+            released = list(self._held)
+            self._held.clear()
+            return released

@@ -297,8 +297,8 @@ class Worker:
         except Exception:  # noqa: BLE001 - the requests behind it must still be served
             traceback.print_exc()
         finally:
-            self.actors.order.request_runs(False)
-            self.actors.on_loop(self.actors.release_held)
+            if self.actors.order.request_runs(False):
+                self.actors.on_loop(self.actors.release_held)
 
     def _set_request(self, req_id: int | None, label: str = "") -> None:
         self.current_req = self.stdout.request_id = self.stderr.request_id = req_id

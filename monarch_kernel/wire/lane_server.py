@@ -115,7 +115,8 @@ class LaneServer:
             read_available(self.sock, self._reader, self._lost, lambda: self.closed)
         finally:
             self._in_batch = False
-        self._flush()
+        if self._out:  # (what the batch made: often nothing, a request's reply comes from the thread that ran it)
+            self._flush()
 
     def _flush(self) -> None:
         shielded(self._write_out)  # (a stop of the sending thread is raised once the write is counted)
