@@ -151,3 +151,43 @@ def test_the_main_threads_own_handler_runs_for_a_sigint_that_came_during_a_secti
     finally:
         signal.signal(signal.SIGINT, previous)
 
+
+
+def test_a_handler_that_notes_stops_itself_stays_installed_and_runs_once_as_the_section_ends():
+    """The rank's own handler (`notes_in_sections`): no handler change per reply, and a stop during the write
+    still waits for the write and its count, then reaches the handler."""
+    from monarch_kernel.core import interrupt_shield
+
+    calls: list = []
+
+    def rank_handler(signum, frame):
+        if interrupt_shield.noted_in_section(signum, frame):
+            calls.append("noted")
+            return
+        calls.append("handled")
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, rank_handler)
+    interrupt_shield.notes_in_sections(rank_handler)
+    try:
+        def section() -> None:
+            assert signal.getsignal(signal.SIGINT) is rank_handler  # left in place
+            signal.raise_signal(signal.SIGINT)
+            calls.append("body")
+
+        with pytest.raises(KeyboardInterrupt):
+            shielded(section)
+        assert calls == ["noted", "body", "handled"]
+        calls.clear()
+        ours, theirs = socket_pair("send")  # and a reply's write stopped as sendmsg returns: sent once, whole
+        lane = Lane(ours, lambda msg: None)
+        call = Output(0, 1, "stdout", "once")
+        with pytest.raises(KeyboardInterrupt):
+            lane.send_chunks(encode(call))
+        lane.flush()
+        assert frames_on(theirs) == [call] and calls == ["noted", "handled"]
+        lane.close()
+        theirs.close()
+    finally:
+        interrupt_shield.notes_in_sections(None)
+        signal.signal(signal.SIGINT, previous)

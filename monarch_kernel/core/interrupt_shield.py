@@ -10,9 +10,12 @@ step with its frames. `shielded(fn)` runs such a section whole and raises the st
 - on the main thread, where a stop is SIGINT (the notebook's stop button, a rank's interrupt),
   the section runs under `StopsNoted`: a SIGINT handler that only notes the signal. The handler
   that was installed is put back afterwards and the signal raised again, so it runs as it would
-  have. A wait that reads the sockets in a loop holds one `StopsNoted` for the whole loop and
-  raises a noted stop at a point of its choosing (`raise_if_noted`), between two reads; the
-  sections inside it then cost nothing more (changing a handler is a system call each time);
+  have. A handler that notes a stop itself while a section runs (`notes_in_sections`, the rank's
+  own: a rank's main thread sends a reply per request and call) is left in place, and called as
+  the section ends: no handler change, no system call. A wait that reads the sockets in a loop
+  holds one `StopsNoted` for the whole loop and raises a noted stop at a point of its choosing
+  (`raise_if_noted`), between two reads; the sections inside it then cost nothing more (changing
+  a handler is a system call each time);
 - on other threads, where a stop is an asynchronous exception sent by `defer_or_stop`
   (`rank/thread_stops.py`), a stop that comes during the section is held and raised as the
   section ends. One sent just before the section began is raised by Python as the section's
@@ -35,15 +38,17 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 try:  # the C functions under `signal`'s own: theirs turn handlers into enums, at twenty times the cost
+    from _signal import getsignal as _handler_now  # type: ignore[import-not-found, unused-ignore]
     from _signal import signal as _set_handler  # type: ignore[import-not-found, unused-ignore]
 except ImportError:  # pragma: no cover - another Python than CPython
-    _set_handler = signal.signal
+    _set_handler, _handler_now = signal.signal, signal.getsignal
 
 _lock = threading.Lock()
 _depth: dict[int, int] = {}  # thread -> how many sections it is inside (sections may nest)
 _held: set[int] = set()  # threads a stop came for during a section: raised as it ends
 _main_ident = threading.main_thread().ident  # (a forked child's is the thread that forked: see below)
 _noting: dict[int, Any] | None = None  # while the main thread notes its stops: where (signal -> frame)
+_noting_itself: Any = None  # a SIGINT handler that notes a stop itself during a section (`notes_in_sections`)
 
 
 def _after_fork() -> None:
@@ -93,6 +98,22 @@ def _give_back(installed: Any, noted: dict[int, Any]) -> None:
         signal.raise_signal(signal.SIGINT)
 
 
+def notes_in_sections(handler: Callable[[int, Any], Any] | None) -> None:
+    """Declare `handler` (installed for SIGINT on the main thread) to begin with `noted_in_section`: while it
+    is the one installed, sections leave it there and call it as they end if a stop came."""
+    global _noting_itself
+    _noting_itself = handler
+
+
+def noted_in_section(signum: int, frame: Any) -> bool:
+    """For a handler declared with `notes_in_sections`: True when the main thread is inside a section (the
+    stop is noted, and the handler is called again as the section ends); then it must return at once."""
+    if _noting is None:
+        return False
+    _noting[signum] = frame
+    return True
+
+
 def main_thread_notes_stops() -> bool:
     """Whether the main thread is inside a section or a wait that notes SIGINT (its handler is swapped)."""
     return _noting is not None
@@ -106,6 +127,15 @@ def shielded(fn: Callable[[], T]) -> T:
         if _noting is not None:  # (inside a section, or a wait that notes its stops)
             return fn()
         noted: dict[int, Any] = {}
+        itself = _noting_itself
+        if itself is not None and _handler_now(signal.SIGINT) is itself:  # (it notes the stop: no change)
+            _noting = noted
+            try:
+                return fn()
+            finally:
+                _noting = None
+                if noted:
+                    itself(signal.SIGINT, noted[signal.SIGINT])  # as if the stop came now
         installed = _set_handler(signal.SIGINT, noted.__setitem__)  # (see StopsNoted.__enter__)
         _noting = noted
         try:

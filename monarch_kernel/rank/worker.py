@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from monarch_kernel.core.errors import ConnectionClosed, SerializationError
+from monarch_kernel.core.interrupt_shield import noted_in_section, notes_in_sections
 from monarch_kernel.core.package import PACKAGE_DIR
 from monarch_kernel.core.shell_syntax import MESH_SHELL
 from monarch_kernel.rank import collectives
@@ -132,6 +133,7 @@ class Worker:
         self.input = NotebookInput(config.rank, self._send, lambda: self.current_req, self.flush_streams)
         self._sigint_handler = self._on_sigint  # the one installed (bound once: checked after every request)
         self.interrupts.handler = self._sigint_handler
+        notes_in_sections(self._sigint_handler)  # (a reply's write leaves it installed: `core/interrupt_shield.py`)
         self._main_thread = threading.main_thread().ident or 0
         self._run: Run | None = None  # the request running now on the main thread
 
@@ -198,6 +200,8 @@ class Worker:
         return "\t".join((doing, waiting, request)).rstrip("\t")
 
     def _on_sigint(self, signum, frame) -> None:
+        if noted_in_section(signum, frame):  # a write and its count: this runs again as it ends
+            return
         if self.interrupts.claim():
             raise KeyboardInterrupt
         # idle, in our own code, or running another run than the stop's: a stop that came too late (or is

@@ -76,6 +76,7 @@ class Lane:
         self._queued: list[memoryview] = []  # whole frames waiting for the next batch
         self._queued_frames = 0
         self._out: list[memoryview] = []  # bytes being written (may end mid-frame)
+        self._backlog = 0  # bytes in _queued and _out (kept as they change: a long queue is not summed per call)
         self.last_send = 0.0
         self.unanswered = 0
         self.waiters = 0  # threads reading this lane for their replies (changed under the pool's lock)
@@ -83,11 +84,11 @@ class Lane:
 
     def backlog_bytes(self) -> int:
         """Bytes sent to this lane that the rank has not taken yet."""
-        return sum(v.nbytes for v in self._queued) + sum(v.nbytes for v in self._out)
+        return self._backlog
 
     def check_room(self, rank: int) -> None:
         """Raise MeshBusyError if this lane already holds LANE_HIGH_WATER bytes the rank has not read."""
-        backlog = self.backlog_bytes() if (self._queued or self._out) else 0
+        backlog = self._backlog
         if backlog > LANE_HIGH_WATER:
             raise MeshBusyError(
                 f"rank {rank} has not read the last {backlog / (1 << 20):,.0f} MiB sent to it (it is busy, "
@@ -109,7 +110,9 @@ class Lane:
                 self.unanswered += 1
                 first = self.unanswered == 1
             self.last_send = time.monotonic()
-            self._queued.extend(byte_views(chunks))
+            views = byte_views(chunks)
+            self._queued.extend(views)
+            self._backlog += sum(v.nbytes for v in views)
             self._queued_frames += 1
             if (first and self._queued_frames == 1) or self._queued_frames >= BATCH_FRAMES:
                 self._write_out()  # an idle lane sends at once; a long queue keeps the rank busy
@@ -162,12 +165,15 @@ class Lane:
             self._queued, self._queued_frames = [], 0
         while self._out:
             try:
-                advance(self._out, self.sock.sendmsg(self._out[:512]))
+                sent = self.sock.sendmsg(self._out[:512])
+                advance(self._out, sent)
+                self._backlog -= sent
             except (BlockingIOError, InterruptedError):
                 return  # full: the rank is busy; the tick or a waiting caller goes on later
             except OSError as exc:
                 self.closed = True
                 self._out.clear()
+                self._queued, self._backlog = [], 0
                 raise ConnectionClosed(str(exc)) from exc
 
     def close(self) -> None:
