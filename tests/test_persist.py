@@ -221,6 +221,15 @@ def test_stale_forged_and_unsafe_records_are_refused_with_what_to_do(state_home)
     assert not os.path.exists(record_path("real"))
 
 
+def pids_printed_by(first: subprocess.Popen) -> list:
+    """The pids a first kernel's program prints as "PIDS [...]" on stderr (its run's own lines come first)."""
+    line = ""
+    while not line.startswith("PIDS"):
+        line = first.stderr.readline()
+        assert line, "the first kernel ended early"
+    return json.loads(line[5:])
+
+
 STARTER = """
 import json, sys
 import monarch_kernel as mk
@@ -241,11 +250,7 @@ def test_a_cell_still_running_at_attach_is_followed_to_its_end_by_the_new_kernel
     first = subprocess.Popen([sys.executable, "-c", STARTER, go], stderr=subprocess.PIPE, text=True)
     mesh = None
     try:
-        line = ""
-        while not line.startswith("PIDS"):  # (the run's own lines come first)
-            line = first.stderr.readline()
-            assert line, "the first kernel ended early"
-        pids = json.loads(line[5:])
+        pids = pids_printed_by(first)
         first.kill()
         first.wait(10)
         mesh = attach("busy")
@@ -288,11 +293,7 @@ def test_a_running_cell_whose_ranks_answer_the_attach_late_is_still_followed(sta
     first = subprocess.Popen([sys.executable, "-c", HOLDER, hold, go], stderr=subprocess.PIPE, text=True)
     mesh = None
     try:
-        line = ""
-        while not line.startswith("PIDS"):
-            line = first.stderr.readline()
-            assert line, "the first kernel ended early"
-        pids = json.loads(line[5:])
+        pids = pids_printed_by(first)
         first.kill()
         first.wait(10)
         open(hold, "w").close()
@@ -342,11 +343,7 @@ def test_output_held_without_a_kernel_is_bounded_in_bytes_and_a_lost_link_is_a_d
     first = subprocess.Popen([sys.executable, "-c", LOUD, str(gate)], stderr=subprocess.PIPE, text=True)
     mesh = None
     try:
-        line = ""
-        while not line.startswith("PIDS"):
-            line = first.stderr.readline()
-            assert line, "the first kernel ended early"
-        rank_pid, agent_pid = json.loads(line[5:])
+        rank_pid, agent_pid = pids_printed_by(first)
         first.kill()
         first.wait(10)
         baseline = _agent_resident_mib(agent_pid)
