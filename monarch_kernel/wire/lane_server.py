@@ -66,6 +66,7 @@ class LaneServer:
         self._reader = FrameProtocol(on_message, self._lost)
         self._lock = threading.Lock()  # guards _out and writes to the socket
         self._out: list[memoryview] = []
+        self._backlog = 0  # bytes in _out (kept as it changes: a reply's sender reads it without the lock)
         self._in_batch = False
         self._waiting_to_write = False
         self._room = threading.Condition()  # notified when replies were written (senders may wait on it)
@@ -79,22 +80,23 @@ class LaneServer:
         drain (at most REPLY_WAIT_S): the rank slows down rather than piling up without end.
         """
         views = byte_views(encode(msg))
+        size = sum(v.nbytes for v in views)
         with self._lock:
             if self.closed:
                 raise ConnectionClosed("the lane is closed")
             self._out.extend(views)
+            self._backlog += size
             if self._in_batch and threading.get_ident() == self._loop_thread:
                 return
         self._flush()
         if self.closed:  # the notebook went away as we wrote: the caller sends it the other way (the agent)
             raise ConnectionClosed("the lane closed")
-        if threading.get_ident() != self._loop_thread:
+        if self._backlog > REPLY_HIGH_WATER and threading.get_ident() != self._loop_thread:
             self._wait_for_the_reader()
 
     def backlog_bytes(self) -> int:
         """Bytes of replies the notebook has not read yet."""
-        with self._lock:
-            return sum(v.nbytes for v in self._out)
+        return self._backlog
 
     def _wait_for_the_reader(self) -> None:
         deadline = time.monotonic() + REPLY_WAIT_S
@@ -125,7 +127,9 @@ class LaneServer:
         with self._lock:
             while self._out and not self.closed:
                 try:
-                    advance(self._out, self.sock.sendmsg(self._out[:512]))
+                    sent = self.sock.sendmsg(self._out[:512])
+                    advance(self._out, sent)
+                    self._backlog -= sent
                 except (BlockingIOError, InterruptedError):
                     if not self._waiting_to_write:  # the caller is not reading yet: finish when it does
                         self._waiting_to_write = True
@@ -134,6 +138,7 @@ class LaneServer:
                 except OSError as exc:
                     self.closed = True
                     self._out.clear()
+                    self._backlog = 0
                     self._loop.call_soon_threadsafe(self._lost, exc)
                     return
 
@@ -156,6 +161,7 @@ class LaneServer:
         with self._lock:
             self.closed = True
             self._out.clear()
+            self._backlog = 0
         self._loop.remove_reader(self.sock.fileno())
         self._loop.remove_writer(self.sock.fileno())
         self.sock.close()
