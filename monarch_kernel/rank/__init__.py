@@ -27,7 +27,9 @@ held, never the other way; a lock not listed under another takes nothing while h
 - stops: `Runs._lock` -> `MainThreadInterrupts._lock` -> `core.interrupt_shield._lock`; under
   `Runs._lock` a stop also wakes the actors' waits (`ActorHost._wake`) and ends a collective
   (`collectives._lock`). The main thread's SIGINT handler may run at any line, so it takes only
-  `MainThreadInterrupts._lock` (re-entrant) and the lock-free `Runs.current`;
+  `MainThreadInterrupts._lock` (re-entrant) and the lock-free `Runs.current`; inside a socket
+  section of the main thread it only notes the stop, lock-free, and runs again as the section ends
+  (`core.interrupt_shield.noted_in_section`);
 - actors: `ActorHost._lock` (mailboxes, their queues, tasks; `ActorFailures` and `actor_instances.end_instance`
   take this same lock) -> `UserThreads._lock` (whether the main thread is free, the actors' own threads); replies are sent with no
   actor lock held;
