@@ -502,7 +502,7 @@ class Caller(Actor):
         from monarch_kernel.wire.calls import find_sender
 
         first, second = await self.other.pid.call_one(), await self.other.pid.call_one()
-        return [first == second, sorted(rank for _, rank in find_sender("").direct._lanes)]
+        return [first == second, sorted((rank, bool(actor)) for _, rank, actor in find_sender("").direct._lanes)]
 
     @endpoint
     async def crash_it(self) -> str:
@@ -521,9 +521,57 @@ def test_after_a_first_call_an_actor_calls_another_local_proc_mesh_on_its_lanes_
     try:
         crasher = procs_b.spawn("crasher", Crasher)
         caller = procs_a.spawn("caller", Caller, crasher)
-        assert caller.twice.call_one().get(timeout=30) == [True, [0]]  # (the second one on a lane to rank 0)
+        # (the second one on a lane to rank 0: the async crasher's own, read by its own loop)
+        assert caller.twice.call_one().get(timeout=30) == [True, [(0, True)]]
         said = caller.crash_it.call_one().get(timeout=30)
         assert said.startswith("SupervisionError") and "went away" in said, said
+    finally:
+        procs_a.stop()
+        procs_b.stop()
+
+
+class Keeper(Actor):
+    """Calls another proc mesh's async actor many times at once, before and after that actor is stopped."""
+
+    def __init__(self, other):
+        self.other = other.slice(gpus=0)
+
+    @endpoint
+    async def burst(self, count: int) -> list:
+        import asyncio
+
+        said = []
+        for outcome in await asyncio.gather(*[self.other.nap.call_one(0) for _ in range(count)],
+                                            return_exceptions=True):
+            said.append(outcome if isinstance(outcome, str) else f"{type(outcome).__name__}: {outcome}")
+        return said
+
+    @endpoint
+    async def rebind(self, other) -> None:
+        self.other = other.slice(gpus=0)
+
+
+def test_an_async_actor_called_on_its_own_lane_that_is_stopped_midway_answers_every_call_once_and_says_why():
+    """Another proc mesh's actor calls an async actor on that actor's own lane; stopping the actor while calls
+    are on their way answers each of them once, as served or as "stopped" (never as a rank that died), later
+    calls say it was stopped, and its next spawn is called as before."""
+    procs_a = this_host().spawn_procs(per_host={"gpus": 1})
+    procs_b = this_host().spawn_procs(per_host={"gpus": 1})
+    try:
+        sleepy = procs_b.spawn("sleepy", Sleepy)
+        keeper = procs_a.spawn("keeper", Keeper, sleepy)
+        assert keeper.burst.call_one(50).get(timeout=60) == ["rested"] * 50
+        busy = keeper.burst.call_one(2000)
+        sleepy.stop()
+        said = busy.get(timeout=120)
+        assert len(said) == 2000
+        odd = [one for one in said if one != "rested" and "stopped" not in one]
+        assert not odd, odd[:3]
+        after = keeper.burst.call_one(3).get(timeout=60)
+        assert all("stopped" in one for one in after), after
+        again = procs_b.spawn("sleepy", Sleepy)
+        keeper.rebind.call_one(again).get(timeout=30)
+        assert keeper.burst.call_one(5).get(timeout=60) == ["rested"] * 5
     finally:
         procs_a.stop()
         procs_b.stop()

@@ -9,7 +9,8 @@ Threads of a rank, and what each runs:
   stops are handled here (a stop never waits behind the work it stops), the rest goes to the loop;
 - `rank-loop`: the asyncio loop (delivering actor calls, the lanes' server side, links to other hosts);
 - an async actor's own loop (`actor-loop-...`): its constructor, endpoints and clean-up, as in Monarch
-  (`rank/actor_loops.py`); a stop cancels the endpoint's task;
+  (`rank/actor_loops.py`), and the calls other meshes' ranks on this machine send on its own lanes
+  (`rank/actor_lanes.py`); a stop cancels the endpoint's task;
 - an actor's own thread (`actor-...`): its sync calls while the main thread is busy; a stop
   reaches it as an asynchronous KeyboardInterrupt (`rank/thread_stops.py`);
 - `heartbeat`, the stdout/stderr flushers, `direct-lane-N` readers and `interrupt-follow-up`

@@ -40,6 +40,7 @@ from monarch_kernel.core.supervision import SUPERVISE
 from monarch_kernel.rank.activity import EndpointActivity
 from monarch_kernel.rank.actor_failures import ActorFailures
 from monarch_kernel.rank.actor_instances import construct, constructor_traceback, end_instance
+from monarch_kernel.rank.actor_lanes import ActorLanes
 from monarch_kernel.rank.actor_loops import ActorLoop
 from monarch_kernel.rank.call_order import BehindRequests
 from monarch_kernel.rank.call_replies import CallReplies
@@ -53,6 +54,7 @@ from monarch_kernel.rank.runs import RunKind, Runs, ThreadStopDelivery
 from monarch_kernel.rank.user_threads import UserThreads
 from monarch_kernel.wire.actor_messages import CONTROLLER
 from monarch_kernel.wire.calls import CallKey, PendingCall, set_default_sender
+from monarch_kernel.wire.lanes import actor_lane_path
 from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, Failure, FailureCause
 from monarch_kernel.wire.ops import ConstructorFailed, SpawnRefused
 
@@ -66,6 +68,7 @@ class ActorHost:
                  interrupts: MainThreadInterrupts, threads: UserThreads, mesh: str = ""):
         self.rank = rank
         self.mesh_name = mesh
+        self._lane_dir = shm_dir  # where this rank's lanes listen (an async actor's own ones too); None: no lanes
         self._lock = threading.Lock()  # guards the mailboxes and their queues, and the calls' state below
         self._mailboxes = Mailboxes(self._lock)
         self.instances = self._mailboxes.instances  # what `actors[...]` shows in %%mesh cells
@@ -215,8 +218,21 @@ class ActorHost:
 
     def _add(self, box: Mailbox) -> None:
         self.stop(box.slot, replaced=True)
+        if box.own_loop is not None and self._lane_dir:  # other meshes' ranks here call it on its own loop
+            try:
+                ActorLanes(actor_lane_path(self._lane_dir, self.rank, box.key), box.own_loop, self._on_lane_message,
+                           lambda: (self.loop, self._loop_thread))
+            except OSError:  # (then they call it by the rank's lane, as a sync actor)
+                pass
         with self._lock:
             self._mailboxes.add(box)
+
+    def _on_lane_message(self, msg: Any, reply: Callable[[Any], None]) -> None:
+        """A message on an async actor's own lane (its loop): a call, answered on that lane, or a call's cancel."""
+        if isinstance(msg, ActorCall):
+            self.deliver(msg, reply)
+        elif isinstance(msg, CancelCall):
+            self.cancel(msg)
 
     def fail_key(self, key: str, report: str) -> bool:
         """The actor of spawn `key` here fails: an owned failure was not handled (see ActorFailures.fail_key)."""
@@ -364,8 +380,9 @@ class ActorHost:
                 self.order.request_waits(False)
 
     def deliver(self, msg: ActorCall, reply_via: Callable[[Any], None] | None = None) -> None:
-        """Queue a call on its actor's mailbox and serve the mailbox if idle (the loop thread), unless
-        the notebook sent it after a request not yet ended here (`rank/call_order.py`).
+        """Queue a call on its actor's mailbox and serve the mailbox if idle (the loop thread, or an async
+        actor's own loop for a call on its own lane), unless the notebook sent it after a request not yet
+        ended here (`rank/call_order.py`: the notebook never calls by an actor's own lane).
 
         The answer goes back the way the call came: `reply_via` (a direct lane) or the agent.
         """

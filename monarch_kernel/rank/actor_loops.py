@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import traceback
+from collections.abc import Callable
 
 from monarch_kernel.core.hangs import ENDPOINT_THREAD_PREFIX
 
@@ -27,6 +29,7 @@ class ActorLoop:
 
     def __init__(self, key: str) -> None:
         self.loop = asyncio.new_event_loop()
+        self.at_end: list[Callable[[], None]] = []  # run on the loop as it ends, after its tasks (its lanes' close)
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(started,), name=f"{LOOP_THREAD_PREFIX}{key}",
                                         daemon=True)
@@ -47,6 +50,11 @@ class ActorLoop:
                 task.cancel()
             if left:
                 self.loop.run_until_complete(asyncio.wait(left, timeout=LEFTOVER_TASKS_S))
+            for end in self.at_end:
+                try:
+                    end()
+                except Exception:  # noqa: BLE001 - one that fails must not keep the loop open (it is shown)
+                    traceback.print_exc()
             self.loop.close()
 
     def close(self) -> None:

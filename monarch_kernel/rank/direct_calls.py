@@ -8,6 +8,12 @@ where the bridge makes eight. Such a call names this process as its caller with 
 process uses (`direct_caller()`), so the callee's books of calls never mix it with another's. A lane
 that cannot be opened (that mesh was restarted or stopped) sends the call the long way, where it is
 answered as before; a lane that closes with calls in flight answers them with the rank's death.
+
+A call to an async actor goes on that actor's own lane when it has one (`rank/actor_lanes.py`: its own
+loop reads it, one thread switch fewer than the rank's lane), else on the rank's; all of this
+process's calls to one actor take one lane, so they arrive in order. When that actor ends, its lane
+is retired (`LaneRetired`): new calls take the rank's lane, and the retired one closes once it owes
+no answer.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from monarch_kernel.rank.debugging import untraced
 from monarch_kernel.rank.far_calls import FarLinks
 from monarch_kernel.wire.calls import death_reply
 from monarch_kernel.wire.lane_client import connect_lane
-from monarch_kernel.wire.lanes import lane_path
-from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, DirectRoute
+from monarch_kernel.wire.lanes import actor_lane_path, lane_path
+from monarch_kernel.wire.messages import ActorCall, ActorReply, CancelCall, DirectRoute, LaneRetired
 from monarch_kernel.wire.transport import BlockingConnection
 
 DIRECT_CALLERS = -1_000_000  # caller ids below this are processes calling another mesh's lanes directly
@@ -39,8 +45,13 @@ def direct_caller() -> int:
     return DIRECT_CALLERS - (_HOST_BITS | os.getpid())
 
 
+class LaneRetiredError(ConnectionClosed):
+    """A call was not sent: its lane was retired (its actor ended); another lane takes it."""
+
+
 class DirectLane:
-    """This rank's lane to one rank of another mesh: calls out (any thread), replies in (its reader thread)."""
+    """This rank's lane to one rank of another mesh (or to one async actor there): calls out (any thread),
+    replies in (its reader thread)."""
 
     def __init__(self, path: str, rank: int, deliver: Callable[[ActorReply], None]):
         self.rank = rank
@@ -49,12 +60,25 @@ class DirectLane:
         self._lock = threading.Lock()
         self._owed: set[int] = set()  # call ids sent and not answered
         self.closed = False
+        self.retired = False  # its actor ended: no new calls here (it closes once it owes no answer)
         untraced(threading.Thread(target=self._read, name=f"direct-lane-{rank}", daemon=True)).start()
 
+    def usable(self) -> bool:
+        """Whether new calls may go on this lane."""
+        return not (self.closed or self.retired)
+
+    def owes(self, call_id: int) -> bool:
+        """Whether a call of this id was sent here and not answered yet."""
+        with self._lock:
+            return call_id in self._owed
+
     def send(self, msg: ActorCall | CancelCall) -> None:
-        """Send a call (or its cancel); raises ConnectionClosed if the lane is gone."""
+        """Send a call (or its cancel); raises ConnectionClosed if the lane is gone (LaneRetiredError: the call
+        was not sent, it may take another lane)."""
         if isinstance(msg, ActorCall) and not msg.to_port:
             with self._lock:
+                if self.retired:
+                    raise LaneRetiredError("the lane was retired")
                 if self.closed:
                     raise ConnectionClosed("the lane closed")
                 self._owed.add(msg.call_id)
@@ -74,10 +98,19 @@ class DirectLane:
             if isinstance(msg, ActorReply) and not msg.to_port:
                 with self._lock:
                     self._owed.discard(msg.call_id)
+                    done = self.retired and not self._owed
                 self._deliver(msg)
+                if done:
+                    break
+            elif isinstance(msg, LaneRetired):
+                with self._lock:
+                    self.retired = True
+                    if not self._owed:
+                        break
         with self._lock:
             self.closed = True
             owed, self._owed = self._owed, set()
+        self.conn.close()
         for call_id in owed:  # the rank went away (died, restarted, stopped) before answering
             self._deliver(death_reply(direct_caller(), call_id, self.rank, f"rank {self.rank} of the called mesh "
                                                                            "went away before answering"))
@@ -100,7 +133,8 @@ class DirectCalls:
         self._in_flight = in_flight  # whether this rank's call of that id is still unanswered
         self._pending = pending  # the ids of this rank's calls still unanswered
         self._routes: dict[str, tuple[str, frozenset[int]]] = {}  # mesh -> (its lanes' folder, its ranks here)
-        self._lanes: dict[tuple[str, int], DirectLane] = {}
+        self._lanes: dict[tuple[str, int, str], DirectLane] = {}  # (mesh, rank, actor or "": the rank's lane)
+        self._no_lane: set[tuple[str, int, str]] = set()  # actors with no lane of their own (sync, or ended)
         self.far = FarLinks(deliver, direct_caller)  # to meshes on other hosts (its `loop` is the rank's)
         self._long_way: dict[str, set[int]] = {}  # mesh with a route -> ids of calls that went the long way
         self._lock = threading.Lock()
@@ -154,28 +188,57 @@ class DirectCalls:
             direct = dataclasses.replace(direct, from_mesh=self._mesh_name)
         for lane in lanes:
             try:
-                lane.send(direct)
+                self._send_on(lane, direct, mesh)
             except ConnectionClosed:
                 if isinstance(msg, ActorCall):  # (its reader answers what it owed)
                     self._deliver(death_reply(direct_caller(), msg.call_id, lane.rank,
                                               f"rank {lane.rank} of mesh {mesh!r} went away before answering"))
         return True
 
+    def _send_on(self, lane: Any, msg: ActorCall | CancelCall, mesh: str) -> None:
+        try:
+            lane.send(msg)
+        except LaneRetiredError:  # (its actor ended as this call chose its lane: the rank's lane takes it)
+            route = self._routes.get(mesh)
+            rank_lane = self._lane(mesh, route[0], lane.rank, "") if route is not None else None
+            if rank_lane is None:
+                raise
+            rank_lane.send(msg)
+
     def _local_lanes(self, msg: ActorCall | CancelCall, mesh: str) -> list[DirectLane] | None:
         route = self._routes.get(mesh)
         if route is None or not route[1].issuperset(msg.ranks):
             return None
-        lanes = [self._lane(mesh, route[0], rank) for rank in msg.ranks]
+        lanes = [self._lane_for(msg, mesh, route[0], rank) for rank in msg.ranks]
         return None if any(lane is None for lane in lanes) else [lane for lane in lanes if lane is not None]
 
-    def _lane(self, mesh: str, folder: str, rank: int) -> DirectLane | None:
+    def _lane_for(self, msg: ActorCall | CancelCall, mesh: str, folder: str, rank: int) -> DirectLane | None:
+        """The lane `msg` takes to `rank`: a call, its actor's own lane if it has one; a cancel, its call's."""
+        if isinstance(msg, CancelCall):
+            with self._lock:
+                candidates = [lane for (m, r, _), lane in self._lanes.items() if m == mesh and r == rank]
+            owing = [lane for lane in candidates if lane.owes(msg.call_id)]
+            return owing[0] if owing else self._lane(mesh, folder, rank, "")
+        return self._lane(mesh, folder, rank, msg.actor) or self._lane(mesh, folder, rank, "")
+
+    def _lane(self, mesh: str, folder: str, rank: int, actor: str) -> DirectLane | None:
+        """The lane to `rank` of `mesh` (`actor`: to that async actor's own lane; None if it has none)."""
+        key = (mesh, rank, actor)
         with self._lock:
-            lane = self._lanes.get((mesh, rank))
-            if lane is not None and not lane.closed:
+            lane = self._lanes.get(key)
+            if lane is not None and lane.usable():
                 return lane
+            if actor and (key in self._no_lane or (lane is not None and lane.retired)):
+                self._lanes.pop(key, None)
+                self._no_lane.add(key)  # (an actor's lane, once gone, never comes back: its key names one spawn)
+                return None
+            path = actor_lane_path(folder, rank, actor) if actor else lane_path(folder, rank)
             try:
-                lane = self._lanes[(mesh, rank)] = DirectLane(lane_path(folder, rank), rank, self._deliver)
-            except OSError:  # that mesh is gone or was restarted elsewhere: the long way from now on
-                self._routes.pop(mesh, None)
+                lane = self._lanes[key] = DirectLane(path, rank, self._deliver)
+            except OSError:
+                if actor:  # a sync actor (or one that ended): the rank's lane takes its calls
+                    self._no_lane.add(key)
+                else:  # that mesh is gone or was restarted elsewhere: the long way from now on
+                    self._routes.pop(mesh, None)
                 return None
             return lane

@@ -109,6 +109,13 @@ class DirectRoute:
 
 
 @dataclass(frozen=True)
+class LaneRetired:
+    """Rank -> a caller on an async actor's own lane (`rank/actor_lanes.py`): that actor ended. Make no new calls
+    on this lane (the rank's lane takes them); the rank still answers what comes on it until the caller closes
+    it, so no call in flight is lost."""
+
+
+@dataclass(frozen=True)
 class ListenForCalls:
     """Controller -> `ranks` (of a mesh on remote hosts that another mesh's ranks call): listen on your host's
     `address` for links that prove `key`, and serve the calls that come on them (`rank/far_calls.py`)."""

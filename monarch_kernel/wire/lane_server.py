@@ -154,6 +154,30 @@ class LaneServer:
         with self._room:
             self._room.notify_all()
 
+    def move_to(self, loop: asyncio.AbstractEventLoop, loop_thread: int) -> None:
+        """Serve this lane on another event loop (run by thread `loop_thread`) from now on; called on the loop
+        that serves it now. What was read but not yet handled, and what waits to be written, go along."""
+        fd = self.sock.fileno()
+        if fd < 0:
+            return
+        self._loop.remove_reader(fd)
+        self._loop.remove_writer(fd)
+        with self._lock:
+            self._loop, self._loop_thread = loop, loop_thread
+            self._waiting_to_write = False
+        loop.call_soon_threadsafe(self._resume)
+
+    def _resume(self) -> None:
+        if self.closed or self.sock.fileno() < 0:
+            return
+        self._loop.add_reader(self.sock.fileno(), self._readable)
+        if self._out:
+            self._flush()
+
+    def close(self) -> None:
+        """On the loop thread: stop serving this lane and close it."""
+        self._lost(None)
+
     def _lost(self, exc: Exception | None) -> None:
         """On the loop thread: stop serving this lane."""
         if self.sock.fileno() < 0:

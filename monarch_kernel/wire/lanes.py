@@ -7,10 +7,15 @@ answers on it. Each rank listens at `<private dir>/rank-N.sock`; the folder is m
 this user's processes can reach a lane. Lanes exist only on one machine; ranks on SSH
 hosts are reached through their host agent. The rank's end is `lane_server`, the
 notebook's `lane_client`; this module holds what both use.
+
+An async actor (one with an event loop of its own) also listens, at `actor_lane_path`: other
+meshes' ranks on this machine call it there, and its own loop reads their calls (no trip through
+the rank's loop, `rank/actor_lanes.py`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import struct
@@ -25,6 +30,13 @@ _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 def lane_path(private_dir: str, rank: int) -> str:
     """Where rank `rank` listens."""
     return os.path.join(private_dir, f"rank-{rank}.sock")
+
+
+def actor_lane_path(private_dir: str, rank: int, actor_key: str) -> str:
+    """Where the async actor of spawn `actor_key` on rank `rank` listens (a digest of the key keeps the
+    path short: a Unix socket's path holds at most 107 bytes)."""
+    digest = hashlib.blake2b(actor_key.encode(), digest_size=8).hexdigest()
+    return os.path.join(private_dir, f"rank-{rank}-{digest}.sock")
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int]:

@@ -44,6 +44,9 @@ from monarch_kernel.wire.actor_messages import (
     GetController as GetController,
 )
 from monarch_kernel.wire.actor_messages import (
+    LaneRetired as LaneRetired,
+)
+from monarch_kernel.wire.actor_messages import (
     ListenForCalls as ListenForCalls,
 )
 from monarch_kernel.wire.actor_messages import (
