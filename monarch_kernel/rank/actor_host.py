@@ -219,7 +219,7 @@ class ActorHost:
     def _add(self, box: Mailbox) -> None:
         self.stop(box.slot, replaced=True)
         if box.own_loop is not None and self._lane_dir:  # other meshes' ranks here call it on its own loop
-            try:
+            try:  # (its loop keeps it: the lanes' retirement is among what runs as the loop ends)
                 ActorLanes(actor_lane_path(self._lane_dir, self.rank, box.key), box.own_loop, self._on_lane_message,
                            lambda: (self.loop, self._loop_thread))
             except OSError:  # (then they call it by the rank's lane, as a sync actor)

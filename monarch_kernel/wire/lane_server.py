@@ -49,7 +49,8 @@ def accept_lane(listener: socket.socket) -> socket.socket | None:
 
 
 class LaneServer:
-    """The rank's end of one lane, served on the rank's event loop.
+    """The rank's end of one lane, served on one event loop: the rank's, or an async actor's own
+    (`rank/actor_lanes.py`), which hands it to the rank's as the actor ends (`move_to`).
 
     Frames are read straight off the socket when it is readable; replies made while a
     batch of calls is being handled go out together in one write at the end of it.
