@@ -113,21 +113,29 @@ def test_calls_sent_while_the_actor_ends_are_each_answered_once_and_none_as_a_de
     folder, own, caller, replies = lanes
     count = 3000
     sent: list[int] = []
+    progress = threading.Condition()
 
     def send_all() -> None:
         for call_id in range(1, count + 1):
             assert caller.send(_call(call_id))
-            sent.append(call_id)
+            with progress:
+                sent.append(call_id)
+                progress.notify_all()
 
     sender = threading.Thread(target=send_all)
     sender.start()
-    deadline = time.monotonic() + WAIT_S
-    while len(replies.by_call) < count // 10 and time.monotonic() < deadline:  # (the actor is serving them)
-        time.sleep(0.001)
-    own.loop.call_soon_threadsafe(time.sleep, 0.3)  # its loop is held: calls pile up unread in its lane
-    held_at = len(sent)
-    while len(sent) < held_at + 100 and time.monotonic() < deadline:
-        time.sleep(0.001)
+    replies.wait_for(count // 10)  # (the actor is serving them)
+    held = threading.Event()
+
+    def hold() -> None:  # its loop is held: calls pile up unread in its lane
+        held.set()
+        time.sleep(0.3)
+
+    own.loop.call_soon_threadsafe(hold)
+    assert held.wait(WAIT_S)
+    with progress:
+        held_at = len(sent)
+        assert progress.wait_for(lambda: len(sent) >= min(held_at + 100, count), WAIT_S)
     own.close()  # the actor ends with calls unread in its lane, and more still being sent to it
     sender.join(WAIT_S)
     replies.wait_for(count)
